@@ -1,0 +1,188 @@
+"""
+The uniform-state diffusion process: noise schedules, the forward marginal, the reverse posterior,
+one ancestral sampling step, and Duo's Gaussian-guided curriculum.
+
+Each token x0 is kept with probability alpha_t and otherwise replaced by a token drawn uniformly from
+the whole vocabulary of size K (which may be x0 itself):
+  Eq. (discrete_marginal)  q_t(. | x0) = Cat(alpha_t e_x0 + (1 - alpha_t) / K)       -> sample_xt
+  Eq. (reverse)            q(x_s | x_t, x0), s < t                                    -> reverse_posterior
+Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, (B, 1) or a float.
+"""
+import functools
+import math
+
+import torch
+
+T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
+
+
+# -----------------------------------------------------------------------------------------------
+# noise schedules: t in [0, 1] -> (alpha_t, d alpha_t / dt)
+
+def log_linear_schedule(t, eps=1e-3):
+    """Duo's log-linear schedule alpha_t = 1 - (1 - eps) t, so alpha_1 = eps (not 0)."""
+    t = torch.as_tensor(t, dtype=torch.float64 if not torch.is_tensor(t) else t.dtype)
+    return 1 - (1 - eps) * t, torch.full_like(t, -(1 - eps))
+
+
+def cosine_schedule(t, eps=1e-3):
+    """alpha_t = 1 - cos(pi/2 (1 - t')) with t' = (1 - eps) t (the chain factor (1 - eps) is kept in alpha')."""
+    t = torch.as_tensor(t, dtype=torch.float64 if not torch.is_tensor(t) else t.dtype)
+    tp = (1 - eps) * t
+    return 1 - torch.cos(math.pi / 2 * (1 - tp)), -torch.sin(math.pi / 2 * (1 - tp)) * math.pi / 2 * (1 - eps)
+
+
+SCHEDULES = {"loglinear": log_linear_schedule, "cosine": cosine_schedule}
+
+
+def sigma_from_alpha(alpha_t):
+    """The network is conditioned on sigma = -log alpha_t (as Duo), not on t."""
+    return -torch.log(alpha_t)
+
+
+def sample_t(n, generator=None, t_min=T_MIN, device=None):
+    """Stratified ("antithetic") times over a batch of n: t_i = t_min + (1 - t_min)(u_i + i)/n, u_i ~ U(0,1).
+    Draw n = the GLOBAL batch from a generator seeded identically on every rank, then slice per rank and
+    micro-batch (see rank_slice), so the strata cover the global batch as in Duo. -> (n,) float32."""
+    u = torch.rand(n, generator=generator, device=device)
+    e = (u + torch.arange(n, device=device)) / n
+    return t_min + (1 - t_min) * e
+
+
+def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
+    """The part of a global-batch vector that belongs to one rank and one gradient-accumulation step."""
+    per_rank = t_global.shape[0] // world_size
+    per_micro = per_rank // grad_accum
+    start = rank * per_rank + micro_step * per_micro
+    return t_global[start:start + per_micro]
+
+
+# -----------------------------------------------------------------------------------------------
+# forward process and reverse posterior
+
+def sample_xt(x0, alpha_t, vocab_size, generator=None):
+    """Eq. (discrete_marginal): keep each token with prob alpha_t, else a uniform token of the vocabulary.
+    x0 (B, L) int64; alpha_t broadcastable to x0, e.g. (B, 1) -> xt (B, L)."""
+    alpha_t = torch.as_tensor(alpha_t, device=x0.device)
+    keep = torch.rand(x0.shape, generator=generator, device=x0.device) < alpha_t
+    noise = torch.randint(0, vocab_size, x0.shape, generator=generator, device=x0.device)
+    return torch.where(keep, x0, noise)
+
+
+def _per_sequence(a, like):
+    """alpha as a tensor of like's dtype, shaped to broadcast against (B, L, K)."""
+    a = torch.as_tensor(a, dtype=like.dtype, device=like.device)
+    while a.dim() < like.dim():
+        a = a.unsqueeze(-1)
+    return a
+
+
+def reverse_posterior(xt, x0_probs, alpha_t, alpha_s, vocab_size):
+    """Eq. (reverse): q(x_s | x_t, x0) for s < t, with x0 one-hot or the model's prediction x_theta.
+
+        q = [K a_t x0 * e_xt + (a_{t|s} - a_t) e_xt + (a_s - a_t) x0 + (1 - a_{t|s})(1 - a_s)/K]
+            / (K a_t <x0, e_xt> + 1 - a_t),          a_{t|s} = a_t / a_s.
+    With x0 = x_theta this is the Bayes posterior of x_s given x_t under the prior x0 ~ x_theta.
+    xt (B, L); x0_probs (B, L, K) float; alphas per sequence (B, 1) or floats -> (B, L, K), rows sum to 1.
+    Built by one scatter at xt, never a K x K matrix."""
+    K = vocab_size
+    a_t = _per_sequence(alpha_t, x0_probs)
+    a_s = _per_sequence(alpha_s, x0_probs)
+    a_ts = a_t / a_s
+    x0_at_xt = x0_probs.gather(-1, xt.unsqueeze(-1))                      # (B, L, 1)
+    numer = (a_s - a_t) * x0_probs + (1 - a_ts) * (1 - a_s) / K
+    numer = numer.scatter_add(-1, xt.unsqueeze(-1), K * a_t * x0_at_xt + (a_ts - a_t).expand_as(x0_at_xt))
+    return numer / (K * a_t * x0_at_xt + 1 - a_t)
+
+
+def sample_categorical(probs, generator=None):
+    """Gumbel-max in the division form argmax(p / E), E ~ Exp(1), in float64 (Duo samples in float64:
+    float32 Gumbel noise measurably lowers sample entropy). probs (..., K) -> ids (...)."""
+    probs = probs.double()
+    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float64)
+    e = 1e-10 - torch.log(u + 1e-10)
+    return (probs / e).argmax(-1)
+
+
+def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
+    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), posterior in float64.
+    alpha_s = 1 gives the final 'ancestral' denoising step. -> x_s (B, L)."""
+    q = reverse_posterior(xt, x0_probs.double(), alpha_t, alpha_s, x0_probs.shape[-1])
+    return sample_categorical(q, generator)
+
+
+# -----------------------------------------------------------------------------------------------
+# Duo's Gaussian-guided curriculum (Duo spec section 2)
+# A Gaussian latent w = alpha~ e_x0 + sigma~ eps over the K one-hot coordinates, with
+# alpha~^2 = sigmoid(-gamma), sigma~^2 = sigmoid(gamma), has argmax distributed exactly as the uniform-state
+# marginal with alpha = T(gamma) (the "diffusion transformation operator"), a 1-D integral.
+
+@functools.lru_cache(maxsize=8)
+def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
+    """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached).
+    P(gamma) = Pr[argmax w = x0] = int phi(z - nu) Phi(z)^(K-1) dz,  nu = exp(-gamma/2),
+    dP/dgamma = int -nu/2 (z - nu) phi(z - nu) Phi(z)^(K-1) dz,   alpha = (K P - 1) / (K - 1).
+    -> (gamma grid, alpha, dalpha/dgamma), each (n_points,) float64."""
+    K = vocab_size
+    gamma = torch.linspace(gamma_min, gamma_max, n_points, dtype=torch.float64)
+    z = torch.linspace(-10.0, math.exp(-gamma_min / 2) + 10.0, 8001, dtype=torch.float64)
+    log_cdf = (K - 1) * torch.special.log_ndtr(z)
+    P, dP = [], []
+    for g in gamma.split(256):
+        nu = torch.exp(-g / 2)[:, None]
+        dens = torch.exp(-0.5 * (z - nu) ** 2 - 0.5 * math.log(2 * math.pi) + log_cdf)
+        P.append(torch.trapezoid(dens, z, dim=-1))
+        dP.append(torch.trapezoid(-0.5 * nu * (z - nu) * dens, z, dim=-1))
+    P, dP = torch.cat(P), torch.cat(dP)
+    return gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP
+
+
+def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
+    """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table.
+    gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""
+    grid, alpha, dalpha = alpha_table(vocab_size, float(gamma_min), float(gamma_max))
+    g = gamma.detach().double().cpu().clamp(gamma_min, gamma_max)
+    pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
+    lo = pos.floor().long().clamp(max=grid.numel() - 2)
+    frac = pos - lo
+    out_a = alpha[lo] * (1 - frac) + alpha[lo + 1] * frac
+    out_d = dalpha[lo] * (1 - frac) + dalpha[lo + 1] * frac
+    return out_a.to(gamma.device, gamma.dtype), out_d.to(gamma.device, gamma.dtype)
+
+
+def gaussian_latent(x0, gamma, vocab_size, generator=None):
+    """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K), alpha~ = sqrt(sigmoid(-gamma)), sigma~ = sqrt(sigmoid(gamma)).
+    x0 (B, L); gamma (B, 1) -> w (B, L, K) float32. This is Duo's exact (and memory-hungry) method: a
+    (B, L, K) float32 tensor (6.6 GB at B=32, L=1024, K=50258)."""
+    g = gamma.float().unsqueeze(-1)
+    w = torch.randn(*x0.shape, vocab_size, generator=generator, device=x0.device) * torch.sqrt(torch.sigmoid(g))
+    return w.scatter_add_(-1, x0.unsqueeze(-1), torch.sqrt(torch.sigmoid(-g)).expand(*x0.shape, 1))
+
+
+def soft_input(w, tau):
+    """Tempered softmax softmax(w / tau) over the vocabulary: the curriculum's network input (the model
+    embeds it as softmax @ E). As tau -> 0 it becomes one-hot at argmax w, i.e. the discrete process."""
+    return torch.softmax(w / tau, dim=-1)
+
+
+def tau_schedule(step, log10_tau_start=-3.0, log10_tau_end=-3.0, start=0, end=500_000):
+    """Softmax temperature of the curriculum: log10 tau constant before `start`, linear in log10 on
+    [start, end), Duo's scripts use tau = 1e-3 throughout with the curriculum ending at 500K steps."""
+    if step < start:
+        return 10 ** log10_tau_start
+    if step >= end:
+        return 10 ** log10_tau_end
+    f = (step - start) / max(1, end - start)
+    return 10 ** (log10_tau_start + f * (log10_tau_end - log10_tau_start))
+
+
+def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
+    """One curriculum corruption: gamma_t = gamma_min + t (gamma_max - gamma_min), the Gaussian latent,
+    the hard latent xt = argmax w (used by the loss), the soft network input softmax(w / tau), and the
+    discrete alpha_t = T(gamma_t), d alpha_t / dt = (gamma_max - gamma_min) dT/dgamma.
+    x0 (B, L), t (B,) -> xt (B, L), soft (B, L, K), alpha_t (B, 1), dalpha_t (B, 1)."""
+    gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)
+    w = gaussian_latent(x0, gamma, vocab_size, generator)
+    xt = w.argmax(-1)
+    alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))
+    return xt, soft_input(w, tau), alpha_t, dalpha_dgamma * (gamma_max - gamma_min)

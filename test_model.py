@@ -1,0 +1,280 @@
+"""Tests for model.py: each checks the network against an independent computation (counts by hand, float64 references)."""
+
+import math
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import (PRESETS, SMDM_LADDER, DiffusionTransformer, ModelConfig, apply_rope, build_model,
+                   load_checkpoint, rope_cos_sin, timestep_embedding)
+
+TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, cond_dim=16)
+TINY_LLAMA = dict(TINY, arch="llama", time_cond=False, mlp_hidden=48)
+
+
+def meta_model(**overrides):
+    with torch.device("meta"):
+        return DiffusionTransformer(ModelConfig(**overrides))
+
+
+def random_model(seed=0, **overrides):
+    """float64 model with every weight perturbed, so zero-initialised adaLN / output layers are active."""
+    torch.manual_seed(seed)
+    model = DiffusionTransformer(ModelConfig(**overrides)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+# -----------------------------------------------------------------------------
+# parameter counts
+
+def dit_params_by_hand(K, d, n_layer, cond, time_cond=True):
+    block = 2 * d + 3 * d * d + d * d + (d * 4 * d + 4 * d) + (4 * d * d + d)  # 2 norms, qkv, out, MLP
+    block += (cond * 6 * d + 6 * d) if time_cond else 0  # adaLN
+    sigma_map = (256 * cond + cond) + (cond * cond + cond) if time_cond else 0
+    final = d + ((cond * 2 * d + 2 * d) if time_cond else 0) + (d * K + K)
+    return K * d + sigma_map + n_layer * block + final
+
+
+def test_dit_small_matches_duo_parameter_count():
+    model = meta_model(**PRESETS["small"])
+    assert model.num_params() == 169_627_218 == dit_params_by_hand(50258, 768, 12, 128)  # Duo spec §4
+    assert model.num_params(non_embedding=True) == 92_380_672  # "92.38M"
+    assert meta_model(**dict(PRESETS["small"], vocab_size=30522)).num_params() == 139_292_986
+    ar = dict(PRESETS["small"], time_cond=False, causal=True)
+    assert meta_model(**ar).num_params() == 162_246_482 == dit_params_by_hand(50258, 768, 12, 128, time_cond=False)
+    assert meta_model(**dict(ar, vocab_size=30522)).num_params() == 131_912_250
+
+
+def smdm_non_embedding(n_layer, d, d_ff):
+    return n_layer * (4 * d * d + 3 * d * d_ff + 2 * d) + d
+
+
+def test_large_matches_smdm_1028M():
+    model = meta_model(**PRESETS["large"])
+    assert model.num_params(non_embedding=True) == 1_027_677_952 == smdm_non_embedding(20, 1792, 7168)
+    # SMDM total has 32001 input rows (the [MASK] row); uniform-state has none
+    assert model.num_params() == 1_027_677_952 + 32001 * 1792 + 32000 * 1792 - 1792
+
+
+SPEC_NON_EMB_MILLIONS = {"6M": 6.29, "75M": 75.39, "170M": 169.90, "472M": 471.91, "1028M": 1027.68, "2121M": 2121.39}
+
+
+@pytest.mark.parametrize("entry", SMDM_LADDER, ids=[e[0] for e in SMDM_LADDER])
+def test_smdm_ladder_counts(entry):
+    name, n_layer, n_head, d, d_ff = entry
+    model = meta_model(**PRESETS[f"llama_{name}"])
+    non_emb = model.num_params(non_embedding=True)
+    assert non_emb == smdm_non_embedding(n_layer, d, d_ff)
+    assert round(non_emb / 1e6) == int(name[:-1])  # the name is the non-embedding size
+    if name in SPEC_NON_EMB_MILLIONS:
+        assert round(non_emb / 1e6, 2) == SPEC_NON_EMB_MILLIONS[name]
+    assert model.num_params() == non_emb + 2 * 32000 * d
+
+
+def test_tiny_preset_is_cpu_sized():
+    assert 1e6 <= meta_model(**PRESETS["tiny"]).num_params() <= 2e6
+
+
+# -----------------------------------------------------------------------------
+# RoPE, time embedding, attention
+
+def rope_complex(x, positions, base=10000.0):
+    """Reference RoPE: pair (x_i, x_{i+h/2}) as a complex number, multiplied by exp(j m theta_i)."""
+    half = x.shape[-1] // 2
+    theta = base ** (-2 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+    z = torch.complex(x[..., :half], x[..., half:]) * torch.exp(1j * positions.double()[:, None] * theta)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def test_rope_matches_complex_rotation_and_is_identity_at_zero():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 16, dtype=torch.float64)
+    positions = torch.arange(7)
+    cos, sin = rope_cos_sin(positions, 16, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, cos, sin), rope_complex(x, positions), rtol=0, atol=1e-12)
+    cos0, sin0 = rope_cos_sin(torch.zeros(7), 16, dtype=torch.float64)
+    assert torch.equal(apply_rope(x, cos0, sin0), x)
+
+
+def test_rope_inner_product_depends_only_on_relative_position():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 64, dtype=torch.float64)
+
+    def score(m, n):
+        cq, sq = rope_cos_sin(torch.tensor([m]), 64, dtype=torch.float64)
+        ck, sk = rope_cos_sin(torch.tensor([n]), 64, dtype=torch.float64)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+
+    for m, n, shift in [(3, 1, 5), (0, 9, 100), (17, 17, 1000), (2047, 5, -2000)]:
+        torch.testing.assert_close(score(m, n), score(m + shift, n + shift), rtol=0, atol=1e-10)
+    assert not torch.allclose(score(3, 1), score(1, 3))  # but does depend on m - n
+
+
+def test_timestep_embedding_formula():
+    sigma = torch.tensor([0.0, 0.7, 6.9], dtype=torch.float64)
+    emb = timestep_embedding(sigma)
+    for b, s in enumerate(sigma.tolist()):
+        for i in (0, 1, 64, 127):
+            f = math.exp(-math.log(1e4) * i / 128)
+            assert emb[b, i].item() == pytest.approx(math.cos(s * f), abs=1e-12)
+            assert emb[b, 128 + i].item() == pytest.approx(math.sin(s * f), abs=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matches_handwritten_softmax(causal):
+    model = random_model(**dict(TINY, causal=causal))
+    attn, H, L, d = model.blocks[0].attn, 2, 9, 32
+    x = torch.randn(3, L, d, dtype=torch.float64)
+    q, k, v = (x @ attn.qkv.weight.T).split(d, dim=-1)  # rows of qkv are [all q; all k; all v]
+    heads = lambda t: t.view(3, L, H, d // H).transpose(1, 2)  # (B, H, L, hd)
+    q, k, v = heads(q), heads(k), heads(v)
+    positions = torch.arange(L)
+    q, k = rope_complex(q, positions), rope_complex(k, positions)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d // H)
+    if causal:
+        scores = scores.masked_fill(torch.ones(L, L).triu(1).bool(), float("-inf"))
+    y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(3, L, d) @ attn.proj.weight.T
+    cos, sin = rope_cos_sin(positions, d // H, dtype=torch.float64)
+    torch.testing.assert_close(attn(x, cos, sin), y, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["dit", "llama"])
+def test_causal_mask_hides_the_future(arch):
+    base = TINY if arch == "dit" else TINY_LLAMA
+    x = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    x2 = x.clone()
+    j = 6
+    x2[:, j] = (x[:, j] + 1) % 50
+    sigma = torch.tensor([0.5, 1.5], dtype=torch.float64)
+    for causal in (True, False):
+        model = random_model(**dict(base, causal=causal))
+        out, out2 = model(x, sigma), model(x2, sigma)
+        earlier_changed = (out[:, :j] - out2[:, :j]).abs().max().item()
+        later_changed = (out[:, j:] - out2[:, j:]).abs().amax(dim=(0, 2))
+        if causal:
+            assert earlier_changed < 1e-12
+        else:
+            assert earlier_changed > 1e-6
+        assert (later_changed > 1e-6).all()  # position j and everything after it sees the change
+
+
+# -----------------------------------------------------------------------------
+# conditioning, soft input, init, precision
+
+def test_init_gives_uniform_prediction_and_adaln_conditions_on_sigma():
+    torch.manual_seed(0)
+    model = DiffusionTransformer(ModelConfig(**TINY)).double()
+    x = torch.randint(0, 50, (2, 10))
+    logits = model(x, torch.tensor([0.1, 3.0]))
+    assert torch.equal(logits, torch.zeros(2, 10, 50, dtype=torch.float64))  # softmax = uniform over K
+    with torch.no_grad():  # output layer active, adaLN still zero: blocks are identity, sigma has no effect
+        model.lm_head.weight.normal_()
+    torch.testing.assert_close(model(x, torch.full((2,), 0.1)), model(x, torch.full((2,), 5.0)), rtol=0, atol=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "adaLN" in name:
+                p.normal_(0, 0.2)
+    a, b = model(x, torch.full((2,), 0.1)), model(x, torch.full((2,), 5.0))
+    assert (a - b).abs().max() > 1e-2
+    torch.testing.assert_close(model(x, torch.full((2, 1), 0.1)), a)  # (B, 1) sigma broadcasts like (B,)
+    with pytest.raises(ValueError, match="sigma"):
+        model(x)
+
+
+def test_time_cond_off_ignores_sigma():
+    model = random_model(**dict(TINY, time_cond=False))
+    x = torch.randint(0, 50, (2, 8))
+    torch.testing.assert_close(model(x), model(x, torch.tensor([0.1, 4.0])), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["dit", "llama"])
+def test_one_hot_soft_input_equals_token_ids(arch):
+    model = random_model(**(TINY if arch == "dit" else TINY_LLAMA))
+    x = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(1))
+    sigma = torch.tensor([0.2, 1.0, 4.0], dtype=torch.float64)
+    one_hot = F.one_hot(x, 50).double()
+    torch.testing.assert_close(model(one_hot, sigma), model(x, sigma), rtol=0, atol=1e-12)
+    # a mixture of two tokens embeds to the mixture of their embeddings
+    mix = 0.25 * one_hot + 0.75 * F.one_hot((x + 1) % 50, 50).double()
+    h = 0.25 * model.wte(x) + 0.75 * model.wte((x + 1) % 50)
+    torch.testing.assert_close(mix @ model.wte.weight, h, rtol=0, atol=1e-12)
+
+
+def test_init_distributions_match_specs():
+    torch.manual_seed(0)
+    dit = DiffusionTransformer(ModelConfig(**dict(TINY, vocab_size=2000, n_embd=256, n_head=4)))
+    bound = 1 / math.sqrt(256)  # kaiming_uniform(a=sqrt(5)) on (K, d): U(-1/sqrt(d), 1/sqrt(d))
+    assert dit.wte.weight.abs().max() <= bound and dit.wte.weight.abs().max() > 0.99 * bound
+    assert torch.equal(dit.lm_head.bias, torch.zeros(2000))
+    llama = DiffusionTransformer(ModelConfig(**dict(TINY_LLAMA, vocab_size=2000, n_embd=256, n_head=4, n_layer=4)))
+    assert llama.wte.weight.std().item() == pytest.approx(math.sqrt(2 / (5 * 256)), rel=0.02)
+    assert llama.blocks[0].mlp.w1.weight.std().item() == pytest.approx(math.sqrt(2 / (5 * 256)), rel=0.03)
+    assert llama.blocks[1].attn.proj.weight.std().item() == pytest.approx(1 / (16 * 4), rel=0.03)
+    assert llama.blocks[1].mlp.w3.weight.std().item() == pytest.approx(1 / (16 * 4), rel=0.03)
+    assert llama.lm_head.bias is None
+
+
+@pytest.mark.parametrize("arch", ["dit", "llama"])
+def test_bf16_autocast_close_to_float32(arch):
+    torch.manual_seed(0)
+    model = DiffusionTransformer(ModelConfig(**(TINY if arch == "dit" else TINY_LLAMA))).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    x, sigma = torch.randint(0, 50, (2, 16)), torch.tensor([0.3, 2.0])
+    ref = model(x, sigma)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        low = model(x, sigma)
+        soft = model(F.softmax(torch.randn(2, 16, 50), dim=-1), sigma)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(soft).all()
+    assert (low.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+def test_load_checkpoint_round_trip_and_ema(tmp_path):
+    config = ModelConfig(**TINY)
+    model, ema = build_model(config).eval(), build_model(asdict(config)).eval()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ema.parameters()):
+            p.add_(0.1 * torch.randn_like(p))
+            q.add_(0.1 * torch.randn_like(q))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": None,
+                "model_config": asdict(config), "train_config": {}, "meta": {"vocab_size": 50},
+                "step": 7, "data_state": None, "rng": None}, path)
+    x, sigma = torch.randint(0, 50, (2, 8)), torch.tensor([0.5, 2.0])
+    loaded, ckpt = load_checkpoint(path, use_ema=True)
+    assert ckpt["step"] == 7 and not loaded.training
+    torch.testing.assert_close(loaded(x, sigma), ema(x, sigma), rtol=0, atol=0)
+    loaded, _ = load_checkpoint(str(path), use_ema=False)
+    torch.testing.assert_close(loaded(x, sigma), model(x, sigma), rtol=0, atol=0)
+
+
+def test_load_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="could not read"):
+        load_checkpoint(tmp_path / "junk.pt")
+    torch.save({"weights": {}}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not an sddlm checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+    torch.save({"model": {}, "model_config": asdict(ModelConfig(**TINY))}, tmp_path / "empty.pt")
+    with pytest.raises(ValueError, match="do not fit"):
+        load_checkpoint(tmp_path / "empty.pt")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="arch"):
+        ModelConfig(arch="gpt")
+    with pytest.raises(ValueError, match="time_cond=False"):
+        ModelConfig(arch="llama")
+    with pytest.raises(ValueError, match="n_head"):
+        ModelConfig(n_embd=100, n_head=3)
