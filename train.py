@@ -311,7 +311,7 @@ def main(argv=None):
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
 
     # data: prepared once (by rank 0) into token memmaps
-    data_dir = cfg.data_dir or os.path.join(
+    data_dir = cfg.data_dir = cfg.data_dir or os.path.join(
         "data", f"{os.path.basename(cfg.dataset.rstrip('/'))}-{cfg.tokenizer.replace(':', '').replace('/', '_')}"
         f"-{cfg.block_size}")
     if master:
@@ -483,6 +483,7 @@ def main(argv=None):
                 pbar.write(f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"step": it, **metrics}) + "\n")
+            t_last = time.time()    # keep evaluation out of the tokens/s figure
         if save or stop["signal"] is not None:
             checkpoint()
         if stop["signal"] is not None:

@@ -1,0 +1,457 @@
+"""
+Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3.3 and 7).
+
+    python eval_ppl.py --ckpt out/ckpt.pt --metric nelbo                          # validation NELBO perplexity
+    python eval_ppl.py --ckpt out/ckpt.pt --metric zeroshot --dataset wikitext103,lambada   # or a .txt file
+    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
+    python eval_ppl.py --metric genppl --samples samples.jsonl --judge out_ar/ckpt.pt   # score saved samples
+
+nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split: per batch one t per sequence,
+          stratified within the batch (diffusion.sample_t, t in [1e-3, 1]), the log-linear schedule, one noise
+          draw (mc_draws > 1 averages more), EMA weights. An upper bound on the true PPL, with MC noise.
+          The AR baseline gets its exact PPL instead, exp(token-mean of ar_loss).
+zeroshot  the same estimator on a text the model never saw (a local .txt, or a named set via data.py's
+          loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
+          paper Appendix: no EOS between segments): documents are concatenated WITHOUT an EOS between them,
+          cut into pieces of L - 2 tokens, and each block is [BOS] + piece + [EOS] (Duo's wrap); the final
+          remainder is dropped. The paper uses L = 1024.
+genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sample with the judge's tokenizer
+          (no BOS added), truncate to the sample length L, score each chunk of the judge's context on its own;
+          the first token is never scored; every non-EOS token is scored, EOS only at its first occurrence
+          (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored, later EOS are not);
+          Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples. Judges: a Hugging Face causal
+          LM (gpt2-large, needs transformers) or an AR checkpoint of this repo (train.py --loss ar), offline;
+          with the sampler's own tokenizer the ids are scored as they are (no retokenization). The judge's name
+          is part of every result.
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2).
+
+Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 with EOS and scores the first pad
+of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
+"""
+
+import itertools
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import diffusion
+import losses
+from sample import (UsageError, autocast_for, append_jsonl, generate, generate_ar, load_model, load_tokenizer,
+                    parse_flags, resolve_device, resolve_dtype)
+
+ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
+
+
+# -----------------------------------------------------------------------------------------------
+# likelihood: validation NELBO perplexity (exact PPL for the AR baseline)
+
+@torch.no_grad()
+def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=None, t_min=1e-3, dtype=None,
+              show_progress=True):
+    """Token-mean NELBO over all batches and its perplexity (Duo spec 3.3).
+    batches: iterable of x0 (B, L) int64 or (x0, mask) with mask (B, L) bool or None (False = padding, not
+    counted). For each batch and draw: t = sample_t(B) stratified within the batch, alpha_t = 1 - (1 - 1e-3) t,
+    xt ~ q_t(. | x0), per-token losses.usdm_nelbo_loss. A causal model (model.config.causal, the AR baseline)
+    is scored exactly with losses.ar_loss instead (one pass, no draws).
+    -> dict(nll, ppl = exp(nll), bpd, tokens, estimator "nelbo" | "ar_exact", mc_draws)."""
+    if mc_draws < 1:
+        raise ValueError(f"mc_draws must be >= 1, got {mc_draws}")
+    causal = bool(getattr(getattr(model, "config", None), "causal", False))
+    autocast = autocast_for(device or "cpu", dtype)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for batch in tqdm(batches, desc="ar ppl" if causal else "nelbo", disable=not show_progress, leave=False):
+        x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
+        x0 = x0.to(device)
+        mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
+        if causal:
+            with autocast:
+                logits = model(x0)
+            per_token, weight = losses.ar_loss(logits, x0), mask[:, 1:]
+            total += (per_token.double() * weight).sum().cpu()
+            count += int(weight.sum())
+            continue
+        for _ in range(mc_draws):
+            t = diffusion.sample_t(x0.shape[0], generator, t_min=t_min, device=x0.device)
+            alpha_t, dalpha_t = diffusion.log_linear_schedule(t)
+            alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
+            xt = diffusion.sample_xt(x0, alpha_t, vocab_size, generator)
+            with autocast:
+                logits = model(xt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
+            per_token = losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t)
+            total += (per_token.double() * mask).sum().cpu()
+            count += int(mask.sum())
+    if count == 0:
+        raise ValueError("no tokens to evaluate (empty split or all padding)")
+    nll = float(total) / count
+    return dict(nll=nll, ppl=math.exp(min(nll, 700.0)), bpd=nll / math.log(2), tokens=count,
+                estimator="ar_exact" if causal else "nelbo", mc_draws=1 if causal else mc_draws)
+
+
+# -----------------------------------------------------------------------------------------------
+# zero-shot text: documents -> wrapped blocks
+
+def wrap_blocks(token_lists, seq_len, bos_id, eos_id):
+    """Duo's zero-shot wrap without EOS between documents: concatenate the documents' ids, cut into pieces
+    of seq_len - 2, emit [BOS] + piece + [EOS]; the final remainder is dropped. -> (N, seq_len) int64."""
+    stream = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    n = stream.numel() // (seq_len - 2)
+    pieces = stream[:n * (seq_len - 2)].view(n, seq_len - 2)
+    return torch.cat([torch.full((n, 1), bos_id), pieces, torch.full((n, 1), eos_id)], dim=1)
+
+
+def zero_shot_documents(name):
+    """A local text file (one document: the whole file) or a named zero-shot set: its evaluation split from
+    data.HF_CORPORA (Duo's splits, text fields and detokenizers), which needs `datasets` and the network."""
+    from data import HF_CORPORA, DataError
+    if os.path.isfile(name):
+        with open(name, encoding="utf-8") as f:
+            return [f.read()]
+    if name not in ZERO_SHOT_SETS:
+        raise UsageError(f"--dataset {name!r} is neither a file nor one of {', '.join(ZERO_SHOT_SETS)}")
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(f"--dataset {name} needs the datasets package (pip install datasets) and network; "
+                         f"a local .txt file works offline") from None
+    kwargs, _, split, field, detokenizer = HF_CORPORA[name]
+    try:
+        rows = datasets.load_dataset(**kwargs, split=split)
+    except Exception as e:
+        raise UsageError(f"could not load {name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                         ) from None
+    detokenizer = detokenizer or (lambda s: s)
+    docs = [detokenizer(row[field]) for row in rows]
+    if not docs:
+        raise DataError(f"{name}: the {split} split is empty")
+    return docs
+
+
+def tokenize_documents(docs, tok, show_progress=True):
+    ids = []
+    for i in tqdm(range(0, len(docs), 1024), desc="tokenizing", disable=not show_progress or len(docs) < 1024,
+                  leave=False):
+        ids.extend(tok.encode_batch(docs[i:i + 1024]))
+    return ids
+
+
+# -----------------------------------------------------------------------------------------------
+# sample quality: generative perplexity under a judge, unigram entropy
+
+@dataclass
+class Judge:
+    """A causal LM that scores samples; `name` goes into every result."""
+    name: str
+    logits: Callable                 # (ids (B, T) int64, attention_mask (B, T) bool) -> next-token logits (B, T, V)
+    encode: Callable                 # str -> list[int] in the judge's vocabulary
+    eos_id: int
+    context: int                     # tokens per scored chunk (Duo: 1024)
+    tokenizer_meta: Optional[dict] = None   # AR checkpoints: the data meta of their tokenizer
+
+
+@torch.no_grad()
+def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True):
+    """Generative perplexity of samples under judge (Duo spec 7.1).
+    samples: list of str (retokenized with judge.encode), or id lists / an int64 tensor (N, L) already in the
+    judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L) and split into
+    chunks of judge.context scored on their own; per chunk the first token is never scored, and the others are
+    scored when they are not EOS or are the chunk's first EOS. -> dict(gen_ppl, nll, tokens, samples, judge,
+    retokenized)."""
+    samples = list(samples)
+    if not samples:
+        raise ValueError("no samples to score")
+    retokenize = isinstance(samples[0], str)
+    seqs = [judge.encode(s) if retokenize else [int(i) for i in s] for s in samples]
+    seqs = [s[:max_length] if max_length else s for s in seqs]
+    chunks = [s[i:i + judge.context] for s in seqs for i in range(0, len(s), judge.context)]
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for b in tqdm(range(0, len(chunks), batch_size), desc=f"gen ppl ({judge.name})", disable=not show_progress,
+                  leave=False):
+        batch = chunks[b:b + batch_size]
+        T = max(map(len, batch))
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        attn = torch.zeros(len(batch), T, dtype=torch.bool)
+        for r, s in enumerate(batch):
+            ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+            attn[r, :len(s)] = True
+        ids, attn = ids.to(device), attn.to(device)
+        logits = judge.logits(ids, attn)
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        is_eos = ids == judge.eos_id
+        scored = (((is_eos.cumsum(-1) == 1) | ~is_eos) & attn)[:, 1:]
+        total += (nll.double() * scored).sum().cpu()
+        count += int(scored.sum())
+    if count == 0:
+        raise ValueError("no scored tokens: every sample is at most one token long")
+    nll = float(total) / count
+    return dict(gen_ppl=math.exp(min(nll, 700.0)), nll=nll, tokens=count, samples=len(seqs), judge=judge.name,
+                retokenized=retokenize)
+
+
+def entropy(samples):
+    """Mean over samples of the unigram entropy (nats) of each sample's own ids, specials included (spec 7.2).
+    samples: id lists or an int64 tensor (N, L) -> float."""
+    values = []
+    for s in samples:
+        _, counts = torch.unique(torch.as_tensor(s), return_counts=True)
+        p = counts.double() / counts.sum()
+        values.append(float(-(p * p.log()).sum()))
+    if not values:
+        raise ValueError("no samples")
+    return sum(values) / len(values)
+
+
+def load_judge(spec, device):
+    """An AR checkpoint of this repo (a path: a file, or a name ending in .pt) or a Hugging Face causal LM
+    (hub name or local folder, needs transformers). Never falls back to another judge."""
+    if spec.endswith(".pt") or os.path.isfile(spec):
+        model, ckpt = load_model(spec, device, use_ema=True)
+        if not model.config.causal:
+            raise UsageError(f"--judge {spec} is a diffusion checkpoint; a judge must be autoregressive "
+                             f"(train one with train.py --loss ar)")
+        tok, why = load_tokenizer(ckpt)
+        if tok is None:
+            raise UsageError(f"--judge {spec}: {why}")
+        return Judge(name=f"ar:{spec}@step{ckpt.get('step')}", logits=lambda ids, attn: model(ids),
+                     encode=tok.encode, eos_id=tok.eos_id, context=model.config.block_size,
+                     tokenizer_meta=ckpt.get("meta"))
+    offline_hint = "pass --judge path/to/ar_ckpt.pt (a checkpoint trained with train.py --loss ar) for an offline judge"
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"judge {spec!r} needs the transformers package, which is not installed; "
+                         f"{offline_hint}") from None
+    try:
+        hf_tok = transformers.AutoTokenizer.from_pretrained(spec)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(spec).to(device).eval()
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"could not load judge {spec!r} ({type(e).__name__}: {msg}); {offline_hint}") from None
+    context = getattr(hf_model.config, "n_positions", None) or hf_model.config.max_position_embeddings
+    return Judge(name=f"hf:{spec}", logits=lambda ids, attn: hf_model(input_ids=ids, attention_mask=attn).logits,
+                 encode=lambda text: hf_tok(text)["input_ids"], eos_id=hf_tok.eos_token_id, context=context)
+
+
+def judge_shares_tokenizer(judge, tok):
+    """True when the judge is an AR checkpoint whose tokenizer is `tok` (same vocabulary, specials and ids on
+    data.py's probe text): then the sampler's ids are scored without retokenization."""
+    from data import DataError, check_tokenizer
+    if judge.tokenizer_meta is None or tok is None:
+        return False
+    try:
+        check_tokenizer(judge.tokenizer_meta, tok)
+        return True
+    except (DataError, KeyError):
+        return False
+
+
+# -----------------------------------------------------------------------------------------------
+# command line
+
+@dataclass
+class EvalConfig:
+    ckpt: str = "out/ckpt.pt"        # the model to evaluate (genppl with --samples does not need it)
+    metric: str = "nelbo"            # nelbo | zeroshot | genppl
+    use_ema: bool = True
+    seed: int = 0
+    device: str = "auto"             # auto | cpu | cuda
+    dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
+    batch_size: int = 16             # sequences per forward
+    out: str = ""                    # also write the JSON result here
+    # nelbo / zeroshot
+    data_dir: str = ""               # nelbo: prepared data folder ("" = the checkpoint's train_config.data_dir)
+    split: str = "val"
+    max_batches: int = 0             # 0 = the whole split / text
+    mc_draws: int = 1                # (t, xt) draws per sequence
+    t_min: float = 1e-3
+    dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
+    seq_len: int = 0                 # zeroshot block length (0 = the model's block_size; paper: 1024)
+    # genppl
+    judge: str = "gpt2-large"        # HF causal LM (needs transformers) or an AR checkpoint .pt of this repo
+    samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
+    steps: str = "128"               # comma list: one row of the "Gen PPL vs sampling steps" table each
+    num_samples: int = 16
+    final_step: str = "ancestral"    # ancestral | greedy | none
+    top_p: float = 1.0
+    judge_batch_size: int = 8
+    save_samples: str = ""           # append the generated samples (JSONL) here
+
+
+def _table(rows, columns):
+    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+    lines = ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join([header, *lines])
+
+
+def _fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v)
+
+
+def _read_samples(path):
+    if not os.path.isfile(path):
+        raise UsageError(f"--samples {path}: no such file")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records or any("ids" not in r for r in records):
+        raise UsageError(f"--samples {path}: expected JSON lines with 'ids' (and 'text'), as sample.py writes")
+    return records
+
+
+def run_nelbo(cfg, model, ckpt, device, dtype):
+    from data import DataError, check_tokenizer, eval_batches, load_meta
+    recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
+    data_dir = cfg.data_dir or recorded
+    if not data_dir:
+        raise UsageError("--data_dir is needed: the checkpoint does not record its prepared data folder")
+    try:
+        meta = load_meta(data_dir)
+        check_tokenizer(meta, model.config.vocab_size)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if not meta.get(f"{cfg.split}_sequences"):
+        raise UsageError(f"--split {cfg.split!r}: {data_dir} has no sequences there (splits: train, val)")
+    batches = eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    result = nelbo_ppl(model, batches, model.config.vocab_size, generator=generator, mc_draws=cfg.mc_draws,
+                       device=device, t_min=cfg.t_min, dtype=dtype)
+    return [dict(data=f"{data_dir}:{cfg.split}", **result)]
+
+
+def run_zeroshot(cfg, model, ckpt, device, dtype):
+    if not cfg.dataset:
+        raise UsageError("--metric zeroshot needs --dataset (a .txt file or one of " + ", ".join(ZERO_SHOT_SETS) + ")")
+    tok, why = load_tokenizer(ckpt)
+    if tok is None:
+        raise UsageError(f"zeroshot needs the checkpoint's tokenizer: {why}")
+    seq_len = cfg.seq_len or model.config.block_size
+    if seq_len < 3:
+        raise UsageError(f"--seq_len must be >= 3 ([BOS] + tokens + [EOS]), got {seq_len}")
+    rows = []
+    for name in [n for n in cfg.dataset.split(",") if n]:
+        blocks = wrap_blocks(tokenize_documents(zero_shot_documents(name), tok), seq_len, tok.bos_id, tok.eos_id)
+        if cfg.max_batches:
+            blocks = blocks[:cfg.max_batches * cfg.batch_size]
+        if len(blocks) == 0:
+            raise UsageError(f"{name} is shorter than one block of {seq_len} tokens; lower --seq_len")
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        result = nelbo_ppl(model, list(blocks.split(cfg.batch_size)), model.config.vocab_size, generator=generator,
+                           mc_draws=cfg.mc_draws, device=device, t_min=cfg.t_min, dtype=dtype)
+        rows.append(dict(data=name, blocks=len(blocks), seq_len=seq_len, **result))
+    return rows
+
+
+def run_genppl(cfg, device, dtype):
+    judge = load_judge(cfg.judge, device)   # first: fail before any sampling
+    if cfg.samples:   # one row per distinct settings (a JSONL may hold several appended runs)
+        groups = {}
+        for r in _read_samples(cfg.samples):
+            groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
+        rows = []
+        for key, records in groups.items():
+            settings = json.loads(key)
+            tok, _ = load_tokenizer({"meta": {"tokenizer": settings["tokenizer"]}}) if settings.get("tokenizer") \
+                else (None, None)
+            rows.append(score_samples([r["ids"] for r in records], [r.get("text") for r in records], tok, judge, cfg,
+                                      device, label=settings.get("ckpt") or cfg.samples, steps=settings.get("steps")))
+        return rows
+    model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
+    tok, why = load_tokenizer(ckpt)
+    if tok is None:
+        raise UsageError(f"genppl needs the checkpoint's tokenizer to decode samples: {why}")
+    mc = model.config
+    try:
+        steps_list = [None] if mc.causal else [int(s) for s in cfg.steps.split(",") if s]
+    except ValueError:
+        raise UsageError(f"--steps must be comma-separated integers, got {cfg.steps!r}") from None
+    if not steps_list or any(n is not None and n < 1 for n in steps_list):
+        raise UsageError(f"--steps must list integers >= 1, got {cfg.steps!r}")
+    schedule = (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
+    rows = []
+    for steps in steps_list:
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        ids = []
+        for b in range(0, cfg.num_samples, cfg.batch_size):
+            n = min(cfg.batch_size, cfg.num_samples - b)
+            if mc.causal:
+                ids += generate_ar(model, n, mc.block_size, bos_id=tok.bos_id, top_p=cfg.top_p, generator=generator,
+                                   device=device, dtype=dtype).tolist()
+            else:
+                ids += generate(model, n, mc.block_size, mc.vocab_size, steps, alpha_schedule=schedule,
+                                final_step=cfg.final_step, top_p=cfg.top_p, generator=generator, device=device,
+                                dtype=dtype).tolist()
+        texts = [tok.decode(row) for row in ids]
+        if cfg.save_samples:
+            settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), tokenizer=tok.spec, steps=steps,
+                            final_step=cfg.final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema)
+            append_jsonl(cfg.save_samples, [dict(sample=i, text=t, ids=r, settings=settings)
+                                            for i, (t, r) in enumerate(zip(texts, ids))])
+        rows.append(score_samples(ids, texts, tok, judge, cfg, device, label=cfg.ckpt, steps=steps if steps else "ar"))
+    return rows
+
+
+def score_samples(ids, texts, tok, judge, cfg, device, label, steps):
+    """Gen PPL (ids as they are when the judge shares the sampler's tokenizer, else the decoded texts
+    retokenized) and entropy of the sampler's own ids."""
+    max_length = max(map(len, ids))
+    if judge_shares_tokenizer(judge, tok):
+        result = gen_ppl(ids, judge, max_length=max_length, batch_size=cfg.judge_batch_size, device=device)
+        how = "ids scored directly: the judge uses the sampler's tokenizer"
+    else:
+        if any(t is None for t in texts):
+            raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
+        result = gen_ppl(texts, judge, max_length=max_length, batch_size=cfg.judge_batch_size, device=device)
+        how = "decoded text retokenized with the judge's tokenizer"
+    return dict(model=label, steps=steps, entropy=entropy(ids), tokenization=how, **result)
+
+
+def main(argv=None):
+    cfg = parse_flags(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    if cfg.metric not in ("nelbo", "zeroshot", "genppl"):
+        raise UsageError(f"--metric must be nelbo, zeroshot or genppl, got {cfg.metric!r}")
+    if cfg.batch_size < 1 or cfg.judge_batch_size < 1 or cfg.mc_draws < 1 or cfg.num_samples < 1:
+        raise UsageError("--batch_size, --judge_batch_size, --mc_draws and --num_samples must be >= 1")
+    if not 0 < cfg.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    ckpt = None
+    if cfg.metric == "genppl":
+        rows = run_genppl(cfg, device, dtype)
+        columns = ["model", "steps", "samples", "gen_ppl", "entropy", "judge"]
+    else:
+        model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
+        run = run_nelbo if cfg.metric == "nelbo" else run_zeroshot
+        rows = run(cfg, model, ckpt, device, dtype)
+        columns = ["data", "estimator", "tokens", "nll", "ppl"]
+    result = dict(metric=cfg.metric, ckpt=None if cfg.metric == "genppl" and cfg.samples else cfg.ckpt,
+                  ckpt_step=ckpt.get("step") if ckpt else None, config=asdict(cfg), results=rows)
+    text = json.dumps(result, indent=2)
+    if cfg.out:
+        if os.path.dirname(cfg.out):
+            os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
+        with open(cfg.out + ".tmp", "w") as f:
+            f.write(text + "\n")
+        os.replace(cfg.out + ".tmp", cfg.out)
+    print(text)
+    print(_table(rows, columns))
+    return 0
+
+
+if __name__ == "__main__":
+    from data import DataError
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except DataError as e:  # a prepared folder or corpus that cannot be read
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,407 @@
+"""
+Sample text from a trained uniform-state diffusion LM (or from the autoregressive baseline).
+
+    python sample.py --ckpt out/ckpt.pt --num_samples 4 --steps 128
+    python sample.py --ckpt out/ckpt.pt --prompt "The history of" --cfg_w 1.1 --top_p 0.9
+
+Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
+grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
+draws x_s ~ q(x_s | x_t, x_theta): the posterior of Eq. (reverse) with the denoiser's prediction
+x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (float64, Gumbel-max).
+A final step at t_end removes the remaining noise: "ancestral" (one more posterior step to alpha_s = 1),
+"greedy" (argmax x_theta) or "none". NFE = N + 1 (N with "none").
+Eq. (reverse) with x0 := x_theta is the Bayes posterior of x_s under the prior x0 ~ x_theta, which already
+weighs in the likelihood of the position's own noisy token; the sampler is exact per position when
+x_theta^l = p(x0^l | x_t^{-l}), the posterior given the other positions (the NELBO's minimiser), not
+p(x0^l | x_t) (test_sample.py checks both on a solvable toy distribution).
+
+Options, all acting on x_theta before the posterior:
+  top_p      nucleus filtering of x_theta, renormalised. Never of the posterior: its argmax/nucleus gives
+             near-random text (Duo issue #29).
+  prompt     a fixed clean prefix; fixed_mask/fixed_ids fix any positions (infilling). Fixed positions start
+             clean, not noisy, and are reset after every step, so they are context the model conditions on.
+  cfg_w      unsupervised classifier-free guidance (paper, CFG section): the unconditional branch is the same
+             x_t with every fixed position replaced by a token drawn uniformly from the vocabulary (one draw
+             per sample, for the whole run); both branches go through ONE forward, concatenated on the batch,
+             and p~ is proportional to p_c^(1+w) / p_u^w, i.e. softmax((1+w) log p_c - w log p_u).
+
+Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import diffusion
+
+FINAL_STEPS = ("ancestral", "greedy", "none")
+
+
+# -----------------------------------------------------------------------------------------------
+# the denoiser's distribution x_theta
+
+def nucleus(probs, top_p):
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised (Holtzman et al.).
+    probs (..., V) -> (..., V); top_p >= 1 returns probs unchanged; the most likely token is always kept."""
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p            # mass of the strictly more likely tokens
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def denoiser_probs(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
+    """x_theta(. | xt) in float64 at the noise level alpha_t (a float). xt (B, L) -> (B, L, V).
+    With null_xt (the unconditional input, same shape) and cfg_w != 0: one batched forward of [xt; null_xt]
+    and p~ = softmax((1 + w) log p_c - w log p_u). Nucleus filtering comes last."""
+    x_in = xt if null_xt is None else torch.cat([xt, null_xt])
+    sigma = torch.full((x_in.shape[0],), -math.log(alpha_t), device=xt.device)
+    with autocast or nullcontext():
+        logits = model(x_in, sigma)
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    if null_xt is not None:
+        log_p_c, log_p_u = log_p.chunk(2)
+        log_p = torch.log_softmax((1 + cfg_w) * log_p_c - cfg_w * log_p_u, dim=-1)
+    return nucleus(log_p.exp(), top_p)
+
+
+def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixed_ids=None, device=None):
+    """The clean positions a sample is conditioned on: a prompt prefix and/or arbitrary infilling positions.
+    prompt_ids (P,) or (B, P); fixed_mask (L,) or (B, L) bool with fixed_ids of the same shape (values read
+    where the mask is set). -> (mask (B, L) bool, ids (B, L) int64), or (None, None) when nothing is fixed."""
+    B, L = num_samples, seq_len
+    mask = torch.zeros(B, L, dtype=torch.bool, device=device)
+    ids = torch.zeros(B, L, dtype=torch.long, device=device)
+    if prompt_ids is not None:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+        prompt = prompt.expand(B, -1) if prompt.dim() == 1 else prompt
+        if prompt.shape[0] != B or prompt.shape[1] > L:
+            raise ValueError(f"prompt_ids of shape {tuple(prompt.shape)} do not fit {B} samples of length {L}")
+        mask[:, :prompt.shape[1]] = True
+        ids[:, :prompt.shape[1]] = prompt
+    if fixed_mask is not None:
+        if fixed_ids is None:
+            raise ValueError("fixed_mask needs fixed_ids (the tokens to hold at the fixed positions)")
+        m = torch.as_tensor(fixed_mask, dtype=torch.bool, device=device).expand(B, L)
+        v = torch.as_tensor(fixed_ids, dtype=torch.long, device=device).expand(B, L)
+        mask, ids = mask | m, torch.where(m, v, ids)
+    return (mask, ids) if mask.any() else (None, None)
+
+
+def _device_of(model):
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def autocast_for(device, dtype):
+    """bf16/fp16 autocast for the network; float32 (or None) runs it as it is."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(torch.device(device).type, dtype=dtype)
+    return nullcontext()
+
+
+# -----------------------------------------------------------------------------------------------
+# samplers
+
+@torch.no_grad()
+def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="loglinear", t_end=1e-5,
+             final_step="ancestral", prompt_ids=None, fixed_mask=None, fixed_ids=None, cfg_w=0.0, cfg_seed=None,
+             top_p=1.0, generator=None, device=None, dtype=None, show_progress=True):
+    """Ancestral sampling of num_samples sequences of length seq_len with `steps` reverse steps -> (B, L) int64.
+
+    model(x (B, L) int64, sigma (B,)) -> logits (B, L, V) with V = vocab_size; alpha_schedule a key of
+    diffusion.SCHEDULES; generator a torch.Generator on `device` (default: the model's device) for the prior
+    and the Gumbel noise; dtype an autocast dtype for the network (None / float32: no autocast).
+    The null prompt of CFG comes from its own generator seeded with cfg_seed (default: the seed of
+    `generator`, or torch.initial_seed(), plus 1), so the sampling noise, and with it every sample, is
+    identical whether CFG is on or off; cfg_w = 0 skips the unconditional branch."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (number of reverse steps), got {steps}")
+    if final_step not in FINAL_STEPS:
+        raise ValueError(f"final_step must be one of {', '.join(FINAL_STEPS)}, got {final_step!r}")
+    if alpha_schedule not in diffusion.SCHEDULES:
+        raise ValueError(f"alpha_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {alpha_schedule!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0 < t_end < 1:
+        raise ValueError(f"t_end must be in (0, 1), got {t_end}")
+    device = torch.device(device) if device is not None else _device_of(model)
+    B, L, K = num_samples, seq_len, vocab_size
+    fixed, fixed_val = fixed_positions(B, L, prompt_ids, fixed_mask, fixed_ids, device)
+    if cfg_w != 0 and fixed is None:
+        raise ValueError("cfg_w != 0 needs a prompt or fixed positions: unsupervised CFG contrasts them with "
+                         "random tokens")
+    keep_fixed = (lambda x: x) if fixed is None else (lambda x: torch.where(fixed, fixed_val, x))
+
+    x = keep_fixed(torch.randint(0, K, (B, L), generator=generator, device=device))
+    null_fill = None
+    if cfg_w != 0:
+        if cfg_seed is None:
+            cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
+        null_gen = torch.Generator(device=device).manual_seed(cfg_seed)
+        null_fill = torch.randint(0, K, (B, L), generator=null_gen, device=device)
+
+    def x_theta(xt, alpha):
+        null_xt = None if null_fill is None else torch.where(fixed, null_fill, xt)
+        p = denoiser_probs(model, xt, alpha, null_xt=null_xt, cfg_w=cfg_w, top_p=top_p,
+                           autocast=autocast_for(device, dtype))
+        if p.shape[-1] != K:
+            raise ValueError(f"the model returns {p.shape[-1]} classes, vocab_size is {K}")
+        return p
+
+    ts = torch.linspace(1, t_end, steps + 1, dtype=torch.float64)
+    alphas = diffusion.SCHEDULES[alpha_schedule](ts)[0].tolist()
+    for i in tqdm(range(steps), desc=f"sampling ({steps} steps)", disable=not show_progress, leave=False):
+        x = keep_fixed(diffusion.ancestral_step(x, x_theta(x, alphas[i]), alphas[i], alphas[i + 1], generator))
+    if final_step == "ancestral":
+        x = diffusion.ancestral_step(x, x_theta(x, alphas[-1]), alphas[-1], 1.0, generator)
+    elif final_step == "greedy":
+        x = x_theta(x, alphas[-1]).argmax(-1)
+    return keep_fixed(x)
+
+
+@torch.no_grad()
+def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, top_p=1.0, generator=None,
+                device=None, dtype=None, show_progress=True):
+    """The autoregressive baseline (a causal model whose logits at l predict token l+1): start from
+    [bos_id] + prompt_ids, then one token per forward with full recompute (no KV cache, as Duo), Gumbel-max
+    in float64 on the nucleus-filtered next-token distribution. prompt_ids (P,) or (B, P) -> (B, seq_len)."""
+    device = torch.device(device) if device is not None else _device_of(model)
+    prefix = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
+    if bos_id is not None:
+        prefix = torch.full((num_samples, 1), bos_id, dtype=torch.long, device=device)
+    if prompt_ids is not None:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+        prefix = torch.cat([prefix, prompt.expand(num_samples, -1) if prompt.dim() == 1 else prompt], dim=1)
+    if not 1 <= prefix.shape[1] <= seq_len:
+        raise ValueError(f"the AR sampler needs a prefix of 1..{seq_len} tokens (bos_id and/or prompt_ids), "
+                         f"got {prefix.shape[1]}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    x = prefix
+    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=not show_progress, leave=False):
+        with autocast_for(device, dtype):
+            logits = model(x)[:, -1]
+        probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)
+        x = torch.cat([x, diffusion.sample_categorical(probs, generator)[:, None]], dim=1)
+    return x
+
+
+# -----------------------------------------------------------------------------------------------
+# command line
+
+@dataclass
+class SampleConfig:
+    ckpt: str = "out/ckpt.pt"
+    num_samples: int = 4
+    batch_size: int = 0              # sequences per sampler call (0 = num_samples)
+    seq_len: int = 0                 # 0 = the model's block_size
+    steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
+    final_step: str = "ancestral"    # ancestral | greedy | none
+    noise_schedule: str = ""         # loglinear | cosine; "" = the checkpoint's training schedule
+    t_end: float = 1e-5              # the grid runs from t = 1 to t_end
+    top_p: float = 1.0               # nucleus on x_theta (1 = off)
+    cfg_w: float = 0.0               # unsupervised CFG weight w (needs a prompt; SDDLM uses 1.1)
+    prompt: str = ""                 # text held fixed at the start of every sample
+    prompt_ids: str = ""             # or token ids "1,2,3" (used verbatim, no BOS added)
+    add_bos: bool = True             # prepend the tokenizer's BOS to --prompt (training blocks start with BOS)
+    seed: int = 0
+    use_ema: bool = True
+    device: str = "auto"             # auto | cpu | cuda
+    dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
+    out: str = "samples.jsonl"       # appended to; "" = print only
+
+
+class UsageError(ValueError):
+    """Bad input from the command line: printed as one line, exit code 2."""
+
+
+def _str2bool(s):
+    if s.lower() in ("1", "true", "yes", "y"):
+        return True
+    if s.lower() in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
+
+
+def parse_flags(cls, argv=None, description=None):
+    """One --flag per field of the dataclass `cls` (booleans as 0/1); argparse errors become UsageError."""
+    p = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
+        p.add_argument(f"--{f.name}", type=_str2bool if f.type is bool else f.type, default=f.default,
+                       metavar=f.name.upper(), help=f"default {f.default!r}")
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    return cls(**vars(p.parse_args(argv)))
+
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name, device):
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise UsageError(f"--dtype must be auto, float32 or bfloat16, got {name!r}")
+    return getattr(torch, name)
+
+
+def load_model(path, device, use_ema=True):
+    """model.load_checkpoint with its errors as UsageError (one line)."""
+    from model import load_checkpoint
+    try:
+        return load_checkpoint(path, device=device, use_ema=use_ema)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def load_tokenizer(ckpt):
+    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason."""
+    from data import get_tokenizer
+    spec = (ckpt.get("meta") or {}).get("tokenizer")
+    if spec is None:
+        return None, "the checkpoint has no meta['tokenizer']"
+    try:
+        return get_tokenizer(spec), None
+    except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
+        return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+def append_jsonl(path, records):
+    """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
+    touched, and concurrent writers do not interleave inside one batch of lines."""
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse_prompt(cfg, tok, vocab_size):
+    """--prompt (encoded, BOS first when --add_bos) or --prompt_ids -> list of ids, or None."""
+    if cfg.prompt and cfg.prompt_ids:
+        raise UsageError("give --prompt or --prompt_ids, not both")
+    if cfg.prompt_ids:
+        try:
+            ids = [int(s) for s in cfg.prompt_ids.replace(" ", "").split(",") if s]
+        except ValueError:
+            raise UsageError(f"--prompt_ids must be comma-separated integers, got {cfg.prompt_ids!r}") from None
+    elif cfg.prompt:
+        if tok is None:
+            raise UsageError("--prompt needs the checkpoint's tokenizer, which is unavailable; use --prompt_ids")
+        ids = ([tok.bos_id] if cfg.add_bos else []) + tok.encode(cfg.prompt)
+    else:
+        return None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids or None
+
+
+def main(argv=None):
+    cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
+    if cfg.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.num_samples < 1 or cfg.batch_size < 0:
+        raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
+    if cfg.final_step not in FINAL_STEPS:
+        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, got {cfg.final_step!r}")
+    if not 0 < cfg.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
+    if not 0 < cfg.t_end < 1:
+        raise UsageError(f"--t_end must be in (0, 1), got {cfg.t_end}")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
+    mc = model.config
+    tok, why = load_tokenizer(ckpt)
+    if tok is None and not cfg.prompt:
+        print(f"warning: {why}; writing ids only (text is null)", file=sys.stderr)
+    seq_len = cfg.seq_len or mc.block_size
+    if not 1 <= seq_len <= mc.block_size:
+        raise UsageError(f"--seq_len must be in [1, {mc.block_size}] (the model's block_size), got {seq_len}")
+    prompt = parse_prompt(cfg, tok, mc.vocab_size)
+    if prompt is not None and len(prompt) >= seq_len:
+        raise UsageError(f"the prompt is {len(prompt)} tokens, longer than the context allows: it must be shorter "
+                         f"than --seq_len {seq_len}")
+    if cfg.cfg_w != 0 and prompt is None:
+        raise UsageError("--cfg_w needs --prompt or --prompt_ids: unsupervised CFG contrasts the prompt with "
+                         "random tokens, so without one it would change nothing")
+    if mc.causal and cfg.cfg_w != 0:
+        raise UsageError("--cfg_w applies to diffusion models; this checkpoint is autoregressive")
+    schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
+    if schedule not in diffusion.SCHEDULES:
+        raise UsageError(f"--noise_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {schedule!r}")
+
+    bos_id = tok.bos_id if tok else (ckpt.get("meta") or {}).get("bos_id")
+    if mc.causal and prompt is None and bos_id is None:
+        raise UsageError(f"the AR sampler starts from BOS, but {why}; give --prompt_ids")
+    sampler = "ar" if mc.causal else "ancestral"
+    settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), loss=(ckpt.get("train_config") or {}).get("loss"),
+                    sampler=sampler, tokenizer=tok.spec if tok else None, seq_len=seq_len, seed=cfg.seed,
+                    use_ema=cfg.use_ema, top_p=cfg.top_p, prompt=cfg.prompt or None, prompt_ids=prompt)
+    if not mc.causal:
+        settings.update(steps=cfg.steps, nfe=cfg.steps + (cfg.final_step != "none"), final_step=cfg.final_step,
+                        noise_schedule=schedule, t_end=cfg.t_end, cfg_w=cfg.cfg_w)
+    print(f"sampling {cfg.num_samples} x {seq_len} tokens from {cfg.ckpt} (step {ckpt.get('step')}, "
+          f"{'EMA' if cfg.use_ema and ckpt.get('ema') is not None else 'live'} weights) on {device}: "
+          + ", ".join(f"{k}={v}" for k, v in settings.items() if k not in ("ckpt", "ckpt_step", "prompt_ids")),
+          file=sys.stderr)
+
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    batch_size = cfg.batch_size or cfg.num_samples
+    index = 0
+    while index < cfg.num_samples:
+        n = min(batch_size, cfg.num_samples - index)
+        if mc.causal:
+            ids = generate_ar(model, n, seq_len, bos_id=None if prompt else bos_id, prompt_ids=prompt,
+                              top_p=cfg.top_p, generator=generator, device=device, dtype=dtype)
+        else:
+            ids = generate(model, n, seq_len, mc.vocab_size, cfg.steps, alpha_schedule=schedule, t_end=cfg.t_end,
+                           final_step=cfg.final_step, prompt_ids=prompt, cfg_w=cfg.cfg_w, top_p=cfg.top_p,
+                           generator=generator, device=device, dtype=dtype)
+        records = []
+        for row in ids.tolist():
+            text = tok.decode(row) if tok else None
+            records.append(dict(sample=index, text=text, ids=row, settings=settings))
+            print(f"--- sample {index} ---\n{text if text is not None else row}")
+            index += 1
+        if cfg.out:
+            append_jsonl(cfg.out, records)
+    if cfg.out:
+        print(f"appended {cfg.num_samples} samples to {cfg.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

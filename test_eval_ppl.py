@@ -1,0 +1,265 @@
+"""Tests for eval_ppl.py: each metric against an independent computation (manual loops, hand-made sequences,
+the loss functions called directly) and the command line end to end on a tiny prepared corpus."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import diffusion
+import losses
+from eval_ppl import Judge, entropy, gen_ppl, nelbo_ppl, wrap_blocks
+from model import ModelConfig, build_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second intra-op thread only waits on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def perturbed(config, seed=0):
+    """The model with every weight perturbed (the output layer starts at zero, i.e. uniform predictions)."""
+    torch.manual_seed(seed)
+    model = build_model(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return model
+
+
+V, EOS = 13, 2
+CAUSAL = ModelConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16, cond_dim=8, causal=True,
+                     time_cond=False)
+
+
+def tiny_judge(context=16):
+    model = perturbed(CAUSAL)
+    return Judge(name="tiny", logits=lambda ids, attn: model(ids), encode=lambda s: [ord(c) % V for c in s],
+                 eos_id=EOS, context=context), model
+
+
+def manual_gen_nll(model, seq):
+    """Duo's rules by hand: position 0 is never scored; a token is scored unless it is an EOS other than the
+    sequence's first EOS (text after an EOS is still scored). -> (sum of NLL, number of scored tokens)."""
+    with torch.no_grad():
+        log_p = torch.log_softmax(model(torch.tensor([seq]))[0].double(), dim=-1)
+    first_eos = seq.index(EOS) if EOS in seq else None
+    total, count = 0.0, 0
+    for j in range(1, len(seq)):
+        if seq[j] != EOS or j == first_eos:
+            total -= float(log_p[j - 1, seq[j]])
+            count += 1
+    return total, count
+
+
+# -----------------------------------------------------------------------------------------------
+# Gen PPL
+
+SAMPLES = [[5, EOS, 7, 7, EOS, 9, EOS],      # first EOS scored, later EOS not, text after EOS scored: 4 tokens
+           [EOS, 4, 4, EOS, 6],               # first EOS at position 0 (never scored), so the next EOS is not: 3
+           [1, 3, 5, 8, 10, 12],              # no EOS: 5
+           [EOS, EOS]]                         # nothing: 0
+
+
+def test_gen_ppl_is_exp_of_pooled_nll_with_duo_eos_rules():
+    judge, model = tiny_judge()
+    result = gen_ppl(SAMPLES, judge, batch_size=3, show_progress=False)     # padded batches of different lengths
+    parts = [manual_gen_nll(model, s) for s in SAMPLES]
+    total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    assert count == result["tokens"] == 12
+    assert result["gen_ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert result["judge"] == "tiny" and result["retokenized"] is False
+
+
+def test_gen_ppl_truncates_and_scores_each_context_chunk_on_its_own():
+    judge, model = tiny_judge(context=4)
+    seq = [3, 4, EOS, 6, 7, 8, 9, 10, 11, 12, 1]
+    result = gen_ppl([seq], judge, max_length=10, show_progress=False)
+    parts = [manual_gen_nll(model, seq[:10][i:i + 4]) for i in (0, 4, 8)]     # [0:4], [4:8], [8:10]
+    total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    assert parts[2][1] == 1 and count == result["tokens"] == 3 + 3 + 1
+    assert result["gen_ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+def test_gen_ppl_of_text_is_gen_ppl_of_its_retokenization():
+    judge, _ = tiny_judge()
+    texts = ["hello there", "abc"]
+    from_text = gen_ppl(texts, judge, show_progress=False)
+    from_ids = gen_ppl([judge.encode(t) for t in texts], judge, show_progress=False)
+    assert from_text["retokenized"] and from_text["gen_ppl"] == pytest.approx(from_ids["gen_ppl"], rel=1e-12)
+
+
+# -----------------------------------------------------------------------------------------------
+# entropy
+
+def test_entropy_of_hand_made_sequences():
+    assert entropy([[0, 0, 1, 1]]) == pytest.approx(math.log(2))
+    assert entropy([[3, 3, 3, 3]]) == 0.0
+    assert entropy([[0, 1, 2, 3]]) == pytest.approx(math.log(4))
+    assert entropy(torch.tensor([[0, 0, 1, 1], [5, 5, 5, 5]])) == pytest.approx(math.log(2) / 2)   # mean over samples
+    assert entropy([[0, 0, 0, 1]]) == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+
+
+# -----------------------------------------------------------------------------------------------
+# NELBO perplexity
+
+DIT = ModelConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
+
+
+def test_nelbo_ppl_is_exp_of_the_token_mean_of_usdm_nelbo_loss_for_the_same_draws():
+    model = perturbed(DIT)
+    data = torch.Generator().manual_seed(0)
+    x0s = [torch.randint(0, V, (6, 16), generator=data), torch.randint(0, V, (3, 16), generator=data)]
+    masks = [torch.ones(6, 16, dtype=torch.bool), torch.arange(16).expand(3, 16) < torch.tensor([[16], [9], [4]])]
+    result = nelbo_ppl(model, list(zip(x0s, masks)), V, generator=torch.Generator().manual_seed(7), mc_draws=2,
+                       show_progress=False)
+    g = torch.Generator().manual_seed(7)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x0, mask in zip(x0s, masks):
+            for _ in range(2):
+                t = diffusion.sample_t(x0.shape[0], g)
+                alpha_t = 1 - (1 - 1e-3) * t[:, None]
+                xt = diffusion.sample_xt(x0, alpha_t, V, g)
+                loss = losses.usdm_nelbo_loss(model(xt, -torch.log(alpha_t[:, 0])), x0, xt, alpha_t,
+                                              torch.full_like(alpha_t, -(1 - 1e-3)))
+                total += float(loss[mask].double().sum())
+                count += int(mask.sum())
+    assert result["tokens"] == count == 2 * (6 * 16 + 16 + 9 + 4)
+    assert result["ppl"] == pytest.approx(math.exp(total / count), rel=1e-6)
+    assert result["estimator"] == "nelbo"
+
+
+def test_ar_checkpoint_gets_its_exact_perplexity():
+    model = perturbed(CAUSAL)
+    x0 = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    mask[1, 10:] = False
+    result = nelbo_ppl(model, [(x0, mask)], V, show_progress=False)
+    with torch.no_grad():
+        log_p = torch.log_softmax(model(x0).double(), dim=-1)
+    nll = [-float(log_p[b, l - 1, x0[b, l]]) for b in range(4) for l in range(1, 16) if mask[b, l]]
+    assert result["estimator"] == "ar_exact" and result["tokens"] == len(nll) == 4 * 15 - 6
+    assert result["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-6)
+
+
+def cyclic_corpus(n, generator, length=16, vocab=8):
+    """Repetitive toy text: each sequence counts up modulo `vocab` from a random start."""
+    return (torch.randint(0, vocab, (n, 1), generator=generator) + torch.arange(length)) % vocab
+
+
+def test_nelbo_ppl_of_a_trained_model_is_below_that_of_uniform_predictions():
+    config = ModelConfig(vocab_size=8, block_size=16, n_layer=1, n_head=2, n_embd=32, cond_dim=16)
+    torch.manual_seed(0)
+    uniform = build_model(config).eval()      # zero-initialised output layer: logits 0, x_theta uniform
+    model = build_model(config)
+    g = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(120):
+        x0 = cyclic_corpus(32, g)
+        alpha_t, dalpha_t = (a.unsqueeze(-1) for a in diffusion.log_linear_schedule(diffusion.sample_t(32, g)))
+        xt = diffusion.sample_xt(x0, alpha_t, 8, g)
+        loss = losses.usdm_nelbo_loss(model(xt, -torch.log(alpha_t[:, 0])), x0, xt, alpha_t, dalpha_t).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    val = [cyclic_corpus(32, torch.Generator().manual_seed(9)) for _ in range(4)]
+    ppl = {name: nelbo_ppl(m.eval(), val, 8, generator=torch.Generator().manual_seed(1), show_progress=False)["ppl"]
+           for name, m in [("uniform", uniform), ("trained", model)]}
+    assert all(math.isfinite(p) for p in ppl.values())
+    assert ppl["trained"] < 0.8 * ppl["uniform"], ppl
+
+
+# -----------------------------------------------------------------------------------------------
+# zero-shot wrapping
+
+def test_wrap_blocks_joins_documents_without_eos_and_frames_each_block():
+    blocks = wrap_blocks([[10, 11, 12], [13, 14], [15, 16, 17, 18], [19]], seq_len=5, bos_id=0, eos_id=1)
+    assert blocks.tolist() == [[0, 10, 11, 12, 1], [0, 13, 14, 15, 1], [0, 16, 17, 18, 1]]   # 19 dropped
+    assert wrap_blocks([[5]], seq_len=5, bos_id=0, eos_id=1).shape == (0, 5)
+
+
+# -----------------------------------------------------------------------------------------------
+# command line, end to end on a tiny prepared corpus
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A prepared corpus, a diffusion checkpoint and an AR judge checkpoint on its tokenizer (train.py's format)."""
+    from pydoc_data.topics import topics
+    from data import load_meta, prepare_dataset
+    tmp = tmp_path_factory.mktemp("eval")
+    text = tmp / "corpus.txt"
+    text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:20]))
+    data_dir = prepare_dataset(str(text), "sp_train:400", str(tmp / "data"), block_size=32, progress=False)
+    meta = load_meta(data_dir)
+    paths = {}
+    for name, extra in [("diffusion", {}), ("ar", dict(causal=True, time_cond=False))]:
+        config = ModelConfig(vocab_size=meta["vocab_size"], block_size=32, n_layer=1, n_head=2, n_embd=16,
+                             cond_dim=8, **extra)
+        model = perturbed(config)
+        paths[name] = tmp / f"{name}.pt"
+        torch.save({"model": model.state_dict(), "ema": None, "optimizer": None, "model_config": asdict(config),
+                    "train_config": {"loss": "ar" if extra else "sddlm", "noise_schedule": "loglinear",
+                                     "data_dir": data_dir}, "meta": meta, "step": 3, "data_state": None, "rng": None},
+                   paths[name])
+    return dict(tmp=tmp, text=text, data_dir=data_dir, **paths)
+
+
+def run_main(capsys, *args):
+    import eval_ppl
+    assert eval_ppl.main([str(a) for a in args]) == 0
+    stdout = capsys.readouterr().out
+    result = json.loads(stdout[:stdout.rindex("}") + 1])
+    table = stdout[stdout.rindex("}") + 1:].strip().splitlines()
+    return result, table
+
+
+def test_cli_nelbo_and_zeroshot(setup, capsys):
+    out = setup["tmp"] / "nelbo.json"
+    result, table = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "nelbo", "--batch_size", 8,
+                             "--out", out)
+    assert json.loads(out.read_text()) == result
+    row = result["results"][0]
+    assert row["estimator"] == "nelbo" and math.isfinite(row["ppl"]) and row["tokens"] > 0
+    assert table[0].startswith("| data |") and len(table) == 3
+    result, _ = run_main(capsys, "--ckpt", setup["ar"], "--metric", "zeroshot", "--dataset", setup["text"],
+                         "--seq_len", 32, "--max_batches", 2, "--batch_size", 4)
+    row = result["results"][0]
+    assert row["estimator"] == "ar_exact" and row["blocks"] == 8 and row["tokens"] == 8 * 31
+
+
+def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys):
+    result, table = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "genppl", "--judge", setup["ar"],
+                             "--steps", "2,3", "--num_samples", 2, "--save_samples", setup["tmp"] / "s.jsonl")
+    rows = result["results"]
+    assert [r["steps"] for r in rows] == [2, 3] and len(table) == 4
+    assert all(r["judge"].startswith(f"ar:{setup['ar']}") and "ids scored directly" in r["tokenization"]
+               for r in rows)
+    assert all(math.isfinite(r["gen_ppl"]) and r["samples"] == 2 for r in rows)
+    again, _ = run_main(capsys, "--metric", "genppl", "--judge", setup["ar"], "--samples", setup["tmp"] / "s.jsonl")
+    assert [(r["steps"], r["samples"]) for r in again["results"]] == [(2, 2), (3, 2)]      # one row per run
+    assert [r["gen_ppl"] for r in again["results"]] == [r["gen_ppl"] for r in rows]
+
+
+def test_cli_never_substitutes_an_unavailable_judge(setup):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cases = {"gpt2-large": "--judge path/to/ar_ckpt.pt", str(setup["diffusion"]): "must be autoregressive"}
+    procs = {judge: subprocess.Popen([sys.executable, os.path.join(HERE, "eval_ppl.py"), "--metric", "genppl",
+                                      "--judge", judge, "--ckpt", str(setup["diffusion"]), "--steps", "2"],
+                                     cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for judge in cases}
+    for judge, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2, stderr
+        assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error:") and cases[judge] in stderr
