@@ -311,9 +311,10 @@ def main(argv=None):
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
 
     # data: prepared once (by rank 0) into token memmaps
-    data_dir = cfg.data_dir = cfg.data_dir or os.path.join(
+    # absolute, so a checkpoint finds its data and tokenizer from any working directory
+    data_dir = cfg.data_dir = os.path.abspath(cfg.data_dir or os.path.join(
         "data", f"{os.path.basename(cfg.dataset.rstrip('/'))}-{cfg.tokenizer.replace(':', '').replace('/', '_')}"
-        f"-{cfg.block_size}")
+        f"-{cfg.block_size}"))
     if master:
         prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
     if ddp:
@@ -407,8 +408,7 @@ def main(argv=None):
     def on_signal(signum, frame):
         stop["signal"] = signum
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    old_handlers = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
 
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     bad = torch.zeros((), device=device, dtype=torch.bool)     # non-finite loss seen since the last check
@@ -493,6 +493,7 @@ def main(argv=None):
                       f"(continue with --resume 1)")
             if ddp:
                 dist.destroy_process_group()
+            signal.signal(signal.SIGINT, old_handlers[0]), signal.signal(signal.SIGTERM, old_handlers[1])
             return 130
     if master:
         pbar.close()
@@ -500,6 +501,7 @@ def main(argv=None):
             print_samples(raw_model, cfg, meta, device, swap_ema)
     if ddp:
         dist.destroy_process_group()
+    signal.signal(signal.SIGINT, old_handlers[0]), signal.signal(signal.SIGTERM, old_handlers[1])
     return 0
 
 
@@ -513,8 +515,8 @@ def print_samples(raw_model, cfg, meta, device, swap_ema):
     if cfg.loss == "ar":
         ids = generate_ar(raw_model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen)
     else:
-        ids = generate(raw_model, cfg.num_samples, cfg.block_size, meta["vocab_size"], cfg.sample_steps,
-                       generator=gen, device=device)
+        ids = generate(raw_model, cfg.num_samples, cfg.block_size, raw_model.config.vocab_size, cfg.sample_steps,
+                       alpha_schedule=cfg.noise_schedule, generator=gen, device=device)
     swap_ema()
     for i, row in enumerate(ids.tolist()):
         print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{tok.decode(row)}")

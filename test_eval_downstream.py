@@ -1,0 +1,367 @@
+"""eval_downstream.py, offline: a tiny DiT trained here (train.py, Duo NELBO, ~600 steps) on a corpus with an
+obvious rule ("the sky is blue", "the grass is green", ... in random order) must rank the right colour first and
+recover it as LAMBADA's last word; the estimator is checked on stand-in denoisers (only the continuation is
+noised, t is stratified, both CFG branches see the same noisy continuation, the guided distribution is
+p_c^(1+w)/p_u^w); the JSONL runner's acc/acc_norm against a hand computation; the CLI end to end and its
+one-line errors; the lm-eval adapter with lm-eval's own classes when lm-eval is installed."""
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eval_downstream as ed
+from data import get_tokenizer
+from model import ModelConfig, build_model, load_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FACTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
+COLOURS = list(FACTS.values())
+
+
+def facts(rng, k):
+    return " ".join(f"the {s} is {FACTS[s]} ." for s in rng.choices(list(FACTS), k=k))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny DiT (2 layers, width 64, SentencePiece vocab 320, block 32) trained 600 steps with the Duo NELBO.
+    One thread: deterministic and, on a shared 2-core machine, faster than two."""
+    import train
+    d = tmp_path_factory.mktemp("downstream")
+    rng = random.Random(0)
+    (d / "corpus.txt").write_text("\n\n".join(facts(rng, 6) for _ in range(400)) + "\n")
+    threads, handlers = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    torch.set_num_threads(1)
+    try:
+        rc = train.main([
+            "--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data"), "--out_dir", str(d / "out"),
+            "--tokenizer", "sp_train:320", "--block_size", "32", "--n_layer", "2", "--n_head", "2", "--n_embd", "64",
+            "--batch_size", "16", "--max_iters", "600", "--warmup_iters", "10", "--lr", "6e-3", "--loss", "duo",
+            "--ema", "0", "--num_samples", "0", "--eval_iters", "1", "--eval_interval", "100000",
+            "--ckpt_interval", "100000", "--log_interval", "100", "--seed", "1"])
+        assert rc == 0
+        ckpt_path = str(d / "out" / "ckpt.pt")
+        model, ckpt = load_checkpoint(ckpt_path)
+        tok = get_tokenizer(ckpt["meta"]["tokenizer"])
+        yield dict(model=model, tok=tok, ckpt=ckpt_path, dir=d)
+    finally:
+        torch.set_num_threads(threads)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def colour_items(seed=1, per_subject=2):
+    """Four-way questions whose context holds a few other true facts first (~20 tokens, like training blocks)."""
+    rng = random.Random(seed)
+    return [{"context": facts(rng, 4) + f" the {s} is", "choices": COLOURS, "gold": COLOURS.index(c)}
+            for s, c in FACTS.items() for _ in range(per_subject)]
+
+
+# -----------------------------------------------------------------------------------------------
+# the estimator on stand-in denoisers
+
+class StubDenoiser(torch.nn.Module):
+    """Logits = a fixed random table of the input token plus one of the row's token sum (so the context
+    matters and CFG changes the result); `favour` (L,) ids add +30 to those tokens. Records its inputs."""
+
+    def __init__(self, vocab_size=13, block_size=16, favour=None, time_cond=True):
+        super().__init__()
+        self.config = ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=1, n_head=1, n_embd=2,
+                                  time_cond=time_cond)
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.nn.Parameter(torch.randn(vocab_size, vocab_size, generator=g))
+        self.favour = favour
+        self.inputs = []
+
+    def forward(self, x, sigma=None):
+        self.inputs.append((x.clone(), sigma.clone()))
+        V = self.config.vocab_size
+        logits = self.table[x] + self.table[x.sum(1) % V][:, None]
+        if self.favour is not None:
+            logits = torch.nn.functional.one_hot(self.favour[-x.shape[1]:], V) * 30.0 + 0 * logits
+        return logits
+
+
+CTX, CONT = [1, 5, 2, 7, 3], [4, 9, 6]
+
+
+def test_only_the_continuation_is_noised_and_t_is_stratified_over_the_draws():
+    model, J = StubDenoiser(), 64
+    nelbo = ed.conditional_nelbo(model, CTX, CONT, mc_draws=J, batch_size=24, seed=0)
+    assert nelbo.shape == (J,) and (nelbo >= 0).all()
+    x = torch.cat([x for x, _ in model.inputs])
+    sigma = torch.cat([s for _, s in model.inputs])
+    assert [len(x) for x, _ in model.inputs] == [24, 24, 16]         # batch_size draws per forward
+    assert (x[:, :len(CTX)] == torch.tensor(CTX)).all()           # the context is never corrupted
+    t = (1 - torch.exp(-sigma.double())) / (1 - 1e-3)             # sigma = -log alpha_t, alpha_t = 1 - (1-eps) t
+    strata = ((t - 1e-3) / (1 - 1e-3) * J).floor().long()
+    assert sorted(strata.tolist()) == list(range(J))              # one t in each of the J strata of [1e-3, 1]
+    # a continuation token survives with probability alpha_t + (1 - alpha_t) / V
+    kept = (x[:, len(CTX):] == torch.tensor(CONT)).float().mean(1)
+    assert kept[t < 0.25].mean() > 0.7 and kept[t > 0.75].mean() < 0.35
+
+
+def test_cfg_branches_share_the_noisy_continuation_in_one_forward():
+    model = StubDenoiser()
+    ed.conditional_nelbo(model, CTX, CONT, mc_draws=4, batch_size=4, cfg_w=1.1, seed=0)
+    (x, sigma), = model.inputs                                    # ONE forward of 2 x 4 rows
+    cond, uncond = x.chunk(2)
+    n = len(CTX)
+    assert (cond[:, :n] == torch.tensor(CTX)).all()
+    assert torch.equal(cond[:, n:], uncond[:, n:]) and torch.equal(*sigma.chunk(2))
+    assert (uncond[:, :n] != torch.tensor(CTX)).any() and uncond.max() < model.config.vocab_size
+    # the null contexts are fresh per row (random tokens), not one fixed sequence
+    assert len({tuple(r) for r in uncond[:, :n].tolist()}) > 1
+
+
+def test_guided_distribution_is_the_normalised_power_ratio():
+    model, w = StubDenoiser(), 1.7
+    xt = torch.tensor([CTX + [0, 11, 6]] * 2)
+    null = torch.tensor([[8, 8, 0, 12, 4], [3, 3, 3, 3, 3]])
+    sigma = torch.tensor([0.5, 2.0])
+    log_p = ed.guided_log_probs(model, xt, sigma, len(CTX), cfg_w=w, null_ctx=null)
+    # independent route: two separate forwards, probabilities in float64, p_c^(1+w) / p_u^w renormalised
+    p_c = torch.softmax(model(xt, sigma).double(), -1)[:, len(CTX):]
+    p_u = torch.softmax(model(torch.cat([null, xt[:, len(CTX):]], 1), sigma).double(), -1)[:, len(CTX):]
+    ratio = p_c ** (1 + w) / p_u ** w
+    torch.testing.assert_close(log_p.exp().double(), ratio / ratio.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+def test_cfg_with_w0_equals_no_cfg_exactly_and_is_continuous_in_w():
+    model = StubDenoiser()
+    plain = ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3)
+    assert torch.equal(ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=0.0), plain)
+    # a vanishing w through the two-branch path gives the same numbers: the null prompt has its own generator,
+    # so the continuation's noise is identical with and without CFG
+    tiny = ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1e-7)
+    torch.testing.assert_close(tiny, plain, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1.1), plain)
+
+
+def test_a_perfect_denoiser_has_log_likelihood_zero_and_passes_the_argmax_check():
+    gold = torch.tensor(CTX + CONT)
+    perfect = StubDenoiser(favour=gold)
+    assert -1e-6 < ed.conditional_loglik(perfect, CTX, CONT, mc_draws=16, seed=0) <= 0
+    assert ed.argmax_at_t1(perfect, CTX, CONT, seed=0)
+    wrong = StubDenoiser(favour=gold.roll(1))
+    assert ed.conditional_loglik(wrong, CTX, CONT, mc_draws=16, seed=0) < -10
+    assert not ed.argmax_at_t1(wrong, CTX, CONT, seed=0)
+
+
+def test_context_is_cut_from_the_left_and_a_too_long_continuation_is_an_error():
+    x0, n_ctx = ed.join_context(list(range(10)), [20, 21, 22], block_size=8)
+    assert x0.tolist() == [[5, 6, 7, 8, 9, 20, 21, 22]] and n_ctx == 5
+    assert ed.join_context([1, 2], [3] * 8, block_size=8)[1] == 0
+    with pytest.raises(ed.EvalError, match="does not fit"):
+        ed.join_context([1], [3] * 9, block_size=8)
+
+
+def test_a_model_without_time_conditioning_ignores_sigma():
+    torch.manual_seed(0)
+    model = build_model(dict(arch="llama", time_cond=False, vocab_size=17, block_size=16, n_layer=1, n_head=2,
+                             n_embd=16)).eval()
+    x = torch.randint(0, 17, (2, 8))
+    assert torch.equal(model(x, torch.tensor([0.1, 5.0])), model(x, None))
+    ll = ed.conditional_loglik(model, CTX, CONT, mc_draws=4, cfg_w=1.1, seed=0)
+    assert math.isfinite(ll) and ll < 0
+
+
+# -----------------------------------------------------------------------------------------------
+# the built-in runner (no model)
+
+def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
+    # (context, choices, gold, stub log-likelihoods); by hand: argmax ll | argmax ll / len(choice)
+    rows = [("q1", ["a", "bbbb"], 1, [-1.0, -2.0]),            # 0 wrong | -1 vs -0.5 -> 1 right
+            ("q2", ["xx", "y"], 1, [-3.0, -2.5]),              # 1 right | -1.5 vs -2.5 -> 0 wrong
+            ("q3", ["p", "q", "r"], 1, [-5.0, -1.0, -3.0]),    # 1 right | 1 right
+            ("q4", ["long one", "s"], 1, [-4.0, -3.9])]        # 1 right | -0.5 vs -3.9 -> 0 wrong
+    items = [{"context": c, "choices": ch, "gold": g} for c, ch, g, _ in rows]
+    table = {(c, " " + choice): ll for c, ch, _, lls in rows for choice, ll in zip(ch, lls)}
+    seen = []
+
+    def stub_loglikelihood(pairs):
+        seen.extend(pairs)
+        return [(table[p], False) for p in pairs]
+
+    assert ed.run_multiple_choice(items, stub_loglikelihood) == {"acc": 3 / 4, "acc_norm": 2 / 4, "n": 4}
+    assert seen == list(table)                    # one (context, " " + choice) request per choice, in order
+    path = tmp_path / "mc.jsonl"
+    path.write_text("\n".join(json.dumps(i) for i in items) + "\n")
+    assert ed.read_jsonl(str(path)) == ("multiple_choice", items)
+    path.write_text(json.dumps({"context": "c", "choices": ["a"], "gold": 3}) + "\n")
+    with pytest.raises(ed.EvalError, match=r"mc.jsonl:1"):
+        ed.read_jsonl(str(path))
+    assert ed.lambada_request({"text": "the sky is blue"}) == ("the sky is", " blue")
+
+
+# -----------------------------------------------------------------------------------------------
+# the trained model
+
+def test_scorer_ranks_the_right_choice_first_well_above_chance(trained):
+    scorer = ed.Scorer(trained["model"], trained["tok"], mc_draws=16, batch_size=16, seed=0, progress=False)
+    for w in (0.0, ed.PAPER_CFG_W):
+        res = ed.run_multiple_choice(colour_items(), lambda pairs: scorer.loglikelihood(pairs, cfg_w=w))
+        assert res["n"] == 8 and res["acc"] >= 0.75 and res["acc_norm"] >= 0.75, (w, res)   # chance: 0.25
+
+
+def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
+    """Std over 32 seeds of the J-draw estimate, J = 2 vs 128 (1/sqrt(J) predicts 8x). The per-draw NELBO is
+    heavy-tailed (a noise token that happens to be another colour at small t costs ~ log(K/t)/t), so a
+    10-token continuation and a 2x margin keep this robust."""
+    scorer = ed.Scorer(trained["model"], trained["tok"], progress=False)
+    ctx, cont = scorer.encode("the coal is black . the sky is blue .", " the snow is white . the grass is green .")
+
+    def spread(draws):
+        return torch.tensor([ed.conditional_loglik(trained["model"], ctx, cont, mc_draws=draws, batch_size=128,
+                                                   seed=s) for s in range(32)]).std().item()
+    few, many = spread(2), spread(128)
+    assert many < few / 2, (few, many)
+
+
+def test_estimate_is_deterministic_given_a_seed_and_independent_of_batch_size(trained):
+    m = trained["model"]
+    scorer = ed.Scorer(m, trained["tok"], progress=False)
+    ctx, cont = scorer.encode(colour_items()[3]["context"], " green")
+    for w in (0.0, 1.1):
+        a = ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=7)
+        assert torch.equal(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=7))
+        torch.testing.assert_close(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=5, cfg_w=w, seed=7),
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=8))
+
+
+def test_lambada_protocols_recover_an_obvious_last_word(trained):
+    scorer = ed.Scorer(trained["model"], trained["tok"], mc_draws=16, seed=0, lambada_steps=8, progress=False)
+    rng = random.Random(2)
+    items = [{"text": facts(rng, 4) + f" the {s} is {c}"} for s, c in FACTS.items()]
+    for w in (0.0, ed.PAPER_CFG_W):
+        res = ed.run_lambada(items, scorer, w)
+        assert res["acc_generate"] >= 0.75 and res["acc_argmax"] >= 0.75 and res["perplexity"] < 2, (w, res)
+    # a wrong last word is much less likely than the right one
+    (ll_right, _), (ll_wrong, _) = scorer.loglikelihood([("the sky is", " blue"), ("the sky is", " black")])
+    assert ll_right > ll_wrong + 1
+
+
+# -----------------------------------------------------------------------------------------------
+# command line
+
+def write_jsonl(path, items):
+    path.write_text("".join(json.dumps(i) + "\n" for i in items))
+    return str(path)
+
+
+def test_cli_writes_json_and_table_and_cfg_w0_row_equals_no_cfg(trained, tmp_path, capsys):
+    mc = write_jsonl(tmp_path / "colours.jsonl", colour_items(per_subject=1))
+    rng = random.Random(3)
+    lam = write_jsonl(tmp_path / "lambada.jsonl",
+                      [{"text": facts(rng, 3) + f" the {s} is {c}"} for s, c in FACTS.items()])
+    out = tmp_path / "res" / "results.json"
+    argv = ["--ckpt", trained["ckpt"], "--jsonl", f"{mc},{lam}", "--mc_draws", "8", "--cfg", "both", "--cfg_w", "0",
+            "--cfg_w_task", "colours=1.1", "--limit", "3", "--lambada_steps", "4", "--device", "cpu",
+            "--out", str(out)]
+    assert ed.main(argv) == 0
+    res = json.loads(out.read_text())
+    rows = {(r["task"], r["setting"]): r for r in res["results"]}
+    assert set(rows) == {("colours", "no CFG"), ("colours", "CFG"), ("lambada", "no CFG"), ("lambada", "CFG")}
+    assert rows["colours", "CFG"]["cfg_w"] == 1.1 and rows["lambada", "CFG"]["cfg_w"] == 0
+    assert rows["colours", "no CFG"]["n"] == 3 and 0 <= rows["colours", "CFG"]["acc_norm"] <= 1
+    # --cfg on with w = 0 is exactly --cfg off
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("setting",)}
+    assert strip(rows["lambada", "CFG"]) == strip(rows["lambada", "no CFG"])
+    assert set(rows["lambada", "CFG"]) >= {"acc_generate", "acc_argmax", "perplexity"}
+    assert "acc_argmax" in res["definitions"] and res["config"]["mc_draws"] == 8
+    table = (tmp_path / "res" / "results.md").read_text()
+    assert "| colours | CFG | 1.1 | builtin | 3 |" in table and "acc_generate" in table
+    assert "| lambada | no CFG |" in capsys.readouterr().out
+
+
+def run_cli(args):
+    return subprocess.run([sys.executable, os.path.join(HERE, "eval_downstream.py"), *args], capture_output=True,
+                          text=True, cwd=HERE, timeout=120)
+
+
+def test_cli_errors_exit_nonzero_with_one_line(trained, tmp_path):
+    good = write_jsonl(tmp_path / "ok.jsonl", colour_items(per_subject=1))
+    long = write_jsonl(tmp_path / "long.jsonl",
+                       [{"context": "the sky is", "choices": ["blue " * 40, "green"], "gold": 0}])
+    cases = {
+        "checkpoint not found": ["--ckpt", str(tmp_path / "missing.pt"), "--jsonl", good],
+        "file not found": ["--ckpt", trained["ckpt"], "--jsonl", str(tmp_path / "missing.jsonl")],
+        "unknown task 'arc_easy'": ["--ckpt", trained["ckpt"], "--tasks", "arc_easy", "--builtin", "1",
+                                    "--data_dir", str(tmp_path)],
+        "context window": ["--ckpt", trained["ckpt"], "--jsonl", long, "--device", "cpu"],
+    }
+    for expected, args in cases.items():
+        proc = run_cli(args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+# -----------------------------------------------------------------------------------------------
+# lm-eval adapter
+
+def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import get_model
+    cls = ed.lm_eval_model_class()
+    assert get_model("sddlm") is cls and issubclass(cls, LM)
+    # as lm-eval builds it from --model_args and --batch_size: every value a string
+    lm = cls.create_from_arg_string(f"ckpt={trained['ckpt']},mc_draws=4,cfg_w=1.1,use_ema=false,seed=3",
+                                    {"batch_size": "4", "max_batch_size": None, "device": "cpu"})
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=("the snow is", " " + c), idx=i)
+            for i, c in enumerate(COLOURS)]
+    out = lm.loglikelihood(reqs)
+    assert len(out) == 4 and all(type(ll) is float and type(g) is bool for ll, g in out)
+    assert max(range(4), key=lambda i: out[i][0]) == COLOURS.index("white")
+    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
+        lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("text",), 0)])
+    with pytest.raises(NotImplementedError, match="generate_until"):
+        lm.generate_until([Instance("generate_until", {}, ("ctx", {"until": ["\n"]}), 0)])
+
+
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: {output_type}
+{docs}
+metric_list:
+{metrics}
+"""
+
+
+def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
+    """simple_evaluate with local task YAMLs over JSONL files (no download): a multiple-choice task and a
+    LAMBADA-style loglikelihood task whose acc is the adapter's is_greedy, reported as acc_argmax."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rng = random.Random(5)
+    mc = write_jsonl(tmp_path / "colours.jsonl", colour_items(per_subject=1))
+    lam = write_jsonl(tmp_path / "lam.jsonl",
+                      [{"text": facts(rng, 4) + f" the {s} is {c}"} for s, c in FACTS.items()])
+    (tmp_path / "colours.yaml").write_text(TASK_YAML.format(
+        name="colours_mc", path=mc, output_type="multiple_choice",
+        docs='doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"',
+        metrics="  - metric: acc\n  - metric: acc_norm"))
+    (tmp_path / "lam.yaml").write_text(TASK_YAML.format(
+        name="colours_lambada", path=lam, output_type="loglikelihood",
+        docs="doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\ndoc_to_target: \"{{' ' + text.split(' ')[-1]}}\"",
+        metrics="  - metric: perplexity\n  - metric: acc"))
+    out = tmp_path / "lm.json"
+    assert ed.main(["--ckpt", trained["ckpt"], "--tasks", "colours_mc,colours_lambada", "--include_path",
+                    str(tmp_path), "--mc_draws", "8", "--cfg", "on", "--device", "cpu", "--out", str(out)]) == 0
+    rows = {r["task"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["colours_mc"]["runner"] == "lm-eval" and rows["colours_mc"]["n"] == 4
+    assert rows["colours_mc"]["acc"] >= 0.75 and "acc_norm" in rows["colours_mc"]
+    assert set(rows["colours_lambada"]) >= {"acc_argmax", "perplexity"} and "acc" not in rows["colours_lambada"]
