@@ -1,0 +1,356 @@
+"""Tests for diffusion.py. The forward process and posterior are checked against explicit K x K transition
+matrices and Bayes' rule in float64; samplers against their target distributions by chi-square tests on many
+seeded draws; schedules against finite differences; the curriculum against Duo's reference table and Monte Carlo."""
+
+import math
+
+import pytest
+import torch
+
+from diffusion import (SCHEDULES, T_MIN, alpha_table, ancestral_step, cosine_schedule, curriculum_sample,
+                       gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice, reverse_posterior,
+                       sample_categorical, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule)
+
+
+def transition_matrix(alpha, K):
+    """Q[x, y] = q(y | x) = alpha 1[x = y] + (1 - alpha) / K, float64; alpha a float or (n,) -> (K, K) or (n, K, K)."""
+    alpha = torch.as_tensor(alpha, dtype=torch.float64)[..., None, None]
+    return alpha * torch.eye(K, dtype=torch.float64) + (1 - alpha) / K
+
+
+def bayes_posterior(xt, x0_probs, alpha_t, alpha_s, K):
+    """q(x_s | x_t) under the prior x0 ~ x0_probs, by Bayes' rule on explicit matrices:
+    proportional to sum_x x0(x) Q_s[x, x_s] Q_{t|s}[x_s, x_t].
+    xt (n,), x0_probs (n, K), alphas floats or (n,) -> (n, K)."""
+    alpha_t, alpha_s = (torch.as_tensor(a, dtype=torch.float64).expand(xt.shape) for a in (alpha_t, alpha_s))
+    prior_s = torch.einsum("nx,nxy->ny", x0_probs.double(), transition_matrix(alpha_s, K))
+    likelihood = transition_matrix(alpha_t / alpha_s, K)[torch.arange(xt.numel()), :, xt]
+    joint = prior_s * likelihood
+    return joint / joint.sum(-1, keepdim=True)
+
+
+def chi2_quantile(df, z=4.5):
+    """Wilson-Hilferty upper quantile of chi^2(df) at a standard-normal z (z = 4.5: p ~ 3e-6)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def assert_frequencies(samples, probs, msg=""):
+    """Chi-square test of integer samples (N,) against probs (K,); zero-probability cells must stay empty."""
+    probs = probs.double()
+    counts = torch.bincount(samples.reshape(-1), minlength=probs.numel()).double()
+    N = counts.sum()
+    assert (counts[probs == 0] == 0).all(), msg
+    keep = probs > 0
+    if keep.sum() == 1:
+        return
+    expected = N * probs[keep]
+    stat = ((counts[keep] - expected) ** 2 / expected).sum().item()
+    assert stat < chi2_quantile(int(keep.sum()) - 1), f"{msg} chi2={stat:.1f}"
+
+
+def assert_conditional_frequencies(x0, samples, table, msg=""):
+    """Chi-square test, for every value i of x0, of the samples at positions with x0 == i against table[i]."""
+    for i in range(table.shape[0]):
+        assert_frequencies(samples[x0 == i], table[i], msg=f"{msg} x0={i}")
+
+
+def softmax_rows(n, K, seed, scale=1.5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(scale * torch.randn(n, K, generator=g, dtype=torch.float64), -1)
+
+
+# -----------------------------------------------------------------------------
+# reverse posterior, Eq. (reverse)
+
+def test_transition_matrices_compose():
+    """Sanity of the reference itself: Q_s Q_{t|s} = Q_t (the forward process is Markov)."""
+    K, a_t, a_s = 5, 0.3, 0.8
+    torch.testing.assert_close(transition_matrix(a_s, K) @ transition_matrix(a_t / a_s, K), transition_matrix(a_t, K))
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_reverse_posterior_matches_bayes_rule(soft):
+    B, L, K = 3, 5, 6
+    g = torch.Generator().manual_seed(0)
+    xt = torch.randint(0, K, (B, L), generator=g)
+    if soft:   # x_theta: the posterior under the prior x0 ~ x_theta
+        x0_probs = softmax_rows(B * L, K, seed=1).view(B, L, K)
+    else:      # one-hot x0, half of the positions with x0 == xt
+        x0 = torch.where(torch.rand(B, L, generator=g) < 0.5, xt, torch.randint(0, K, (B, L), generator=g))
+        x0_probs = torch.nn.functional.one_hot(x0, K).double()
+    alpha_t = torch.tensor([[0.2], [0.5], [0.9]], dtype=torch.float64)
+    alpha_s = torch.tensor([[0.4], [0.7], [0.95]], dtype=torch.float64)
+    q = reverse_posterior(xt, x0_probs, alpha_t, alpha_s, K)
+    for b in range(B):
+        ref = bayes_posterior(xt[b], x0_probs[b], alpha_t[b].item(), alpha_s[b].item(), K)
+        torch.testing.assert_close(q[b], ref, rtol=1e-12, atol=1e-14)
+        q_float = reverse_posterior(xt[b:b + 1], x0_probs[b:b + 1], alpha_t[b].item(), alpha_s[b].item(), K)
+        torch.testing.assert_close(q_float[0], ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(q.sum(-1), torch.ones(B, L, dtype=torch.float64))
+    assert (q >= 0).all()
+
+
+def test_reverse_posterior_final_step_recovers_x0_posterior():
+    """alpha_s = 1: x_s = x0, so q(x_s | x_t) is p(x0 | x_t) ∝ x_theta(x0) (K alpha_t 1[x0 = x_t] + 1 - alpha_t)."""
+    n, K, a_t = 8, 5, 0.35
+    xt = torch.arange(n) % K
+    x_theta = softmax_rows(n, K, seed=2)
+    q = reverse_posterior(xt[None], x_theta[None], a_t, 1.0, K)[0]
+    ref = x_theta * (K * a_t * torch.nn.functional.one_hot(xt, K).double() + 1 - a_t)
+    torch.testing.assert_close(q, ref / ref.sum(-1, keepdim=True), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(q, bayes_posterior(xt, x_theta, a_t, 1.0, K), rtol=1e-12, atol=1e-14)
+    x0 = (xt + 2) % K   # a one-hot x0 is returned exactly
+    e0 = torch.nn.functional.one_hot(x0, K).double()
+    torch.testing.assert_close(reverse_posterior(xt[None], e0[None], a_t, 1.0, K)[0], e0, rtol=0, atol=1e-15)
+
+
+# -----------------------------------------------------------------------------
+# samplers: frequencies against their target distributions
+
+def test_sample_xt_frequencies_match_discrete_marginal():
+    """Eq. (discrete_marginal): P(xt = x0) = alpha + (1-alpha)/K, each other token (1-alpha)/K; alpha per sequence."""
+    K, L = 5, 40000
+    alpha = torch.tensor([[0.0], [0.25], [0.6], [0.95], [1.0]])
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(0, K, (alpha.shape[0], L), generator=g)
+    xt = sample_xt(x0, alpha, K, generator=g)
+    for b, a in enumerate(alpha[:, 0].tolist()):
+        assert_conditional_frequencies(x0[b], xt[b], transition_matrix(a, K), msg=f"alpha={a}")
+    assert torch.equal(xt[-1], x0[-1])
+    assert torch.equal(sample_xt(x0, alpha, K, generator=torch.Generator().manual_seed(9)),
+                       sample_xt(x0, alpha, K, generator=torch.Generator().manual_seed(9)))
+
+
+def test_sample_xt_with_global_draws_matches_single_process_corruption():
+    """draws=(u, noise): xt = x0 where u < alpha_t, else noise; slicing the global draws per rank gives the
+    same corruption as one process corrupting the whole batch."""
+    K, Bg, L = 7, 8, 16
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randint(0, K, (Bg, L), generator=g)
+    alpha = torch.rand(Bg, 1, generator=g)
+    u, noise = torch.rand(Bg, L, generator=g), torch.randint(0, K, (Bg, L), generator=g)
+    full = sample_xt(x0, alpha, K, draws=(u, noise))
+    expected = torch.tensor([[x0[b, l] if u[b, l] < alpha[b, 0] else noise[b, l] for l in range(L)]
+                             for b in range(Bg)])
+    assert torch.equal(full, expected)
+    per_rank = [sample_xt(x0[2 * r:2 * r + 2], alpha[2 * r:2 * r + 2], K,
+                          draws=(u[2 * r:2 * r + 2], noise[2 * r:2 * r + 2])) for r in range(Bg // 2)]
+    assert torch.equal(torch.cat(per_rank), full)
+
+
+def test_sample_categorical_frequencies_match_probs():
+    K, N = 6, 30000
+    probs = softmax_rows(3, K, seed=3)
+    probs[1, 2] = 0.0                              # a zero-probability token is never drawn
+    probs[1] /= probs[1].sum()
+    ids = sample_categorical(probs[:, None, :].expand(3, N, K).float(), generator=torch.Generator().manual_seed(1))
+    assert ids.shape == (3, N)
+    for c in range(3):
+        assert_frequencies(ids[c], probs[c], msg=f"row {c}")
+
+
+def test_ancestral_step_frequencies_match_reverse_posterior():
+    K, N = 6, 20000
+    cases = [  # (xt, x0 distribution, alpha_t, alpha_s)
+        (2, softmax_rows(1, K, seed=4)[0], 0.3, 0.6),
+        (0, softmax_rows(1, K, seed=5)[0], 0.05, 0.5),
+        (4, torch.nn.functional.one_hot(torch.tensor(4), K).double(), 0.4, 0.7),   # x0 == xt
+        (1, torch.nn.functional.one_hot(torch.tensor(3), K).double(), 0.4, 0.7),   # x0 != xt
+        (5, softmax_rows(1, K, seed=6)[0], 0.6, 1.0),                               # final step
+    ]
+    xt = torch.tensor([c[0] for c in cases])[:, None].expand(-1, N)
+    x0_probs = torch.stack([c[1] for c in cases])[:, None, :].expand(-1, N, K).float()
+    alpha_t = torch.tensor([[c[2]] for c in cases])
+    alpha_s = torch.tensor([[c[3]] for c in cases])
+    xs = ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=torch.Generator().manual_seed(2))
+    for i, (z, x0p, a_t, a_s) in enumerate(cases):
+        target = bayes_posterior(torch.tensor([z]), x0p[None].float(), a_t, a_s, K)[0]
+        assert_frequencies(xs[i], target, msg=f"case {i}")
+
+
+def test_ancestral_step_with_true_x0_preserves_forward_joint_and_marginal():
+    """x_t ~ q_t(.|x0), then x_s ~ q(x_s|x_t,x0): (x_s, x_t) ~ Q_s[x0, x_s] Q_{t|s}[x_s, x_t], so x_s ~ q_s(.|x0)."""
+    K, L = 5, 60000
+    alpha_t, alpha_s = torch.tensor([[0.3], [0.6]]), torch.tensor([[0.8], [0.9]])
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randint(0, K, (2, L), generator=g)
+    xt = sample_xt(x0, alpha_t, K, generator=g)
+    xs = ancestral_step(xt, torch.nn.functional.one_hot(x0, K).float(), alpha_t, alpha_s, generator=g)
+    for b in range(2):
+        Qs, Qts = transition_matrix(alpha_s[b].item(), K), transition_matrix(alpha_t[b].item() / alpha_s[b].item(), K)
+        assert_conditional_frequencies(x0[b], xs[b], Qs, msg="marginal of x_s")
+        joint = Qs[:, :, None] * Qts[None]                    # [x0, x_s, x_t] = Q_s[x0, x_s] Q_{t|s}[x_s, x_t]
+        assert_conditional_frequencies(x0[b], xs[b] * K + xt[b], joint.reshape(K, K * K), msg="joint (x_s, x_t)")
+
+
+def test_ancestral_step_with_x_theta_samples_the_marginal_under_prior_x_theta():
+    """If x0 ~ x_theta, x_t ~ q_t(.|x0), then x_s ~ q(x_s|x_t, x_theta) has marginal x_theta Q_s."""
+    K, N = 5, 60000
+    x_theta = softmax_rows(1, K, seed=7)[0]
+    g = torch.Generator().manual_seed(4)
+    x0 = sample_categorical(x_theta.expand(1, N, K), generator=g)
+    xt = sample_xt(x0, 0.35, K, generator=g)
+    xs = ancestral_step(xt, x_theta.expand(1, N, K), 0.35, 0.75, generator=g)
+    assert_frequencies(xs[0], x_theta @ transition_matrix(0.75, K))
+
+
+# -----------------------------------------------------------------------------
+# schedules and times
+
+def test_log_linear_schedule_and_derivative():
+    t = torch.linspace(0.0, 1.0, 11, dtype=torch.float64)
+    alpha, dalpha = log_linear_schedule(t)
+    torch.testing.assert_close(alpha, 1 - (1 - 1e-3) * t)
+    assert alpha[0].item() == 1.0 and alpha[-1].item() == pytest.approx(1e-3, rel=1e-12)
+    h = 1e-6
+    fd = (log_linear_schedule(t + h)[0] - log_linear_schedule(t - h)[0]) / (2 * h)
+    torch.testing.assert_close(dalpha, fd, rtol=1e-7, atol=1e-9)
+    assert SCHEDULES["loglinear"] is log_linear_schedule and SCHEDULES["cosine"] is cosine_schedule
+
+
+def test_cosine_schedule_derivative_matches_finite_differences():
+    t = torch.linspace(0.01, 0.99, 21, dtype=torch.float64)
+    alpha, dalpha = cosine_schedule(t)
+    h = 1e-6
+    fd = (cosine_schedule(t + h)[0] - cosine_schedule(t - h)[0]) / (2 * h)
+    torch.testing.assert_close(dalpha, fd, rtol=1e-7, atol=1e-9)
+    a0, a1 = cosine_schedule(torch.tensor([0.0, 1.0], dtype=torch.float64))[0].tolist()
+    assert a0 == pytest.approx(1.0, abs=1e-15) and a1 == pytest.approx(1 - math.cos(math.pi / 2 * 1e-3), rel=1e-9)
+    assert (alpha.diff() < 0).all()
+
+
+def test_sigma_is_minus_log_alpha():
+    alpha = torch.tensor([1.0, 0.5, 1e-3], dtype=torch.float64)
+    torch.testing.assert_close(sigma_from_alpha(alpha), torch.tensor([0.0, math.log(2), math.log(1e3)],
+                                                                      dtype=torch.float64))
+
+
+def test_sample_t_is_stratified_over_the_global_batch():
+    n = 64
+    t = sample_t(n, generator=torch.Generator().manual_seed(0))
+    assert t.shape == (n,) and t.min() >= T_MIN and t.max() <= 1
+    stratum = torch.floor((t.double() - T_MIN) / (1 - T_MIN) * n).long()
+    assert torch.equal(stratum, torch.arange(n))          # exactly one sample per stratum, in order
+    assert torch.equal(t, sample_t(n, generator=torch.Generator().manual_seed(0)))
+    assert not torch.equal(t, sample_t(n, generator=torch.Generator().manual_seed(1)))
+    # the jitter inside each stratum is U(0, 1): mean 1/2 within 4.5 standard errors
+    g = torch.Generator().manual_seed(2)
+    frac = torch.cat([(sample_t(8, generator=g).double() - T_MIN) / (1 - T_MIN) * 8 - torch.arange(8)
+                      for _ in range(500)])
+    assert abs(frac.mean().item() - 0.5) < 4.5 * math.sqrt(1 / 12 / frac.numel())
+
+
+def test_rank_slices_reassemble_the_global_time_vector():
+    world, accum, n = 4, 2, 64
+    t = sample_t(n, generator=torch.Generator().manual_seed(0))
+    parts = [rank_slice(t, r, world, m, accum) for r in range(world) for m in range(accum)]
+    assert all(p.numel() == n // (world * accum) for p in parts)
+    assert torch.equal(torch.cat(parts), t)
+
+
+# -----------------------------------------------------------------------------
+# Duo's Gaussian-guided curriculum (duo_spec.md section 2)
+
+# duo_spec.md 2.3: (gamma, alpha, dalpha/dgamma) for GPT-2 with the [PAD] token, K = 50258
+DUO_TABLE_GPT2 = [(-4.00, 0.9987, -0.015), (-3.55, 0.9455, -0.311), (-3.50, 0.9283, -0.375),
+                  (-3.00, 0.5962, -0.835), (-2.50, 0.2380, -0.522), (-2.00, 0.0720, -0.181),
+                  (-1.85, 0.0493, -0.125), (-1.75, 0.0383, -0.097), (-1.00, 0.0062, -0.014)]
+
+
+def test_gamma_to_alpha_matches_duo_reference_table():
+    gamma = torch.tensor([row[0] for row in DUO_TABLE_GPT2], dtype=torch.float64)
+    alpha, dalpha = gamma_to_alpha(gamma, 50258)
+    torch.testing.assert_close(alpha, torch.tensor([r[1] for r in DUO_TABLE_GPT2], dtype=torch.float64),
+                               rtol=0, atol=2e-4)
+    torch.testing.assert_close(dalpha, torch.tensor([r[2] for r in DUO_TABLE_GPT2], dtype=torch.float64),
+                               rtol=0, atol=2e-3)
+    assert (alpha.diff() < 0).all()
+
+
+def test_dalpha_dgamma_matches_finite_differences_of_gamma_to_alpha():
+    K = 50258
+    gamma = torch.linspace(-4.5, -1.5, 13, dtype=torch.float64)
+    h = 1e-2   # a few table cells: the table is linearly interpolated
+    fd = (gamma_to_alpha(gamma + h, K)[0] - gamma_to_alpha(gamma - h, K)[0]) / (2 * h)
+    torch.testing.assert_close(gamma_to_alpha(gamma, K)[1], fd, rtol=0, atol=2e-3)
+    grid, a, da = alpha_table(K)
+    fd_grid = (a[2:] - a[:-2]) / (grid[2:] - grid[:-2])
+    torch.testing.assert_close(da[1:-1], fd_grid, rtol=0, atol=1e-4)
+
+
+def test_gaussian_latent_has_the_stated_mean_and_variance():
+    """w = sqrt(sigmoid(-gamma)) e_x0 + sqrt(sigmoid(gamma)) N(0, I)."""
+    K, L = 8, 20000
+    gamma = torch.tensor([[-3.0], [-1.5]])
+    x0 = torch.randint(0, K, (2, L), generator=torch.Generator().manual_seed(0))
+    w = gaussian_latent(x0, gamma, K, generator=torch.Generator().manual_seed(1)).double()
+    at_x0 = w.gather(-1, x0[..., None])[..., 0]
+    others = w.masked_fill(torch.nn.functional.one_hot(x0, K).bool(), float("nan"))
+    for b in range(2):
+        g = gamma[b].item()
+        sig2, mean = 1 / (1 + math.exp(-g)), math.sqrt(1 / (1 + math.exp(g)))
+        se = math.sqrt(sig2 / L)
+        assert abs(at_x0[b].mean().item() - mean) < 4.5 * se
+        assert abs(others[b].nanmean().item()) < 4.5 * se
+        assert at_x0[b].var().item() == pytest.approx(sig2, rel=0.05)
+        o = others[b][~others[b].isnan()]
+        assert o.var().item() == pytest.approx(sig2, rel=0.03)
+
+
+def test_argmax_of_gaussian_latent_is_the_uniform_state_marginal():
+    """Duo's operator: Pr[argmax w = x0] = alpha + (1-alpha)/K with alpha = T(gamma), the rest uniform (K = 8)."""
+    K, L = 8, 40000
+    gamma = torch.tensor([[-4.0], [-3.0], [-2.0], [-1.2]], dtype=torch.float64)
+    x0 = torch.randint(0, K, (4, L), generator=torch.Generator().manual_seed(0))
+    w = gaussian_latent(x0, gamma, K, generator=torch.Generator().manual_seed(1))
+    alpha, _ = gamma_to_alpha(gamma, K)
+    for b in range(4):
+        assert_conditional_frequencies(x0[b], w[b].argmax(-1), transition_matrix(alpha[b].item(), K),
+                                       msg=f"gamma={gamma[b].item()}")
+
+
+def test_soft_input_becomes_onehot_at_argmax_as_tau_goes_to_zero():
+    K, L = 8, 5000
+    x0 = torch.randint(0, K, (1, L), generator=torch.Generator().manual_seed(0))
+    w = gaussian_latent(x0, torch.tensor([[-2.0]]), K, generator=torch.Generator().manual_seed(1))
+    for tau in (1.0, 0.1):
+        ref = torch.exp((w.double() - w.double().amax(-1, keepdim=True)) / tau)
+        torch.testing.assert_close(soft_input(w, tau).double(), ref / ref.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    soft = soft_input(w, 1e-3)
+    assert torch.equal(soft.argmax(-1), w.argmax(-1))      # the discrete process: xt = argmax w
+    top = soft.amax(-1)
+    assert (top > 0.99).double().mean() > 0.95
+    onehot = torch.nn.functional.one_hot(w.argmax(-1), K).float()
+    assert (soft_input(w, 1e-6) - onehot).abs().amax(-1).median() < 1e-6
+
+
+def test_tau_schedule_is_log_linear_between_its_endpoints():
+    for step in (0, 250_000, 499_999, 500_000, 10 ** 6):    # Duo's scripts: tau = 1e-3 throughout
+        assert tau_schedule(step) == pytest.approx(1e-3, rel=1e-12)
+    kw = dict(log10_tau_start=-1.0, log10_tau_end=-2.0, start=100, end=200)
+    assert tau_schedule(0, **kw) == pytest.approx(0.1) and tau_schedule(100, **kw) == pytest.approx(0.1)
+    assert tau_schedule(150, **kw) == pytest.approx(10 ** -1.5, rel=1e-12)
+    assert tau_schedule(175, **kw) == pytest.approx(10 ** -1.75, rel=1e-12)
+    assert tau_schedule(200, **kw) == pytest.approx(0.01) and tau_schedule(10 ** 6, **kw) == pytest.approx(0.01)
+
+
+def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
+    K, L, g_min, g_max = 8, 20000, -3.5, -1.75
+    t = torch.tensor([1e-3, 0.3, 0.7, 1.0])
+    x0 = torch.randint(0, K, (4, L), generator=torch.Generator().manual_seed(0))
+    xt, soft, alpha, dalpha = curriculum_sample(x0, t, K, g_min, g_max, tau=1e-3,
+                                                generator=torch.Generator().manual_seed(1))
+    assert torch.equal(xt, soft.argmax(-1))
+    gamma = (g_min + t.double() * (g_max - g_min))[:, None]
+    torch.testing.assert_close(alpha.double(), gamma_to_alpha(gamma, K)[0], rtol=1e-6, atol=1e-7)
+    lo, hi = (gamma_to_alpha(torch.tensor([g], dtype=torch.float64), K)[0].item() for g in (g_max, g_min))
+    assert (alpha >= lo - 1e-6).all() and (alpha <= hi + 1e-6).all()
+    h = 1e-3   # d alpha / dt by finite differences through gamma(t)
+    dg = h * (g_max - g_min)
+    fd = (gamma_to_alpha(gamma + dg, K)[0] - gamma_to_alpha(gamma - dg, K)[0]) / (2 * h)
+    torch.testing.assert_close(dalpha.double(), fd, rtol=0, atol=5e-3)
+    assert (dalpha < 0).all()
+    for b in range(4):      # Monte Carlo: P(xt = x0) = alpha + (1 - alpha)/K
+        p = alpha[b].item() + (1 - alpha[b].item()) / K
+        freq = (xt[b] == x0[b]).double().mean().item()
+        assert abs(freq - p) < 4.5 * math.sqrt(p * (1 - p) / L)
