@@ -236,17 +236,24 @@ def _str2bool(s):
     raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
 
 
-def parse_flags(cls, argv=None, description=None):
-    """One --flag per field of the dataclass `cls` (booleans as 0/1); argparse errors become UsageError."""
-    p = argparse.ArgumentParser(description=description)
+def parse_flags(cls, argv=None, description=None, presets=None):
+    """One --flag per field of the dataclass `cls` (booleans as 0/1); argparse errors become UsageError.
+    presets: {name: {field: value}}; the field `preset` picks one, and only flags given explicitly override it."""
+    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(cls):
-        p.add_argument(f"--{f.name}", type=_str2bool if f.type is bool else f.type, default=f.default,
+        p.add_argument(f"--{f.name}", type=_str2bool if f.type is bool else f.type,
                        metavar=f.name.upper(), help=f"default {f.default!r}")
 
     def error(message):
         raise UsageError(message)
     p.error = error
-    return cls(**vars(p.parse_args(argv)))
+    given = vars(p.parse_args(argv))
+    if presets is None:
+        return cls(**given)
+    preset = given.get("preset", cls.preset)
+    if preset not in presets:
+        raise UsageError(f"unknown --preset {preset!r}; choose from {', '.join(presets)}")
+    return cls(**{**presets[preset], **given})
 
 
 def resolve_device(name):

@@ -11,8 +11,6 @@ explicit flags win. The run's full config is printed at start and saved next to 
 One training step (paper Algorithm 1): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
 """
-import argparse
-import dataclasses
 import json
 import math
 import os
@@ -30,6 +28,7 @@ import diffusion
 import losses
 from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset
 from model import PRESETS, ModelConfig, build_model
+from sample import UsageError, parse_flags
 
 
 @dataclass
@@ -98,38 +97,18 @@ TRAIN_PRESETS = {
                   ema=0.9999, eval_interval=5000, ckpt_interval=1000, eval_iters=50, sample_steps=1024),
 }
 TRAIN_PRESETS["medium"] = TRAIN_PRESETS["small"]
+TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.startswith("llama_")})  # SMDM ladder
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A bad flag or an incompatible run: reported as one line, exit code 2."""
 
 
 # -----------------------------------------------------------------------------------------------
 # config <-> command line
 
-def _str2bool(s):
-    if s.lower() in ("1", "true", "yes", "y"):
-        return True
-    if s.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
-
-
-def parse_config(argv=None, cls=TrainConfig, presets=TRAIN_PRESETS):
-    """Dataclass fields -> flags. Only flags given explicitly override the preset."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
-    for f in dataclasses.fields(cls):
-        typ = _str2bool if f.type in (bool, "bool") else {"int": int, "float": float, "str": str}.get(f.type, f.type)
-        p.add_argument(f"--{f.name}", type=typ, metavar=f.name.upper(), help=f"default {f.default!r}")
-    given = vars(p.parse_args(argv))
-    preset = given.get("preset", cls.preset)
-    if preset.startswith("llama_"):            # the SMDM ladder trains with the 1.1B recipe
-        preset_overrides = presets["large"]
-    elif preset in presets:
-        preset_overrides = presets[preset]
-    else:
-        raise ConfigError(f"unknown --preset {preset!r}; choose from {', '.join(presets)} or llama_<size>")
-    return cls(**{**preset_overrides, **given})
+def parse_config(argv=None):
+    return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS)
 
 
 def validate(cfg, world_size):
@@ -525,6 +504,6 @@ def print_samples(raw_model, cfg, meta, device, swap_ema):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ConfigError, DataError, FloatingPointError, FileNotFoundError) as e:
+    except (UsageError, DataError, FloatingPointError, FileNotFoundError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
