@@ -1,0 +1,459 @@
+"""
+Benchmark train.py's training step for every objective, and the ancestral sampler against bare forwards.
+
+    python bench.py                                          # tiny preset, L=128, B=8, CPU float32
+    python bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
+    python bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
+    python bench.py --json 1                                 # one JSON object instead of markdown
+
+Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
+per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
+training recipe (TRAIN_PRESETS: lr, dropout, clip, EMA) and the curriculum off. All diffusion losses share
+one model (same architecture, same FLOPs); 'ar' has its causal twin. Steps are interleaved round-robin over
+the losses, `warmup` rounds are dropped, and each loss reports the median of `repeats` rounds, so drifting
+clocks and neighbours on shared machines hit every loss alike. On a shared CPU, --threads 1 avoids OpenMP
+oversubscription (10x slowdowns with 2 threads on 2 busy cores).
+
+Columns:
+  step ms      median wall time of one step (CUDA synchronised before and after)
+  tokens/s     B * L / step time
+  MFU          model FLOPs per step / step time / peak FLOP/s. The peak is MEASURED: the best rate of a large
+               square matmul in the compute dtype (bf16 under autocast, else float32), timed at start and
+               again every round (a neighbour busy at start-up cannot inflate MFU). Model FLOPs:
+                 FLOPs/step = 6 N T + 12 n_layer L d T + 6 d V T,   T = B L tokens,
+               N = the weight matrices the blocks apply to every token (attention qkv/proj, MLP; not the
+               embedding, the output layer, or the per-sequence sigma MLP and adaLN), 12 n_layer L d T the
+               attention scores and values (full L x L, also for 'ar'), 6 d V T the output layer. The loss
+               itself counts 0: what the NELBO spends over (B, L, V) shows up as lower MFU.
+  peak MiB     CUDA only: torch.cuda.max_memory_allocated over one step, reset per loss (weights, gradients,
+               AdamW and EMA state included). 'n/a' on CPU: no allocator statistics to read there.
+  step MiB     the most memory the step's own tensors (activations, logits, loss temporaries, gradients)
+               hold at once above what was allocated before it. CUDA: peak MiB - memory_allocated at the
+               step's start; CPU: one extra profiled step per loss, from the allocation events of
+               torch.profiler(profile_memory=True) (it prints two USDT lines per loss on stderr).
+  act MiB      any device: bytes of the tensors autograd saves for backward (saved_tensors_hooks on an eager
+               forward + loss, storages counted once, parameters excluded; autocast's bf16 weight copies
+               are included). The device-independent part of the memory that the loss changes.
+  x duo        ratio to the 'duo' row (Duo's NELBO, usdm_nelbo_loss).
+Sampler: sample.generate (ancestral, float64 posterior, Gumbel-max, final ancestral step) vs no-grad
+forwards of the same model at the same batch: overhead = generate time / (its forwards x forward time) - 1.
+"""
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+import diffusion
+import losses
+from model import PRESETS, build_model
+from sample import UsageError, parse_flags
+from train import TRAIN_PRESETS, TrainConfig, loss_terms, model_config_for, token_mean
+
+ALL_LOSSES = "sddlm,sddlm_v1,sddlm_v2,naive,duo,ar"
+MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token block weight matrices)"
+# the paper's claims and this issue's targets: (what, loss row or None = sampler, key, op, bound, defined for);
+# 'met' is judged only on a run that matches `defined for`, other runs show the value alone
+SMALL_GPU = "small preset, L=1024, CUDA"
+TARGETS = [
+    ("sddlm step / duo step", "sddlm", "step_vs_duo", "<=", 0.80, SMALL_GPU),
+    ("sddlm peak memory / duo", "sddlm", "peak_vs_duo", "<=", 0.70, SMALL_GPU),
+    ("sddlm_v1 step / sddlm step", "sddlm_v1", "step_vs_sddlm", "<=", 1.03, SMALL_GPU),
+    ("sddlm_v2 step / sddlm step", "sddlm_v2", "step_vs_sddlm", "<=", 1.03, SMALL_GPU),
+    ("sampler overhead over forwards", None, "overhead", "<=", 0.10, SMALL_GPU),
+    ("MFU (sddlm)", "sddlm", "mfu", ">=", 0.45, "H100, bfloat16"),
+]
+
+
+def run_matches(out, where):
+    if where == SMALL_GPU:
+        return out["bench_config"]["preset"] == "small" and out["block_size"] == 1024 and out["cuda"]
+    return "H100" in out["device"] and out["dtype"] == "bfloat16"
+
+
+@dataclass
+class BenchConfig:
+    preset: str = "tiny"            # model preset (model.PRESETS) and training recipe (train.TRAIN_PRESETS)
+    block_size: int = 0             # sequence length L (0 = the preset's)
+    batch_size: int = 8             # sequences per step
+    vocab_size: int = 0             # 0 = the preset's (e.g. 50258 on tiny shows the vocabulary cost)
+    n_layer: int = 0                # 0 = the preset's
+    n_head: int = 0
+    n_embd: int = 0
+    device: str = "auto"            # auto | cpu | cuda
+    dtype: str = "auto"             # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
+    compile: bool = False           # torch.compile the model (warm-up rounds absorb the compilation)
+    repeats: int = 5                # timed rounds; each loss reports the median
+    warmup: int = 2                 # rounds run first and dropped
+    losses: str = ALL_LOSSES        # comma-separated subset of losses.LOSSES
+    sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
+    threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
+    seed: int = 1
+    json: bool = False              # print one JSON object instead of the markdown tables
+
+
+def parse_args(argv=None):
+    """The project's dataclass -> flags parser (sample.parse_flags); a bare boolean flag (`--json`) means 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bools = {f"--{f.name}" for f in fields(BenchConfig) if f.type in (bool, "bool")}
+    for i in reversed(range(len(argv))):
+        if argv[i] in bools and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            argv.insert(i + 1, "1")
+    cfg = parse_flags(BenchConfig, argv, __doc__.strip().split("\n")[0], presets={name: {} for name in PRESETS})
+    names = [s for s in cfg.losses.replace(" ", "").split(",") if s]
+    bad = [s for s in names if s not in losses.LOSSES]
+    if not names or bad:
+        raise UsageError(f"unknown --losses {','.join(bad) or cfg.losses!r}; choose from {', '.join(losses.LOSSES)}")
+    if cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0:
+        raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads >= 0")
+    if cfg.block_size and cfg.block_size < 2:
+        raise UsageError("--block_size must be >= 2")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"unknown --device {cfg.device!r}; choose from auto, cpu, cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    if cfg.dtype not in ("auto", "float32", "bfloat16"):
+        raise UsageError(f"unknown --dtype {cfg.dtype!r}; choose from auto, float32, bfloat16")
+    cfg.losses = ",".join(names)
+    return cfg
+
+
+# -----------------------------------------------------------------------------------------------
+# the training step, as in train.py's loop (one micro-step, no DDP)
+
+def train_config_for(cfg, loss):
+    """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes."""
+    model = PRESETS[cfg.preset]
+    return TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset, "loss": loss,
+                          "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
+                          "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                          "curriculum_iters": 0, "seed": cfg.seed, "compile": cfg.compile})
+
+
+def make_optimizer(model, tcfg, device):
+    """AdamW with train.py's parameter groups, and the EMA copy of the weights (None when tcfg.ema == 0)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=device.type == "cuda")
+    ema = [p.detach().clone() for p in model.parameters()] if tcfg.ema else None
+    return optimizer, ema
+
+
+def train_step(model, raw_model, optimizer, ema, tcfg, x0, t, it, generator, autocast):
+    """loss_terms -> token mean -> backward -> clip -> AdamW -> EMA (train.py, grad_accum 1). -> loss (detached)."""
+    with autocast:
+        per_token, _ = loss_terms(model, tcfg, x0, t, it, generator)
+        loss = token_mean(per_token, None)
+    loss.backward()
+    if tcfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), tcfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        d = min(tcfg.ema, (2 + it) / (11 + it))
+        torch._foreach_lerp_(ema, [p.detach() for p in raw_model.parameters()], 1 - d)
+    return loss.detach()
+
+
+def cpu_step_peak_bytes(fn):
+    """Most bytes that tensors allocated inside fn() hold at once, from the profiler's CPU allocation events
+    (frees of tensors made before fn are not seen, so this can only overstate by what fn frees early)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
+def saved_activation_bytes(fn, params):
+    """Bytes of the storages autograd saves for backward while fn() builds its graph (parameters excluded)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(x):
+        s = x.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+# -----------------------------------------------------------------------------------------------
+# FLOPs and the device's peak
+
+def model_flops_per_step(model, batch_size, block_size):
+    """6 N T + 12 n_layer L d T + 6 d V T (see the module docstring)."""
+    c = model.config
+    n = sum(p.numel() for name, p in model.blocks.named_parameters() if p.dim() == 2 and "adaLN" not in name)
+    T, L, d = batch_size * block_size, block_size, c.n_embd
+    return 6 * n * T + 12 * c.n_layer * L * d * T + 6 * d * c.vocab_size * T
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+PEAK_MATMUL_N = {"cuda": 8192, "cpu": 1024}
+
+
+def measure_peak_flops(device, dtype, seconds=1.0):
+    """Best FLOP/s of an n x n @ n x n matmul in `dtype` (n = PEAK_MATMUL_N) over ~`seconds` (>= 1 timing)."""
+    n = PEAK_MATMUL_N[device.type]
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    best, start = 0.0, time.perf_counter()
+    while best == 0.0 or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        synchronize(device)
+        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+# -----------------------------------------------------------------------------------------------
+# benchmarks
+
+def bench_training(cfg, device, dtype, autocast):
+    """Interleaved timing of every loss, and the matmul peak re-measured every round (the best is kept,
+    so a busy neighbour at start-up cannot inflate MFU). -> (results per loss, runs, L, peak FLOP/s)."""
+    names = cfg.losses.split(",")
+    L, B = None, cfg.batch_size
+    models, runs = {}, {}
+    for name in names:
+        tcfg = train_config_for(cfg, name)
+        L = tcfg.block_size
+        mcfg = model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
+        key = json.dumps(asdict(mcfg), sort_keys=True)
+        if key not in models:
+            torch.manual_seed(cfg.seed)
+            raw = build_model(mcfg).to(device).train()
+            optimizer, ema = make_optimizer(raw, tcfg, device)
+            models[key] = (raw, torch.compile(raw) if cfg.compile else raw, optimizer, ema)
+        runs[name] = (tcfg, models[key])
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    times = {name: [] for name in names}
+    peaks = {name: 0 for name in names}        # CUDA: max_memory_allocated, and its excess over the step's start
+    step_peaks = {name: 0 for name in names}
+    peak_flops = measure_peak_flops(device, dtype)
+    for round_ in range(cfg.warmup + cfg.repeats):
+        peak_flops = max(peak_flops, measure_peak_flops(device, dtype, seconds=0.2))
+        for name in names:
+            tcfg, (raw, model, optimizer, ema) = runs[name]
+            V = raw.config.vocab_size
+            x0 = torch.randint(0, V, (B, L), device=device, generator=gen)
+            t = diffusion.sample_t(B, gen, device=device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            synchronize(device)
+            t0 = time.perf_counter()
+            loss = train_step(model, raw, optimizer, ema, tcfg, x0, t, round_, gen, autocast)
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"bench: non-finite {name} loss at round {round_}")
+            if round_ >= cfg.warmup:
+                times[name].append(dt)
+                if device.type == "cuda":
+                    peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
+                    step_peaks[name] = max(step_peaks[name], peaks[name] - before)
+    results = {}
+    for name in names:
+        tcfg, (raw, model, optimizer, ema) = runs[name]
+        x0 = torch.randint(0, raw.config.vocab_size, (B, L), device=device, generator=gen)
+        t = diffusion.sample_t(B, gen, device=device)
+
+        def forward_and_loss():
+            with autocast:
+                return token_mean(loss_terms(raw, tcfg, x0, t, 0, gen)[0], None)
+
+        act = saved_activation_bytes(forward_and_loss, list(raw.parameters()))
+        if device.type == "cpu":
+            step_peaks[name] = cpu_step_peak_bytes(
+                lambda: train_step(model, raw, optimizer, ema, tcfg, x0, t, cfg.warmup + cfg.repeats, gen, autocast))
+        step = statistics.median(times[name])
+        flops = model_flops_per_step(raw, B, L)
+        results[name] = dict(step_ms=1e3 * step, step_ms_all=[1e3 * s for s in times[name]],
+                             tokens_per_s=B * L / step, model_flops=flops,
+                             peak_mem_bytes=peaks[name] if device.type == "cuda" else None,
+                             step_mem_bytes=step_peaks[name], act_bytes=act)
+    for name, r in results.items():
+        ref = results.get("duo")
+        r["step_vs_duo"] = r["step_ms"] / ref["step_ms"] if ref else None
+        r["peak_vs_duo"] = r["peak_mem_bytes"] / ref["peak_mem_bytes"] if ref and r["peak_mem_bytes"] else None
+        r["step_mem_vs_duo"] = r["step_mem_bytes"] / ref["step_mem_bytes"] if ref else None
+        r["act_vs_duo"] = r["act_bytes"] / ref["act_bytes"] if ref else None
+        r["step_vs_sddlm"] = r["step_ms"] / results["sddlm"]["step_ms"] if "sddlm" in results else None
+    return results, runs, L, peak_flops
+
+
+def bench_sampler(cfg, model, raw, device, dtype, L):
+    """sample.generate per reverse step vs one no-grad forward of the same batch. -> dict."""
+    from sample import generate
+    B, V = cfg.batch_size, raw.config.vocab_size
+    calls = [0]
+    hook = raw.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    x = torch.randint(0, V, (B, L), device=device, generator=gen)
+    sigma = torch.full((B,), 0.5, device=device)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else nullcontext()
+    fwd, gen_time, nfe = [], [], 0
+    raw.eval()
+    try:
+        for round_ in range(cfg.warmup + cfg.repeats):
+            synchronize(device)
+            t0 = time.perf_counter()
+            with torch.no_grad(), autocast:
+                for _ in range(cfg.sample_steps):
+                    model(x, sigma)
+            synchronize(device)
+            t1 = time.perf_counter()
+            calls[0] = 0
+            generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device, dtype=dtype,
+                     show_progress=False)
+            synchronize(device)
+            t2 = time.perf_counter()
+            nfe = calls[0]
+            if round_ >= cfg.warmup:
+                fwd.append((t1 - t0) / cfg.sample_steps)
+                gen_time.append(t2 - t1)
+    finally:
+        hook.remove()
+        raw.train()
+    forward_s, generate_s = statistics.median(fwd), statistics.median(gen_time)
+    return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
+                ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1)
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return f"CPU {model} ({os.cpu_count()} cores, torch {torch.get_num_threads()} threads)".replace("  ", " ")
+
+
+def run(cfg):
+    """The whole benchmark -> one JSON-able dict."""
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+    if device.type == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    results, runs, L, peak = bench_training(cfg, device, dtype, autocast)
+    n = PEAK_MATMUL_N[device.type]
+    peak_how = f"{dtype_name} {n}x{n} matmul"
+    for r in results.values():
+        r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak
+    diffusion_models = [m for tcfg, m in runs.values() if tcfg.loss != "ar"]
+    sampler = None
+    if cfg.sample_steps and diffusion_models:
+        raw, model = diffusion_models[0][:2]
+        sampler = bench_sampler(cfg, model, raw, device, dtype, L)
+    any_raw = next(iter(runs.values()))[1][0]
+    mc = any_raw.config
+    out = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
+               bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
+               model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
+                          vocab_size=mc.vocab_size, params=any_raw.num_params(),
+                          non_embedding_params=any_raw.num_params(non_embedding=True)),
+               peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler)
+    out["targets"] = check_targets(out)
+    return out
+
+
+def check_targets(out):
+    """Each target with this run's value; met is None unless the run is the one the target is defined for."""
+    rows = []
+    for what, loss, key, op, bound, where in TARGETS:
+        r = out["sampler"] if loss is None else out["losses"].get(loss)
+        value = None if r is None else r.get(key)
+        ok = None
+        if value is not None and run_matches(out, where):
+            ok = value <= bound if op == "<=" else value >= bound
+        rows.append(dict(target=f"{what} {op} {bound}", where=where, value=value, met=ok))
+    return rows
+
+
+# -----------------------------------------------------------------------------------------------
+# output
+
+def fmt(x, spec, none="n/a"):
+    return none if x is None else format(x, spec)
+
+
+def markdown(out):
+    m, cfg = out["model"], out["bench_config"]
+    lines = [
+        f"### bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
+        f"V={m['vocab_size']}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
+        f"{out['dtype']}{', compiled' if cfg['compile'] else ', eager'}",
+        f"{out['device']}; {out['date']}; median of {cfg['repeats']} interleaved rounds after {cfg['warmup']} "
+        f"warm-up rounds",
+        f"MFU = model FLOPs / step time / peak; FLOPs/step = {out['mfu_formula']}; "
+        f"peak {out['peak_flops'] / 1e9:,.1f} GFLOP/s (measured: best {out['peak_flops_from']}, every round)",
+        "",
+        "| loss | step ms | tokens/s | MFU | peak MiB | step MiB | act MiB | time x duo | peak x duo "
+        "| step MiB x duo | act x duo |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    mib = lambda b: None if b is None else b / 2 ** 20
+    for name, r in out["losses"].items():
+        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% "
+                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {mib(r['step_mem_bytes']):,.1f} "
+                     f"| {mib(r['act_bytes']):,.1f} | {fmt(r['step_vs_duo'], '.2f')} | {fmt(r['peak_vs_duo'], '.2f')} "
+                     f"| {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
+    s = out["sampler"]
+    if s is not None:
+        lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|",
+                  f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
+                  f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |"]
+    lines += ["", "| target | defined for | this run | met |", "|---|---|---:|---|"]  # met: n/a off its run
+    for t in out["targets"]:
+        value = fmt(t["value"], ".3f")
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {t['target']} | {t['where']} | {value} | {met} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    out = run(cfg)
+    print(json.dumps(out, indent=1) if cfg.json else markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (UsageError, FloatingPointError) as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
