@@ -156,10 +156,6 @@ def test_one_bf16_rounding_of_the_float32_gradient_keeps_the_target_entry_to_uni
     assert target_grad_error(g, ref, x0) <= 1.01 * BF16_U
 
 
-@pytest.mark.xfail(strict=True, reason="log_prob_of's gradient is the bf16 sum of two bf16 roundings (w p from "
-                   "the log-sum-exp, -w from the gather), so w (p - 1) errs by up to ~2^-8 / (1 - p) of itself "
-                   "(13% here, p = 0.9-0.99). Fix: lse + gathers in one autograd function whose backward forms "
-                   "sum_i g_i (onehot_i - softmax) in float32 and rounds once.")
 def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
     logits, x0 = confident_case()
     bf = logits.clone().requires_grad_(True)
