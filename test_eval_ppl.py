@@ -19,13 +19,7 @@ from model import ModelConfig, build_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only waits on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
 
 
 def perturbed(config, seed=0):

@@ -22,13 +22,7 @@ BF16_U = 2.0 ** -8      # unit roundoff of bf16 (8 significant bits): one roundi
 SMALL = dict(preset="tiny", block_size=16, batch_size=4, n_layer=2, n_head=2, n_embd=32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is faster, and on shared cores it avoids OpenMP oversubscription (~100x)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
 
 
 def small_model(loss="sddlm", vocab_size=61, seed=0, perturb=0.05, **overrides):

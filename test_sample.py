@@ -19,13 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = dict(vocab_size=11, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: on a busy 2-core machine a second intra-op thread only adds waiting (40x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
 
 
 def random_model(seed=0, **overrides):
