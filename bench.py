@@ -54,7 +54,7 @@ import diffusion
 import losses
 from model import PRESETS, build_model
 from sample import UsageError, parse_flags
-from train import TRAIN_PRESETS, TrainConfig, loss_terms, model_config_for, token_mean
+from train import TRAIN_PRESETS, TrainConfig, loss_terms, model_config_for, optimizer_step, token_mean
 
 ALL_LOSSES = "sddlm,sddlm_v1,sddlm_v2,naive,duo,ar"
 MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token block weight matrices)"
@@ -153,13 +153,7 @@ def train_step(model, raw_model, optimizer, ema, tcfg, x0, t, it, generator, aut
         per_token, _ = loss_terms(model, tcfg, x0, t, it, generator)
         loss = token_mean(per_token, None)
     loss.backward()
-    if tcfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), tcfg.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if ema is not None:
-        d = min(tcfg.ema, (2 + it) / (11 + it))
-        torch._foreach_lerp_(ema, [p.detach() for p in raw_model.parameters()], 1 - d)
+    optimizer_step(raw_model, optimizer, ema, tcfg, it)
     return loss.detach()
 
 

@@ -49,7 +49,7 @@ class TrainConfig:
     n_embd: int = 0
     dropout: float = 0.0
     # optimisation
-    max_iters: int = 1500
+    max_iters: int = 1000
     batch_size: int = 32             # GLOBAL batch in sequences (all ranks x accumulation steps)
     grad_accum: int = 1
     lr: float = 1e-3
@@ -239,6 +239,21 @@ def evaluate(model, cfg, data_dir, device, autocast, batch_size):
     return {"val_loss": tot / n, "val_nelbo": tot_nelbo / n, "val_ppl": math.exp(min(tot_nelbo / n, 50))}
 
 
+def optimizer_step(raw_model, optimizer, ema, cfg, n_ema):
+    """Clip the gradient norm, AdamW step, zero the gradients, update the EMA weights with Duo's warm-up
+    decay min(ema, (1 + n) / (10 + n)). n_ema = EMA updates so far -> n_ema + 1."""
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if ema is None:
+        return n_ema
+    n_ema += 1
+    d = min(cfg.ema, (1 + n_ema) / (10 + n_ema))
+    torch._foreach_lerp_(ema, [p.detach() for p in raw_model.parameters()], 1 - d)
+    return n_ema
+
+
 # -----------------------------------------------------------------------------------------------
 # checkpoints
 
@@ -419,14 +434,7 @@ def main(argv=None):
                 loss.backward()
             loss_acc += loss.detach()
             bad |= ~torch.isfinite(loss.detach())
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            n_ema += 1
-            d = min(cfg.ema, (1 + n_ema) / (10 + n_ema))
-            torch._foreach_lerp_(ema, [p.detach() for p in raw_model.parameters()], 1 - d)
+        n_ema = optimizer_step(raw_model, optimizer, ema, cfg, n_ema)
         it += 1
 
         last = it == cfg.max_iters
