@@ -108,10 +108,26 @@ def sample_categorical(probs, generator=None):
 
 
 def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
-    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), posterior in float64.
-    alpha_s = 1 gives the final 'ancestral' denoising step. -> x_s (B, L)."""
-    q = reverse_posterior(xt, x0_probs.double(), alpha_t, alpha_s, x0_probs.shape[-1])
-    return sample_categorical(q, generator)
+    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), exact in distribution.
+    Eq. (reverse) is a three-part mixture: stay at x_t, draw from x_theta, or draw uniformly, with weights
+        m_theta = (a_s - a_t) / Z,  m_unif = (1 - a_t/a_s)(1 - a_s) / Z,  m_stay = 1 - m_theta - m_unif,
+        Z = K a_t x_theta[x_t] + 1 - a_t,
+    so only the tokens that pick x_theta (about a_s - a_t of them) need a draw over the vocabulary (float64
+    Gumbel-max), and the (B, L, K) posterior of reverse_posterior is never built. alpha_s = 1 is the final
+    'ancestral' denoising step. xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
+    K = x0_probs.shape[-1]
+    probs = x0_probs.double()
+    a_t = _per_sequence(alpha_t, probs).squeeze(-1)
+    a_s = _per_sequence(alpha_s, probs).squeeze(-1)
+    Z = K * a_t * probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1) + 1 - a_t
+    m_theta = (a_s - a_t) / Z
+    m_unif = (1 - a_t / a_s) * (1 - a_s) / Z
+    u = torch.rand(xt.shape, generator=generator, device=xt.device, dtype=torch.float64)
+    xs = torch.where(u < m_theta + m_unif, torch.randint(0, K, xt.shape, generator=generator, device=xt.device), xt)
+    pick = (u < m_theta).nonzero(as_tuple=True)
+    if pick[0].numel():
+        xs[pick] = sample_categorical(probs[pick], generator)
+    return xs
 
 
 # -----------------------------------------------------------------------------------------------

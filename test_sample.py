@@ -126,7 +126,9 @@ def test_broken_samplers_fail_the_same_check(monkeypatch):
     x = generate(toy_denoiser(include_own_token=True), TOY_SAMPLES, 2, V_TOY, TOY_STEPS, generator=gen(0),
                  show_progress=False)
     assert total_variation_to_table(x) > 0.2        # the own token's likelihood counted twice
-    monkeypatch.setattr(diffusion, "sample_categorical", lambda probs, generator=None: probs.argmax(-1))
+    argmax_of_posterior = lambda xt, p, a_t, a_s, generator=None: diffusion.reverse_posterior(
+        xt, p, a_t, a_s, p.shape[-1]).argmax(-1)
+    monkeypatch.setattr(diffusion, "ancestral_step", argmax_of_posterior)
     x = generate(toy_denoiser(include_own_token=False), TOY_SAMPLES, 2, V_TOY, TOY_STEPS, generator=gen(0),
                  show_progress=False)
     assert total_variation_to_table(x) > 0.2        # argmax of the posterior (Duo issue #29)
