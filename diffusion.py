@@ -107,27 +107,41 @@ def sample_categorical(probs, generator=None):
     return (probs / e).argmax(-1)
 
 
-def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
-    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), exact in distribution.
-    Eq. (reverse) is a three-part mixture: stay at x_t, draw from x_theta, or draw uniformly, with weights
+def _mixture_step(xt, p_z, x0_rows, K, alpha_t, alpha_s, generator):
+    """Eq. (reverse) as a three-part mixture: stay at x_t, draw from x_theta, or draw uniformly, with weights
         m_theta = (a_s - a_t) / Z,  m_unif = (1 - a_t/a_s)(1 - a_s) / Z,  m_stay = 1 - m_theta - m_unif,
-        Z = K a_t x_theta[x_t] + 1 - a_t,
-    so only the tokens that pick x_theta (about a_s - a_t of them) need a draw over the vocabulary (float64
-    Gumbel-max), and the (B, L, K) posterior of reverse_posterior is never built. alpha_s = 1 is the final
-    'ancestral' denoising step. xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
-    K = x0_probs.shape[-1]
-    probs = x0_probs.double()
-    a_t = _per_sequence(alpha_t, probs).squeeze(-1)
-    a_s = _per_sequence(alpha_s, probs).squeeze(-1)
-    Z = K * a_t * probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1) + 1 - a_t
+        Z = K a_t x_theta[x_t] + 1 - a_t.
+    p_z = x_theta[x_t] (B, L) float64; x0_rows(index) -> x_theta of the tokens that pick it, (n, K) float64."""
+    a_t = _per_sequence(alpha_t, p_z)
+    a_s = _per_sequence(alpha_s, p_z)
+    Z = K * a_t * p_z + 1 - a_t
     m_theta = (a_s - a_t) / Z
     m_unif = (1 - a_t / a_s) * (1 - a_s) / Z
     u = torch.rand(xt.shape, generator=generator, device=xt.device, dtype=torch.float64)
     xs = torch.where(u < m_theta + m_unif, torch.randint(0, K, xt.shape, generator=generator, device=xt.device), xt)
     pick = (u < m_theta).nonzero(as_tuple=True)
     if pick[0].numel():
-        xs[pick] = sample_categorical(probs[pick], generator)
+        xs[pick] = sample_categorical(x0_rows(pick), generator)
     return xs
+
+
+def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
+    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), exact in distribution.
+    Drawn as the mixture of _mixture_step, so only the tokens that pick x_theta (about a_s - a_t of them) need
+    a draw over the vocabulary (float64 Gumbel-max) and the (B, L, K) posterior is never built.
+    alpha_s = 1 is the final 'ancestral' denoising step. xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
+    p_z = x0_probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double()
+    return _mixture_step(xt, p_z, lambda pick: x0_probs[pick].double(), x0_probs.shape[-1], alpha_t, alpha_s,
+                         generator)
+
+
+def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
+    """ancestral_step with x_theta = softmax(logits): one float32 log-sum-exp pass over the vocabulary and
+    float64 softmax rows only for the tokens that draw from x_theta. logits (B, L, K) any float dtype."""
+    lse = torch.logsumexp(logits.float(), dim=-1).double()
+    p_z = torch.exp(logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double() - lse)
+    return _mixture_step(xt, p_z, lambda pick: torch.softmax(logits[pick].double(), dim=-1), logits.shape[-1],
+                         alpha_t, alpha_s, generator)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -161,12 +161,21 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
             raise ValueError(f"the model returns {p.shape[-1]} classes, vocab_size is {K}")
         return p
 
+    def step(xt, alpha_t, alpha_s):
+        if cfg_w == 0 and top_p >= 1:   # x_theta = softmax(logits): no (B, L, V) float64 tensor needed
+            with autocast_for(device, dtype):
+                logits = model(xt, torch.full((B,), -math.log(alpha_t), device=device))
+            if logits.shape[-1] != K:
+                raise ValueError(f"the model returns {logits.shape[-1]} classes, vocab_size is {K}")
+            return diffusion.ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator)
+        return diffusion.ancestral_step(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator)
+
     ts = torch.linspace(1, t_end, steps + 1, dtype=torch.float64)
     alphas = diffusion.SCHEDULES[alpha_schedule](ts)[0].tolist()
     for i in tqdm(range(steps), desc=f"sampling ({steps} steps)", disable=not show_progress, leave=False):
-        x = keep_fixed(diffusion.ancestral_step(x, x_theta(x, alphas[i]), alphas[i], alphas[i + 1], generator))
+        x = keep_fixed(step(x, alphas[i], alphas[i + 1]))
     if final_step == "ancestral":
-        x = diffusion.ancestral_step(x, x_theta(x, alphas[-1]), alphas[-1], 1.0, generator)
+        x = step(x, alphas[-1], 1.0)
     elif final_step == "greedy":
         x = x_theta(x, alphas[-1]).argmax(-1)
     return keep_fixed(x)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffusion import (SCHEDULES, T_MIN, alpha_table, ancestral_step, cosine_schedule, curriculum_sample,
+from diffusion import (SCHEDULES, T_MIN, alpha_table, ancestral_step, ancestral_step_from_logits, cosine_schedule, curriculum_sample,
                        gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice, reverse_posterior,
                        sample_categorical, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule)
 
@@ -354,3 +354,16 @@ def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
         p = alpha[b].item() + (1 - alpha[b].item()) / K
         freq = (xt[b] == x0[b]).double().mean().item()
         assert abs(freq - p) < 4.5 * math.sqrt(p * (1 - p) / L)
+
+
+def test_ancestral_step_from_logits_is_ancestral_step_on_the_softmax():
+    """The sampler's fast path (float32 log-sum-exp, float64 rows only where x_theta is drawn) makes the same
+    draws as ancestral_step on softmax(logits) from the same generator state, including the final step."""
+    g = torch.Generator().manual_seed(3)
+    B, L, K = 6, 40, 13
+    logits = 3 * torch.randn(B, L, K, generator=g)
+    xt = torch.randint(0, K, (B, L), generator=g)
+    for a_t, a_s in ((0.2, 0.4), (0.7, 0.9), (0.99, 1.0)):
+        a = ancestral_step(xt, torch.softmax(logits.double(), -1), a_t, a_s, torch.Generator().manual_seed(5))
+        b = ancestral_step_from_logits(xt, logits, a_t, a_s, torch.Generator().manual_seed(5))
+        assert torch.equal(a, b)
