@@ -170,17 +170,23 @@ def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
     return gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP
 
 
+@functools.lru_cache(maxsize=8)
+def _alpha_table_on(vocab_size, gamma_min, gamma_max, device):
+    """alpha_table copied once to `device`, so a training step's lookup needs no host round trip."""
+    return tuple(x.to(device) for x in alpha_table(vocab_size, gamma_min, gamma_max))
+
+
 def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
     """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table.
     gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""
-    grid, alpha, dalpha = alpha_table(vocab_size, float(gamma_min), float(gamma_max))
-    g = gamma.detach().double().cpu().clamp(gamma_min, gamma_max)
+    grid, alpha, dalpha = _alpha_table_on(vocab_size, float(gamma_min), float(gamma_max), str(gamma.device))
+    g = gamma.detach().double().clamp(gamma_min, gamma_max)
     pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
     lo = pos.floor().long().clamp(max=grid.numel() - 2)
     frac = pos - lo
     out_a = alpha[lo] * (1 - frac) + alpha[lo + 1] * frac
     out_d = dalpha[lo] * (1 - frac) + dalpha[lo + 1] * frac
-    return out_a.to(gamma.device, gamma.dtype), out_d.to(gamma.device, gamma.dtype)
+    return out_a.to(gamma.dtype), out_d.to(gamma.dtype)
 
 
 def gaussian_latent(x0, gamma, vocab_size, generator=None):
