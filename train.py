@@ -439,15 +439,17 @@ def main(argv=None):
 
         last = it == cfg.max_iters
         save = it % cfg.ckpt_interval == 0 or last
-        if it % cfg.log_interval == 0 or save or stop["signal"] is not None:   # the only host syncs
+        # the only host syncs; under DDP every rank takes this branch at the same steps (collectives inside)
+        stopping = False
+        if it % cfg.log_interval == 0 or save or (not ddp and stop["signal"] is not None):
+            stopping = stop["signal"] is not None
             if ddp:
                 dist.all_reduce(loss_acc)
                 loss_acc /= world_size
-                flags = torch.tensor([float(bad), float(stop["signal"] is not None)], device=device)
+                flags = torch.tensor([float(bad), float(stopping)], device=device)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                 bad.fill_(bool(flags[0]))
-                if flags[1] > 0 and stop["signal"] is None:     # another rank was signalled: stop together
-                    stop["signal"] = signal.SIGTERM
+                stopping = bool(flags[1])                        # any rank signalled: all stop together
             if bool(bad):   # checked before any checkpoint is written, so the last one on disk is good
                 raise FloatingPointError(f"non-finite loss by step {it} (lr {lr:.2e}); the last good checkpoint "
                                          f"{ckpt_path} is kept. Lower --lr or check the data.")
@@ -471,13 +473,13 @@ def main(argv=None):
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"step": it, **metrics}) + "\n")
             t_last = time.time()    # keep evaluation out of the tokens/s figure
-        if save or stop["signal"] is not None:
+        if save or stopping:
             checkpoint()
-        if stop["signal"] is not None:
+        if stopping:
             if master:
                 pbar.close()
-                print(f"stopped by signal {stop['signal']} at step {it}; checkpoint saved to {ckpt_path} "
-                      f"(continue with --resume 1)")
+                print(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {it}; checkpoint saved to "
+                      f"{ckpt_path} (continue with --resume 1)")
             if ddp:
                 dist.destroy_process_group()
             signal.signal(signal.SIGINT, old_handlers[0]), signal.signal(signal.SIGTERM, old_handlers[1])
