@@ -309,10 +309,18 @@ def main(argv=None):
     data_dir = cfg.data_dir = os.path.abspath(cfg.data_dir or os.path.join(
         "data", f"{os.path.basename(cfg.dataset.rstrip('/'))}-{cfg.tokenizer.replace(':', '').replace('/', '_')}"
         f"-{cfg.block_size}"))
+    error = None
     if master:
-        prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
-    if ddp:
-        dist.barrier()
+        try:
+            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
+        except DataError as e:
+            error = str(e)
+    if ddp:    # every rank learns rank 0's verdict and fails with the same one line, instead of hanging
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise DataError(error)
     meta = load_meta(data_dir)
     vocab_size = meta["vocab_size"]
     mcfg = model_config_for(cfg, vocab_size)
@@ -515,5 +523,6 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except (UsageError, DataError, FloatingPointError, FileNotFoundError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
+            print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
