@@ -53,7 +53,7 @@ import torch
 import diffusion
 import losses
 from model import PRESETS, build_model
-from sample import UsageError, parse_flags
+from sample import UsageError, parse_flags, run_cli
 from train import TRAIN_PRESETS, TrainConfig, loss_terms, model_config_for, optimizer_step, token_mean
 
 ALL_LOSSES = "sddlm,sddlm_v1,sddlm_v2,naive,duo,ar"
@@ -446,8 +446,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (UsageError, FloatingPointError) as e:
-        print(f"bench.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main, FloatingPointError)

@@ -50,7 +50,7 @@ from tqdm import tqdm
 import diffusion
 import losses
 from data import DataError
-from sample import UsageError, generate, load_model, load_tokenizer, parse_flags, resolve_device, resolve_dtype
+from sample import generate, load_model, load_tokenizer, parse_flags, resolve_device, resolve_dtype, run_cli
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
 PAPER_TASKS = ["arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "race", "social_iqa", "lambada_standard"]
@@ -589,8 +589,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (EvalError, UsageError, DataError) as e:
-        print(f"eval_downstream.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main, EvalError, DataError)

@@ -33,7 +33,6 @@ import itertools
 import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -44,7 +43,7 @@ from tqdm import tqdm
 import diffusion
 import losses
 from sample import (UsageError, autocast_for, append_jsonl, generate, generate_ar, load_model, load_tokenizer,
-                    parse_flags, resolve_device, resolve_dtype)
+                    parse_flags, resolve_device, resolve_dtype, run_cli)
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -447,11 +446,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from data import DataError
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except DataError as e:  # a prepared folder or corpus that cannot be read
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(main, DataError)

@@ -265,6 +265,17 @@ def parse_flags(cls, argv=None, description=None, presets=None):
     return cls(**{**presets[preset], **given})
 
 
+def run_cli(main, *errors):
+    """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
+    rather than a bug) becomes one line on stderr and exit code 2, never a traceback."""
+    try:
+        sys.exit(main())
+    except (UsageError, *errors) as e:
+        if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def resolve_device(name):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -416,8 +427,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

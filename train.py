@@ -15,7 +15,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict
@@ -28,7 +27,7 @@ import diffusion
 import losses
 from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset
 from model import PRESETS, ModelConfig, build_model
-from sample import UsageError, parse_flags
+from sample import UsageError, parse_flags, run_cli
 
 
 @dataclass
@@ -520,9 +519,4 @@ def print_samples(raw_model, cfg, meta, device, swap_ema):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (UsageError, DataError, FloatingPointError, FileNotFoundError) as e:
-        if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
-            print(f"train.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main, DataError, FloatingPointError, FileNotFoundError)
