@@ -43,40 +43,19 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 
 import diffusion
-import losses
+from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
-from sample import UsageError, parse_flags, run_cli
-from train import TRAIN_PRESETS, TrainConfig, loss_terms, model_config_for, optimizer_step, token_mean
+from train import (OBJECTIVES, TRAIN_PRESETS, Env, Run, TrainConfig, loss_terms, make_optimizer, model_config_for,
+                   token_mean, train_step)
 
-ALL_LOSSES = "sddlm,sddlm_v1,sddlm_v2,naive,duo,ar"
+ALL_LOSSES = ",".join(OBJECTIVES)
 MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token block weight matrices)"
-# the paper's claims and this issue's targets: (what, loss row or None = sampler, key, op, bound, defined for);
-# 'met' is judged only on a run that matches `defined for`, other runs show the value alone
-SMALL_GPU = "small preset, L=1024, CUDA"
-TARGETS = [
-    ("sddlm step / duo step", "sddlm", "step_vs_duo", "<=", 0.80, SMALL_GPU),
-    ("sddlm peak memory / duo", "sddlm", "peak_vs_duo", "<=", 0.70, SMALL_GPU),
-    ("sddlm_v1 step / sddlm step", "sddlm_v1", "step_vs_sddlm", "<=", 1.03, SMALL_GPU),
-    ("sddlm_v2 step / sddlm step", "sddlm_v2", "step_vs_sddlm", "<=", 1.03, SMALL_GPU),
-    ("sampler overhead over forwards", None, "overhead", "<=", 0.10, SMALL_GPU),
-    ("MFU (sddlm)", "sddlm", "mfu", ">=", 0.45, "H100, bfloat16"),
-]
-
-
-def run_matches(out, where):
-    if where == SMALL_GPU:
-        return out["bench_config"]["preset"] == "small" and out["block_size"] == 1024 and out["cuda"]
-    return "H100" in out["device"] and out["dtype"] == "bfloat16"
-
-
 @dataclass
 class BenchConfig:
     preset: str = "tiny"            # model preset (model.PRESETS) and training recipe (train.TRAIN_PRESETS)
@@ -91,7 +70,7 @@ class BenchConfig:
     compile: bool = False           # torch.compile the model (warm-up rounds absorb the compilation)
     repeats: int = 5                # timed rounds; each loss reports the median
     warmup: int = 2                 # rounds run first and dropped
-    losses: str = ALL_LOSSES        # comma-separated subset of losses.LOSSES
+    losses: str = ALL_LOSSES        # comma-separated subset of train.OBJECTIVES
     sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
     seed: int = 1
@@ -99,33 +78,22 @@ class BenchConfig:
 
 
 def parse_args(argv=None):
-    """The project's dataclass -> flags parser (sample.parse_flags); a bare boolean flag (`--json`) means 1."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bools = {f"--{f.name}" for f in fields(BenchConfig) if f.type in (bool, "bool")}
-    for i in reversed(range(len(argv))):
-        if argv[i] in bools and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            argv.insert(i + 1, "1")
     cfg = parse_flags(BenchConfig, argv, __doc__.strip().split("\n")[0], presets={name: {} for name in PRESETS})
     names = [s for s in cfg.losses.replace(" ", "").split(",") if s]
-    bad = [s for s in names if s not in losses.LOSSES]
+    bad = [s for s in names if s not in OBJECTIVES]
     if not names or bad:
-        raise UsageError(f"unknown --losses {','.join(bad) or cfg.losses!r}; choose from {', '.join(losses.LOSSES)}")
+        raise UsageError(f"unknown --losses {','.join(bad) or cfg.losses!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0:
         raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads >= 0")
     if cfg.block_size and cfg.block_size < 2:
         raise UsageError("--block_size must be >= 2")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"unknown --device {cfg.device!r}; choose from auto, cpu, cuda")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    if cfg.dtype not in ("auto", "float32", "bfloat16"):
-        raise UsageError(f"unknown --dtype {cfg.dtype!r}; choose from auto, float32, bfloat16")
+    resolve_dtype(cfg.dtype, resolve_device(cfg.device))
     cfg.losses = ",".join(names)
     return cfg
 
 
 # -----------------------------------------------------------------------------------------------
-# the training step, as in train.py's loop (one micro-step, no DDP)
+# the training step: train.py's own (train.train_step on a Run without a data loader, one process)
 
 def train_config_for(cfg, loss):
     """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes."""
@@ -134,27 +102,6 @@ def train_config_for(cfg, loss):
                           "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
                           "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                           "curriculum_iters": 0, "seed": cfg.seed, "compile": cfg.compile})
-
-
-def make_optimizer(model, tcfg, device):
-    """AdamW with train.py's parameter groups, and the EMA copy of the weights (None when tcfg.ema == 0)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), fused=device.type == "cuda")
-    ema = [p.detach().clone() for p in model.parameters()] if tcfg.ema else None
-    return optimizer, ema
-
-
-def train_step(model, raw_model, optimizer, ema, tcfg, x0, t, it, generator, autocast):
-    """loss_terms -> token mean -> backward -> clip -> AdamW -> EMA (train.py, grad_accum 1). -> loss (detached)."""
-    with autocast:
-        per_token, _ = loss_terms(model, tcfg, x0, t, it, generator)
-        loss = token_mean(per_token, None)
-    loss.backward()
-    optimizer_step(raw_model, optimizer, ema, tcfg, it)
-    return loss.detach()
 
 
 def cpu_step_peak_bytes(fn):
@@ -229,11 +176,13 @@ def measure_peak_flops(device, dtype, seconds=1.0):
 # -----------------------------------------------------------------------------------------------
 # benchmarks
 
-def bench_training(cfg, device, dtype, autocast):
+def bench_training(cfg, device, dtype):
     """Interleaved timing of every loss, and the matmul peak re-measured every round (the best is kept,
-    so a busy neighbour at start-up cannot inflate MFU). -> (results per loss, runs, L, peak FLOP/s)."""
+    so a busy neighbour at start-up cannot inflate MFU). -> (results per loss, runs, L, peak FLOP/s).
+    runs: {loss: (its TrainConfig, a train.Run)}; the diffusion losses share one model and optimizer."""
     names = cfg.losses.split(",")
-    L, B = None, cfg.batch_size
+    L, B, env = None, cfg.batch_size, Env(device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
     models, runs = {}, {}
     for name in names:
         tcfg = train_config_for(cfg, name)
@@ -243,10 +192,8 @@ def bench_training(cfg, device, dtype, autocast):
         if key not in models:
             torch.manual_seed(cfg.seed)
             raw = build_model(mcfg).to(device).train()
-            optimizer, ema = make_optimizer(raw, tcfg, device)
-            models[key] = (raw, torch.compile(raw) if cfg.compile else raw, optimizer, ema)
-        runs[name] = (tcfg, models[key])
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            models[key] = (raw, torch.compile(raw) if cfg.compile else raw, *make_optimizer(raw, tcfg, device))
+        runs[name] = (tcfg, Run(*models[key], loader=None, gen_shared=gen, gen_local=gen))
     times = {name: [] for name in names}
     peaks = {name: 0 for name in names}        # CUDA: max_memory_allocated, and its excess over the step's start
     step_peaks = {name: 0 for name in names}
@@ -254,16 +201,14 @@ def bench_training(cfg, device, dtype, autocast):
     for round_ in range(cfg.warmup + cfg.repeats):
         peak_flops = max(peak_flops, measure_peak_flops(device, dtype, seconds=0.2))
         for name in names:
-            tcfg, (raw, model, optimizer, ema) = runs[name]
-            V = raw.config.vocab_size
-            x0 = torch.randint(0, V, (B, L), device=device, generator=gen)
-            t = diffusion.sample_t(B, gen, device=device)
+            tcfg, run = runs[name]
+            x0 = torch.randint(0, run.raw_model.config.vocab_size, (B, L), device=device, generator=gen)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
             synchronize(device)
             t0 = time.perf_counter()
-            loss = train_step(model, raw, optimizer, ema, tcfg, x0, t, round_, gen, autocast)
+            loss = train_step(run, tcfg, env, x0)
             synchronize(device)
             dt = time.perf_counter() - t0
             if not math.isfinite(loss.item()):
@@ -275,20 +220,19 @@ def bench_training(cfg, device, dtype, autocast):
                     step_peaks[name] = max(step_peaks[name], peaks[name] - before)
     results = {}
     for name in names:
-        tcfg, (raw, model, optimizer, ema) = runs[name]
-        x0 = torch.randint(0, raw.config.vocab_size, (B, L), device=device, generator=gen)
+        tcfg, run = runs[name]
+        x0 = torch.randint(0, run.raw_model.config.vocab_size, (B, L), device=device, generator=gen)
         t = diffusion.sample_t(B, gen, device=device)
 
         def forward_and_loss():
-            with autocast:
-                return token_mean(loss_terms(raw, tcfg, x0, t, 0, gen)[0], None)
+            with autocast_for(device, dtype):
+                return token_mean(loss_terms(run.raw_model, tcfg, x0, t, 0, gen)[0], None)
 
-        act = saved_activation_bytes(forward_and_loss, list(raw.parameters()))
+        act = saved_activation_bytes(forward_and_loss, list(run.raw_model.parameters()))
         if device.type == "cpu":
-            step_peaks[name] = cpu_step_peak_bytes(
-                lambda: train_step(model, raw, optimizer, ema, tcfg, x0, t, cfg.warmup + cfg.repeats, gen, autocast))
+            step_peaks[name] = cpu_step_peak_bytes(lambda: train_step(run, tcfg, env, x0))
         step = statistics.median(times[name])
-        flops = model_flops_per_step(raw, B, L)
+        flops = model_flops_per_step(run.raw_model, B, L)
         results[name] = dict(step_ms=1e3 * step, step_ms_all=[1e3 * s for s in times[name]],
                              tokens_per_s=B * L / step, model_flops=flops,
                              peak_mem_bytes=peaks[name] if device.type == "cuda" else None,
@@ -312,14 +256,13 @@ def bench_sampler(cfg, model, raw, device, dtype, L):
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randint(0, V, (B, L), device=device, generator=gen)
     sigma = torch.full((B,), 0.5, device=device)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype == torch.bfloat16 else nullcontext()
     fwd, gen_time, nfe = [], [], 0
     raw.eval()
     try:
         for round_ in range(cfg.warmup + cfg.repeats):
             synchronize(device)
             t0 = time.perf_counter()
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), autocast_for(device, dtype):
                 for _ in range(cfg.sample_steps):
                     model(x, sigma)
             synchronize(device)
@@ -353,26 +296,24 @@ def device_name(device):
 
 def run(cfg):
     """The whole benchmark -> one JSON-able dict."""
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else nullcontext()
+    dtype = resolve_dtype(cfg.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    results, runs, L, peak = bench_training(cfg, device, dtype, autocast)
+    results, runs, L, peak = bench_training(cfg, device, dtype)
     n = PEAK_MATMUL_N[device.type]
     peak_how = f"{dtype_name} {n}x{n} matmul"
     for r in results.values():
         r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak
-    diffusion_models = [m for tcfg, m in runs.values() if tcfg.loss != "ar"]
+    diffusion_runs = [run for tcfg, run in runs.values() if tcfg.loss != "ar"]
     sampler = None
-    if cfg.sample_steps and diffusion_models:
-        raw, model = diffusion_models[0][:2]
-        sampler = bench_sampler(cfg, model, raw, device, dtype, L)
-    any_raw = next(iter(runs.values()))[1][0]
+    if cfg.sample_steps and diffusion_runs:
+        sampler = bench_sampler(cfg, diffusion_runs[0].model, diffusion_runs[0].raw_model, device, dtype, L)
+    any_raw = next(iter(runs.values()))[1].raw_model
     mc = any_raw.config
     out = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
                bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
@@ -380,21 +321,7 @@ def run(cfg):
                           vocab_size=mc.vocab_size, params=any_raw.num_params(),
                           non_embedding_params=any_raw.num_params(non_embedding=True)),
                peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler)
-    out["targets"] = check_targets(out)
     return out
-
-
-def check_targets(out):
-    """Each target with this run's value; met is None unless the run is the one the target is defined for."""
-    rows = []
-    for what, loss, key, op, bound, where in TARGETS:
-        r = out["sampler"] if loss is None else out["losses"].get(loss)
-        value = None if r is None else r.get(key)
-        ok = None
-        if value is not None and run_matches(out, where):
-            ok = value <= bound if op == "<=" else value >= bound
-        rows.append(dict(target=f"{what} {op} {bound}", where=where, value=value, met=ok))
-    return rows
 
 
 # -----------------------------------------------------------------------------------------------
@@ -430,11 +357,6 @@ def markdown(out):
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|",
                   f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |"]
-    lines += ["", "| target | defined for | this run | met |", "|---|---|---:|---|"]  # met: n/a off its run
-    for t in out["targets"]:
-        value = fmt(t["value"], ".3f")
-        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
-        lines.append(f"| {t['target']} | {t['where']} | {value} | {met} |")
     return "\n".join(lines)
 
 
@@ -446,4 +368,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main, FloatingPointError)
+    run_cli(main, FloatingPointError, oom_hint="lower --batch_size")

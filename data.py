@@ -1,7 +1,10 @@
 """
 Data for sddlm: tokenizers, corpora, one-time preparation into token memmaps, and batches.
 
-    python data.py --dataset pydoc --tokenizer sp_train:2048 --out data/pydoc --block_size 128
+    python data.py --dataset pydoc --tokenizer sp_train:2048 --block_size 128   # -> data/pydoc-sp_train2048-128
+
+Where prepared data lives (prepared_dir, the one rule train.py and this script share):
+    data/<dataset name>-<tokenizer>-<block_size>[-padded]     unless --data_dir names another folder
 
 Layout of a prepared folder (what train.py / eval read):
     train.bin, val.bin   the sequences, already blocked: a row-major (N, block_size) array of token ids,
@@ -15,14 +18,12 @@ and the stream is cut into blocks of L-2 emitted as [BOS] + block + [EOS]; every
 Un-wrapped (LM1B-style): each document becomes [BOS] + ids + [EOS], truncated to L (EOS kept) and padded with PAD.
 """
 
-import argparse
 import hashlib
 import importlib.util
 import itertools
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -253,14 +254,23 @@ class _HFTexts:
         return (self.detokenizer(row[self.field]) for row in self.ds)
 
 
-def _load_hf(name):
+def load_hf_split(name, which):
+    """The "train" or "val" documents of HF_CORPORA[name] (Duo's splits, text fields and detokenizers), read
+    lazily; [] where the set has no such split. Needs `datasets` (and the network or its cache)."""
     try:
         import datasets
     except ImportError:
         raise DataError(f"dataset {name!r} needs the datasets package (pip install datasets) and network") from None
     kwargs, train_split, val_split, field, detok = HF_CORPORA[name]
-    load = lambda split: _HFTexts(datasets.load_dataset(**kwargs, split=split), field, detok) if split else []
-    return load(train_split), load(val_split)
+    split = train_split if which == "train" else val_split
+    if split is None:
+        return []
+    try:
+        return _HFTexts(datasets.load_dataset(**kwargs, split=split), field, detok)
+    except Exception as e:  # no network, an unknown name, a changed hub layout: one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"could not load {name} ({type(e).__name__}: {first}); a local .txt file works offline"
+                        ) from None
 
 
 def _split_tail(docs, val_fraction, name):
@@ -286,7 +296,7 @@ def load_corpus(name, val_fraction=0.05):
     elif os.path.isfile(name):
         docs = [d.strip("\n") for d in re.split(r"\n\s*\n", _read(name)) if d.strip()]
     elif name in HF_CORPORA:
-        return _load_hf(name)
+        return load_hf_split(name, "train"), load_hf_split(name, "val")
     elif name.endswith(".txt") or os.sep in name:
         raise DataError(f"no such file or folder: {name}")
     else:
@@ -312,6 +322,15 @@ def _read(path):
 PROBE = "Tokenizer probe: naïve café, 3.14 £ <tag>\n\tdone."  # its ids fingerprint the tokenizer in meta.json
 
 
+def wrap_blocks(stream, block_size, bos_id, eos_id):
+    """Duo's wrap: cut a token stream into pieces of L - 2 tokens and emit each as [BOS] + piece + [EOS].
+    stream (n,) integer array -> ((N, L) array of its dtype, the remainder that fills no piece)."""
+    n = len(stream) // (block_size - 2)
+    pieces, rest = stream[:n * (block_size - 2)].reshape(n, block_size - 2), stream[n * (block_size - 2):]
+    bos, eos = np.full((n, 1), bos_id, stream.dtype), np.full((n, 1), eos_id, stream.dtype)
+    return np.concatenate([bos, pieces, eos], axis=1), rest
+
+
 def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress):
     """Tokenize docs in chunks of 1024 and stream rows of length L = block_size to out_dir/{split}.bin
     (and {split}_mask.bin when un-wrapped), each written to a temp file and renamed when complete."""
@@ -332,10 +351,7 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
             counts["tokens"] += sum(map(len, ids))
             if wrap:
                 stream = np.concatenate([carry, *(np.asarray(x + eos, dtype=dtype) for x in ids)])
-                n = len(stream) // (L - 2)
-                blocks, carry = stream[:n * (L - 2)].reshape(n, L - 2), stream[n * (L - 2):]
-                bos, eos_col = np.full((n, 1), tok.bos_id, dtype), np.full((n, 1), tok.eos_id, dtype)
-                rows = np.concatenate([bos, blocks, eos_col], axis=1)
+                rows, carry = wrap_blocks(stream, L, tok.bos_id, tok.eos_id)
             else:
                 rows, mask = np.full((len(ids), L), tok.pad_id, dtype), np.zeros((len(ids), L), np.uint8)
                 for r, x in enumerate(ids):
@@ -359,6 +375,13 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
 def _batched(it, n):
     while chunk := list(itertools.islice(it, n)):
         yield chunk
+
+
+def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True):
+    """The default folder of a prepared dataset: data/<dataset name>-<tokenizer>-<L>, '-padded' when not wrapped."""
+    name = os.path.basename(os.path.normpath(dataset)).removesuffix(".txt")
+    tok = tokenizer_spec.replace(":", "").replace("/", "_")
+    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded"))
 
 
 def _dump_json(obj, path):
@@ -391,7 +414,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
         old = load_meta(out_dir)
         diff = [f"{k}={old.get(k)!r} (asked {v!r})" for k, v in settings.items() if old.get(k) != v]
         if diff:
-            raise DataError(f"{out_dir} was prepared with {', '.join(diff)}; use another --out or delete it")
+            raise DataError(f"{out_dir} was prepared with {', '.join(diff)}; use another --data_dir or delete it")
         return out_dir
     sp_vocab = tokenizer_spec.removeprefix("sp_train:") if tokenizer_spec.startswith("sp_train:") else None
     if sp_vocab is not None and not sp_vocab.isdigit():
@@ -512,27 +535,32 @@ def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_si
 
 # -----------------------------------------------------------------------------
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Tokenize a corpus once into token memmaps for sddlm.")
-    p.add_argument("--dataset", default="pydoc", help=f"pydoc, a .txt file/folder, or one of {sorted(HF_CORPORA)}")
-    p.add_argument("--tokenizer", default="sp_train:2048", help="gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB")
-    p.add_argument("--out", default=None, help="output folder (default data/<dataset>)")
-    p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--no_wrap", action="store_true", help="one padded sequence per document (LM1B-style)")
-    p.add_argument("--no_eos", action="store_true", help="do not insert EOS between wrapped documents")
-    p.add_argument("--val_fraction", type=float, default=0.05, help="local corpora: share of characters for val")
-    p.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(1))
-    args = p.parse_args()
-    out = args.out or os.path.join("data", os.path.basename(os.path.normpath(args.dataset)).removesuffix(".txt"))
-    try:
-        prepare_dataset(args.dataset, args.tokenizer, out, args.block_size, wrap=not args.no_wrap,
-                        insert_eos=not args.no_eos, val_fraction=args.val_fraction)
-        meta = load_meta(out)
-    except (DataError, OSError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+@dataclass
+class PrepareConfig:
+    dataset: str = "pydoc"           # pydoc (built in) | a .txt file or folder | a name in HF_CORPORA
+    tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
+    data_dir: str = ""               # "" = prepared_dir(dataset, tokenizer, block_size, wrap), as train.py
+    block_size: int = 128
+    wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
+    insert_eos: bool = True          # EOS between wrapped documents
+    val_fraction: float = 0.05       # local corpora: share of the characters held out for validation
+
+
+def main(argv=None):
+    from cli import parse_flags
+    cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
+    out = prepare_dataset(cfg.dataset, cfg.tokenizer,
+                          cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap),
+                          cfg.block_size, wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction)
+    meta = load_meta(out)
     print(f"{out}: tokenizer {meta['tokenizer']} (K={meta['vocab_size']}, {meta['dtype']}), block_size "
           f"{meta['block_size']}, wrap={meta['wrap']}")
     for split in ("train", "val"):
         print(f"  {split}: {meta[f'{split}_documents']} documents -> {meta[f'{split}_tokens']} tokens -> "
               f"{meta[f'{split}_sequences']} sequences")
+    return 0
+
+
+if __name__ == "__main__":
+    from cli import run_cli
+    run_cli(main, DataError, ImportError)

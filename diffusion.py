@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from losses import logsumexp_fp32
+
 T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
 
 
@@ -139,9 +141,7 @@ def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
     """ancestral_step with x_theta = softmax(logits): one float32 log-sum-exp pass over the vocabulary (in
     chunks of rows, so bf16 logits never get a full float32 copy) and float64 softmax rows only for the tokens
     that draw from x_theta. logits (B, L, K) any float dtype."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    lse = torch.cat([torch.logsumexp(c.float(), dim=-1) for c in rows.split(max(1, (1 << 25) // rows.shape[1]))])
-    lse = lse.view(logits.shape[:-1]).double()
+    lse = logsumexp_fp32(logits).double()
     p_z = torch.exp(logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double() - lse)
     return _mixture_step(xt, p_z, lambda pick: torch.softmax(logits[pick].double(), dim=-1), logits.shape[-1],
                          alpha_t, alpha_s, generator)

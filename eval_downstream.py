@@ -34,6 +34,7 @@ JSONL files for the built-in runner: one object a line, either multiple choice
 The lm-eval model "sddlm" (lm-eval 0.4.x, optional) is defined by lm_eval_model_class().
 """
 
+import argparse
 import dataclasses
 import functools
 import importlib.util
@@ -41,7 +42,6 @@ import json
 import math
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,9 @@ from tqdm import tqdm
 import diffusion
 import losses
 from data import DataError
-from sample import generate, load_model, load_tokenizer, parse_flags, resolve_device, resolve_dtype, run_cli
+from cli import (UsageError, autocast_for, load_model, load_tokenizer, parse_bool, parse_flags, resolve_device,
+                 resolve_dtype, run_cli)
+from sample import denoiser_log_probs, generate, null_tokens
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
 PAPER_TASKS = ["arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "race", "social_iqa", "lambada_standard"]
@@ -62,7 +64,7 @@ T_MIN = 1e-3
 GREEDY_CHECKS = ("argmax", "generate")
 
 
-class EvalError(ValueError):
+class EvalError(UsageError):
     """Bad evaluation input (a file, a task, a request that does not fit): one line, exit code 2."""
 
 
@@ -84,33 +86,15 @@ def join_context(ctx_ids, cont_ids, block_size, device=None):
     return x0, len(ctx_ids)
 
 
-def null_contexts(n, n_ctx, vocab_size, seed, device=None):
-    """The paper's unconditional prompt r: n_ctx tokens drawn uniformly from the vocabulary, one row per
-    forward row (n, n_ctx), from their own generator (seed + 1, as sample.generate), so turning CFG on or
-    off never changes the noise of the continuation."""
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
-    return torch.randint(0, vocab_size, (n, n_ctx), generator=gen, device=device)
-
-
 def guided_log_probs(model, xt, sigma, n_ctx, cfg_w=0.0, null_ctx=None, autocast=None):
     """log p~(x0 | x_t) at the continuation positions n_ctx.. : xt (B, L) ids -> (B, L - n_ctx, V) float32.
-    cfg_w = 0 (or no context): one forward, log p_theta. Otherwise the unconditional input is xt with its
-    context replaced by null_ctx (B, n_ctx), the SAME noisy continuation; [xt ; null input] is one forward of
-    2B rows and log p~ = log_softmax((1 + w) log p_c - w log p_u). sigma (B,) is ignored by models without
-    time conditioning (the llama presets)."""
+    cfg_w = 0 (or no context): log p_theta. Otherwise sample.denoiser_log_probs with the unconditional input
+    xt whose context is replaced by null_ctx (B, n_ctx) and the SAME noisy continuation. sigma (B,) is
+    ignored by models without time conditioning (the llama presets)."""
     guided = cfg_w != 0 and n_ctx > 0
-    if guided:
-        x_in = torch.cat([xt, torch.cat([null_ctx, xt[:, n_ctx:]], dim=1)])
-        sigma = torch.cat([sigma, sigma])
-    else:
-        x_in = xt
-    with autocast or nullcontext():
-        logits = model(x_in, sigma)[:, n_ctx:]
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    if not guided:
-        return log_p
-    log_p_c, log_p_u = log_p.chunk(2)
-    return torch.log_softmax((1 + cfg_w) * log_p_c - cfg_w * log_p_u, dim=-1)
+    null_xt = torch.cat([null_ctx, xt[:, n_ctx:]], dim=1) if guided else None
+    return denoiser_log_probs(model, xt, sigma, null_xt=null_xt, cfg_w=cfg_w if guided else 0.0, autocast=autocast,
+                              dtype=torch.float32, start=n_ctx)
 
 
 @torch.no_grad()
@@ -127,7 +111,7 @@ def conditional_nelbo(model, ctx_ids, cont_ids, *, mc_draws=128, batch_size=16, 
     alpha_t, dalpha_t = diffusion.log_linear_schedule(t, eps=T_MIN)
     cont = x0[:, n_ctx:].expand(mc_draws, -1)
     cont_t = diffusion.sample_xt(cont, alpha_t[:, None], V, gen)
-    null_ctx = null_contexts(mc_draws, n_ctx, V, seed, device) if cfg_w != 0 else None
+    null_ctx = null_tokens((mc_draws, n_ctx), V, seed + 1, device) if cfg_w != 0 else None
     nelbo = []
     for j in range(0, mc_draws, batch_size):
         b = slice(j, j + batch_size)
@@ -154,7 +138,7 @@ def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
     gen = torch.Generator(device=device).manual_seed(seed)
     alpha_1 = diffusion.log_linear_schedule(torch.ones(1, device=device), eps=T_MIN)[0]
     cont_1 = diffusion.sample_xt(x0[:, n_ctx:], alpha_1[:, None], V, gen)
-    null_ctx = null_contexts(1, n_ctx, V, seed, device) if cfg_w != 0 else None
+    null_ctx = null_tokens((1, n_ctx), V, seed + 1, device) if cfg_w != 0 else None
     log_p = guided_log_probs(model, torch.cat([x0[:, :n_ctx], cont_1], 1), diffusion.sigma_from_alpha(alpha_1),
                              n_ctx, cfg_w, null_ctx, autocast)
     return bool((log_p.argmax(-1) == x0[:, n_ctx:]).all())
@@ -189,10 +173,8 @@ class Scorer:
 
     @property
     def autocast(self):
-        """A fresh bf16/fp16 autocast context for the network, or None (float32)."""
-        if self.dtype in (torch.bfloat16, torch.float16):
-            return torch.autocast(_device(self.model).type, dtype=self.dtype)
-        return None
+        """A fresh autocast context for the network (cli.autocast_for)."""
+        return autocast_for(_device(self.model), self.dtype)
 
     def encode(self, context, continuation):
         """lm-eval's split: trailing whitespace of the context moves to the continuation; the continuation ids
@@ -324,13 +306,9 @@ def _coerce(value, typ, name):
     s = str(value).strip().lower()
     try:
         if typ is bool:
-            if s in ("1", "true", "yes"):
-                return True
-            if s in ("0", "false", "no"):
-                return False
-            raise ValueError
+            return parse_bool(s)
         return typ(float(s)) if typ is int and float(s).is_integer() else typ(s)
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise EvalError(f"sddlm model argument {name}={value!r} is not a valid {typ.__name__}") from None
 
 
@@ -589,4 +567,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main, EvalError, DataError)
+    run_cli(main, DataError, oom_hint="lower --batch_size (Monte Carlo draws per forward)")

@@ -36,14 +36,16 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import diffusion
 import losses
-from sample import (UsageError, autocast_for, append_jsonl, generate, generate_ar, load_model, load_tokenizer,
-                    parse_flags, resolve_device, resolve_dtype, run_cli)
+from cli import (UsageError, append_jsonl, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device,
+                 resolve_dtype, run_cli, write_json)
+from sample import generate, generate_ar
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -97,39 +99,26 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
 # -----------------------------------------------------------------------------------------------
 # zero-shot text: documents -> wrapped blocks
 
-def wrap_blocks(token_lists, seq_len, bos_id, eos_id):
-    """Duo's zero-shot wrap without EOS between documents: concatenate the documents' ids, cut into pieces
-    of seq_len - 2, emit [BOS] + piece + [EOS]; the final remainder is dropped. -> (N, seq_len) int64."""
-    stream = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    n = stream.numel() // (seq_len - 2)
-    pieces = stream[:n * (seq_len - 2)].view(n, seq_len - 2)
-    return torch.cat([torch.full((n, 1), bos_id), pieces, torch.full((n, 1), eos_id)], dim=1)
+def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
+    """Duo's zero-shot wrap WITHOUT an EOS between documents: the documents' ids concatenated, then
+    data.wrap_blocks ([BOS] + piece of seq_len - 2 + [EOS]; the remainder dropped). -> (N, seq_len) int64."""
+    from data import wrap_blocks
+    stream = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64)
+    return torch.from_numpy(wrap_blocks(stream, seq_len, bos_id, eos_id)[0])
 
 
 def zero_shot_documents(name):
-    """A local text file (one document: the whole file) or a named zero-shot set: its evaluation split from
-    data.HF_CORPORA (Duo's splits, text fields and detokenizers), which needs `datasets` and the network."""
-    from data import HF_CORPORA, DataError
+    """A local text file (one document: the whole file) or a named zero-shot set: its evaluation split via
+    data.load_hf_split (Duo's splits, text fields and detokenizers; needs `datasets` and the network)."""
+    from data import DataError, load_hf_split
     if os.path.isfile(name):
         with open(name, encoding="utf-8") as f:
             return [f.read()]
     if name not in ZERO_SHOT_SETS:
         raise UsageError(f"--dataset {name!r} is neither a file nor one of {', '.join(ZERO_SHOT_SETS)}")
-    try:
-        import datasets
-    except ImportError:
-        raise UsageError(f"--dataset {name} needs the datasets package (pip install datasets) and network; "
-                         f"a local .txt file works offline") from None
-    kwargs, _, split, field, detokenizer = HF_CORPORA[name]
-    try:
-        rows = datasets.load_dataset(**kwargs, split=split)
-    except Exception as e:
-        raise UsageError(f"could not load {name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                         ) from None
-    detokenizer = detokenizer or (lambda s: s)
-    docs = [detokenizer(row[field]) for row in rows]
+    docs = list(load_hf_split(name, "val"))
     if not docs:
-        raise DataError(f"{name}: the {split} split is empty")
+        raise DataError(f"{name}: its evaluation split is empty")
     return docs
 
 
@@ -335,7 +324,7 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
         raise UsageError(f"--seq_len must be >= 3 ([BOS] + tokens + [EOS]), got {seq_len}")
     rows = []
     for name in [n for n in cfg.dataset.split(",") if n]:
-        blocks = wrap_blocks(tokenize_documents(zero_shot_documents(name), tok), seq_len, tok.bos_id, tok.eos_id)
+        blocks = zero_shot_blocks(tokenize_documents(zero_shot_documents(name), tok), seq_len, tok.bos_id, tok.eos_id)
         if cfg.max_batches:
             blocks = blocks[:cfg.max_batches * cfg.batch_size]
         if len(blocks) == 0:
@@ -434,11 +423,7 @@ def main(argv=None):
                   ckpt_step=ckpt.get("step") if ckpt else None, config=asdict(cfg), results=rows)
     text = json.dumps(result, indent=2)
     if cfg.out:
-        if os.path.dirname(cfg.out):
-            os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
-        with open(cfg.out + ".tmp", "w") as f:
-            f.write(text + "\n")
-        os.replace(cfg.out + ".tmp", cfg.out)
+        write_json(cfg.out, result)
     print(text)
     print(_table(rows, columns))
     return 0
@@ -446,4 +431,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from data import DataError
-    run_cli(main, DataError)
+    run_cli(main, DataError, oom_hint="lower --batch_size (and --judge_batch_size for genppl)")

@@ -190,14 +190,3 @@ def ar_loss(logits, x):
     logits (B, L, V) computed on x (the last position is dropped) or (B, L-1, V) on x[:, :-1] -> (B, L-1)."""
     logits = logits[:, : x.shape[1] - 1]
     return -log_probs(logits, x[:, 1:])[0]
-
-
-# name -> function, as used by train.py --loss; 'duo' is the NELBO baseline
-LOSSES = {
-    "naive": naive_denoising_loss,
-    "sddlm": sddlm_loss,
-    "sddlm_v1": sddlm_v1_loss,
-    "sddlm_v2": sddlm_v2_loss,
-    "duo": usdm_nelbo_loss,
-    "ar": ar_loss,
-}

@@ -28,11 +28,7 @@ Options, all acting on x_theta before the posterior:
 Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
 """
 
-import argparse
-import dataclasses
-import json
 import math
-import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -41,6 +37,8 @@ import torch
 from tqdm import tqdm
 
 import diffusion
+from cli import (UsageError, append_jsonl, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device,
+                 resolve_dtype, run_cli)
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 
@@ -60,18 +58,36 @@ def nucleus(probs, top_p):
     return kept / kept.sum(-1, keepdim=True)
 
 
-def denoiser_probs(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
-    """x_theta(. | xt) in float64 at the noise level alpha_t (a float). xt (B, L) -> (B, L, V).
-    With null_xt (the unconditional input, same shape) and cfg_w != 0: one batched forward of [xt; null_xt]
-    and p~ = softmax((1 + w) log p_c - w log p_u). Nucleus filtering comes last."""
-    x_in = xt if null_xt is None else torch.cat([xt, null_xt])
-    sigma = torch.full((x_in.shape[0],), -math.log(alpha_t), device=xt.device)
+def null_tokens(shape, vocab_size, seed, device=None):
+    """The paper's unconditional prompt: tokens drawn uniformly from the vocabulary from their own generator
+    (seeded with `seed`), so turning CFG on or off never changes any other random number. -> (shape) int64."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, vocab_size, shape, generator=gen, device=device)
+
+
+def cfg_log_probs(log_p_c, log_p_u, cfg_w):
+    """Unsupervised CFG (paper, CFG section): p~ proportional to p_c^(1+w) / p_u^w, i.e.
+    log_softmax((1 + w) log p_c - w log p_u). (..., V) log-probabilities -> (..., V)."""
+    return torch.log_softmax((1 + cfg_w) * log_p_c - cfg_w * log_p_u, dim=-1)
+
+
+def denoiser_log_probs(model, xt, sigma, *, null_xt=None, cfg_w=0.0, autocast=None, dtype=torch.float64, start=0):
+    """log x_theta(. | xt) of positions start.. in `dtype`: xt (B, L), sigma (B,) -> (B, L - start, V).
+    With null_xt (the unconditional input, same shape) and cfg_w != 0: ONE forward of [xt; null_xt] (2B rows)
+    and cfg_log_probs of the two halves."""
+    guided = null_xt is not None and cfg_w != 0
+    x_in, s_in = (torch.cat([xt, null_xt]), torch.cat([sigma, sigma])) if guided else (xt, sigma)
     with autocast or nullcontext():
-        logits = model(x_in, sigma)
-    log_p = torch.log_softmax(logits.double(), dim=-1)
-    if null_xt is not None:
-        log_p_c, log_p_u = log_p.chunk(2)
-        log_p = torch.log_softmax((1 + cfg_w) * log_p_c - cfg_w * log_p_u, dim=-1)
+        logits = model(x_in, s_in)[:, start:]
+    log_p = torch.log_softmax(logits.to(dtype), dim=-1)
+    return cfg_log_probs(*log_p.chunk(2), cfg_w) if guided else log_p
+
+
+def denoiser_probs(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
+    """x_theta(. | xt) in float64 at the noise level alpha_t (a float), guided and nucleus-filtered.
+    xt (B, L) -> (B, L, V)."""
+    sigma = torch.full((xt.shape[0],), -math.log(alpha_t), device=xt.device)
+    log_p = denoiser_log_probs(model, xt, sigma, null_xt=null_xt, cfg_w=cfg_w, autocast=autocast)
     return nucleus(log_p.exp(), top_p)
 
 
@@ -105,15 +121,23 @@ def _device_of(model):
         return torch.device("cpu")
 
 
-def autocast_for(device, dtype):
-    """bf16/fp16 autocast for the network; float32 (or None) runs it as it is."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return torch.autocast(torch.device(device).type, dtype=dtype)
-    return nullcontext()
-
-
 # -----------------------------------------------------------------------------------------------
 # samplers
+
+def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule="loglinear"):
+    """The sampler's settings, checked once (by generate, and by the CLI before it loads a model); the messages
+    name the flags, which are generate's keyword arguments. Raises UsageError."""
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1 (the number of reverse steps), got {steps}")
+    if final_step not in FINAL_STEPS:
+        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, got {final_step!r}")
+    if schedule not in diffusion.SCHEDULES:
+        raise UsageError(f"--noise_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {schedule!r}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {top_p}")
+    if not 0 < t_end < 1:
+        raise UsageError(f"--t_end must be in (0, 1), got {t_end}")
+
 
 @torch.no_grad()
 def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="loglinear", t_end=1e-5,
@@ -127,16 +151,7 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     The null prompt of CFG comes from its own generator seeded with cfg_seed (default: the seed of
     `generator`, or torch.initial_seed(), plus 1), so the sampling noise, and with it every sample, is
     identical whether CFG is on or off; cfg_w = 0 skips the unconditional branch."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1 (number of reverse steps), got {steps}")
-    if final_step not in FINAL_STEPS:
-        raise ValueError(f"final_step must be one of {', '.join(FINAL_STEPS)}, got {final_step!r}")
-    if alpha_schedule not in diffusion.SCHEDULES:
-        raise ValueError(f"alpha_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {alpha_schedule!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not 0 < t_end < 1:
-        raise ValueError(f"t_end must be in (0, 1), got {t_end}")
+    check_sampler(steps, final_step, top_p, t_end, alpha_schedule)
     device = torch.device(device) if device is not None else _device_of(model)
     B, L, K = num_samples, seq_len, vocab_size
     fixed, fixed_val = fixed_positions(B, L, prompt_ids, fixed_mask, fixed_ids, device)
@@ -150,8 +165,7 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     if cfg_w != 0:
         if cfg_seed is None:
             cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
-        null_gen = torch.Generator(device=device).manual_seed(cfg_seed)
-        null_fill = torch.randint(0, K, (B, L), generator=null_gen, device=device)
+        null_fill = null_tokens((B, L), K, cfg_seed, device)
 
     def x_theta(xt, alpha):
         null_xt = None if null_fill is None else torch.where(fixed, null_fill, xt)
@@ -197,8 +211,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
     if not 1 <= prefix.shape[1] <= seq_len:
         raise ValueError(f"the AR sampler needs a prefix of 1..{seq_len} tokens (bos_id and/or prompt_ids), "
                          f"got {prefix.shape[1]}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampler(1, top_p=top_p)
     x = prefix
     for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=not show_progress, leave=False):
         with autocast_for(device, dtype):
@@ -233,103 +246,6 @@ class SampleConfig:
     out: str = "samples.jsonl"       # appended to; "" = print only
 
 
-class UsageError(ValueError):
-    """Bad input from the command line: printed as one line, exit code 2."""
-
-
-def _str2bool(s):
-    if s.lower() in ("1", "true", "yes", "y"):
-        return True
-    if s.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
-
-
-def parse_flags(cls, argv=None, description=None, presets=None):
-    """One --flag per field of the dataclass `cls` (booleans as 0/1); argparse errors become UsageError.
-    presets: {name: {field: value}}; the field `preset` picks one, and only flags given explicitly override it."""
-    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
-    for f in dataclasses.fields(cls):
-        p.add_argument(f"--{f.name}", type=_str2bool if f.type is bool else f.type,
-                       metavar=f.name.upper(), help=f"default {f.default!r}")
-
-    def error(message):
-        raise UsageError(message)
-    p.error = error
-    given = vars(p.parse_args(argv))
-    if presets is None:
-        return cls(**given)
-    preset = given.get("preset", cls.preset)
-    if preset not in presets:
-        raise UsageError(f"unknown --preset {preset!r}; choose from {', '.join(presets)}")
-    return cls(**{**presets[preset], **given})
-
-
-def run_cli(main, *errors):
-    """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
-    rather than a bug) becomes one line on stderr and exit code 2, never a traceback."""
-    try:
-        sys.exit(main())
-    except (UsageError, *errors) as e:
-        if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def resolve_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu or cuda, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name, device):
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in ("float32", "bfloat16"):
-        raise UsageError(f"--dtype must be auto, float32 or bfloat16, got {name!r}")
-    return getattr(torch, name)
-
-
-def load_model(path, device, use_ema=True):
-    """model.load_checkpoint with its errors as UsageError (one line)."""
-    from model import load_checkpoint
-    try:
-        return load_checkpoint(path, device=device, use_ema=use_ema)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e)) from None
-
-
-def load_tokenizer(ckpt):
-    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason."""
-    from data import get_tokenizer
-    spec = (ckpt.get("meta") or {}).get("tokenizer")
-    if spec is None:
-        return None, "the checkpoint has no meta['tokenizer']"
-    try:
-        return get_tokenizer(spec), None
-    except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
-        return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-
-
-def append_jsonl(path, records):
-    """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
-    touched, and concurrent writers do not interleave inside one batch of lines."""
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = "".join(json.dumps(r) + "\n" for r in records).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def parse_prompt(cfg, tok, vocab_size):
     """--prompt (encoded, BOS first when --add_bos) or --prompt_ids -> list of ids, or None."""
     if cfg.prompt and cfg.prompt_ids:
@@ -353,16 +269,9 @@ def parse_prompt(cfg, tok, vocab_size):
 
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
-    if cfg.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {cfg.steps}")
+    check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
-    if cfg.final_step not in FINAL_STEPS:
-        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, got {cfg.final_step!r}")
-    if not 0 < cfg.top_p <= 1:
-        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
-    if not 0 < cfg.t_end < 1:
-        raise UsageError(f"--t_end must be in (0, 1), got {cfg.t_end}")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
@@ -383,8 +292,6 @@ def main(argv=None):
     if mc.causal and cfg.cfg_w != 0:
         raise UsageError("--cfg_w applies to diffusion models; this checkpoint is autoregressive")
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
-    if schedule not in diffusion.SCHEDULES:
-        raise UsageError(f"--noise_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {schedule!r}")
 
     bos_id = tok.bos_id if tok else (ckpt.get("meta") or {}).get("bos_id")
     if mc.causal and prompt is None and bos_id is None:
@@ -427,4 +334,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, oom_hint="lower --batch_size (sequences per sampler call)")

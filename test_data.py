@@ -205,10 +205,11 @@ def test_missing_or_empty_inputs_raise_data_error(tmp_path):
     assert issubclass(DataError, ValueError)
 
 
-def test_cli_on_a_missing_file_exits_1_with_one_line(tmp_path):
+@pytest.mark.slow
+def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--dataset", "/no/such.txt",
-                          "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 1 and run.stdout == ""
+                          "--data_dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip() == "error: no such file or folder: /no/such.txt"
 
 

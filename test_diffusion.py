@@ -7,26 +7,10 @@ import math
 import pytest
 import torch
 
+from conftest import bayes_posterior, transition_matrix
 from diffusion import (SCHEDULES, T_MIN, alpha_table, ancestral_step, ancestral_step_from_logits, cosine_schedule, curriculum_sample,
                        gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice, reverse_posterior,
                        sample_categorical, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule)
-
-
-def transition_matrix(alpha, K):
-    """Q[x, y] = q(y | x) = alpha 1[x = y] + (1 - alpha) / K, float64; alpha a float or (n,) -> (K, K) or (n, K, K)."""
-    alpha = torch.as_tensor(alpha, dtype=torch.float64)[..., None, None]
-    return alpha * torch.eye(K, dtype=torch.float64) + (1 - alpha) / K
-
-
-def bayes_posterior(xt, x0_probs, alpha_t, alpha_s, K):
-    """q(x_s | x_t) under the prior x0 ~ x0_probs, by Bayes' rule on explicit matrices:
-    proportional to sum_x x0(x) Q_s[x, x_s] Q_{t|s}[x_s, x_t].
-    xt (n,), x0_probs (n, K), alphas floats or (n,) -> (n, K)."""
-    alpha_t, alpha_s = (torch.as_tensor(a, dtype=torch.float64).expand(xt.shape) for a in (alpha_t, alpha_s))
-    prior_s = torch.einsum("nx,nxy->ny", x0_probs.double(), transition_matrix(alpha_s, K))
-    likelihood = transition_matrix(alpha_t / alpha_s, K)[torch.arange(xt.numel()), :, xt]
-    joint = prior_s * likelihood
-    return joint / joint.sum(-1, keepdim=True)
 
 
 def chi2_quantile(df, z=4.5):

@@ -203,6 +203,7 @@ def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
 # -----------------------------------------------------------------------------------------------
 # the trained model
 
+@pytest.mark.slow
 def test_scorer_ranks_the_right_choice_first_well_above_chance(trained):
     scorer = ed.Scorer(trained["model"], trained["tok"], mc_draws=16, batch_size=16, seed=0, progress=False)
     for w in (0.0, ed.PAPER_CFG_W):
@@ -210,6 +211,7 @@ def test_scorer_ranks_the_right_choice_first_well_above_chance(trained):
         assert res["n"] == 8 and res["acc"] >= 0.75 and res["acc_norm"] >= 0.75, (w, res)   # chance: 0.25
 
 
+@pytest.mark.slow
 def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
     """Std over 32 seeds of the J-draw estimate, J = 2 vs 128 (1/sqrt(J) predicts 8x). The per-draw NELBO is
     heavy-tailed (a noise token that happens to be another colour at small t costs ~ log(K/t)/t), so a
@@ -224,6 +226,7 @@ def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
     assert many < few / 2, (few, many)
 
 
+@pytest.mark.slow
 def test_estimate_is_deterministic_given_a_seed_and_independent_of_batch_size(trained):
     m = trained["model"]
     scorer = ed.Scorer(m, trained["tok"], progress=False)
@@ -236,6 +239,7 @@ def test_estimate_is_deterministic_given_a_seed_and_independent_of_batch_size(tr
         assert not torch.allclose(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=8))
 
 
+@pytest.mark.slow
 def test_lambada_protocols_recover_an_obvious_last_word(trained):
     scorer = ed.Scorer(trained["model"], trained["tok"], mc_draws=16, seed=0, lambada_steps=8, progress=False)
     rng = random.Random(2)
@@ -256,6 +260,7 @@ def write_jsonl(path, items):
     return str(path)
 
 
+@pytest.mark.slow
 def test_cli_writes_json_and_table_and_cfg_w0_row_equals_no_cfg(trained, tmp_path, capsys):
     mc = write_jsonl(tmp_path / "colours.jsonl", colour_items(per_subject=1))
     rng = random.Random(3)
@@ -286,6 +291,7 @@ def run_cli(args):
                           text=True, cwd=HERE, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_errors_exit_nonzero_with_one_line(trained, tmp_path):
     good = write_jsonl(tmp_path / "ok.jsonl", colour_items(per_subject=1))
     long = write_jsonl(tmp_path / "long.jsonl",
@@ -307,6 +313,7 @@ def test_cli_errors_exit_nonzero_with_one_line(trained, tmp_path):
 # -----------------------------------------------------------------------------------------------
 # lm-eval adapter
 
+@pytest.mark.slow
 def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     from lm_eval.api.instance import Instance
@@ -341,6 +348,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow
 def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
     """simple_evaluate with local task YAMLs over JSONL files (no download): a multiple-choice task and a
     LAMBADA-style loglikelihood task whose acc is the adapter's is_greedy, reported as acc_argmax."""

@@ -13,7 +13,7 @@ import torch
 
 import diffusion
 import losses
-from eval_ppl import Judge, entropy, gen_ppl, nelbo_ppl, wrap_blocks
+from eval_ppl import Judge, entropy, gen_ppl, nelbo_ppl, zero_shot_blocks
 from model import ModelConfig, build_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,10 +178,11 @@ def test_nelbo_ppl_of_a_trained_model_is_below_that_of_uniform_predictions():
 # -----------------------------------------------------------------------------------------------
 # zero-shot wrapping
 
-def test_wrap_blocks_joins_documents_without_eos_and_frames_each_block():
-    blocks = wrap_blocks([[10, 11, 12], [13, 14], [15, 16, 17, 18], [19]], seq_len=5, bos_id=0, eos_id=1)
+def test_zero_shot_blocks_join_documents_without_eos_and_frame_each_block():
+    blocks = zero_shot_blocks([[10, 11, 12], [13, 14], [15, 16, 17, 18], [19]], seq_len=5, bos_id=0, eos_id=1)
     assert blocks.tolist() == [[0, 10, 11, 12, 1], [0, 13, 14, 15, 1], [0, 16, 17, 18, 1]]   # 19 dropped
-    assert wrap_blocks([[5]], seq_len=5, bos_id=0, eos_id=1).shape == (0, 5)
+    assert blocks.dtype == torch.long
+    assert zero_shot_blocks([[5]], seq_len=5, bos_id=0, eos_id=1).shape == (0, 5)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -246,6 +247,7 @@ def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys)
     assert [r["gen_ppl"] for r in again["results"]] == [r["gen_ppl"] for r in rows]
 
 
+@pytest.mark.slow
 def test_cli_never_substitutes_an_unavailable_judge(setup):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cases = {"gpt2-large": "--judge path/to/ar_ckpt.pt", str(setup["diffusion"]): "must be autoregressive"}

@@ -1,6 +1,5 @@
 """Every fast path against the plain path it replaces: the chunked float32 log-sum-exp on bf16 logits, the SDDLM
-losses on bf16 logits, bf16 autocast and SDPA's CPU kernels, torch.compile, seeded determinism of the training
-step, and bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
+losses on bf16 logits, bf16 autocast, torch.compile, seeded determinism of the training step, and bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
 Tolerances are stated where they are used; the bf16 ones follow from one rounding to 8 significant bits."""
 import json
 import math
@@ -16,6 +15,7 @@ import bench
 import diffusion
 import losses
 from model import ModelConfig, build_model
+import train
 from train import TrainConfig, loss_terms, model_config_for, token_mean
 
 BF16_U = 2.0 ** -8      # unit roundoff of bf16 (8 significant bits): one rounding errs by at most this, relatively
@@ -137,25 +137,16 @@ def target_grad_error(grad, ref, x0):
     return ((at(grad) - at(ref)).abs() / at(ref).abs()).max().item()
 
 
-def test_one_bf16_rounding_of_the_float32_gradient_keeps_the_target_entry_to_unit_roundoff():
-    """The precision bf16 training gets from a float32 cross-entropy (Duo: log_softmax(logits.float())):
-    dlogits = p - onehot is formed in float32 and rounded once, so even at p(x0) ~ 0.99 the target entry
-    p - 1 is off by at most one rounding."""
+def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
+    """At p(x0) ~ 0.9-0.99 (a model that is learning) the target entry p - 1 of the gradient is formed in float32
+    and rounded once to bf16; a gather plus a separate log-sum-exp would round it twice (~13% error at p = 0.9)."""
     logits, x0 = confident_case()
     p = torch.softmax(logits.double(), -1)
     assert 0.9 < p.gather(-1, x0[..., None]).min() and p.gather(-1, x0[..., None]).max() < 0.995
     bf = logits.clone().requires_grad_(True)
-    g, = torch.autograd.grad(-torch.log_softmax(bf.float(), -1).gather(-1, x0[..., None]).sum(), bf)
-    ref = p - F.one_hot(x0, logits.shape[-1]).double()
-    assert target_grad_error(g, ref, x0) <= 1.01 * BF16_U
-
-
-def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
-    logits, x0 = confident_case()
-    bf = logits.clone().requires_grad_(True)
     g, = torch.autograd.grad(losses.naive_denoising_loss(bf, x0).sum(), bf)
-    ref = torch.softmax(logits.double(), -1) - F.one_hot(x0, logits.shape[-1]).double()
-    assert target_grad_error(g, ref, x0) <= 4 * BF16_U         # 4x looser than the float32 route above
+    ref = p - F.one_hot(x0, logits.shape[-1]).double()
+    assert target_grad_error(g, ref, x0) <= 4 * BF16_U
 
 
 @pytest.mark.parametrize("name", ["naive", "sddlm", "sddlm_v1", "sddlm_v2", "ar"])
@@ -194,20 +185,6 @@ def test_bf16_autocast_training_gradients_are_close_to_float32():
     assert F.cosine_similarity(g16, g32, dim=0) > 0.998
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_cpu_kernels_match_manual_attention(dtype, atol, causal):
-    g = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(2, 3, 300, 16, generator=g).to(dtype) for _ in range(3))  # 300: crosses kernel blocks
-    scores = q.double() @ k.double().transpose(-1, -2) / 4.0
-    if causal:
-        scores = scores.masked_fill(torch.ones(300, 300, dtype=torch.bool).triu(1), float("-inf"))
-    ref = scores.softmax(-1) @ v.double()
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
-
-
 # -----------------------------------------------------------------------------
 # torch.compile on CPU
 
@@ -219,6 +196,7 @@ def compiler_missing():
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 def test_torch_compile_matches_eager_logits_and_training_gradients():
@@ -229,7 +207,7 @@ def test_torch_compile_matches_eager_logits_and_training_gradients():
     out = {}
     for name, m in (("eager", model), ("compiled", compiled)):
         model.zero_grad()
-        loss, (logits, *_) = loss_terms(m, tcfg, x0, t, 0, torch.Generator().manual_seed(3))
+        loss, logits = loss_terms(m, tcfg, x0, t, 0, torch.Generator().manual_seed(3))
         token_mean(loss, None).backward()
         out[name] = (logits.detach(), grads(model))
     torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=1e-5, atol=1e-5)
@@ -239,20 +217,21 @@ def test_torch_compile_matches_eager_logits_and_training_gradients():
 # -----------------------------------------------------------------------------
 # the full training step: finite and reproducible from its seeds
 
-@pytest.mark.parametrize("name", list(losses.LOSSES))
+@pytest.mark.parametrize("name", list(train.OBJECTIVES))
 def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
+    """train.train_step (the step train.py and bench.py run): only its explicit generators may matter."""
     runs = []
-    for global_seed in (100, 200):  # only the explicit seeds and generators may matter (dropout is 0)
+    for global_seed in (100, 200):  # dropout is 0, so the global seed must change nothing
         model, tcfg = small_model(name, perturb=0.0)
-        optimizer, ema = bench.make_optimizer(model, tcfg, torch.device("cpu"))
         gen = torch.Generator().manual_seed(7)
+        run = train.Run(model, model, *train.make_optimizer(model, tcfg, torch.device("cpu")), loader=None,
+                        gen_shared=gen, gen_local=gen)
         torch.manual_seed(global_seed)
         step_losses = []
         for it in range(2):
             x0 = torch.randint(0, 61, (4, 16), generator=gen)
-            t = diffusion.sample_t(4, gen)
-            step_losses.append(bench.train_step(model, model, optimizer, ema, tcfg, x0, t, it, gen,
-                                                torch.autocast("cpu", enabled=False)))
+            step_losses.append(train.train_step(run, tcfg, train.Env(torch.device("cpu")), x0))
+        ema = run.ema
         runs.append((torch.stack(step_losses), [p.detach().clone() for p in model.parameters()], ema))
     (losses_a, params_a, ema_a), (losses_b, params_b, ema_b) = runs
     assert torch.isfinite(losses_a).all()
@@ -286,7 +265,6 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert out["losses"]["duo"]["step_vs_duo"] == 1.0
     assert out["losses"]["duo"]["act_bytes"] > out["losses"]["sddlm"]["act_bytes"]   # the (B, L, V) float32
     assert out["sampler"]["nfe"] == 3 and math.isfinite(out["sampler"]["overhead"])  # 2 steps + the final one
-    assert all(t["met"] is None for t in out["targets"])               # targets are judged on GPU runs only
     table = bench.markdown(out)
     assert all(f"| {name} |" in table for name in out["losses"]) and "n/a" in table
 

@@ -297,6 +297,7 @@ def test_cli_writes_and_appends_jsonl(tiny_ckpt, tmp_path, capsys):
     assert [r["ids"] for r in records[:3]] == [r["ids"] for r in records[3:]]   # same seed, same samples
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line_and_exit_code_2(tiny_ckpt, tmp_path):
     cases = {"longer than the context": ("--prompt_ids", ",".join(["5"] * 40)),
              "--steps": ("--steps", 0),

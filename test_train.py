@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import losses
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,16 +66,31 @@ def test_resume_continues_bit_identically(corpus, tmp_path):
         assert torch.equal(a["ema"][k], b["ema"][k]), k
 
 
-def test_curriculum_trains_on_soft_gaussian_inputs(corpus, tmp_path):
+def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus, tmp_path, monkeypatch):
+    calls, inputs, real = [], [], train.diffusion.curriculum_sample
+
+    def spy(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
+        calls.append((gamma_min, gamma_max, tau))
+        return real(x0, t, vocab_size, gamma_min, gamma_max, tau, generator)
+    monkeypatch.setattr(train.diffusion, "curriculum_sample", spy)
+    real_loss_terms = train.loss_terms
+
+    def record(model, cfg, x0, t, it, *args):
+        inputs.append(it)
+        return real_loss_terms(model, cfg, x0, t, it, *args)
+    monkeypatch.setattr(train, "loss_terms", record)
     args = ["--loss", "sddlm", "--max_iters", "20", "--curriculum_iters", "10", "--gamma_min", "-3.5",
-            "--gamma_max", "-1.0", "--eval_interval", "20"]
+            "--gamma_max", "-1.0", "--eval_interval", "20", "--grad_accum", "2"]
     assert run(args, tmp_path, corpus) == 0
+    # 10 curriculum steps x 2 micro-batches with Duo's range and tau = 1e-3; none after, none in evaluation
+    assert calls == [(-3.5, -1.0, 1e-3)] * 20 and inputs[:40].count(9) == 2 and 10 in inputs
     assert all(v == v for v in log_rows(tmp_path, "loss"))
 
 
+@pytest.mark.slow
 def test_two_process_torchrun_matches_one_process(corpus, tmp_path):
     path, data_dir = corpus
-    run(["--max_iters", "1"], tmp_path / "prep", corpus)        # prepare the data once
+    assert run(["--max_iters", "1"], tmp_path / "prep", corpus) == 0       # prepare the data once
     common = TINY + ["--dataset", path, "--data_dir", data_dir, "--loss", "sddlm_v1", "--max_iters", "4",
                      "--eval_interval", "1000", "--lr_schedule", "constant", "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -108,6 +124,7 @@ def cli(args, tmp_path, corpus):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["--loss", "elbo"], "unknown --loss 'elbo'"),
     (["--preset", "huge"], "unknown --preset 'huge'"),
@@ -123,6 +140,7 @@ def test_bad_input_is_one_line_and_nonzero(args, words, tmp_path, corpus):
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_missing_and_empty_dataset_fail_cleanly(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -133,6 +151,7 @@ def test_missing_and_empty_dataset_fail_cleanly(tmp_path):
         assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_existing_run_is_never_overwritten_and_incompatible_resume_refused(corpus, tmp_path):
     assert cli(["--max_iters", "2"], tmp_path, corpus).returncode == 0
     ckpt = tmp_path / "out" / "ckpt.pt"
@@ -146,6 +165,7 @@ def test_existing_run_is_never_overwritten_and_incompatible_resume_refused(corpu
     assert ckpt.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_sigint_saves_a_resumable_checkpoint(corpus, tmp_path):
     import signal
     import time
@@ -177,3 +197,24 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pat
             tmp_path, corpus)
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ck["step"] == 4 and all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
+def test_objectives_table_gives_each_loss_its_own_arguments():
+    """train.OBJECTIVES is the one place --loss picks a function: each entry must pass that loss the right
+    tensors (V1 its negatives and eps, V2 eps, the NELBO alpha_t and its derivative)."""
+    g = torch.Generator().manual_seed(0)
+    V = 11
+    logits = torch.randn(2, 5, V, generator=g, dtype=torch.float64)
+    x0, xt, neg = (torch.randint(0, V, (2, 5), generator=g) for _ in range(3))
+    alpha_t, dalpha_t = torch.tensor([[0.3], [0.7]], dtype=torch.float64), torch.full((2, 1), -0.999, dtype=torch.float64)
+    c = train.Corrupted(x0, xt, xt, neg, alpha_t, dalpha_t)
+    expected = {"sddlm": losses.sddlm_loss(logits, x0, xt),
+                "sddlm_v1": losses.sddlm_v1_loss(logits, x0, xt, neg=neg, eps=0.01),
+                "sddlm_v2": losses.sddlm_v2_loss(logits, x0, xt, eps=0.01),
+                "naive": losses.naive_denoising_loss(logits, x0),
+                "duo": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),
+                "ar": losses.ar_loss(logits, x0)}
+    assert list(train.OBJECTIVES) == list(expected)
+    for name, ref in expected.items():
+        torch.testing.assert_close(train.OBJECTIVES[name](logits, c, 0.01), ref, rtol=0, atol=0, msg=name)
+    assert not torch.equal(expected["sddlm_v1"], losses.sddlm_v1_loss(logits, x0, xt, neg=neg))   # eps matters

@@ -10,14 +10,17 @@ Every field of TrainConfig is a CLI flag; --preset applies a dict of overrides f
 explicit flags win. The run's full config is printed at start and saved next to the checkpoint.
 One training step (paper Algorithm 1): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
+
+The file reads top to bottom: the config; the objective (OBJECTIVES, corrupt, loss_terms); the parts of a run
+(setup_distributed, prepare_data, open_out_dir, build_run, train_step, evaluate, save / restore); main.
 """
 import json
 import math
 import os
 import signal
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, asdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,20 +28,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diffusion
 import losses
-from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset
+from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli, save_atomic, write_json
+from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset, prepared_dir
+from eval_ppl import nelbo_ppl
 from model import PRESETS, ModelConfig, build_model
-from sample import UsageError, parse_flags, run_cli
 
 
 @dataclass
 class TrainConfig:
     preset: str = "tiny"             # tiny | small | medium | large (model + recipe), see TRAIN_PRESETS
-    loss: str = "sddlm"              # sddlm | sddlm_v1 | sddlm_v2 | naive | duo | ar
+    loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
-    data_dir: str = ""               # prepared memmaps; default data/<dataset>-<tokenizer>-<block_size>
+    data_dir: str = ""               # prepared memmaps; "" = data.prepared_dir(dataset, tokenizer, L, wrap)
     block_size: int = 128            # sequence length L
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
     wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
@@ -104,15 +108,15 @@ class ConfigError(UsageError):
 
 
 # -----------------------------------------------------------------------------------------------
-# config <-> command line
+# config
 
 def parse_config(argv=None):
     return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS)
 
 
 def validate(cfg, world_size):
-    if cfg.loss not in losses.LOSSES:
-        raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(losses.LOSSES)}")
+    if cfg.loss not in OBJECTIVES:
+        raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, medium, large")
     if cfg.lr_schedule not in ("constant", "linear", "cosine"):
@@ -128,6 +132,7 @@ def validate(cfg, world_size):
         raise ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
     if not 0 <= cfg.ema < 1:
         raise ConfigError("--ema must be in [0, 1)")
+    resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
 
 
 def model_config_for(cfg, vocab_size):
@@ -155,7 +160,30 @@ def lr_at(it, cfg):
 
 
 # -----------------------------------------------------------------------------------------------
-# one objective evaluation: corrupt x0, run the model, per-token losses
+# the objective: corrupt x0, run the model, per-token losses
+
+@dataclass
+class Corrupted:
+    """One corrupted batch: clean x0, noisy xt (B, L), the network input (xt, or the curriculum's soft
+    (B, L, K) input), SDDLM-V1's negatives (B, L), alpha_t and its time derivative (B, 1)."""
+    x0: torch.Tensor
+    xt: torch.Tensor
+    net_in: torch.Tensor
+    neg: torch.Tensor
+    alpha_t: torch.Tensor
+    dalpha_t: torch.Tensor
+
+
+# --loss -> per-token loss (B, L) of the logits and the corrupted batch c: the one place a loss is chosen
+OBJECTIVES = {
+    "sddlm": lambda logits, c, eps: losses.sddlm_loss(logits, c.x0, c.xt),
+    "sddlm_v1": lambda logits, c, eps: losses.sddlm_v1_loss(logits, c.x0, c.xt, neg=c.neg, eps=eps),
+    "sddlm_v2": lambda logits, c, eps: losses.sddlm_v2_loss(logits, c.x0, c.xt, eps=eps),
+    "naive": lambda logits, c, eps: losses.naive_denoising_loss(logits, c.x0),
+    "duo": lambda logits, c, eps: losses.usdm_nelbo_loss(logits, c.x0, c.xt, c.alpha_t, c.dalpha_t),
+    "ar": lambda logits, c, eps: losses.ar_loss(logits, c.x0),
+}
+
 
 def draw_noise(batch, length, vocab_size, generator, device):
     """The random draws of one step for a whole (global) batch: keep-uniforms, replacement tokens and
@@ -166,39 +194,40 @@ def draw_noise(batch, length, vocab_size, generator, device):
             torch.randint(0, vocab_size, (batch, length), generator=generator, device=device))
 
 
-def loss_terms(model, cfg, x0, t, it, generator, draws=None):
-    """Per-token training loss (B, L) for clean x0 (B, L) at times t (B,), and (logits, xt, alpha_t, dalpha_t)
-    for the NELBO. draws: this micro-batch's slice of draw_noise (else drawn from generator). During Duo's
-    curriculum the input is the tempered softmax of a Gaussian latent (per-rank generator) and xt its argmax."""
-    V = model_vocab(model)
-    if draws is None:
-        draws = draw_noise(x0.shape[0], x0.shape[1], V, generator, x0.device)
-    if cfg.loss == "ar":
-        return losses.ar_loss(model(x0), x0), None
+def corrupt(cfg, x0, t, it, vocab_size, generator, draws):
+    """x0 (B, L) at times t (B,) -> Corrupted. draws: this micro-batch's slice of draw_noise. During Duo's
+    curriculum (it < curriculum_iters) the input is the tempered softmax of a Gaussian latent (drawn from
+    `generator`, per rank) and xt its argmax; afterwards Eq. (discrete_marginal) under cfg.noise_schedule."""
     if it < cfg.curriculum_iters:
         tau = diffusion.tau_schedule(it, cfg.log10_tau_start, cfg.log10_tau_end, 0, cfg.curriculum_iters)
         xt, net_in, alpha_t, dalpha_t = diffusion.curriculum_sample(
-            x0, t, V, cfg.gamma_min, cfg.gamma_max, tau, generator)
+            x0, t, vocab_size, cfg.gamma_min, cfg.gamma_max, tau, generator)
     else:
         alpha_t, dalpha_t = diffusion.SCHEDULES[cfg.noise_schedule](t)
         alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
-        xt = net_in = diffusion.sample_xt(x0, alpha_t, V, draws=draws[:2])
-    logits = model(net_in, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
-    if cfg.loss == "duo":
-        return losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t), None
-    if cfg.loss == "sddlm_v1":
-        loss = losses.sddlm_v1_loss(logits, x0, xt, neg=draws[2], eps=cfg.eps)
-    elif cfg.loss == "sddlm_v2":
-        loss = losses.sddlm_v2_loss(logits, x0, xt, eps=cfg.eps)
-    elif cfg.loss == "sddlm":
-        loss = losses.sddlm_loss(logits, x0, xt)
+        xt = net_in = diffusion.sample_xt(x0, alpha_t, vocab_size, draws=draws[:2])
+    return Corrupted(x0, xt, net_in, draws[2], alpha_t, dalpha_t)
+
+
+def loss_terms(model, cfg, x0, t, it, generator, draws=None):
+    """Per-token training loss (B, L) (B, L - 1 for 'ar') of clean x0 (B, L) at times t (B,), and the logits.
+    draws: this micro-batch's slice of draw_noise (else drawn from generator)."""
+    V = unwrap(model).config.vocab_size
+    if draws is None:
+        draws = draw_noise(x0.shape[0], x0.shape[1], V, generator, x0.device)
+    if cfg.loss == "ar":
+        c = Corrupted(x0, x0, x0, draws[2], None, None)
+        logits = model(x0)
     else:
-        loss = losses.naive_denoising_loss(logits, x0)
-    return loss, (logits, xt, alpha_t, dalpha_t)
+        c = corrupt(cfg, x0, t, it, V, generator, draws)
+        logits = model(c.net_in, diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1)))
+    return OBJECTIVES[cfg.loss](logits, c, cfg.eps), logits
 
 
-def model_vocab(model):
-    return (model.module if isinstance(model, DDP) else model).config.vocab_size
+def unwrap(model):
+    """The DiffusionTransformer inside a DDP and/or torch.compile wrapper."""
+    model = model.module if isinstance(model, DDP) else model
+    return getattr(model, "_orig_mod", model)
 
 
 def token_mean(per_token, mask):
@@ -207,35 +236,153 @@ def token_mean(per_token, mask):
     return (per_token * mask).sum() / mask.sum().clamp_min(1)
 
 
-@torch.no_grad()
-def evaluate(model, cfg, data_dir, device, autocast, batch_size):
-    """Validation loss of the training objective and NELBO perplexity (usdm_nelbo_loss, log-linear
-    schedule, one draw per sequence, t stratified within each batch), identical draws at every eval."""
-    model.eval()
-    gen = torch.Generator(device=device).manual_seed(1234)
-    tot, tot_nelbo, n = 0.0, 0.0, 0.0
-    for x0, mask in eval_batches(data_dir, "val", batch_size, cfg.eval_iters):
-        x0 = x0.to(device)
-        mask = None if mask is None else mask.to(device)
-        t = diffusion.sample_t(x0.shape[0], gen, device=device)
-        with autocast:
-            loss, extra = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)  # curriculum off in eval
-            if cfg.loss == "ar":
-                nelbo = loss
-                mask = None if mask is None else mask[:, 1:]
-            elif extra is None:
-                nelbo = loss
-            else:
-                logits, xt, alpha_t, dalpha_t = extra
-                nelbo = losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t)
-        w = float(mask.sum()) if mask is not None else loss.numel()
-        tot += float(token_mean(loss, mask)) * w
-        tot_nelbo += float(token_mean(nelbo, mask)) * w
-        n += w
-    model.train()
-    if n == 0:
-        raise DataError(f"{data_dir}: the validation split has no sequences of length {cfg.block_size}")
-    return {"val_loss": tot / n, "val_nelbo": tot_nelbo / n, "val_ppl": math.exp(min(tot_nelbo / n, 50))}
+# -----------------------------------------------------------------------------------------------
+# the parts of a run
+
+@dataclass
+class Env:
+    """Where this process runs: device and its place in a torchrun job."""
+    device: torch.device
+    ddp: bool = False
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+def setup_distributed(cfg):
+    """torchrun's environment -> Env (process group joined, CUDA device chosen), or a single process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(cfg.device)
+    env = Env(device, ddp=world_size > 1, world_size=world_size)
+    if env.ddp:
+        env.rank, env.local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        env.device = torch.device("cuda", env.local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return env
+
+
+def prepare_data(cfg, env):
+    """Tokenize the corpus once (rank 0) into token memmaps -> (absolute data_dir, meta). Under torchrun every
+    rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
+    data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap))
+    error = None
+    if env.master:
+        try:
+            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
+        except DataError as e:
+            error = str(e)
+    if env.ddp:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise DataError(error)
+    return data_dir, load_meta(data_dir)
+
+
+def open_out_dir(cfg, mcfg):
+    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint;
+    a resume must match the saved model, objective, tokenizer and batch."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if not cfg.resume:
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
+        return None
+    if not os.path.exists(path):
+        raise ConfigError(f"--resume: no checkpoint at {path}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    saved = ckpt["model_config"]
+    if saved != asdict(mcfg):
+        diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
+        raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
+    for k in ("loss", "tokenizer", "batch_size"):
+        if ckpt["train_config"][k] != getattr(cfg, k):
+            raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'][k]!r}, now "
+                              f"{getattr(cfg, k)!r}")
+    return ckpt
+
+
+@dataclass
+class Run:
+    """The state a training run carries from step to step (and saves in its checkpoint)."""
+    raw_model: torch.nn.Module           # the DiffusionTransformer itself
+    model: torch.nn.Module               # what the step calls: raw_model, compiled and/or DDP-wrapped
+    optimizer: torch.optim.Optimizer
+    ema: list                            # EMA copies of raw_model.parameters(), or None
+    loader: BatchLoader                  # None in bench.py (random tokens)
+    gen_shared: torch.Generator          # identical on every rank: times and corruption noise
+    gen_local: torch.Generator           # per rank: the curriculum's Gaussian latent
+    it: int = 0                          # optimizer steps done
+    n_ema: int = 0                       # EMA updates done
+
+
+def make_optimizer(raw_model, cfg, device):
+    """AdamW (weight decay on matrices only) and the EMA copy of the weights (None when cfg.ema == 0)."""
+    decay = [p for p in raw_model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in raw_model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    ema = [p.detach().clone() for p in raw_model.parameters()] if cfg.ema else None
+    return optimizer, ema
+
+
+def build_run(cfg, mcfg, env, data_dir=None):
+    """Model (seeded per rank), optimizer, EMA, loader over data_dir (None: no loader) and generators."""
+    torch.manual_seed(cfg.seed + env.rank)
+    raw_model = build_model(mcfg).to(env.device)
+    optimizer, ema = make_optimizer(raw_model, cfg, env.device)
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if env.ddp:
+        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    loader = None
+    if data_dir is not None:
+        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+        loader = BatchLoader(data_dir, "train", micro * cfg.grad_accum, rank=env.rank, world_size=env.world_size,
+                             seed=cfg.seed)
+    return Run(raw_model, model, optimizer, ema, loader,
+               gen_shared=torch.Generator(device=env.device).manual_seed(cfg.seed),
+               gen_local=torch.Generator(device=env.device).manual_seed(cfg.seed + 7919 * (env.rank + 1)))
+
+
+def train_step(run, cfg, env, x0_all, mask_all=None):
+    """One optimizer step on this rank's part of a global batch x0_all (B_rank, L): times and noise for the
+    global batch from gen_shared, sliced per rank and micro-batch; forward, per-token loss, token mean and
+    backward per micro-batch (DDP syncs gradients on the last); then optimizer_step. -> the step's mean loss
+    (a detached 0-dim tensor: no host sync here)."""
+    lr = lr_at(run.it, cfg)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    V = run.raw_model.config.vocab_size
+    t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
+    draws_global = draw_noise(cfg.batch_size, x0_all.shape[1], V, run.gen_shared, env.device)
+    micro = x0_all.shape[0] // cfg.grad_accum
+    total = torch.zeros((), device=env.device)
+    for m in range(cfg.grad_accum):
+        x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
+        mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
+        t, *draws = (diffusion.rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum)
+                     for v in (t_global, *draws_global))
+        sync = nullcontext() if (not env.ddp or m == cfg.grad_accum - 1) else run.model.no_sync()
+        with sync:
+            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+                per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
+                weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+                loss = token_mean(per_token, weight) / cfg.grad_accum
+            loss.backward()
+        total += loss.detach()
+    run.n_ema = optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema)
+    run.it += 1
+    return total
 
 
 def optimizer_step(raw_model, optimizer, ema, cfg, n_ema):
@@ -253,270 +400,232 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema):
     return n_ema
 
 
-# -----------------------------------------------------------------------------------------------
-# checkpoints
+@contextmanager
+def ema_weights(run):
+    """Evaluate or sample with the EMA weights: swap them into the model, and back on exit."""
+    def swap():
+        if run.ema is not None:
+            for p, e in zip(run.raw_model.parameters(), run.ema):
+                tmp = p.detach().clone()
+                p.data.copy_(e)
+                e.copy_(tmp)
+    swap()
+    try:
+        yield run.raw_model
+    finally:
+        swap()
 
-def save_checkpoint(path, state):
-    """Atomic: write to a temp file, then rename, so an interrupt never leaves a half-written checkpoint."""
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+
+@torch.no_grad()
+def evaluate(run, cfg, data_dir, env):
+    """EMA weights on the first eval_iters validation batches: the training objective's loss (curriculum off),
+    and the NELBO perplexity of eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear
+    schedule; exact PPL for 'ar'), both with the same draws at every evaluation, so runs are comparable."""
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters, device=env.device)
+    with ema_weights(run) as model:
+        model.eval()
+        gen = torch.Generator(device=env.device).manual_seed(1234)
+        total, count = 0.0, 0.0
+        for x0, mask in batches():
+            t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
+            with autocast_for(env.device, dtype):
+                per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)
+            weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+            n = float(weight.sum()) if weight is not None else per_token.numel()
+            total, count = total + float(token_mean(per_token, weight)) * n, count + n
+        if count == 0:
+            raise DataError(f"{data_dir}: the validation split has no sequences of length {cfg.block_size}")
+        nelbo = nelbo_ppl(model, batches(), model.config.vocab_size,
+                          generator=torch.Generator(device=env.device).manual_seed(1234), device=env.device,
+                          dtype=dtype, show_progress=False)
+        model.train()
+    return {"val_loss": total / count, "val_nelbo": nelbo["nll"], "val_ppl": math.exp(min(nelbo["nll"], 50))}
 
 
-def rng_state(device, gen_shared, gen_local):
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None,
-            "gen_shared": gen_shared.get_state(), "gen_local": gen_local.get_state()}
+def save(run, cfg, mcfg, meta, env):
+    """Write out_dir/ckpt.pt atomically: weights, EMA, optimizer, configs, step, and every rank's data
+    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically."""
+    rng = {"torch": torch.get_rng_state(), "gen_shared": run.gen_shared.get_state(),
+           "gen_local": run.gen_local.get_state(),
+           "cuda": torch.cuda.get_rng_state() if env.device.type == "cuda" else None}
+    states = [run.loader.state_dict(), rng]
+    if env.ddp:
+        gathered = []
+        for obj in states:
+            out = [None] * env.world_size
+            dist.all_gather_object(out, obj)
+            gathered.append(out)
+        states = gathered
+    if not env.master:
+        return
+    ema = None if run.ema is None else {k: e.detach().clone()
+                                        for (k, _), e in zip(run.raw_model.named_parameters(), run.ema)}
+    state = {"model": run.raw_model.state_dict(), "ema": ema, "optimizer": run.optimizer.state_dict(),
+             "model_config": asdict(mcfg), "train_config": asdict(cfg), "meta": meta, "step": run.it,
+             "n_ema": run.n_ema, "data_state": states[0], "rng": states[1]}
+    save_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
 
 
-def check_resume(ckpt, cfg, mcfg, path):
-    saved = ckpt["model_config"]
-    if saved != asdict(mcfg):
-        diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
-        raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
-    old = ckpt["train_config"]
-    for k in ("loss", "tokenizer", "batch_size"):
-        if old[k] != getattr(cfg, k):
-            raise ConfigError(f"cannot resume from {path}: --{k} was {old[k]!r}, now {getattr(cfg, k)!r}")
+def restore(run, ckpt, env):
+    """Load a checkpoint written by save into the run (this rank's data position and RNG states)."""
+    run.raw_model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    if run.ema is not None and ckpt.get("ema") is not None:
+        for e, v in zip(run.ema, ckpt["ema"].values()):
+            e.copy_(v)
+    run.it, run.n_ema = ckpt["step"], ckpt.get("n_ema", ckpt["step"])
+    per_rank = lambda v: v[env.rank] if isinstance(v, list) else v
+    run.loader.load_state_dict(per_rank(ckpt["data_state"]))
+    r = per_rank(ckpt["rng"])
+    torch.set_rng_state(r["torch"])
+    if r["cuda"] is not None and env.device.type == "cuda":
+        torch.cuda.set_rng_state(r["cuda"])
+    run.gen_shared.set_state(r["gen_shared"])
+    run.gen_local.set_state(r["gen_local"])
+
+
+@contextmanager
+def stop_signals():
+    """SIGINT / SIGTERM set a flag (the loop saves and exits at the next step) instead of killing the process."""
+    stop = {"signal": None}
+    handler = lambda signum, frame: stop.__setitem__("signal", signum)
+    old = signal.signal(signal.SIGINT, handler), signal.signal(signal.SIGTERM, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, old[0]), signal.signal(signal.SIGTERM, old[1])
+
+
+def agree(env, loss_sum, bad, stopping):
+    """The only host sync of the loop: under DDP every rank reaches it at the same steps, averages the loss
+    and learns whether ANY rank saw a non-finite loss or a signal. -> (loss_sum, bad, stopping) as Python values."""
+    if env.ddp:
+        dist.all_reduce(loss_sum)
+        loss_sum /= env.world_size
+        flags = torch.tensor([float(bad), float(stopping)], device=env.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stopping = flags[0], flags[1]
+    return loss_sum.item(), bool(bad), bool(stopping)
 
 
 # -----------------------------------------------------------------------------------------------
 
 def main(argv=None):
     cfg = parse_config(argv)
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank, world_size, local_rank = 0, 1, 0
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if ddp:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo")
-    validate(cfg, world_size)
-    master = rank == 0
-    if cfg.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext())
+    env = setup_distributed(cfg)
+    try:
+        return train(cfg, env)
+    finally:
+        if env.ddp and dist.is_initialized():
+            dist.destroy_process_group()
 
-    # data: prepared once (by rank 0) into token memmaps
-    # absolute, so a checkpoint finds its data and tokenizer from any working directory
-    data_dir = cfg.data_dir = os.path.abspath(cfg.data_dir or os.path.join(
-        "data", f"{os.path.basename(cfg.dataset.rstrip('/'))}-{cfg.tokenizer.replace(':', '').replace('/', '_')}"
-        f"-{cfg.block_size}"))
-    error = None
-    if master:
-        try:
-            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
-        except DataError as e:
-            error = str(e)
-    if ddp:    # every rank learns rank 0's verdict and fails with the same one line, instead of hanging
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise DataError(error)
-    meta = load_meta(data_dir)
-    vocab_size = meta["vocab_size"]
-    mcfg = model_config_for(cfg, vocab_size)
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = None
-    if cfg.resume:
-        if not os.path.exists(ckpt_path):
-            raise ConfigError(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        check_resume(ckpt, cfg, mcfg, ckpt_path)
-    elif os.path.exists(ckpt_path):
-        raise ConfigError(f"{ckpt_path} exists; pass --resume 1 to continue it or choose another --out_dir")
-
-    torch.manual_seed(cfg.seed + rank)
-    raw_model = build_model(mcfg).to(device)
-    ema = [p.detach().clone() for p in raw_model.parameters()] if cfg.ema else None
-    decay, no_decay = [], []
-    for p in raw_model.parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    micro = cfg.batch_size // (world_size * cfg.grad_accum)
-    loader = BatchLoader(data_dir, "train", micro * cfg.grad_accum, rank=rank, world_size=world_size, seed=cfg.seed)
-    gen_shared = torch.Generator(device=device).manual_seed(cfg.seed)                   # identical on every rank
-    gen_local = torch.Generator(device=device).manual_seed(cfg.seed + 7919 * (rank + 1))  # curriculum noise
-    it, n_ema = 0, 0
+def train(cfg, env):
+    validate(cfg, env.world_size)
+    data_dir, meta = prepare_data(cfg, env)
+    cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
+    mcfg = model_config_for(cfg, meta["vocab_size"])
+    ckpt = open_out_dir(cfg, mcfg)
+    run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if ema is not None and ckpt.get("ema") is not None:
-            for e, v in zip(ema, ckpt["ema"].values()):
-                e.copy_(v)
-        it, n_ema = ckpt["step"], ckpt.get("n_ema", ckpt["step"])
-        loader.load_state_dict(ckpt["data_state"][rank] if isinstance(ckpt["data_state"], list)
-                               else ckpt["data_state"])
-        r = ckpt["rng"][rank] if isinstance(ckpt["rng"], list) else ckpt["rng"]
-        torch.set_rng_state(r["torch"])
-        if r["cuda"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(r["cuda"])
-        gen_shared.set_state(r["gen_shared"])
-        gen_local.set_state(r["gen_local"])
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if ddp:
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-
-    if master:
+        restore(run, ckpt, env)
+    log = Log(cfg, env, run.it)
+    if env.master:
         print(json.dumps({"train_config": asdict(cfg), "model_config": asdict(mcfg)}, indent=1))
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump({"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}, f, indent=1)
-        print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters "
-              f"({raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); "
-              f"world {world_size} x micro-batch {micro} x accum {cfg.grad_accum} = {cfg.batch_size} sequences/step")
-
-    def ema_state():
-        if ema is None:
-            return None
-        return {k: e.detach().clone() for (k, _), e in zip(raw_model.named_parameters(), ema)}
-
-    def gather(obj):
-        if not ddp:
-            return obj
-        out = [None] * world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def checkpoint():
-        states = gather(loader.state_dict()), gather(rng_state(device, gen_shared, gen_local))
-        if master:
-            save_checkpoint(ckpt_path, {
-                "model": raw_model.state_dict(), "ema": ema_state(), "optimizer": optimizer.state_dict(),
-                "model_config": asdict(mcfg), "train_config": asdict(cfg), "meta": meta, "step": it,
-                "n_ema": n_ema, "data_state": states[0], "rng": states[1]})
-
-    def swap_ema():
-        """Exchange live and EMA weights (evaluate/sample with EMA, then swap back)."""
-        if ema is not None:
-            for p, e in zip(raw_model.parameters(), ema):
-                tmp = p.detach().clone()
-                p.data.copy_(e)
-                e.copy_(tmp)
-
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signum
-
-    old_handlers = signal.signal(signal.SIGINT, on_signal), signal.signal(signal.SIGTERM, on_signal)
-
-    log_path = os.path.join(cfg.out_dir, "log.jsonl")
-    bad = torch.zeros((), device=device, dtype=torch.bool)     # non-finite loss seen since the last check
-    tokens_per_step = cfg.batch_size * cfg.block_size
-    pbar = None
-    if master:
-        from tqdm import tqdm
-        pbar = tqdm(total=cfg.max_iters, initial=it, desc=f"train {cfg.loss}", dynamic_ncols=True)
-    t_last, it_last = time.time(), it
-    loss_acc = torch.zeros((), device=device)
-    while it < cfg.max_iters:
-        lr = lr_at(it, cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        t_global = diffusion.sample_t(cfg.batch_size, gen_shared, device=device)
-        draws_global = draw_noise(cfg.batch_size, cfg.block_size, mcfg.vocab_size, gen_shared, device)
-        x0_all, mask_all = loader.next_batch()
-        for micro_step in range(cfg.grad_accum):
-            x0 = x0_all[micro_step * micro:(micro_step + 1) * micro].to(device, non_blocking=True)
-            mask = None if mask_all is None else mask_all[micro_step * micro:(micro_step + 1) * micro].to(device)
-            t, *draws = (diffusion.rank_slice(v, rank, world_size, micro_step, cfg.grad_accum)
-                         for v in (t_global, *draws_global))
-            sync = nullcontext() if (not ddp or micro_step == cfg.grad_accum - 1) else model.no_sync()
-            with sync:
-                with autocast:
-                    per_token, _ = loss_terms(model, cfg, x0, t, it, gen_local, draws)
-                    m = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
-                    loss = token_mean(per_token, m) / cfg.grad_accum
-                loss.backward()
-            loss_acc += loss.detach()
-            bad |= ~torch.isfinite(loss.detach())
-        n_ema = optimizer_step(raw_model, optimizer, ema, cfg, n_ema)
-        it += 1
-
-        last = it == cfg.max_iters
-        save = it % cfg.ckpt_interval == 0 or last
-        # the only host syncs; under DDP every rank takes this branch at the same steps (collectives inside)
-        stopping = False
-        if it % cfg.log_interval == 0 or save or (not ddp and stop["signal"] is not None):
-            stopping = stop["signal"] is not None
-            if ddp:
-                dist.all_reduce(loss_acc)
-                loss_acc /= world_size
-                flags = torch.tensor([float(bad), float(stopping)], device=device)
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                bad.fill_(bool(flags[0]))
-                stopping = bool(flags[1])                        # any rank signalled: all stop together
-            if bool(bad):   # checked before any checkpoint is written, so the last one on disk is good
-                raise FloatingPointError(f"non-finite loss by step {it} (lr {lr:.2e}); the last good checkpoint "
-                                         f"{ckpt_path} is kept. Lower --lr or check the data.")
-            steps_done = it - it_last
-            mean_loss = loss_acc.item() / max(1, steps_done)
-            loss_acc.zero_()
-            dt = time.time() - t_last
-            t_last, it_last = time.time(), it
-            if master:
-                pbar.update(steps_done)
-                pbar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.1e}", tok_s=f"{tokens_per_step * steps_done / dt:,.0f}")
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": it, "loss": mean_loss, "lr": lr,
-                                        "tokens_per_s": tokens_per_step * steps_done / dt}) + "\n")
-        if it % cfg.eval_interval == 0 or last:
-            swap_ema()
-            metrics = evaluate(model if not ddp else raw_model, cfg, data_dir, device, autocast, micro)
-            swap_ema()
-            if master:
-                pbar.write(f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": it, **metrics}) + "\n")
-            t_last = time.time()    # keep evaluation out of the tokens/s figure
-        if save or stopping:
-            checkpoint()
-        if stopping:
-            if master:
-                pbar.close()
-                print(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {it}; checkpoint saved to "
-                      f"{ckpt_path} (continue with --resume 1)")
-            if ddp:
-                dist.destroy_process_group()
-            signal.signal(signal.SIGINT, old_handlers[0]), signal.signal(signal.SIGTERM, old_handlers[1])
-            return 130
-    if master:
-        pbar.close()
-        if cfg.num_samples > 0:
-            print_samples(raw_model, cfg, meta, device, swap_ema)
-    if ddp:
-        dist.destroy_process_group()
-    signal.signal(signal.SIGINT, old_handlers[0]), signal.signal(signal.SIGTERM, old_handlers[1])
+        write_json(os.path.join(cfg.out_dir, "config.json"),
+                   {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
+        print(f"model: {run.raw_model.num_params() / 1e6:.2f}M parameters "
+              f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); world {env.world_size} x "
+              f"micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
+              f"{cfg.batch_size} sequences/step")
+    bad = torch.zeros((), device=env.device, dtype=torch.bool)   # a non-finite loss since the last check
+    loss_sum = torch.zeros((), device=env.device)
+    with stop_signals() as stop:
+        while run.it < cfg.max_iters:
+            loss = train_step(run, cfg, env, *run.loader.next_batch())
+            loss_sum += loss
+            bad |= ~torch.isfinite(loss)
+            last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
+            stopping = False
+            if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
+                mean, is_bad, stopping = agree(env, loss_sum, bad, stop["signal"] is not None)
+                if is_bad:   # checked before any checkpoint is written, so the last one on disk is good
+                    raise FloatingPointError(f"non-finite loss by step {run.it} (lr {lr_at(run.it - 1, cfg):.2e}); "
+                                             f"the last good checkpoint in {cfg.out_dir} is kept. Lower --lr or "
+                                             f"check the data.")
+                log.progress(run.it, mean, lr_at(run.it - 1, cfg))
+                loss_sum.zero_()
+            if run.it % cfg.eval_interval == 0 or last:
+                log.metrics(run.it, evaluate(run, cfg, data_dir, env))
+            if save_now or last or stopping:
+                save(run, cfg, mcfg, meta, env)
+            if stopping:
+                log.close(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {run.it}; checkpoint saved "
+                          f"to {os.path.join(cfg.out_dir, 'ckpt.pt')} (continue with --resume 1)")
+                return 130
+    log.close()
+    if env.master and cfg.num_samples > 0:
+        print_samples(run, cfg, meta, env)
     return 0
 
 
-def print_samples(raw_model, cfg, meta, device, swap_ema):
+class Log:
+    """Rank 0's progress bar and out_dir/log.jsonl: training loss and tokens/s at log steps, validation metrics."""
+
+    def __init__(self, cfg, env, step):
+        self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
+        self.tokens_per_step, self.loss_name = cfg.batch_size * cfg.block_size, cfg.loss
+        self.t_last, self.step_last = time.time(), step
+        self.pbar = None
+        if self.master:
+            from tqdm import tqdm
+            self.pbar = tqdm(total=cfg.max_iters, initial=step, desc=f"train {cfg.loss}", dynamic_ncols=True)
+
+    def _write(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def progress(self, step, loss_sum, lr):
+        steps, dt = step - self.step_last, time.time() - self.t_last
+        self.t_last, self.step_last = time.time(), step
+        if self.master:
+            tok_s = self.tokens_per_step * steps / dt
+            self.pbar.update(steps)
+            self.pbar.set_postfix(loss=f"{loss_sum / max(1, steps):.4f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:,.0f}")
+            self._write({"step": step, "loss": loss_sum / max(1, steps), "lr": lr, "tokens_per_s": tok_s})
+
+    def metrics(self, step, metrics):
+        if self.master:
+            self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            self._write({"step": step, **metrics})
+        self.t_last = time.time()    # keep evaluation out of the tokens/s figure
+
+    def close(self, message=None):
+        if self.master:
+            self.pbar.close()
+            if message:
+                print(message)
+
+
+def print_samples(run, cfg, meta, env):
     """A few samples from the EMA weights with the ancestral sampler, so a newcomer sees text."""
     from sample import generate, generate_ar
     tok = get_tokenizer(meta["tokenizer"])
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    swap_ema()
-    raw_model.eval()
-    if cfg.loss == "ar":
-        ids = generate_ar(raw_model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen)
-    else:
-        ids = generate(raw_model, cfg.num_samples, cfg.block_size, raw_model.config.vocab_size, cfg.sample_steps,
-                       alpha_schedule=cfg.noise_schedule, generator=gen, device=device)
-    swap_ema()
+    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
+    with ema_weights(run) as model:
+        model.eval()
+        if cfg.loss == "ar":
+            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen)
+        else:
+            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
+                           alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device)
+        model.train()
     for i, row in enumerate(ids.tolist()):
         print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{tok.decode(row)}")
 
 
 if __name__ == "__main__":
-    run_cli(main, DataError, FloatingPointError, FileNotFoundError)
+    run_cli(main, DataError, FloatingPointError, FileNotFoundError,
+            oom_hint="lower the micro-batch: raise --grad_accum (or lower --batch_size)")

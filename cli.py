@@ -1,0 +1,179 @@
+"""
+The command-line and file plumbing every script shares, so that each script is only its own concern.
+
+  parse_flags     one --flag per field of a script's dataclass (booleans as 0/1, a bare --flag means 1),
+                  optional presets (dicts of overrides; explicit flags win), no prefix abbreviations
+  run_cli         the entry point: bad input and resource faults become ONE line on stderr, exit code 2
+  resolve_device, resolve_dtype, autocast_for      where and in which precision the network runs
+  load_model, load_tokenizer                       a train.py checkpoint and its tokenizer
+  append_jsonl, write_json, save_atomic            output that is never half-written
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+
+
+class UsageError(ValueError):
+    """Bad input from the command line (a flag, a file, a checkpoint): printed as one line, exit code 2."""
+
+
+# -----------------------------------------------------------------------------------------------
+# flags
+
+def parse_bool(s):
+    """'1/true/yes/y' -> True, '0/false/no/n' -> False (any case); booleans pass through."""
+    if isinstance(s, bool):
+        return s
+    if str(s).strip().lower() in ("1", "true", "yes", "y"):
+        return True
+    if str(s).strip().lower() in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
+
+
+def parse_flags(cls, argv=None, description=None, presets=None):
+    """One --flag per field of the dataclass `cls`; argparse errors become UsageError.
+    presets: {name: {field: value}}; the field `preset` picks one, and only flags given explicitly override it."""
+    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    for f in dataclasses.fields(cls):
+        if f.type in (bool, "bool"):
+            p.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="0|1",
+                           help=f"default {int(f.default)}")
+        else:
+            p.add_argument(f"--{f.name}", type=f.type,
+                           metavar=f.name.upper(), help=f"default {f.default!r}")
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    given = vars(p.parse_args(argv))
+    if presets is None:
+        return cls(**given)
+    preset = given.get("preset", cls.preset)
+    if preset not in presets:
+        raise UsageError(f"unknown --preset {preset!r}; choose from {', '.join(presets)}")
+    return cls(**{**presets[preset], **given})
+
+
+def run_cli(main, *errors, oom_hint="lower --batch_size"):
+    """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
+    rather than a bug), a CUDA out-of-memory error (with `oom_hint`, the flag to change) or an OS error on a
+    file becomes one line on stderr and exit code 2, never a traceback."""
+    try:
+        sys.exit(main())
+    except torch.OutOfMemoryError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _fail(f"out of memory: {first.split('. ')[0]}; {oom_hint}")
+    except (UsageError, *errors) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else f"{type(e).__name__}: {e}")
+
+
+def _fail(message):
+    if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# -----------------------------------------------------------------------------------------------
+# device and precision
+
+def resolve_device(name):
+    """'auto' (CUDA when available) | 'cpu' | 'cuda' -> torch.device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name, device):
+    """'auto' (bf16 autocast on CUDA, float32 elsewhere) | 'float32' | 'bfloat16' -> torch.dtype."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise UsageError(f"--dtype must be auto, float32 or bfloat16, got {name!r}")
+    return getattr(torch, name)
+
+
+def autocast_for(device, dtype):
+    """A fresh bf16/fp16 autocast context for the network; float32 (or None) runs it as it is."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(torch.device(device).type, dtype=dtype)
+    return nullcontext()
+
+
+# -----------------------------------------------------------------------------------------------
+# checkpoints and tokenizers
+
+def load_model(path, device, use_ema=True):
+    """model.load_checkpoint with its errors as UsageError (one line) -> (model in eval mode, checkpoint)."""
+    from model import load_checkpoint
+    try:
+        return load_checkpoint(path, device=device, use_ema=use_ema)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def load_tokenizer(ckpt):
+    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason."""
+    from data import get_tokenizer
+    spec = (ckpt.get("meta") or {}).get("tokenizer")
+    if spec is None:
+        return None, "the checkpoint has no meta['tokenizer']"
+    try:
+        return get_tokenizer(spec), None
+    except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
+        return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+# -----------------------------------------------------------------------------------------------
+# output that is never half-written
+
+def append_jsonl(path, records):
+    """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
+    touched, and concurrent writers do not interleave inside one batch of lines."""
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_atomic(path, write):
+    """write(tmp_path) then fsync and rename over `path`: a reader sees the old file or the new one, never
+    a part. The temp file is unique to this process and removed when the write fails (e.g. a full disk)."""
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path, obj):
+    """Atomically write obj as indented JSON."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+    save_atomic(path, write)
