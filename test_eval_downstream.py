@@ -173,6 +173,94 @@ def test_a_model_without_time_conditioning_ignores_sigma():
 
 
 # -----------------------------------------------------------------------------------------------
+# generate_until and loglikelihood_rolling on a stand-in denoiser and a character tokenizer
+
+CHARS = " abcdefg.xy"     # ids 0 and 3..12; 1 = BOS and 2 = EOS decode to nothing
+
+
+class CharTokenizer:
+    spec, bos_id, eos_id = "chars", 1, 2
+
+    def encode(self, text):
+        return [0 if c == " " else 2 + CHARS.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(" " if i == 0 else CHARS[i - 2] if i > 2 else "" for i in ids)
+
+
+def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
+    """The stand-in denoiser is sure of one token per position (the sampler then returns them all but surely):
+    the continuation 'ab.cd' EOS 'ef' after the context, cut by hand."""
+    tok = CharTokenizer()
+    ctx = [tok.bos_id] + tok.encode("xyxy")                 # 5 ids; with 8 generated: L = 13 <= block_size 16
+    cont = tok.encode("ab.cd") + [tok.eos_id] + tok.encode("ef")
+    scorer = ed.Scorer(StubDenoiser(favour=torch.tensor(ctx + cont)), tok, seed=0, progress=False)
+    requests = [("xyxy", {"until": ["."], "max_gen_toks": 8}),
+                ("xyxy", {"until": "c", "max_gen_toks": 8, "do_sample": False}),
+                ("xyxy", {"until": ["zz"], "max_gen_toks": 8})]
+    assert scorer.generate_until(requests, steps=4) == ["ab", "ab.", "ab.cd"]
+    # max_gen_toks tokens exactly (the stand-in aligns its favourites with the end of its input)
+    three = ed.Scorer(StubDenoiser(favour=torch.tensor(ctx + tok.encode("ab."))), tok, seed=0, progress=False)
+    assert three.generate_until([("xyxy", {"until": [], "max_gen_toks": 3})], steps=4) == ["ab."]
+    # a context longer than the window is cut from the left: the favoured tokens are aligned at the end
+    long = ed.Scorer(StubDenoiser(favour=torch.tensor([5] * 30 + cont)), tok, seed=0, progress=False)
+    assert long.generate_until([("ab" * 20, {"until": ["."], "max_gen_toks": 8})], steps=4) == ["ab"]
+    # max_gen_toks beyond the window: block_size - 1 = 15 tokens are generated after one context token
+    free = ed.Scorer(StubDenoiser(), tok, seed=0, progress=False)
+    assert 0 < len(free.generate_until([("x", {"until": [], "max_gen_toks": 100})], steps=2)[0]) <= 15
+
+
+def test_rolling_windows_partition_the_document_and_fill_the_window():
+    for n_doc, block, context, n_prefix in [(40, 16, 1, 1), (40, 16, 5, 1), (15, 16, 1, 1), (7, 8, 0, 0),
+                                            (33, 8, 7, 2), (1, 4, 3, 1)]:
+        ids = list(range(100, 100 + n_prefix)) + list(range(n_doc))
+        windows = ed.rolling_windows(ids, n_prefix, block, context)
+        assert sum((piece for _, piece in windows), []) == ids[n_prefix:]       # every token scored once
+        start = n_prefix
+        for k, (ctx, piece) in enumerate(windows):
+            assert 1 <= len(piece) <= block - context and len(ctx) + len(piece) <= block
+            assert ctx == ids[start - len(ctx):start]                           # the tokens just before
+            assert len(ctx) == min(start, block - len(piece))                   # as many as fit
+            start += len(piece)
+    with pytest.raises(ed.EvalError, match="rolling_context"):
+        ed.rolling_windows([1, 2, 3], 0, 8, 8)
+
+
+def test_rolling_loglikelihood_is_the_sum_of_the_window_bounds():
+    tok = CharTokenizer()
+    text = "abcdefg.xy " * 3 + "abc"                       # 36 tokens: pieces of 15, 15, 6 after BOS
+    ids = [tok.bos_id] + tok.encode(text)
+    model = StubDenoiser()
+    scorer = ed.Scorer(model, tok, mc_draws=8, batch_size=8, seed=5, progress=False)
+    # by hand: window k scores ids[1 + 15k : 1 + 15(k+1)] given the tokens before it that fit 16, seed 5 + k
+    windows = [(ids[0:1], ids[1:16]), (ids[15:16], ids[16:31]), (ids[21:31], ids[31:37])]
+    expected = sum(ed.conditional_loglik(model, c, x, mc_draws=8, seed=5 + k) for k, (c, x) in enumerate(windows))
+    got, empty = scorer.loglikelihood_rolling([text, ""], cfg_w=0.0, context=1)
+    assert got == pytest.approx(expected, rel=1e-12) and got < 0 and empty == 0.0
+    # a denoiser sure of every token of the document "aaa...": log p = 0 (the bound is tight) over all windows;
+    # one sure of "b" everywhere: far below
+    a, b = tok.encode("ab")
+    sure = ed.Scorer(StubDenoiser(favour=torch.full((16,), a)), tok, mc_draws=8, seed=5, progress=False)
+    assert abs(sure.loglikelihood_rolling(["a" * 36])[0]) < 1e-5          # float32 rounding only
+    wrong = ed.Scorer(StubDenoiser(favour=torch.full((16,), b)), tok, mc_draws=8, seed=5, progress=False)
+    assert wrong.loglikelihood_rolling(["a" * 36])[0] < -100
+
+
+def test_offline_hub_is_detected_up_front_and_errors_name_the_variable(monkeypatch):
+    for v in (*ed.OFFLINE_VARS, "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")      # nothing listens on port 1: refused at once
+    assert ed.lm_eval_failure(ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub")).endswith(
+        "set HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 to fail at once instead of retrying)")
+    note = ed.hub_offline_check(timeout=1.0)
+    assert "127.0.0.1:1 is unreachable" in note and "HF_DATASETS_OFFLINE=1" in note
+    assert all(os.environ[v] == "1" for v in ed.OFFLINE_VARS)
+    assert "local Hugging Face cache" in ed.lm_eval_failure(ConnectionError("Couldn't reach 'x' on the Hub"), "t")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")                 # the user's choice is left alone: no probe
+    assert ed.hub_offline_check(timeout=1.0) is None
+
+
+# -----------------------------------------------------------------------------------------------
 # the built-in runner (no model)
 
 def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
