@@ -98,7 +98,10 @@ class SDDLMHarness(LM):
             raise ed.EvalError(f"greedy_check must be one of {', '.join(ed.GREEDY_CHECKS)}, got {greedy_check!r}")
         self.steps, self.final_step = coerce(steps, int, "steps"), str(final_step)
         self.top_p = coerce(top_p, float, "top_p")
-        check_sampler(self.steps, self.final_step, self.top_p)
+        try:
+            check_sampler(self.steps, self.final_step, self.top_p)
+        except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
+            raise ed.EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
         self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), coerce(seed, int, "seed"),
                                                  coerce(lambada_steps, int, "lambada_steps"),

@@ -2,8 +2,10 @@
 obvious rule ("the sky is blue", "the grass is green", ... in random order) must rank the right colour first and
 recover it as LAMBADA's last word; the estimator is checked on stand-in denoisers (only the continuation is
 noised, t is stratified, both CFG branches see the same noisy continuation, the guided distribution is
-p_c^(1+w)/p_u^w); the JSONL runner's acc/acc_norm against a hand computation; the CLI end to end and its
-one-line errors; the lm-eval adapter with lm-eval's own classes when lm-eval is installed."""
+p_c^(1+w)/p_u^w); generation is cut at EOS and stop strings as computed by hand, the rolling bound is the sum of
+its windows'; the JSONL runner's acc/acc_norm against a hand computation; the CLI end to end and its one-line
+errors; when lm-eval is installed, the adapter with lm-eval's own classes and the harness's own command line on
+four local tasks (one per request type), each logged response equal to the same request computed without it."""
 import json
 import math
 import os
@@ -409,18 +411,20 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     from lm_eval.api.registry import get_model
     cls = ed.lm_eval_model_class()
     assert get_model("sddlm") is cls and issubclass(cls, LM)
+    assert get_model("dummy").__name__ == "DummyLM"        # registering ours does not hide the harness's models
     # as lm-eval builds it from --model_args and --batch_size: every value a string
-    lm = cls.create_from_arg_string(f"ckpt={trained['ckpt']},mc_draws=4,cfg_w=1.1,use_ema=false,seed=3",
-                                    {"batch_size": "4", "max_batch_size": None, "device": "cpu"})
+    extras = {"batch_size": "4", "max_batch_size": None, "device": "cpu"}
+    lm = cls.create_from_arg_string(f"ckpt={trained['ckpt']},mc_draws=4,cfg_w=1.1,use_ema=false,seed=3", extras)
     reqs = [Instance(request_type="loglikelihood", doc={}, arguments=("the snow is", " " + c), idx=i)
             for i, c in enumerate(COLOURS)]
     out = lm.loglikelihood(reqs)
     assert len(out) == 4 and all(type(ll) is float and type(g) is bool for ll, g in out)
     assert max(range(4), key=lambda i: out[i][0]) == COLOURS.index("white")
-    with pytest.raises(NotImplementedError, match="loglikelihood_rolling"):
-        lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("text",), 0)])
-    with pytest.raises(NotImplementedError, match="generate_until"):
-        lm.generate_until([Instance("generate_until", {}, ("ctx", {"until": ["\n"]}), 0)])
+    bad = {"unknown sddlm model argument\\(s\\) mc_draw;": "mc_draw=8", "rolling_context must be in": "rolling_context=32",
+           "final_step must be one of": "final_step=best", "cfg_w='high' is not a valid float": "cfg_w=high"}
+    for message, arg in bad.items():
+        with pytest.raises(ed.EvalError, match=message):
+            cls.create_from_arg_string(f"ckpt={trained['ckpt']},{arg}", extras)
 
 
 TASK_YAML = """task: {name}
@@ -436,28 +440,137 @@ metric_list:
 """
 
 
+def write_tasks(d, seed=5):
+    """Four offline lm-eval tasks over local JSONL files, one per request type -> {task name: items}."""
+    rng = random.Random(seed)
+    items = {"colours_mc": colour_items(per_subject=1),
+             "colours_lambada": [{"text": facts(rng, 4) + f" the {s} is {c}"} for s, c in FACTS.items()],
+             "colours_gen": [{"context": facts(rng, 3) + f" the {s} is", "answer": c} for s, c in FACTS.items()],
+             "colours_doc": [{"text": facts(rng, 10)}, {"text": facts(rng, 2)}]}
+    docs = {
+        "colours_mc": ("multiple_choice", 'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
+                       'doc_to_target: "{{gold}}"', ["acc", "acc_norm"]),
+        "colours_lambada": ("loglikelihood", "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\n"
+                            "doc_to_target: \"{{' ' + text.split(' ')[-1]}}\"", ["perplexity", "acc"]),
+        "colours_gen": ("generate_until", 'doc_to_text: "{{context}}"\ndoc_to_target: "{{answer}}"\n'
+                        'generation_kwargs:\n  until: ["."]\n  max_gen_toks: 6\n  do_sample: false\n'
+                        'filter_list:\n  - name: word\n    filter:\n      - function: regex\n'
+                        '        regex_pattern: "(\\\\w+)"\n      - function: take_first', ["exact_match"]),
+        "colours_doc": ("loglikelihood_rolling", 'doc_to_text: ""\ndoc_to_target: "{{text}}"',
+                        ["word_perplexity", "byte_perplexity", "bits_per_byte"])}
+    for name, (output_type, doc, metrics) in docs.items():
+        (d / f"{name}.yaml").write_text(TASK_YAML.format(
+            name=name, path=write_jsonl(d / f"{name}.jsonl", items[name]), output_type=output_type, docs=doc,
+            metrics="\n".join(f"  - metric: {m}" for m in metrics)))
+    return items
+
+
+@pytest.mark.slow
+def test_harness_command_line_serves_every_request_type_as_the_scorer_does(trained, tmp_path):
+    """`python -m lm_eval_sddlm` (lm-eval's own CLI function) with four local tasks, one per request type; every
+    response it logged equals the same request computed here without the harness: the Scorer for loglikelihood,
+    sample.generate for generate_until, the sum of per-window conditional NELBOs for loglikelihood_rolling; and
+    the metrics it reports follow from those responses."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    import glob
+    import re
+    from sample import generate
+    items = write_tasks(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    args = ["--model", "sddlm", "--model_args", f"ckpt={trained['ckpt']},mc_draws=4,steps=6,seed=3",
+            "--tasks", ",".join(items), "--include_path", str(tmp_path), "--device", "cpu", "--batch_size", "4",
+            "--output_path", str(tmp_path / "out"), "--log_samples"]
+    proc = subprocess.run([sys.executable, "-m", "lm_eval_sddlm", *args], capture_output=True, text=True, cwd=HERE,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOWER BOUND on log p(text)" in proc.stderr and "do_sample are not used" in proc.stderr
+
+    def logged(task):
+        path, = glob.glob(str(tmp_path / "out" / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        return [json.loads(line) for line in open(path)]
+    results = json.loads(open(glob.glob(str(tmp_path / "out" / "**" / "results_*.json"), recursive=True)[0]).read())
+    results = {task: {k.split(",")[0]: v for k, v in r.items()} for task, r in results["results"].items()}
+
+    model, tok = trained["model"], trained["tok"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # as the subprocess: the same float32 sums, bit for bit
+    try:
+        scorer = ed.Scorer(model, tok, mc_draws=4, batch_size=4, seed=3, progress=False)
+        # loglikelihood: multiple choice and LAMBADA-style
+        for task in ("colours_mc", "colours_lambada"):
+            acc = []
+            for s in logged(task):
+                pairs = [(a["arg_0"], a["arg_1"]) for a in s["arguments"].values()]
+                ours = scorer.loglikelihood(pairs)
+                theirs = [(float(ll), g == "True") for (ll, g), in s["resps"]]
+                assert [g for _, g in theirs] == [g for _, g in ours]
+                assert [ll for ll, _ in theirs] == pytest.approx([ll for ll, _ in ours], rel=1e-6)
+                acc.append(max(range(len(ours)), key=lambda k: ours[k][0]) == s["doc"]["gold"] if task == "colours_mc"
+                           else ours[0][1])
+            assert results[task]["acc"] == pytest.approx(sum(acc) / len(acc))
+        lls = [float(s["resps"][0][0][0]) for s in logged("colours_lambada")]
+        assert results["colours_lambada"]["perplexity"] == pytest.approx(math.exp(-sum(lls) / len(lls)))
+        # generate_until: 6 tokens after [BOS] + context by sample.generate, then cut at EOS and at "."
+        right = []
+        for s in logged("colours_gen"):
+            ctx = [tok.bos_id] + tok.encode(s["doc"]["context"])
+            ids = generate(model, 1, len(ctx) + 6, model.config.vocab_size, 6, prompt_ids=torch.tensor(ctx),
+                           generator=torch.Generator().manual_seed(3), show_progress=False)[0, len(ctx):].tolist()
+            ids = ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids
+            text = tok.decode(ctx + ids)[len(tok.decode(ctx)):].split(".")[0]
+            assert s["resps"] == [[text]], (s["resps"], text)
+            right.append(re.findall(r"\w+", text)[:1] == [s["doc"]["answer"]])
+        assert results["colours_gen"]["exact_match"] == sum(right) / len(right) >= 0.75
+        # loglikelihood_rolling: windows of 32 tokens after BOS, 31 new ones each, draws seeded 3 + window
+        words, total, n_windows = 0, 0.0, []
+        for s in logged("colours_doc"):
+            ids = [tok.bos_id] + tok.encode(s["doc"]["text"])
+            starts = range(1, len(ids), 31)
+            bound = sum(ed.conditional_loglik(model, ids[max(0, a - (32 - len(ids[a:a + 31]))):a], ids[a:a + 31],
+                                              mc_draws=4, batch_size=4, seed=3 + k) for k, a in enumerate(starts))
+            assert float(s["resps"][0][0]) == pytest.approx(bound, rel=1e-6) and bound < 0
+            words, total = words + len(re.split(r"\s+", s["doc"]["text"])), total + bound
+            n_windows.append(len(starts))
+        assert n_windows[0] >= 2            # the long document spans several windows
+        assert results["colours_doc"]["word_perplexity"] == pytest.approx(math.exp(-total / words))
+    finally:
+        torch.set_num_threads(threads)
+
+    # a mistyped model argument: one line, exit code 2, before the checkpoint is loaded
+    args[args.index("--model_args") + 1] = f"ckpt={trained['ckpt']},mc_draw=8"
+    proc = subprocess.run([sys.executable, "-m", "lm_eval_sddlm", *args], capture_output=True, text=True, cwd=HERE,
+                          env=env, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown sddlm model argument(s) mc_draw; known:")
+
+
 @pytest.mark.slow
 def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
-    """simple_evaluate with local task YAMLs over JSONL files (no download): a multiple-choice task and a
-    LAMBADA-style loglikelihood task whose acc is the adapter's is_greedy, reported as acc_argmax."""
+    """eval_downstream's CLI with local task YAMLs (no download): a multiple-choice task and a LAMBADA-style
+    loglikelihood task whose acc is the adapter's is_greedy, reported as acc_argmax; a task whose data file is
+    missing fails alone (the others' results are written, the exit is an error naming it); an unknown task name
+    is an error before any work."""
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    rng = random.Random(5)
-    mc = write_jsonl(tmp_path / "colours.jsonl", colour_items(per_subject=1))
-    lam = write_jsonl(tmp_path / "lam.jsonl",
-                      [{"text": facts(rng, 4) + f" the {s} is {c}"} for s, c in FACTS.items()])
-    (tmp_path / "colours.yaml").write_text(TASK_YAML.format(
-        name="colours_mc", path=mc, output_type="multiple_choice",
-        docs='doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"',
-        metrics="  - metric: acc\n  - metric: acc_norm"))
-    (tmp_path / "lam.yaml").write_text(TASK_YAML.format(
-        name="colours_lambada", path=lam, output_type="loglikelihood",
-        docs="doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\ndoc_to_target: \"{{' ' + text.split(' ')[-1]}}\"",
-        metrics="  - metric: perplexity\n  - metric: acc"))
+    write_tasks(tmp_path)
+    (tmp_path / "broken.yaml").write_text(TASK_YAML.format(
+        name="broken", path=tmp_path / "missing.jsonl", output_type="loglikelihood",
+        docs='doc_to_text: "{{text}}"\ndoc_to_target: "{{text}}"', metrics="  - metric: perplexity"))
     out = tmp_path / "lm.json"
-    assert ed.main(["--ckpt", trained["ckpt"], "--tasks", "colours_mc,colours_lambada", "--include_path",
-                    str(tmp_path), "--mc_draws", "8", "--cfg", "on", "--device", "cpu", "--out", str(out)]) == 0
-    rows = {r["task"]: r for r in json.loads(out.read_text())["results"]}
-    assert rows["colours_mc"]["runner"] == "lm-eval" and rows["colours_mc"]["n"] == 4
-    assert rows["colours_mc"]["acc"] >= 0.75 and "acc_norm" in rows["colours_mc"]
-    assert set(rows["colours_lambada"]) >= {"acc_argmax", "perplexity"} and "acc" not in rows["colours_lambada"]
+    argv = ["--ckpt", trained["ckpt"], "--tasks", "colours_mc,broken,colours_lambada", "--include_path", str(tmp_path),
+            "--mc_draws", "8", "--cfg", "both", "--device", "cpu", "--out", str(out)]
+    with pytest.raises(ed.EvalError, match=r"2 of 6 task runs failed: broken \(no CFG\), broken \(CFG\); the other"):
+        ed.main(argv)
+    res = json.loads(out.read_text())
+    rows = {(r["task"], r["setting"]): r for r in res["results"]}
+    assert set(rows) == {(t, s) for t in ("colours_mc", "colours_lambada") for s in ("no CFG", "CFG")}
+    assert [(f["task"], f["setting"]) for f in res["failed"]] == [("broken", "no CFG"), ("broken", "CFG")]
+    assert "lm-eval failed on task 'broken'" in res["failed"][0]["error"]
+    mc = rows["colours_mc", "CFG"]
+    assert mc["runner"] == "lm-eval" and mc["n"] == 4 and mc["acc"] >= 0.75 and "acc_norm" in mc
+    lam = rows["colours_lambada", "no CFG"]
+    assert set(lam) >= {"acc_argmax", "perplexity"} and "acc" not in lam
+    assert "FAILED broken (CFG)" in (tmp_path / "lm.md").read_text()
+    with pytest.raises(ed.EvalError, match="unknown lm-eval task\\(s\\) colours_mcq"):
+        ed.main(argv[:3] + ["colours_mcq"] + argv[4:])
