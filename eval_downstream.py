@@ -303,9 +303,10 @@ class Scorer:
             prefix = [self.tokenizer.bos_id] if self.add_bos else []
             windows = rolling_windows(prefix + self.tokenizer.encode(text), len(prefix), self.model.config.block_size,
                                       context)
-            out.append(float(sum(conditional_loglik(self.model, ctx, piece, mc_draws=self.mc_draws,
-                                              batch_size=self.batch_size, cfg_w=cfg_w, seed=self.seed + k,
-                                              autocast=self.autocast) for k, (ctx, piece) in enumerate(windows))))
+            bound = sum(conditional_loglik(self.model, ctx, piece, mc_draws=self.mc_draws, batch_size=self.batch_size,
+                                           cfg_w=cfg_w, seed=self.seed + k, autocast=self.autocast)
+                        for k, (ctx, piece) in enumerate(windows))
+            out.append(float(bound))
         return out
 
 
@@ -630,6 +631,8 @@ def main(argv=None):
     tokenizer, why = load_tokenizer(ckpt)
     if tokenizer is None:
         raise EvalError(f"{cfg.ckpt}: {why}")
+    if cfg.rolling_context >= model.config.block_size:
+        raise EvalError(f"--rolling_context must be < the model's block_size {model.config.block_size}")
     scorer = Scorer(model, tokenizer, mc_draws=cfg.mc_draws, batch_size=cfg.batch_size, seed=cfg.seed,
                     lambada_steps=cfg.lambada_steps, dtype=dtype, add_bos=cfg.add_bos,
                     schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear")
@@ -668,15 +671,14 @@ def main(argv=None):
             except EvalError as e:    # this task cannot run (in any setting); the other tasks still do
                 failed += [{"task": name, "setting": later, "error": str(e)} for later, _ in settings[k:]]
                 print(f"FAILED {name}: {e}", file=sys.stderr)
-                if cfg.out:
-                    write_results(cfg.out, result)
-                break
             else:
                 rows.append({"task": name, "setting": setting, "cfg_w": w, "runner": runner, **metrics})
-                print(f"done {name} ({setting}): " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
-                      if k not in ROW_KEYS), file=sys.stderr)
+                print(f"done {name} ({setting}): " + ", ".join(f"{m} {v:.4g}" for m, v in metrics.items()
+                      if m not in ROW_KEYS), file=sys.stderr)
             if cfg.out:
                 write_results(cfg.out, result)
+            if failed and failed[-1]["task"] == name:
+                break
 
     if rows:
         print(markdown_table(rows))
