@@ -4,14 +4,18 @@ The command-line and file plumbing every script shares, so that each script is o
   parse_flags     one --flag per field of a script's dataclass (booleans as 0/1, a bare --flag means 1),
                   optional presets (dicts of overrides; explicit flags win), no prefix abbreviations
   run_cli         the entry point: bad input and resource faults become ONE line on stderr, exit code 2
+                  (Ctrl-C: one line, exit code 130)
   resolve_device, resolve_dtype, autocast_for      where and in which precision the network runs
   load_model, load_tokenizer                       a train.py checkpoint and its tokenizer
   append_jsonl, write_json, save_atomic            output that is never half-written
+  check_writable, remove_stale_temps               output paths checked before long work; leftovers of kills
 """
 import argparse
 import dataclasses
+import errno
 import json
 import os
+import shutil
 import sys
 from contextlib import nullcontext
 
@@ -72,13 +76,21 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     except (UsageError, *errors) as e:
         _fail(str(e))
     except OSError as e:
-        _fail(f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else f"{type(e).__name__}: {e}")
+        _fail(os_error_line(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
 
 
-def _fail(message):
+def os_error_line(e):
+    """An OSError as one line: 'No space left on device: out/ckpt.pt', or its own message."""
+    what = e.strerror or str(e) or type(e).__name__
+    return f"{what}: {e.filename}" if e.filename else what
+
+
+def _fail(message, code=2):
     if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
         print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -121,6 +133,8 @@ def load_model(path, device, use_ema=True):
         return load_checkpoint(path, device=device, use_ema=use_ema)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
+    except TypeError as e:    # a model_config with keys this ModelConfig does not know
+        raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
 
 
 def load_tokenizer(ckpt):
@@ -140,22 +154,28 @@ def load_tokenizer(ckpt):
 
 def append_jsonl(path, records):
     """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
-    touched, and concurrent writers do not interleave inside one batch of lines."""
+    touched, and concurrent writers do not interleave inside one batch of lines. A failed write (a full disk)
+    is cut back, so no partial line is left."""
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    size = os.fstat(fd).st_size
     try:
         while data:
             data = data[os.write(fd, data):]
         os.fsync(fd)
+    except OSError:
+        os.ftruncate(fd, size)
+        raise
     finally:
         os.close(fd)
 
 
 def save_atomic(path, write):
     """write(tmp_path) then fsync and rename over `path`: a reader sees the old file or the new one, never
-    a part. The temp file is unique to this process and removed when the write fails (e.g. a full disk)."""
+    a part. The temp file is unique to this process and removed when the write fails; a failed write (a full
+    disk: OSError, or torch.save's RuntimeError) becomes one OSError saying what was kept."""
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -164,10 +184,50 @@ def save_atomic(path, write):
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
+        reason = os_error_line(e) if isinstance(e, OSError) else str(e).strip().splitlines()[0]
+        try:
+            free = f"; {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2 ** 30:.2f} GiB free there"
+        except OSError:
+            free = ""
+        kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
+        raise OSError(getattr(e, "errno", None) or errno.EIO, f"could not write {path} ({reason}{free}); {kept}"
+                      ) from None
+
+
+def remove_stale_temps(path):
+    """Remove save_atomic's temp files of `path` left by processes that no longer run (killed during a save)."""
+    folder, prefix = os.path.dirname(path) or ".", os.path.basename(path) + ".tmp"
+    for name in os.listdir(folder):
+        pid = name.removeprefix(prefix)
+        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def check_writable(path, flag, folder=False):
+    """Fail now, before any long work, unless `path` can be written: a file (not a folder), or with folder=True
+    a folder (not a file); it, or its nearest existing parent, writable. flag names the option in the message."""
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a file, not a folder")
+    if not folder and os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
+    nearest = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        raise UsageError(f"{flag} {path}: {nearest} is a file, not a folder")
+    target = path if os.path.exists(path) else nearest
+    if not os.access(target, os.W_OK):
+        raise UsageError(f"{flag} {path}: {target} is not writable")
 
 
 def write_json(path, obj):

@@ -4,13 +4,20 @@ Data for sddlm: tokenizers, corpora, one-time preparation into token memmaps, an
     python data.py --dataset pydoc --tokenizer sp_train:2048 --block_size 128   # -> data/pydoc-sp_train2048-128
 
 Where prepared data lives (prepared_dir, the one rule train.py and this script share):
-    data/<dataset name>-<tokenizer>-<block_size>[-padded]     unless --data_dir names another folder
+    data/<dataset name>-<tokenizer>-<block_size>[-padded]-<key>     unless --data_dir names another folder
+where <key> is a digest of everything that determines the tokens (data_key): the corpus content, the tokenizer
+content, L, wrap, EOS insertion, the validation share. An edited corpus gets a new folder, never stale tokens.
+
+A folder is prepared in a temp folder beside it and renamed into place when complete, under an exclusive lock:
+concurrent preparations of the same data (two runs side by side) wait for one another, and a reader sees no
+folder or a finished one. meta.json holds the sha256 of every file; prepare_dataset verifies them on reuse.
 
 Layout of a prepared folder (what train.py / eval read):
     train.bin, val.bin   the sequences, already blocked: a row-major (N, block_size) array of token ids,
                          uint16 when the vocabulary K <= 65536 else uint32 (dtype and N are in meta.json)
     train_mask.bin, ...  only when wrap=False: uint8 (N, block_size), 1 on real tokens, 0 on padding
-    meta.json            tokenizer spec, vocab_size K, special ids, block_size, wrap, counts
+    meta.json            tokenizer spec and sha256, vocab_size K, special ids, block_size, wrap, counts, data_key,
+                         sha256 of every file
     tokenizer.model      only for tokenizer "sp_train:N" (a SentencePiece model trained on the train split)
 
 Wrapped (OpenWebText-style, Duo's `wrap=True`): documents are tokenized without specials, joined with EOS,
@@ -24,6 +31,10 @@ import itertools
 import json
 import os
 import re
+import shutil
+import socket
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -49,6 +60,8 @@ class Tokenizer:
     pad_id: int
     encode_batch: Callable   # list[str] -> list[list[int]], no special tokens added
     decode: Callable         # list[int] -> str
+    fingerprint: str = ""    # sha256 of what defines the ids (model file, vocabulary): a renamed copy matches,
+                             # a retrained model with the same name does not
 
     def encode(self, text):
         return self.encode_batch([text])[0]
@@ -98,21 +111,27 @@ def _gpt2_tokenizer():
     def decode(ids):
         runs = itertools.groupby((int(i) for i in ids), key=lambda i: i == pad)
         return "".join("[PAD]" * len(list(g)) if is_pad else enc.decode(list(g)) for is_pad, g in runs)
+    fingerprint = hashlib.sha256(("gpt2+[PAD]:" + ",".join(GPT2_SHA256.values())).encode()).hexdigest()
     return Tokenizer("gpt2", 50258, eot, eot, pad,
-                     lambda texts: enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1), decode)
+                     lambda texts: enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1), decode,
+                     fingerprint)
 
 
 def _sentencepiece_tokenizer(path):
     import sentencepiece as spm
     if not os.path.isfile(path):
         raise DataError(f"SentencePiece model not found: {path}")
-    sp = spm.SentencePieceProcessor(model_file=path)
+    try:
+        sp = spm.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path} is not a SentencePiece model ({first})") from None
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
     if min(sp.bos_id(), sp.eos_id()) < 0:
         raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
     return Tokenizer(f"sp:{path}", sp.get_piece_size(), sp.bos_id(), sp.eos_id(), pad,
                      lambda texts: sp.encode(list(texts), out_type=int),
-                     lambda ids: sp.decode([int(i) for i in ids]))
+                     lambda ids: sp.decode([int(i) for i in ids]), file_sha256(path))
 
 
 def _hf_tokenizer(name):
@@ -124,9 +143,10 @@ def _hf_tokenizer(name):
     bos = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
     eos = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    vocab = json.dumps([sorted(tok.get_vocab().items()), bos, eos, pad]).encode()
     return Tokenizer(f"hf:{name}", len(tok), bos, eos, pad,
                      lambda texts: tok(list(texts), add_special_tokens=False)["input_ids"],
-                     lambda ids: tok.decode([int(i) for i in ids]))
+                     lambda ids: tok.decode([int(i) for i in ids]), hashlib.sha256(vocab).hexdigest())
 
 
 def get_tokenizer(spec):
@@ -146,8 +166,7 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     normalizer make decode(encode(s)) == s for any s; ids: unk 0, BOS 1, EOS 2, PAD 3, newline 4."""
     import sentencepiece as spm
     if isinstance(text_or_file, str) and os.path.isfile(text_or_file):
-        with open(text_or_file, encoding="utf-8") as f:
-            text_or_file = f.read()
+        text_or_file = read_text(text_or_file)
     docs = [text_or_file] if isinstance(text_or_file, str) else list(text_or_file)
     lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
     if not lines:
@@ -292,9 +311,9 @@ def load_corpus(name, val_fraction=0.05):
         docs = [topics[k] for k in sorted(topics)]
     elif os.path.isdir(name):
         paths = sorted(p for p in _walk(name) if p.endswith(".txt"))
-        docs = [d for d in (_read(p) for p in paths) if d.strip()]
+        docs = [d for d in map(read_text, paths) if d.strip()]
     elif os.path.isfile(name):
-        docs = [d.strip("\n") for d in re.split(r"\n\s*\n", _read(name)) if d.strip()]
+        docs = [d.strip("\n") for d in re.split(r"\n\s*\n", read_text(name)) if d.strip()]
     elif name in HF_CORPORA:
         return load_hf_split(name, "train"), load_hf_split(name, "val")
     elif name.endswith(".txt") or os.sep in name:
@@ -311,9 +330,22 @@ def _walk(folder):
     return (os.path.join(root, f) for root, _, files in os.walk(folder) for f in files)
 
 
-def _read(path):
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+def read_text(path):
+    """A text file's content, newlines normalised as open() does. Not UTF-8, or binary (a NUL byte) -> DataError
+    naming the file and the byte offset."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+        nul = raw.find(b"\0")
+    except UnicodeDecodeError as e:
+        text, nul = None, raw.find(b"\0", 0, e.start)
+        if nul < 0:
+            raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it, "
+                            f"e.g. iconv -f latin1 -t utf-8") from None
+    if nul >= 0:
+        raise DataError(f"{path}: a binary file, not text (NUL byte at offset {nul})")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 # -----------------------------------------------------------------------------
@@ -333,9 +365,11 @@ def wrap_blocks(stream, block_size, bos_id, eos_id):
 
 def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress):
     """Tokenize docs in chunks of 1024 and stream rows of length L = block_size to out_dir/{split}.bin
-    (and {split}_mask.bin when un-wrapped), each written to a temp file and renamed when complete."""
+    (and {split}_mask.bin when un-wrapped) -> (counts, {file name: sha256}). out_dir is the private temp folder
+    of one preparation, so the files are written in place."""
     L, eos = block_size, [tok.eos_id] if insert_eos else []
-    path, mask_path = os.path.join(out_dir, f"{split}.bin"), os.path.join(out_dir, f"{split}_mask.bin")
+    names = [f"{split}.bin"] + ([] if wrap else [f"{split}_mask.bin"])
+    digests = {name: hashlib.sha256() for name in names}
     counts = dict(documents=0, tokens=0, sequences=0, dropped_tokens=0)  # tokens: of the text, without specials
     carry = np.zeros(0, dtype=dtype)  # wrapped: stream tokens not yet in a full block
     try:
@@ -344,7 +378,13 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         total = None
     bar = tqdm(total=total, desc=f"tokenizing {split}", unit="doc",
                disable=not progress or (total is not None and total < 5000))
-    with open(path + ".tmp", "wb") as out, open(os.devnull if wrap else mask_path + ".tmp", "wb") as mask_out:
+    files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
+
+    def write(name, array):
+        data = array.tobytes()
+        files[name].write(data)
+        digests[name].update(data)
+    try:
         for chunk in _batched(iter(docs), 1024):
             ids = tok.encode_batch(chunk)
             counts["documents"] += len(chunk)
@@ -358,18 +398,21 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
                     seq = [tok.bos_id, *x[:L - 2], tok.eos_id]  # truncation keeps the closing EOS
                     rows[r, :len(seq)], mask[r, :len(seq)] = seq, 1
                     counts["dropped_tokens"] += max(0, len(x) - (L - 2))
-                mask_out.write(mask.tobytes())
-            out.write(rows.tobytes())
+                write(f"{split}_mask.bin", mask)
+            write(f"{split}.bin", rows)
             counts["sequences"] += len(rows)
             bar.update(len(chunk))
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
     bar.close()
     counts["dropped_tokens"] += len(carry)  # wrapped: the final remainder (Duo drops one per 1000-document batch)
     if counts["sequences"] == 0 and counts["documents"] > 0:
         raise DataError(f"the {split} split gives no sequence of block_size {block_size}; use a smaller one")
-    os.replace(path + ".tmp", path)
-    if not wrap:
-        os.replace(mask_path + ".tmp", mask_path)
-    return counts
+    return counts, {name: d.hexdigest() for name, d in digests.items()}
 
 
 def _batched(it, n):
@@ -377,67 +420,251 @@ def _batched(it, n):
         yield chunk
 
 
-def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True):
-    """The default folder of a prepared dataset: data/<dataset name>-<tokenizer>-<L>, '-padded' when not wrapped."""
+# what identifies prepared data; bump PREP_VERSION when preparation changes the tokens it writes
+PREP_VERSION = 2
+
+
+def file_sha256(path):
+    """sha256 of a file's bytes (cached per path, size and modification time within a process)."""
+    st = os.stat(path)
+    return _file_sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=256)
+def _file_sha256(path, size, mtime_ns):
+    h = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {os.path.basename(path)}",
+                                     disable=size < 2 ** 30, leave=False) as bar:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def corpus_fingerprint(name):
+    """sha256 of what load_corpus reads: a file's bytes; a folder's .txt files (relative paths and bytes);
+    pydoc's topics. For a Hugging Face name, its load arguments (the hub's content is not hashed)."""
+    h = hashlib.sha256()
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        h.update(json.dumps(topics, sort_keys=True).encode())
+    elif os.path.isdir(name):
+        for path in sorted(p for p in _walk(name) if p.endswith(".txt")):
+            h.update(f"{os.path.relpath(path, name)}\0{file_sha256(path)}\0".encode())
+    elif os.path.isfile(name):
+        return file_sha256(name)
+    elif name in HF_CORPORA:
+        kwargs, train_split, val_split, field, detok = HF_CORPORA[name]
+        h.update(f"hf:{kwargs}:{train_split}:{val_split}:{field}:{detok and detok.__name__}".encode())
+    else:
+        load_corpus(name)   # raises its DataError for a missing file or an unknown name
+    return h.hexdigest()
+
+
+def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05):
+    """Everything that determines the prepared tokens, as a dict (stored in meta.json; its digest names the
+    default folder). The tokenizer enters by content; sp_train:N is trained on the corpus, which is in the key."""
+    if tokenizer_spec.startswith("sp_train:"):
+        if not tokenizer_spec.removeprefix("sp_train:").isdigit():
+            raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
+        tokenizer = tokenizer_spec
+    else:
+        tokenizer = get_tokenizer(tokenizer_spec).fingerprint
+    return dict(version=PREP_VERSION, corpus=corpus_fingerprint(dataset), tokenizer=tokenizer,
+                block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
+
+
+def _digest(key):
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05):
+    """The default folder of a prepared dataset: data/<dataset name>-<tokenizer>-<L>[-padded]-<digest of data_key>.
+    Reads the corpus and the tokenizer (to fingerprint them); a missing one -> DataError."""
+    key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction)
     name = os.path.basename(os.path.normpath(dataset)).removesuffix(".txt")
     tok = tokenizer_spec.replace(":", "").replace("/", "_")
-    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded"))
-
-
-def _dump_json(obj, path):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded") + f"-{_digest(key)}")
 
 
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
         raise DataError(f"no prepared dataset in {data_dir} (meta.json missing); run data.py first")
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({e}); delete {data_dir} to prepare it again") from None
     if meta.get("tokenizer_file"):  # a model stored next to the data: resolve relative to where the data is now
         meta["tokenizer"] = "sp:" + os.path.join(data_dir, meta["tokenizer_file"])
     return meta
+
+
+def verify_prepared(data_dir, meta, names=None):
+    """Check the files of a prepared folder (all, or `names`) against the sha256 in its meta.json."""
+    for name, digest in (meta.get("sha256") or {}).items():
+        if names is not None and name not in names:
+            continue
+        path = os.path.join(data_dir, name)
+        if not os.path.isfile(path):
+            raise DataError(f"{path} is missing; delete {data_dir} to prepare it again")
+        if file_sha256(path) != digest:
+            raise DataError(f"{path} does not match the sha256 in its meta.json (modified or corrupted since it "
+                            f"was prepared); delete {data_dir} to prepare it again")
+
+
+def _check_reusable(data_dir, key):
+    """A finished folder -> data_dir when it was prepared from the same data_key and its files verify."""
+    old = load_meta(data_dir)
+    if old.get("data_key") is None:
+        raise DataError(f"{data_dir} was prepared by an older version of data.py (no data_key in meta.json); "
+                        f"delete it or use another --data_dir")
+    short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
+    names = dict(corpus="corpus content", tokenizer="tokenizer content")
+    diff = [f"{names[k]} ({short(old['data_key'].get(k))}, now {short(v)})" if k in names else
+            f"{k}={old['data_key'].get(k)!r} (asked {v!r})" for k, v in key.items() if old["data_key"].get(k) != v]
+    if diff:
+        raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; use another --data_dir or "
+                        f"delete it")
+    verify_prepared(data_dir, old)
+    return data_dir
+
+
+@contextmanager
+def _exclusive(lock_path, what):
+    """Hold an exclusive lock on lock_path (a file beside the folder, removed afterwards). It spares a second
+    process the same work; correctness does not rest on it (the folder appears by an atomic rename)."""
+    try:
+        import fcntl
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):   # no flock here (or an unwritable folder, which fails just below)
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process preparing {what} ...", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass                     # a file system without flock: both prepare, the first rename wins
+        yield
+    finally:
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(lock_path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _remove_stale_temps(out_dir):
+    """Temp folders of preparations on this host whose process is gone (killed): left behind, never reused."""
+    prefix = f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
+    parent = os.path.dirname(out_dir)
+    for name in os.listdir(parent):
+        pid = name.removeprefix(prefix)
+        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, insert_eos=True,
                     val_fraction=0.05, progress=True):
     """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
     get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
-    out_dir/tokenizer.model. An out_dir prepared with the same settings is reused; different ones -> DataError."""
+    out_dir/tokenizer.model. An out_dir prepared from the same data_key is reused (its checksums verified);
+    a different one -> DataError. Safe to run concurrently: the folder is built in a temp folder beside it and
+    renamed into place when complete; a failed preparation leaves nothing behind."""
     if block_size < 3:
         raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
-    settings = dict(dataset=dataset, tokenizer_request=tokenizer_spec, block_size=block_size, wrap=wrap,
-                    insert_eos=insert_eos, val_fraction=val_fraction)
+    key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction)  # fails before any work
+    out_dir = os.path.normpath(out_dir)
     if os.path.isfile(os.path.join(out_dir, "meta.json")):
-        old = load_meta(out_dir)
-        diff = [f"{k}={old.get(k)!r} (asked {v!r})" for k, v in settings.items() if old.get(k) != v]
-        if diff:
-            raise DataError(f"{out_dir} was prepared with {', '.join(diff)}; use another --data_dir or delete it")
+        return _check_reusable(out_dir, key)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--data_dir {out_dir} is a file, not a folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise DataError(f"{out_dir} exists but holds no prepared dataset (no meta.json); delete it or use another "
+                        f"--data_dir")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    made_parent = not os.path.isdir(parent)
+    os.makedirs(parent, exist_ok=True)
+    try:
+        with _exclusive(out_dir + ".lock", out_dir):
+            if os.path.isfile(os.path.join(out_dir, "meta.json")):   # finished by the process we waited for
+                return _check_reusable(out_dir, key)
+            _remove_stale_temps(out_dir)
+            tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
+            try:
+                _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
+                              val_fraction, progress)
+                try:
+                    os.rename(tmp, out_dir)     # atomic: readers see no folder or a finished one
+                except OSError:
+                    if not os.path.isfile(os.path.join(out_dir, "meta.json")):
+                        raise
+                    shutil.rmtree(tmp)         # another process (without a working lock) finished first
+                    return _check_reusable(out_dir, key)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        made_parent = False
         return out_dir
+    finally:
+        if made_parent:                        # a failed preparation leaves no empty data/ folder either
+            try:
+                os.rmdir(parent)
+            except OSError:
+                pass
+
+
+def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction,
+                  progress):
+    """The preparation itself, into the private folder tmp (renamed to out_dir afterwards)."""
     sp_vocab = tokenizer_spec.removeprefix("sp_train:") if tokenizer_spec.startswith("sp_train:") else None
-    if sp_vocab is not None and not sp_vocab.isdigit():
-        raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
-    tok = None if sp_vocab else get_tokenizer(tokenizer_spec)  # fail on a bad tokenizer before any work
+    tok = None if sp_vocab else get_tokenizer(tokenizer_spec)
     train_docs, val_docs = load_corpus(dataset, val_fraction)
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(tmp)
+    digests = {}
     if sp_vocab:
-        model = train_sentencepiece(train_docs, os.path.join(out_dir, "tokenizer"), int(sp_vocab))
+        model = train_sentencepiece(train_docs, os.path.join(tmp, "tokenizer"), int(sp_vocab))
         tok = get_tokenizer("sp:" + model)
+        tok.spec = "sp:" + os.path.join(out_dir, "tokenizer.model")   # where it will be (load_meta resolves it)
+        digests["tokenizer.model"] = tok.fingerprint
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
-    meta = dict(settings, tokenizer=tok.spec, tokenizer_file="tokenizer.model" if sp_vocab else None,
-                vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                dtype=np.dtype(dtype).name, probe_ids=tok.encode(PROBE), layout="row-major (sequences, block_size)")
+    meta = dict(dataset=dataset, tokenizer_request=tokenizer_spec, block_size=block_size, wrap=wrap,
+                insert_eos=insert_eos, val_fraction=val_fraction, data_key=key,
+                tokenizer=tok.spec, tokenizer_file="tokenizer.model" if sp_vocab else None,
+                tokenizer_sha256=tok.fingerprint, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                pad_id=tok.pad_id, dtype=np.dtype(dtype).name, probe_ids=tok.encode(PROBE),
+                layout="row-major (sequences, block_size)")
     for split, docs in [("train", train_docs), ("val", val_docs)]:
-        counts = _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress)
+        counts, split_digests = _write_split(docs, tok, tmp, split, block_size, wrap, insert_eos, dtype, progress)
         meta.update({f"{split}_{k}": v for k, v in counts.items()})
-    _dump_json(meta, os.path.join(out_dir, "meta.json"))  # written last: its presence marks a finished folder
-    return out_dir
+        digests.update(split_digests)
+    meta["sha256"] = digests
+    with open(os.path.join(tmp, "meta.json"), "w") as f:   # written last: its presence marks a finished folder
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def check_tokenizer(meta, tokenizer):
-    """Raise DataError unless `tokenizer` (a Tokenizer, a spec string or a vocab size) matches the prepared data."""
+    """Raise DataError unless `tokenizer` (a Tokenizer, a spec string or a vocab size) matches the prepared data:
+    vocabulary, special ids, the ids of a probe text and, where both are known, the tokenizer's content."""
     if isinstance(tokenizer, int):
         if tokenizer != meta["vocab_size"]:
             raise DataError(f"vocab_size {tokenizer} does not match the data's tokenizer {meta['tokenizer']!r} "
@@ -446,7 +673,8 @@ def check_tokenizer(meta, tokenizer):
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     ours = (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.encode(PROBE))
     theirs = (meta["vocab_size"], meta["bos_id"], meta["eos_id"], meta["pad_id"], meta["probe_ids"])
-    if ours != theirs:
+    if ours != theirs or (tok.fingerprint and meta.get("tokenizer_sha256")
+                          and tok.fingerprint != meta["tokenizer_sha256"]):
         raise DataError(f"tokenizer {tok.spec!r} (vocab {tok.vocab_size}) does not match the data, prepared with "
                         f"{meta['tokenizer']!r} (vocab {meta['vocab_size']})")
 
@@ -464,6 +692,10 @@ def _open_split(data_dir, split, meta):
         path = os.path.join(data_dir, name)
         if not os.path.isfile(path):
             raise DataError(f"missing {path}")
+        if os.path.getsize(path) != n * L * np.dtype(dtype).itemsize:
+            raise DataError(f"{path} has {os.path.getsize(path)} bytes, not the {n * L * np.dtype(dtype).itemsize} "
+                            f"its meta.json gives ({n} x {L} {np.dtype(dtype).name}); delete {data_dir} to prepare "
+                            f"it again")
         return np.memmap(path, dtype=dtype, mode="r", shape=(n, L)) if n else np.zeros((0, L), dtype)
     mask = None if meta["wrap"] else open_array(f"{split}_mask.bin", np.uint8)
     return open_array(f"{split}.bin", meta["dtype"]), mask
@@ -539,7 +771,7 @@ def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_si
 class PrepareConfig:
     dataset: str = "pydoc"           # pydoc (built in) | a .txt file or folder | a name in HF_CORPORA
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
-    data_dir: str = ""               # "" = prepared_dir(dataset, tokenizer, block_size, wrap), as train.py
+    data_dir: str = ""               # "" = prepared_dir(dataset, tokenizer, block_size, ...), as train.py
     block_size: int = 128
     wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
     insert_eos: bool = True          # EOS between wrapped documents
@@ -549,9 +781,10 @@ class PrepareConfig:
 def main(argv=None):
     from cli import parse_flags
     cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
+    settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction)
     out = prepare_dataset(cfg.dataset, cfg.tokenizer,
-                          cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap),
-                          cfg.block_size, wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction)
+                          cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings),
+                          cfg.block_size, **settings)
     meta = load_meta(out)
     print(f"{out}: tokenizer {meta['tokenizer']} (K={meta['vocab_size']}, {meta['dtype']}), block_size "
           f"{meta['block_size']}, wrap={meta['wrap']}")

@@ -59,7 +59,7 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from data import DataError
+from data import DataError, read_text
 from cli import (UsageError, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device, resolve_dtype,
                  run_cli, save_atomic, write_json)
 from sample import check_sampler, denoiser_log_probs, generate, null_tokens
@@ -318,26 +318,27 @@ def read_jsonl(path):
     if not os.path.isfile(path):
         raise EvalError(f"JSONL file not found: {path}")
     items, kinds = [], set()
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvalError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if isinstance(item, dict) and "choices" in item:
-                ok = (isinstance(item.get("context"), str) and isinstance(item["choices"], list) and item["choices"]
-                      and all(isinstance(c, str) for c in item["choices"]) and isinstance(item.get("gold"), int)
-                      and 0 <= item["gold"] < len(item["choices"]))
-                kinds.add("multiple_choice")
-            else:
-                ok = isinstance(item, dict) and isinstance(item.get("text"), str) and " " in item["text"].strip()
-                kinds.add("lambada")
-            if not ok:
-                raise EvalError(f"{path}:{n}: expected {{\"context\": str, \"choices\": [str], \"gold\": int in "
-                                f"range}} or {{\"text\": str with at least two words}}")
-            items.append(item)
+    for n, line in enumerate(read_text(path).split("\n"), 1):   # not UTF-8 -> one line naming the byte
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if isinstance(item, dict) and "choices" in item:
+            gold = item.get("gold")
+            ok = (isinstance(item.get("context"), str) and isinstance(item["choices"], list) and item["choices"]
+                  and all(isinstance(c, str) and c.strip() for c in item["choices"])    # no empty choice
+                  and isinstance(gold, int) and not isinstance(gold, bool)             # "gold": true is no index
+                  and 0 <= gold < len(item["choices"]))
+            kinds.add("multiple_choice")
+        else:
+            ok = isinstance(item, dict) and isinstance(item.get("text"), str) and " " in item["text"].strip()
+            kinds.add("lambada")
+        if not ok:
+            raise EvalError(f"{path}:{n}: expected {{\"context\": str, \"choices\": [non-empty str], \"gold\": "
+                            f"int in range}} or {{\"text\": str with at least two words}}")
+        items.append(item)
     if not items:
         raise EvalError(f"{path} has no items")
     if len(kinds) > 1:

@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from cli import (UsageError, append_jsonl, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device,
-                 resolve_dtype, run_cli, write_json)
+from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_model, load_tokenizer, parse_flags,
+                 resolve_device, resolve_dtype, run_cli, write_json)
 from sample import generate, generate_ar
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
@@ -112,8 +112,8 @@ def zero_shot_documents(name):
     data.load_hf_split (Duo's splits, text fields and detokenizers; needs `datasets` and the network)."""
     from data import DataError, load_hf_split
     if os.path.isfile(name):
-        with open(name, encoding="utf-8") as f:
-            return [f.read()]
+        from data import read_text
+        return [read_text(name)]
     if name not in ZERO_SHOT_SETS:
         raise UsageError(f"--dataset {name!r} is neither a file nor one of {', '.join(ZERO_SHOT_SETS)}")
     docs = list(load_hf_split(name, "val"))
@@ -286,10 +286,22 @@ def _fmt(v):
 def _read_samples(path):
     if not os.path.isfile(path):
         raise UsageError(f"--samples {path}: no such file")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    if not records or any("ids" not in r for r in records):
-        raise UsageError(f"--samples {path}: expected JSON lines with 'ids' (and 'text'), as sample.py writes")
+    from data import read_text
+    records = []
+    for n, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"--samples {path}:{n}: not a JSON line ({e}); a truncated file?") from None
+        if not isinstance(record, dict) or not isinstance(record.get("ids"), list) or \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in record["ids"]):
+            raise UsageError(f"--samples {path}:{n}: expected a JSON object with 'ids' (a list of integers) and "
+                             f"'text', as sample.py writes")
+        records.append(record)
+    if not records:
+        raise UsageError(f"--samples {path}: no samples in it")
     return records
 
 
@@ -408,6 +420,13 @@ def main(argv=None):
         raise UsageError("--batch_size, --judge_batch_size, --mc_draws and --num_samples must be >= 1")
     if not 0 < cfg.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
+    if not 0 < cfg.t_min < 1:
+        raise UsageError(f"--t_min must be in (0, 1), got {cfg.t_min}")
+    if cfg.max_batches < 0:
+        raise UsageError(f"--max_batches must be >= 0 (0 = all), got {cfg.max_batches}")
+    for flag, path in (("--out", cfg.out), ("--save_samples", cfg.save_samples)):
+        if path:
+            check_writable(path, flag)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     ckpt = None

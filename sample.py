@@ -37,8 +37,8 @@ import torch
 from tqdm import tqdm
 
 import diffusion
-from cli import (UsageError, append_jsonl, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device,
-                 resolve_dtype, run_cli)
+from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_model, load_tokenizer, parse_flags,
+                 resolve_device, resolve_dtype, run_cli)
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 
@@ -272,6 +272,8 @@ def main(argv=None):
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
+    if cfg.out:
+        check_writable(cfg.out, "--out")       # before minutes of sampling, not after
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)

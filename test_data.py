@@ -114,7 +114,7 @@ def test_prepare_reuses_same_settings_and_refuses_different_ones(owt_style):
     assert os.path.getmtime(os.path.join(owt_style, "meta.json")) == stamp
     with pytest.raises(DataError, match="block_size=64"):
         data.prepare_dataset("pydoc", "gpt2", owt_style, 128)
-    with pytest.raises(DataError, match="tokenizer_request"):
+    with pytest.raises(DataError, match="tokenizer content"):
         data.prepare_dataset("pydoc", "sp_train:512", owt_style, 64)
 
 

@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diffusion
 import losses
-from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli, save_atomic, write_json
+from cli import (UsageError, append_jsonl, autocast_for, check_writable, os_error_line, parse_flags, remove_stale_temps,
+                 resolve_device, resolve_dtype, run_cli, save_atomic, write_json)
 from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset, prepared_dir
 from eval_ppl import nelbo_ppl
 from model import PRESETS, ModelConfig, build_model
@@ -132,7 +133,23 @@ def validate(cfg, world_size):
         raise ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
     if not 0 <= cfg.ema < 1:
         raise ConfigError("--ema must be in [0, 1)")
+    for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "sample_steps"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "n_layer", "n_head", "n_embd"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
+                                    ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
+                                    ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
+                                    ("grad_clip", 0, math.inf, True)]:
+        v = getattr(cfg, name)
+        if not (low <= v if closed else low < v) or not v < high:
+            raise ConfigError(f"--{name} must be in {'[' if closed else '('}{low}, {high}), got {v}")
+    if cfg.curriculum_iters and not cfg.gamma_min < cfg.gamma_max:
+        raise ConfigError(f"--gamma_min {cfg.gamma_min} must be below --gamma_max {cfg.gamma_max}")
     resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
+    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
 
 
 def model_config_for(cfg, vocab_size):
@@ -144,7 +161,10 @@ def model_config_for(cfg, vocab_size):
     base.update(vocab_size=vocab_size, block_size=cfg.block_size, dropout=cfg.dropout)
     if cfg.loss == "ar":   # the AR baseline: causal attention, no time input
         base.update(causal=True, time_cond=False)
-    return ModelConfig(**base)
+    try:
+        return ModelConfig(**base)
+    except ValueError as e:
+        raise ConfigError(f"--n_layer/--n_head/--n_embd: {e}") from None
 
 
 def lr_at(it, cfg):
@@ -272,43 +292,83 @@ def setup_distributed(cfg):
 def prepare_data(cfg, env):
     """Tokenize the corpus once (rank 0) into token memmaps -> (absolute data_dir, meta). Under torchrun every
     rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
-    data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap))
-    error = None
+    data_dir = error = None
     if env.master:
         try:
+            data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
+                                                                    cfg.wrap))
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
         except DataError as e:
             error = str(e)
+        except OSError as e:
+            error = os_error_line(e)
     if env.ddp:
-        box = [error]
+        box = [error, data_dir]
         dist.broadcast_object_list(box, src=0)
-        error = box[0]
+        error, data_dir = box
     if error:
         raise DataError(error)
     return data_dir, load_meta(data_dir)
 
 
-def open_out_dir(cfg, mcfg):
-    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint;
-    a resume must match the saved model, objective, tokenizer and batch."""
+def open_out_dir(cfg, mcfg, meta=None):
+    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
+    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
+    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
+    nothing in out_dir."""
+    check_writable(cfg.out_dir, "--out_dir", folder=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "ckpt.pt")
+    remove_stale_temps(path)              # a save killed half-way (SIGKILL) leaves its temp file
     if not cfg.resume:
         if os.path.exists(path):
             raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
+        if os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):
+            raise ConfigError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
+                              f"checkpoint; delete it or choose another --out_dir")
         return None
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    saved = ckpt["model_config"]
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+    missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
+    unknown = sorted(set(ckpt["model_config"]) - set(asdict(mcfg)))
+    if unknown:
+        raise ConfigError(f"cannot resume from {path}: its model_config has keys this model.py does not know: "
+                          f"{', '.join(unknown)}")
+    try:
+        saved = asdict(ModelConfig(**ckpt["model_config"]))   # fields added since it was saved take their defaults
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {path}: its model_config is invalid ({e})") from None
     if saved != asdict(mcfg):
         diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
         raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
-    for k in ("loss", "tokenizer", "batch_size"):
-        if ckpt["train_config"][k] != getattr(cfg, k):
-            raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'][k]!r}, now "
+    old_meta = ckpt.get("meta") or {}
+    by_content = meta is not None and old_meta.get("tokenizer_sha256") and meta.get("tokenizer_sha256")
+    for k in ("loss", "batch_size") + (() if by_content else ("tokenizer",)):
+        if ckpt["train_config"].get(k) != getattr(cfg, k):
+            raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'].get(k)!r}, now "
                               f"{getattr(cfg, k)!r}")
+    if by_content and old_meta["tokenizer_sha256"] != meta["tokenizer_sha256"]:
+        raise ConfigError(f"cannot resume from {path}: the tokenizer's content differs from the checkpoint's (sha256 "
+                          f"{old_meta['tokenizer_sha256'][:12]}..., now {meta['tokenizer_sha256'][:12]}...)")
+    if meta is not None and old_meta.get("data_key") and old_meta["data_key"] != meta.get("data_key"):
+        diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
+        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
+                          f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
+    if cfg.max_iters < ckpt["step"]:
+        raise ConfigError(f"--max_iters {cfg.max_iters} is below the checkpoint's step {ckpt['step']}; nothing to "
+                          f"resume (raise --max_iters)")
     return ckpt
+
+
+# what open_out_dir requires of a checkpoint it resumes (save writes them)
+RESUME_KEYS = ("model", "optimizer", "model_config", "train_config", "step", "data_state", "rng")
 
 
 @dataclass
@@ -402,18 +462,24 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema):
 
 @contextmanager
 def ema_weights(run):
-    """Evaluate or sample with the EMA weights: swap them into the model, and back on exit."""
+    """Evaluate or sample with the EMA weights: swap them into the model, and back on exit. A signal that
+    interrupts evaluation or sampling waits for a swap to finish, so the weights are never left half-swapped."""
     def swap():
         if run.ema is not None:
             for p, e in zip(run.raw_model.parameters(), run.ema):
                 tmp = p.detach().clone()
                 p.data.copy_(e)
                 e.copy_(tmp)
-    swap()
+    swapped = False
     try:
+        with deferred_signals():
+            swap()
+            swapped = True
         yield run.raw_model
     finally:
-        swap()
+        if swapped:
+            with deferred_signals():
+                swap()
 
 
 @torch.no_grad()
@@ -469,7 +535,19 @@ def save(run, cfg, mcfg, meta, env):
 
 
 def restore(run, ckpt, env):
-    """Load a checkpoint written by save into the run (this rank's data position and RNG states)."""
+    """Load a checkpoint written by save into the run (this rank's data position and RNG states). A checkpoint
+    whose state does not load -> ConfigError (one line)."""
+    try:
+        _restore(run, ckpt, env)
+    except DataError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"cannot resume: the checkpoint's state does not load ({type(e).__name__}: {first})"
+                          ) from None
+
+
+def _restore(run, ckpt, env):
     run.raw_model.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     if run.ema is not None and ckpt.get("ema") is not None:
@@ -487,15 +565,59 @@ def restore(run, ckpt, env):
 
 
 @contextmanager
+def deferred_signals():
+    """SIGINT / SIGTERM wait until the block is done (delivered, and handled, right after it)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal inside `interruptible`: evaluation or sampling ends at once."""
+
+
+@contextmanager
 def stop_signals():
-    """SIGINT / SIGTERM set a flag (the loop saves and exits at the next step) instead of killing the process."""
-    stop = {"signal": None}
-    handler = lambda signum, frame: stop.__setitem__("signal", signum)
+    """SIGINT / SIGTERM set a flag (the loop saves and exits at the next step) instead of killing the process;
+    inside `interruptible(stop)` they raise Interrupted at once."""
+    stop = {"signal": None, "raise": False}
+
+    def handler(signum, frame):
+        stop["signal"] = signum
+        if stop["raise"]:
+            raise Interrupted(signum)
     old = signal.signal(signal.SIGINT, handler), signal.signal(signal.SIGTERM, handler)
     try:
         yield stop
     finally:
         signal.signal(signal.SIGINT, old[0]), signal.signal(signal.SIGTERM, old[1])
+
+
+@contextmanager
+def interruptible(stop):
+    """Work that a stop signal abandons (evaluation, sampling), rather than finishing it first: raises
+    Interrupted on a signal received before or during it."""
+    try:
+        stop["raise"] = True
+        if stop["signal"] is not None:
+            raise Interrupted(stop["signal"])
+        yield
+    finally:
+        stop["raise"] = False
+
+
+def any_rank(env, flag):
+    """True on every rank when `flag` is true on any (a collective: every rank must call it)."""
+    if not env.ddp:
+        return bool(flag)
+    t = torch.tensor(float(flag), device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def agree(env, loss_sum, bad, stopping):
@@ -527,7 +649,12 @@ def train(cfg, env):
     data_dir, meta = prepare_data(cfg, env)
     cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
     mcfg = model_config_for(cfg, meta["vocab_size"])
-    ckpt = open_out_dir(cfg, mcfg)
+    ckpt = open_out_dir(cfg, mcfg, meta)
+    if ckpt is not None and ckpt["step"] == cfg.max_iters:   # nothing written, config.json untouched
+        if env.master:
+            print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
+                  f"to do (raise --max_iters to train on)")
+        return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
         restore(run, ckpt, env)
@@ -557,17 +684,30 @@ def train(cfg, env):
                                              f"check the data.")
                 log.progress(run.it, mean, lr_at(run.it - 1, cfg))
                 loss_sum.zero_()
-            if run.it % cfg.eval_interval == 0 or last:
-                log.metrics(run.it, evaluate(run, cfg, data_dir, env))
+            if (run.it % cfg.eval_interval == 0 or last) and not stopping:
+                try:
+                    with interruptible(stop):          # a signal abandons the evaluation, not the checkpoint
+                        log.metrics(run.it, evaluate(run, cfg, data_dir, env))
+                except Interrupted:
+                    pass
+                stopping = any_rank(env, stop["signal"] is not None)
             if save_now or last or stopping:
                 save(run, cfg, mcfg, meta, env)
             if stopping:
                 log.close(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {run.it}; checkpoint saved "
-                          f"to {os.path.join(cfg.out_dir, 'ckpt.pt')} (continue with --resume 1)")
+                          f"to {os.path.join(cfg.out_dir, 'ckpt.pt')} "
+                          + ("(training finished)" if last else "(continue with --resume 1)"))
                 return 130
-    log.close()
-    if env.master and cfg.num_samples > 0:
-        print_samples(run, cfg, meta, env)
+        log.close()
+        try:
+            with interruptible(stop):                  # also a signal during the final save
+                if env.master and cfg.num_samples > 0:
+                    print_samples(run, cfg, meta, env)
+        except Interrupted:
+            if env.master:
+                print(f"stopped by signal {stop['signal']} after training; checkpoint of step {run.it} saved to "
+                      f"{os.path.join(cfg.out_dir, 'ckpt.pt')}")
+            return 130
     return 0
 
 
@@ -580,12 +720,13 @@ class Log:
         self.t_last, self.step_last = time.time(), step
         self.pbar = None
         if self.master:
+            if cfg.resume:
+                truncate_log(self.path, step)
             from tqdm import tqdm
             self.pbar = tqdm(total=cfg.max_iters, initial=step, desc=f"train {cfg.loss}", dynamic_ncols=True)
 
     def _write(self, record):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(self.path, [record])
 
     def progress(self, step, loss_sum, lr):
         steps, dt = step - self.step_last, time.time() - self.t_last
@@ -607,6 +748,30 @@ class Log:
             self.pbar.close()
             if message:
                 print(message)
+
+
+def truncate_log(path, step):
+    """Keep the lines of log.jsonl up to `step`, the checkpoint's: a resumed run logs the later steps again.
+    A torn last line (a kill mid-write) goes too; lines that are not JSON elsewhere are kept as they are."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i < len(lines) - 1:
+                keep.append(line)
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if keep != lines:
+        def write(tmp):
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+        save_atomic(path, write)
 
 
 def print_samples(run, cfg, meta, env):
