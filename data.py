@@ -34,6 +34,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -566,7 +567,7 @@ def _remove_stale_temps(out_dir):
     prefix = f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
     parent = os.path.dirname(out_dir)
     for name in os.listdir(parent):
-        pid = name.removeprefix(prefix)
+        pid = name.removeprefix(prefix).split("-")[0]
         if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
@@ -607,8 +608,10 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
             if os.path.isfile(os.path.join(out_dir, "meta.json")):   # finished by the process we waited for
                 return _check_reusable(out_dir, key)
             _remove_stale_temps(out_dir)
-            tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}"
+            tmp = None
             try:
+                tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-",
+                                       dir=parent)
                 _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
                               val_fraction, progress)
                 try:
@@ -619,7 +622,8 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                     shutil.rmtree(tmp)         # another process (without a working lock) finished first
                     return _check_reusable(out_dir, key)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
                 raise
         made_parent = False
         return out_dir
@@ -633,11 +637,10 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
 
 def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction,
                   progress):
-    """The preparation itself, into the private folder tmp (renamed to out_dir afterwards)."""
+    """The preparation itself, into the private (empty) folder tmp, renamed to out_dir afterwards."""
     sp_vocab = tokenizer_spec.removeprefix("sp_train:") if tokenizer_spec.startswith("sp_train:") else None
     tok = None if sp_vocab else get_tokenizer(tokenizer_spec)
     train_docs, val_docs = load_corpus(dataset, val_fraction)
-    os.makedirs(tmp)
     digests = {}
     if sp_vocab:
         model = train_sentencepiece(train_docs, os.path.join(tmp, "tokenizer"), int(sp_vocab))

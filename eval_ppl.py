@@ -349,10 +349,11 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
 
 
 def run_genppl(cfg, device, dtype):
+    records = _read_samples(cfg.samples) if cfg.samples else None   # a bad file fails before the judge loads
     judge = load_judge(cfg.judge, device)   # first: fail before any sampling
     if cfg.samples:   # one row per distinct settings (a JSONL may hold several appended runs)
         groups = {}
-        for r in _read_samples(cfg.samples):
+        for r in records:
             groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
         rows = []
         for key, records in groups.items():

@@ -264,3 +264,124 @@ def test_missing_optional_packages_give_one_line_errors(monkeypatch):
         data.get_tokenizer("hf:bert-base-uncased")
     with pytest.raises(DataError, match="needs the datasets package"):
         data.load_corpus("lm1b")
+
+
+# --- prepared data keyed by content, built atomically, verified on reuse --------------------------
+
+def _small_corpus(path, extra=""):
+    path.write_text("".join(f"paragraph {i}: the cat sees the dog {i % 7} times.\n\n" for i in range(300)) + extra)
+    return str(path)
+
+
+def test_prepared_folder_is_keyed_by_content_not_by_path(tmp_path, sp_model, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    corpus = _small_corpus(tmp_path / "c.txt")
+    tok = "sp:" + sp_model
+    here = data.prepared_dir("c.txt", tok, 16)
+    assert here == data.prepared_dir(corpus, tok, 16)             # relative and absolute path: one dataset
+    assert data.prepare_dataset("c.txt", tok, here, 16, progress=False) == here
+    stamp = os.path.getmtime(os.path.join(here, "meta.json"))
+    assert data.prepare_dataset(corpus, tok, here, 16, progress=False) == here   # reused, not refused
+    assert os.path.getmtime(os.path.join(here, "meta.json")) == stamp
+    _small_corpus(tmp_path / "c.txt", extra="an edited last paragraph.\n")
+    edited = data.prepared_dir("c.txt", tok, 16)
+    assert edited != here and edited.startswith(os.path.join("data", "c-sp"))  # an edit gets new tokens
+    with pytest.raises(DataError, match="different corpus content"):          # a named folder is refused
+        data.prepare_dataset("c.txt", tok, here, 16, progress=False)
+    assert len({data.prepared_dir("c.txt", t, L, wrap=w)
+                for t, L, w in [(tok, 16, False), (tok, 32, True), ("gpt2", 16, True), (tok, 16, True)]}) == 4
+
+
+def test_checksums_in_meta_catch_modified_or_truncated_files(tmp_path, sp_model):
+    out = data.prepare_dataset(_small_corpus(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "d"), 16,
+                               progress=False)
+    meta = data.load_meta(out)
+    import hashlib
+    for name in ("train.bin", "val.bin"):
+        with open(os.path.join(out, name), "rb") as f:
+            assert meta["sha256"][name] == hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(out, "train.bin"), "r+b") as f:   # one flipped byte, same size and (forced) mtime
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(DataError, match="does not match the sha256"):
+        data.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, out, 16, progress=False)
+    with open(os.path.join(out, "val.bin"), "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="has 10 bytes"):
+        next(data.eval_batches(out, "val", 4))
+
+
+def test_a_preparation_that_loses_the_race_uses_the_winners_folder(tmp_path, sp_model, monkeypatch):
+    """Without a working lock (a file system without flock) two preparations run at once; the folder appears
+    by one atomic rename, so the loser discards its own copy and reads the winner's, whole."""
+    from contextlib import nullcontext
+    corpus, out = _small_corpus(tmp_path / "c.txt"), str(tmp_path / "d")
+    monkeypatch.setattr(data, "_exclusive", lambda *a: nullcontext())
+    real, calls = data._write_split, []
+
+    def other_process_finishes_first(*args):
+        calls.append(args[3])
+        if len(calls) == 1:    # while this one tokenizes, another completes the same folder
+            data.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False)
+        return real(*args)
+    monkeypatch.setattr(data, "_write_split", other_process_finishes_first)
+    assert data.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out
+    assert calls == ["train", "train", "val", "val"]
+    assert sorted(os.listdir(tmp_path)) == ["c.txt", "d"]                   # no temp folder left
+    meta = data.load_meta(out)
+    data.verify_prepared(out, meta)
+    single = data.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "single"), 16, progress=False)
+    for name in ("train.bin", "val.bin"):
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(single, name), "rb") as b:
+            assert a.read() == b.read()
+
+
+def test_failed_preparations_leave_nothing_behind(tmp_path, sp_model, monkeypatch):
+    import errno
+    monkeypatch.chdir(tmp_path)
+    corpus = _small_corpus(tmp_path / "c.txt")
+    with pytest.raises(DataError, match="no sequence of block_size"):
+        data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 100_000, progress=False)
+
+    def full_disk(docs, tok, out_dir, split, *args):
+        with open(os.path.join(out_dir, f"{split}.bin"), "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(out_dir, f"{split}.bin"))
+    monkeypatch.setattr(data, "_write_split", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["c.txt"]          # no data/, no data/x, no temp folder or lock
+    stale = tmp_path / "data" / f"x.tmp-{data.socket.gethostname()}-999999999-abc"   # a killed preparation's
+    stale.mkdir(parents=True)
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+    assert sorted(os.listdir(tmp_path / "data")) == ["x"]
+
+
+def test_non_utf8_binary_and_corrupt_inputs_name_the_file_and_byte(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("naïve café\n\nzwei\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 0xef at offset 2\)"):
+        data.load_corpus(str(tmp_path / "latin1.txt"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.txt").write_bytes(b"fine text\n")
+    (tmp_path / "bin" / "b.txt").write_bytes(b"ELF\x01\x00\x00abc")
+    with pytest.raises(DataError, match=r"b.txt: a binary file, not text \(NUL byte at offset 4\)"):
+        data.load_corpus(str(tmp_path / "bin"))
+    (tmp_path / "crlf.txt").write_bytes("one\r\ntwo\rthree\n".encode())
+    assert data.read_text(str(tmp_path / "crlf.txt")) == "one\ntwo\nthree\n"   # as open() reads text
+    (tmp_path / "bad.model").write_bytes(b"not a protobuf")
+    with pytest.raises(DataError, match="is not a SentencePiece model"):
+        data.get_tokenizer("sp:" + str(tmp_path / "bad.model"))
+
+
+def test_tokenizer_fingerprint_is_its_content(tmp_path, sp_model):
+    import shutil
+    shutil.copy(sp_model, tmp_path / "copy.model")
+    a, b = data.get_tokenizer("sp:" + sp_model), data.get_tokenizer("sp:" + str(tmp_path / "copy.model"))
+    assert a.fingerprint == b.fingerprint == data.file_sha256(sp_model)       # a copy elsewhere matches
+    other = data.train_sentencepiece(data.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
+    assert data.get_tokenizer("sp:" + other).fingerprint != a.fingerprint     # same name and size, new pieces
+    assert data.get_tokenizer("gpt2").fingerprint == data.get_tokenizer("gpt2").fingerprint != ""
