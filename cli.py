@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 from contextlib import nullcontext
@@ -189,7 +190,8 @@ def save_atomic(path, write):
             os.remove(tmp)
         if not isinstance(e, (OSError, RuntimeError)):
             raise
-        reason = os_error_line(e) if isinstance(e, OSError) else str(e).strip().splitlines()[0]
+        reason = os_error_line(e) if isinstance(e, OSError) else \
+            re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", (str(e).strip() or type(e).__name__).splitlines()[0])
         try:
             free = f"; {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2 ** 30:.2f} GiB free there"
         except OSError:

@@ -27,6 +27,7 @@ Un-wrapped (LM1B-style): each document becomes [BOS] + ids + [EOS], truncated to
 
 import hashlib
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -172,10 +173,10 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
     if not lines:
         raise DataError(f"no text to train the SentencePiece model {out_prefix}.model on")
-    tmp = f"{out_prefix}.tmp{os.getpid()}"
+    model = io.BytesIO()   # no model_prefix: the file holds no path, so equal training gives equal bytes
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_prefix=tmp, vocab_size=vocab_size, model_type=model_type,
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
             byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
             user_defined_symbols=["\n"],  # lines are the training units, so "\n" gets its own piece
@@ -184,8 +185,14 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     except RuntimeError as e:  # e.g. a vocab_size larger than the text supports
         reason = str(e).strip().splitlines()[-1]
         raise DataError(f"SentencePiece training of {out_prefix}.model failed: {reason}") from None
-    os.replace(tmp + ".model", out_prefix + ".model")
-    os.remove(tmp + ".vocab")
+    tmp = f"{out_prefix}.model.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(model.getvalue())
+        os.replace(tmp, out_prefix + ".model")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return out_prefix + ".model"
 
 

@@ -669,7 +669,7 @@ def train(cfg, env):
               f"{cfg.batch_size} sequences/step")
     bad = torch.zeros((), device=env.device, dtype=torch.bool)   # a non-finite loss since the last check
     loss_sum = torch.zeros((), device=env.device)
-    with stop_signals() as stop:
+    with stop_signals() as stop, log:
         while run.it < cfg.max_iters:
             loss = train_step(run, cfg, env, *run.loader.next_batch())
             loss_sum += loss
@@ -748,6 +748,13 @@ class Log:
             self.pbar.close()
             if message:
                 print(message)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):   # an error ends the bar's line, so its one-line message starts a line of its own
+        if self.master:
+            self.pbar.close()
 
 
 def truncate_log(path, step):
