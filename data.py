@@ -492,6 +492,8 @@ def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True
     key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction)
     name = os.path.basename(os.path.normpath(dataset)).removesuffix(".txt")
     tok = tokenizer_spec.replace(":", "").replace("/", "_")
+    if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
+        tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
     return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded") + f"-{_digest(key)}")
 
 

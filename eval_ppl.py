@@ -110,10 +110,9 @@ def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
 def zero_shot_documents(name):
     """A local text file (one document: the whole file) or a named zero-shot set: its evaluation split via
     data.load_hf_split (Duo's splits, text fields and detokenizers; needs `datasets` and the network)."""
-    from data import DataError, load_hf_split
+    from data import DataError, load_hf_split, read_text
     if os.path.isfile(name):
-        from data import read_text
-        return [read_text(name)]
+        return [read_text(name)]      # not UTF-8 -> one line naming the byte
     if name not in ZERO_SHOT_SETS:
         raise UsageError(f"--dataset {name!r} is neither a file nor one of {', '.join(ZERO_SHOT_SETS)}")
     docs = list(load_hf_split(name, "val"))
@@ -306,7 +305,7 @@ def _read_samples(path):
 
 
 def run_nelbo(cfg, model, ckpt, device, dtype):
-    from data import DataError, check_tokenizer, eval_batches, load_meta
+    from data import DataError, check_tokenizer, eval_batches, load_meta, verify_prepared
     recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
     data_dir = cfg.data_dir or recorded
     if not data_dir:
@@ -318,6 +317,7 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
         raise UsageError(str(e)) from None
     if not meta.get(f"{cfg.split}_sequences"):
         raise UsageError(f"--split {cfg.split!r}: {data_dir} has no sequences there (splits: train, val)")
+    verify_prepared(data_dir, meta, [f"{cfg.split}.bin", f"{cfg.split}_mask.bin"])   # its sha256 in meta.json
     batches = eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     result = nelbo_ppl(model, batches, model.config.vocab_size, generator=generator, mc_draws=cfg.mc_draws,
@@ -349,11 +349,11 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
 
 
 def run_genppl(cfg, device, dtype):
-    records = _read_samples(cfg.samples) if cfg.samples else None   # a bad file fails before the judge loads
+    saved = _read_samples(cfg.samples) if cfg.samples else None   # a bad file fails before the judge loads
     judge = load_judge(cfg.judge, device)   # first: fail before any sampling
     if cfg.samples:   # one row per distinct settings (a JSONL may hold several appended runs)
         groups = {}
-        for r in records:
+        for r in saved:
             groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
         rows = []
         for key, records in groups.items():

@@ -279,13 +279,14 @@ def test_prepared_folder_is_keyed_by_content_not_by_path(tmp_path, sp_model, mon
     tok = "sp:" + sp_model
     here = data.prepared_dir("c.txt", tok, 16)
     assert here == data.prepared_dir(corpus, tok, 16)             # relative and absolute path: one dataset
+    assert here == data.prepared_dir("c.txt", "sp:" + os.path.relpath(sp_model), 16)     # and one tokenizer
     assert data.prepare_dataset("c.txt", tok, here, 16, progress=False) == here
     stamp = os.path.getmtime(os.path.join(here, "meta.json"))
     assert data.prepare_dataset(corpus, tok, here, 16, progress=False) == here   # reused, not refused
     assert os.path.getmtime(os.path.join(here, "meta.json")) == stamp
     _small_corpus(tmp_path / "c.txt", extra="an edited last paragraph.\n")
     edited = data.prepared_dir("c.txt", tok, 16)
-    assert edited != here and edited.startswith(os.path.join("data", "c-sp"))  # an edit gets new tokens
+    assert edited != here and edited.startswith(os.path.join("data", "c-sp_"))  # an edit gets new tokens
     with pytest.raises(DataError, match="different corpus content"):          # a named folder is refused
         data.prepare_dataset("c.txt", tok, here, 16, progress=False)
     assert len({data.prepared_dir("c.txt", t, L, wrap=w)

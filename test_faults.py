@@ -274,6 +274,10 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
     (t / "gold_true.jsonl").write_text('{"context": "a", "choices": ["b", "c"], "gold": true}\n')
     (t / "empty_choice.jsonl").write_text('{"context": "a", "choices": ["b", ""], "gold": 0}\n')
     (t / "latin1.jsonl").write_bytes('{"context": "é", "choices": ["b", "c"], "gold": 0}\n'.encode("latin-1"))
+    ck = torch.load(base.ckpt, weights_only=False)
+    torch.save({**ck, "meta": {**ck["meta"], "tokenizer": f"sp:{t / 'bad.model'}", "tokenizer_file": None}},
+               t / "bad_tokenizer.pt")
+    torch.save({**ck, "model_config": {**ck["model_config"], "foo": 1}}, t / "unknown_key.pt")
     edited = t / "edited.txt"
     shutil.copy(base.corpus, edited)
     prepared = t / "prepared"
@@ -307,6 +311,10 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
         case("eval_ppl.py", "--ckpt", base.ckpt, "--metric", "zeroshot", "--dataset", t / "latin1.txt", cwd=t,
              expect="latin1.txt: not UTF-8 text"),
         case("eval_ppl.py", "--ckpt", base.ckpt, "--out", t / "folder", cwd=t, expect="is a folder"),
+        case("eval_ppl.py", "--ckpt", t / "bad_tokenizer.pt", "--metric", "zeroshot", "--dataset", base.corpus,
+             cwd=t, expect="bad.model is not a SentencePiece model"),
+        case("sample.py", "--ckpt", t / "unknown_key.pt", "--out", "", cwd=t,
+             expect="its model_config does not fit this version of model.py"),
         case("eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "gold_true.jsonl", cwd=t,
              expect="gold_true.jsonl:1: expected"),
         case("eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "empty_choice.jsonl", cwd=t,
