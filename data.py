@@ -1,7 +1,7 @@
 """
 Data for sddlm: tokenizers, corpora, one-time preparation into token memmaps, and batches.
 
-    python data.py --dataset pydoc --tokenizer sp_train:2048 --block_size 128   # -> data/pydoc-sp_train2048-128
+    python data.py --dataset pydoc --tokenizer sp_train:2048 --block_size 128   # -> data/pydoc-sp_train2048-128-<key>
 
 Where prepared data lives (prepared_dir, the one rule train.py and this script share):
     data/<dataset name>-<tokenizer>-<block_size>[-padded]-<key>     unless --data_dir names another folder

@@ -368,15 +368,21 @@ def test_sigkill_then_resume_gives_a_log_that_matches_the_checkpoint(base, tmp_p
                          "1", "--eval_interval", "100000"]
     p = subprocess.Popen([sys.executable, "train.py", *args], cwd=HERE, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
-    deadline, steps = time.time() + 120, []
-    while time.time() < deadline and not (steps and steps[-1] >= 10):
+
+    def logged():
+        lines = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
+        return [json.loads(line)["step"] for line in lines]
+    deadline, steps, saved = time.time() + 120, [], 0
+    while time.time() < deadline:       # kill it when the log runs past its last checkpoint (frozen to look)
         time.sleep(0.1)
-        if (out / "log.jsonl").exists():
-            steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()
-                     if line.endswith("}")]
+        if len(logged()) >= 10:
+            p.send_signal(signal.SIGSTOP)
+            steps, saved = logged(), torch.load(out / "ckpt.pt", weights_only=False)["step"]
+            if steps[-1] > saved:
+                break
+            p.send_signal(signal.SIGCONT)
     p.kill()
     p.wait()
-    saved = torch.load(out / "ckpt.pt", weights_only=False)["step"]
     assert saved >= 8 and steps[-1] > saved
     (out / f"ckpt.pt.tmp{p.pid}").write_bytes(b"half a checkpoint")       # a save cut by the kill
     assert train.main(base.train + ["--out_dir", str(out), "--max_iters", str(saved + 6), "--ckpt_interval", "4",
