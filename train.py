@@ -333,7 +333,8 @@ def open_out_dir(cfg, mcfg, meta=None):
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+        raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})"
+                          ) from None
     missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
