@@ -204,6 +204,8 @@ def save_atomic(path, write):
 def remove_stale_temps(path):
     """Remove save_atomic's temp files of `path` left by processes that no longer run (killed during a save)."""
     folder, prefix = os.path.dirname(path) or ".", os.path.basename(path) + ".tmp"
+    if os.name != "posix":         # os.kill(pid, 0) probes a process only on POSIX
+        return
     for name in os.listdir(folder):
         pid = name.removeprefix(prefix)
         if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid():

@@ -573,8 +573,10 @@ def _exclusive(lock_path, what):
 
 def _remove_stale_temps(out_dir):
     """Temp folders of preparations on this host whose process is gone (killed): left behind, never reused."""
+    if os.name != "posix":         # os.kill(pid, 0) probes a process only on POSIX
+        return
     prefix = f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
-    parent = os.path.dirname(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
     for name in os.listdir(parent):
         pid = name.removeprefix(prefix).split("-")[0]
         if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
