@@ -27,6 +27,11 @@ class UsageError(ValueError):
     """Bad input from the command line (a flag, a file, a checkpoint): printed as one line, exit code 2."""
 
 
+class OutOfMemory(Exception):
+    """A configuration that does not fit in memory, with what did not fit and the flag to change: printed as one
+    line by the process that hit it (under torchrun it may be one rank only), exit code 2."""
+
+
 # -----------------------------------------------------------------------------------------------
 # flags
 
@@ -67,13 +72,16 @@ def parse_flags(cls, argv=None, description=None, presets=None):
 
 def run_cli(main, *errors, oom_hint="lower --batch_size"):
     """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
-    rather than a bug), a CUDA out-of-memory error (with `oom_hint`, the flag to change) or an OS error on a
-    file becomes one line on stderr and exit code 2, never a traceback."""
+    rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
+    change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback."""
     try:
         sys.exit(main())
-    except torch.OutOfMemoryError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _fail(f"out of memory: {first.split('. ')[0]}; {oom_hint}")
+    except OutOfMemory as e:
+        _fail(str(e), any_rank=True)
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        _fail(f"out of memory: {oom_summary(e)}; {oom_hint}", any_rank=True)
     except (UsageError, *errors) as e:
         _fail(str(e))
     except OSError as e:
@@ -88,9 +96,32 @@ def os_error_line(e):
     return f"{what}: {e.filename}" if e.filename else what
 
 
-def _fail(message, code=2):
-    if os.environ.get("RANK", "0") == "0":    # under torchrun every rank fails alike; one of them says why
-        print(f"error: {message}", file=sys.stderr)
+def is_out_of_memory(e):
+    """torch's CUDA out-of-memory error, or a failed CPU allocation (a RuntimeError from the CPU allocator)."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def oom_summary(e):
+    """torch's out-of-memory message -> its first line in short: 'CUDA out of memory (tried to allocate
+    12.27 GiB; 1.20 GiB of 79.19 GiB free)'."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
+    if cpu:
+        return f"CPU out of memory (tried to allocate {int(cpu.group(1)) / 2 ** 30:.2f} GiB)"
+    tried = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMGT]?i?B)", text)
+    free = re.search(r"total capacity of ([0-9.]+ [KMGT]?i?B) of which ([0-9.]+ [KMGT]?i?B) is free", text)
+    if tried is None:
+        return text.split(". ")[0]
+    return (text.split(". ")[0] + f" (tried to allocate {tried.group(1)}"
+            + (f"; {free.group(2)} of {free.group(1)} free)" if free else ")"))
+
+
+def _fail(message, code=2, any_rank=False):
+    """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
+    speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or any_rank:
+        print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -10,10 +10,11 @@ Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, 
 """
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
-from losses import logsumexp_fp32
+from losses import log_probs
 
 T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
 
@@ -109,11 +110,33 @@ def sample_categorical(probs, generator=None):
     return (probs / e).argmax(-1)
 
 
-def _mixture_step(xt, p_z, x0_rows, K, alpha_t, alpha_s, generator):
+def gumbel_noise(shape, generator=None, device=None):
+    """Gumbel noise G = -log E, E = -log(1 - U) ~ Exp(1), in float32 with U uniform on a grid of 2^-48 built from
+    two 24-bit random integers. A float32 uniform (24 bits) would cap G at 16.6 and so never draw a token whose
+    logit trails the best by more than ~17 (the entropy loss Duo avoids with float64); here G reaches 33 (float64
+    noise: 36.7), and float64 is never needed for the (n, K) noise. -> float32 of `shape`."""
+    hi, lo = (torch.randint(0, 1 << 24, shape, generator=generator, device=device).float() for _ in range(2))
+    u = (hi + (lo + 0.5) * 2.0 ** -24) * 2.0 ** -24
+    return -torch.log(-torch.log1p(-u))
+
+
+def gumbel_argmax(logits, generator=None, chunk_elems=1 << 25):
+    """An exact draw from softmax(logits) per row: argmax(logits + G), G iid Gumbel (gumbel_noise), the logits
+    in their own precision (at least float32), chunk_elems at a time. logits (n, K), -inf allowed -> ids (n,)."""
+    ids = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    rows = max(1, chunk_elems // logits.shape[-1])
+    for i in range(0, logits.shape[0], rows):
+        z = logits[i:i + rows]
+        noise = gumbel_noise(z.shape, generator, z.device)
+        ids[i:i + rows] = (z.to(torch.promote_types(z.dtype, torch.float32)) + noise).argmax(-1)
+    return ids
+
+
+def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator):
     """Eq. (reverse) as a three-part mixture: stay at x_t, draw from x_theta, or draw uniformly, with weights
         m_theta = (a_s - a_t) / Z,  m_unif = (1 - a_t/a_s)(1 - a_s) / Z,  m_stay = 1 - m_theta - m_unif,
         Z = K a_t x_theta[x_t] + 1 - a_t.
-    p_z = x_theta[x_t] (B, L) float64; x0_rows(index) -> x_theta of the tokens that pick it, (n, K) float64."""
+    p_z = x_theta[x_t] (B, L) float64; draw_x_theta(index) -> draws from x_theta for the tokens that pick it."""
     a_t = _per_sequence(alpha_t, p_z)
     a_s = _per_sequence(alpha_s, p_z)
     Z = K * a_t * p_z + 1 - a_t
@@ -123,7 +146,7 @@ def _mixture_step(xt, p_z, x0_rows, K, alpha_t, alpha_s, generator):
     xs = torch.where(u < m_theta + m_unif, torch.randint(0, K, xt.shape, generator=generator, device=xt.device), xt)
     pick = (u < m_theta).nonzero(as_tuple=True)
     if pick[0].numel():
-        xs[pick] = sample_categorical(x0_rows(pick), generator)
+        xs[pick] = draw_x_theta(pick)
     return xs
 
 
@@ -133,17 +156,18 @@ def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
     a draw over the vocabulary (float64 Gumbel-max) and the (B, L, K) posterior is never built.
     alpha_s = 1 is the final 'ancestral' denoising step. xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
     p_z = x0_probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double()
-    return _mixture_step(xt, p_z, lambda pick: x0_probs[pick].double(), x0_probs.shape[-1], alpha_t, alpha_s,
-                         generator)
+    return _mixture_step(xt, p_z, lambda pick: sample_categorical(x0_probs[pick], generator), x0_probs.shape[-1],
+                         alpha_t, alpha_s, generator)
 
 
 def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
-    """ancestral_step with x_theta = softmax(logits): one float32 log-sum-exp pass over the vocabulary (in
-    chunks of rows, so bf16 logits never get a full float32 copy) and float64 softmax rows only for the tokens
-    that draw from x_theta. logits (B, L, K) any float dtype."""
-    lse = logsumexp_fp32(logits).double()
-    p_z = torch.exp(logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double() - lse)
-    return _mixture_step(xt, p_z, lambda pick: torch.softmax(logits[pick].double(), dim=-1), logits.shape[-1],
+    """ancestral_step with x_theta = softmax(logits), the same law: one float32 log-sum-exp pass over the
+    vocabulary (in chunks of rows, one fused kernel on CUDA) gives x_theta[x_t], float64 only for the per-token
+    mixture weights, and the tokens that draw from x_theta draw by Gumbel-max on their logits (gumbel_argmax):
+    no float64 and no probability tensor over the vocabulary. logits (B, L, K) any float dtype; -inf marks
+    tokens x_theta excludes (e.g. outside a nucleus)."""
+    p_z = torch.exp(log_probs(logits, xt)[0].double())
+    return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(logits[pick], generator), logits.shape[-1],
                          alpha_t, alpha_s, generator)
 
 
@@ -218,13 +242,55 @@ def tau_schedule(step, log10_tau_start=-3.0, log10_tau_end=-3.0, start=0, end=50
     return 10 ** (log10_tau_start + f * (log10_tau_end - log10_tau_start))
 
 
+class SoftTokens(NamedTuple):
+    """A probability vector over the vocabulary given on its k largest entries per position (zero elsewhere):
+    ids (B, L, k) int64, probs (B, L, k) float32. The model embeds it as sum_j probs_j E[ids_j]."""
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+
+CURRICULUM_TOP_K = 32       # latent coordinates kept per position by curriculum_input
+TOP_K_MAX_TAU = 2e-3        # above this temperature curriculum_input keeps the whole (B, L, K) soft input
+
+
+def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULUM_TOP_K, chunk_elems=1 << 26):
+    """The curriculum's Gaussian latent w (gaussian_latent), its argmax xt and the soft input softmax(w / tau),
+    drawn chunk_elems // K rows at a time and kept on the top_k largest coordinates of w per position
+    (SoftTokens), so no (B, L, K) tensor is kept: only (n, K) float32 for one chunk while it is drawn.
+    Exactness: xt and the law of w are exact; the soft input is exact to float32 rounding whenever the
+    (top_k+1)-th largest coordinate is more than tau (log K + 24 log 2) below the largest (every weight beyond
+    it is then under 2^-24 of the total). The gaps between the top order statistics of K Gaussians of scale
+    sigma~ <= 1 are ~ sigma~ / sqrt(2 log K), so at tau <= TOP_K_MAX_TAU and top_k = 32 that fails with
+    probability < 1e-20 per position; above TOP_K_MAX_TAU (or K <= top_k) this returns the dense soft input.
+    x0 (B, L); gamma (B, 1) -> xt (B, L), SoftTokens (or the (B, L, K) float32 soft input)."""
+    K = vocab_size
+    if tau > TOP_K_MAX_TAU or K <= top_k:
+        w = gaussian_latent(x0, gamma, K, generator)
+        return w.argmax(-1), soft_input(w, tau)
+    B, L = x0.shape
+    g = gamma.float().expand(B, L).reshape(-1, 1)
+    scale, signal = torch.sqrt(torch.sigmoid(g)), torch.sqrt(torch.sigmoid(-g))
+    x0 = x0.reshape(-1, 1)
+    ids = torch.empty(B * L, top_k, dtype=torch.long, device=x0.device)
+    probs = torch.empty(B * L, top_k, device=x0.device)
+    rows = max(1, chunk_elems // K)
+    for i in range(0, B * L, rows):
+        j = slice(i, i + rows)
+        w = torch.randn(x0[j].shape[0], K, generator=generator, device=x0.device).mul_(scale[j])
+        w.scatter_add_(-1, x0[j], signal[j])
+        top, ids[j] = w.topk(top_k, dim=-1)
+        probs[j] = torch.softmax(top / tau, dim=-1)
+    ids, probs = ids.view(B, L, top_k), probs.view(B, L, top_k)
+    return ids[..., 0], SoftTokens(ids, probs)
+
+
 def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
     """One curriculum corruption: gamma_t = gamma_min + t (gamma_max - gamma_min), the Gaussian latent,
-    the hard latent xt = argmax w (used by the loss), the soft network input softmax(w / tau), and the
-    discrete alpha_t = T(gamma_t), d alpha_t / dt = (gamma_max - gamma_min) dT/dgamma.
-    x0 (B, L), t (B,) -> xt (B, L), soft (B, L, K), alpha_t (B, 1), dalpha_t (B, 1)."""
+    the hard latent xt = argmax w (used by the loss), the soft network input softmax(w / tau) (curriculum_input:
+    SoftTokens, or the dense (B, L, K) tensor at high tau), and the discrete alpha_t = T(gamma_t),
+    d alpha_t / dt = (gamma_max - gamma_min) dT/dgamma.
+    x0 (B, L), t (B,) -> xt (B, L), soft input, alpha_t (B, 1), dalpha_t (B, 1)."""
     gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)
-    w = gaussian_latent(x0, gamma, vocab_size, generator)
-    xt = w.argmax(-1)
+    xt, soft = curriculum_input(x0, gamma, vocab_size, tau, generator)
     alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))
-    return xt, soft_input(w, tau), alpha_t, dalpha_dgamma * (gamma_max - gamma_min)
+    return xt, soft, alpha_t, dalpha_dgamma * (gamma_max - gamma_min)

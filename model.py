@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from losses import Head
+
 
 @dataclass
 class ModelConfig:
@@ -32,6 +34,7 @@ class ModelConfig:
     mlp_hidden: int = None  # default 4 * n_embd
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    vocab_multiple: int = 1  # pad the output layer to a multiple of this (its padding logits are never returned)
 
     def __post_init__(self):
         if self.arch not in ("dit", "llama"):
@@ -42,6 +45,14 @@ class ModelConfig:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
         if self.mlp_hidden is None:
             self.mlp_hidden = 4 * self.n_embd
+        if self.vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
+
+    @property
+    def padded_vocab_size(self):
+        """Rows of the output layer: vocab_size rounded up to vocab_multiple (matrix products on GPUs run fastest
+        on multiples of 64/128). The extra rows are masked: never returned, sampled or scored."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 # -----------------------------------------------------------------------------
@@ -49,9 +60,12 @@ class ModelConfig:
 
 PRESETS = {
     "tiny": dict(arch="dit", vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=128, cond_dim=64),
-    # Duo DiT-small: 169,627,218 params at K=50258 (Duo uses dropout 0.1; we default to 0.0)
-    "small": dict(arch="dit", vocab_size=50258, block_size=1024, n_layer=12, n_head=12, n_embd=768, cond_dim=128),
-    "medium": dict(arch="dit", vocab_size=50258, block_size=1024, n_layer=24, n_head=16, n_embd=1024, cond_dim=128),
+    # Duo DiT-small: 169,627,218 params at K=50258 (Duo uses dropout 0.1; we default to 0.0); output layer
+    # padded to 50304 rows (masked padding, not counted as parameters)
+    "small": dict(arch="dit", vocab_size=50258, block_size=1024, n_layer=12, n_head=12, n_embd=768, cond_dim=128,
+                  vocab_multiple=128),
+    "medium": dict(arch="dit", vocab_size=50258, block_size=1024, n_layer=24, n_head=16, n_embd=1024, cond_dim=128,
+                   vocab_multiple=128),
 }
 
 # SMDM's Diff_LLaMA ladder: (name = non-embedding millions, n_layer, n_head, n_embd, d_ff).
@@ -70,7 +84,8 @@ SMDM_LADDER = [
     ("1476M", 22, 16, 2048, 8192), ("1678M", 25, 16, 2048, 8192), ("2121M", 28, 17, 2176, 8704),
 ]
 PRESETS.update({f"llama_{name}": dict(arch="llama", time_cond=False, vocab_size=32000, block_size=2048,
-                                      n_layer=n_layer, n_head=n_head, n_embd=n_embd, mlp_hidden=d_ff)
+                                      n_layer=n_layer, n_head=n_head, n_embd=n_embd, mlp_hidden=d_ff,
+                                      vocab_multiple=128)
                 for name, n_layer, n_head, n_embd, d_ff in SMDM_LADDER})
 PRESETS["large"] = PRESETS["llama_1028M"]  # the SMDM "1.1B" model
 
@@ -106,6 +121,23 @@ def timestep_embedding(sigma, dim=256, max_period=10000.0):
 
 def modulate(x, shift, scale):
     return x * (1 + scale) + shift
+
+
+def compute_dtype(x):
+    """The dtype a matrix product of x runs in: the autocast dtype when autocast is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def norm_modulate(norm, x, shift=None, scale=None):
+    """norm(x), adaLN-modulated when shift/scale are given, computed in at least float32 (as Duo) and rounded
+    ONCE to the dtype of the matrix product that consumes it: the rounding autocast applies at that product
+    anyway, so the values are unchanged, but no float32 copy of the normalised activations is kept for it."""
+    y = norm(x)
+    if shift is not None:
+        y = modulate(y, shift, scale)
+    return y.to(compute_dtype(x))
 
 
 # -----------------------------------------------------------------------------
@@ -195,11 +227,11 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, c=None):
         """x (B, L, d), c (B, cond_dim) or None -> (B, L, d)"""
         if self.adaLN is None:
-            x = x + self.dropout(self.attn(self.norm1(x), cos, sin))
-            return x + self.dropout(self.mlp(self.norm2(x)))
+            x = x + self.dropout(self.attn(norm_modulate(self.norm1, x), cos, sin))
+            return x + self.dropout(self.mlp(norm_modulate(self.norm2, x)))
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(c)[:, None].chunk(6, dim=2)
-        x = x + gate1 * self.dropout(self.attn(modulate(self.norm1(x), shift1, scale1), cos, sin))
-        return x + gate2 * self.dropout(self.mlp(modulate(self.norm2(x), shift2, scale2)))
+        x = x + gate1 * self.dropout(self.attn(norm_modulate(self.norm1, x, shift1, scale1), cos, sin))
+        return x + gate2 * self.dropout(self.mlp(norm_modulate(self.norm2, x, shift2, scale2)))
 
 
 # -----------------------------------------------------------------------------
@@ -218,7 +250,11 @@ class DiffusionTransformer(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.norm_f = LayerNorm(d, config.norm_eps) if dit else RMSNorm(d, config.norm_eps)
         self.adaLN_f = nn.Linear(config.cond_dim, 2 * d) if config.time_cond else None
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=dit)
+        self.lm_head = nn.Linear(d, config.padded_vocab_size, bias=dit)
+        # RoPE tables for positions < block_size, built once (not per forward); not saved in checkpoints
+        cos, sin = rope_cos_sin(torch.arange(config.block_size), d // config.n_head, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         self._init_weights()
 
     @torch.no_grad()
@@ -241,22 +277,40 @@ class DiffusionTransformer(nn.Module):
             for block in self.blocks:
                 for weight in (block.attn.proj.weight, block.mlp.w3.weight):
                     nn.init.normal_(weight, mean=0.0, std=1.0 / (math.sqrt(config.n_embd) * config.n_layer))
+            nn.init.zeros_(self.lm_head.weight[config.vocab_size:])
 
     def num_params(self, non_embedding=False):
-        """Total parameter count; non_embedding drops the input embedding and the output projection."""
-        n = sum(p.numel() for p in self.parameters())
+        """Total parameter count (the output layer's padding rows are not parameters of the model: they are
+        never used); non_embedding drops the input embedding and the output projection."""
+        padding = (self.config.padded_vocab_size - self.config.vocab_size) * (
+            self.config.n_embd + (self.lm_head.bias is not None))
+        n = sum(p.numel() for p in self.parameters()) - padding
         if non_embedding:
-            n -= self.wte.weight.numel() + sum(p.numel() for p in self.lm_head.parameters())
+            n -= self.wte.weight.numel() + sum(p.numel() for p in self.lm_head.parameters()) - padding
         return n
 
-    def forward(self, x, sigma=None):
-        """x: (B, L) token ids or (B, L, V) probabilities; sigma: (B,) noise level -log(alpha_t) -> logits (B, L, V)"""
+    def rope(self, L, dtype, device):
+        """cos, sin (L, head_dim) in `dtype`: the cached tables when they fit, else computed."""
+        if L <= self.rope_cos.shape[0] and self.rope_cos.dtype == dtype:
+            return self.rope_cos[:L], self.rope_sin[:L]
+        return rope_cos_sin(torch.arange(L, device=device), self.config.n_embd // self.config.n_head,
+                            self.config.rope_base, dtype=dtype)
+
+    def forward(self, x, sigma=None, return_head=False):
+        """x: (B, L) token ids, (B, L, V) probabilities, or (ids, probs) each (B, L, k): probabilities given on k
+        tokens per position (zero elsewhere); sigma: (B,) noise level -log(alpha_t).
+        -> logits (B, L, V), or with return_head a losses.Head (the final hidden state and the output layer, in
+        the dtype the logits would be computed in) for the losses that never build the logits."""
         config = self.config
-        B, L = x.shape[:2]
+        B, L = (x[0] if isinstance(x, tuple) else x).shape[:2]
         E = self.wte.weight
         # embedding and sigma MLP in full precision, the blocks under the caller's autocast (as in Duo)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            if x.is_floating_point():
+        with torch.autocast(device_type=E.device.type, enabled=False):
+            if isinstance(x, tuple):
+                ids, probs = x
+                h = F.embedding_bag(ids.reshape(B * L, -1), E, per_sample_weights=probs.reshape(B * L, -1).to(E.dtype),
+                                    mode="sum").view(B, L, -1)
+            elif x.is_floating_point():
                 if x.shape[-1] != config.vocab_size:
                     raise ValueError(f"soft input has {x.shape[-1]} classes, model vocab_size is {config.vocab_size}")
                 h = x.to(E.dtype) @ E
@@ -268,15 +322,18 @@ class DiffusionTransformer(nn.Module):
                     raise ValueError("time_cond=True: forward needs sigma = -log(alpha_t), shape (B,)")
                 sigma = torch.as_tensor(sigma, dtype=E.dtype, device=E.device).reshape(-1).expand(B)
                 c = F.silu(self.sigma_map(timestep_embedding(sigma)))
-        cos, sin = rope_cos_sin(torch.arange(L, device=x.device), config.n_embd // config.n_head,
-                                config.rope_base, dtype=torch.promote_types(E.dtype, torch.float32))
+        cos, sin = self.rope(L, torch.promote_types(E.dtype, torch.float32), E.device)
         for block in self.blocks:
             h = block(h, cos, sin, c)
-        h = self.norm_f(h)
+        shift = scale = None
         if c is not None:
             shift, scale = self.adaLN_f(c)[:, None].chunk(2, dim=2)
-            h = modulate(h, shift, scale)
-        return self.lm_head(h)
+        h = norm_modulate(self.norm_f, h, shift, scale)
+        V, W, b = config.vocab_size, self.lm_head.weight, self.lm_head.bias
+        if return_head:
+            return Head(h, W.to(h.dtype), None if b is None else b.to(h.dtype), V)
+        logits = self.lm_head(h)
+        return logits if logits.shape[-1] == V else logits[..., :V]
 
 
 def build_model(config):

@@ -7,7 +7,8 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
 draws x_s ~ q(x_s | x_t, x_theta): the posterior of Eq. (reverse) with the denoiser's prediction
-x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (float64, Gumbel-max).
+x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (its exact three-part
+mixture, float64 per-token weights, Gumbel-max on the logits: diffusion.ancestral_step_from_logits).
 A final step at t_end removes the remaining noise: "ancestral" (one more posterior step to alpha_s = 1),
 "greedy" (argmax x_theta) or "none". NFE = N + 1 (N with "none").
 Eq. (reverse) with x0 := x_theta is the Bayes posterior of x_s under the prior x0 ~ x_theta, which already
@@ -83,12 +84,46 @@ def denoiser_log_probs(model, xt, sigma, *, null_xt=None, cfg_w=0.0, autocast=No
     return cfg_log_probs(*log_p.chunk(2), cfg_w) if guided else log_p
 
 
-def denoiser_probs(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
-    """x_theta(. | xt) in float64 at the noise level alpha_t (a float), guided and nucleus-filtered.
-    xt (B, L) -> (B, L, V)."""
+def nucleus_logits(logits, top_p, chunk_elems=1 << 24):
+    """nucleus on logits: -inf outside the smallest set of most likely tokens whose mass reaches top_p (tokens
+    tied with the least likely kept one are kept too), so softmax of the result is nucleus(softmax(logits)).
+    Sorted chunk_elems at a time, in float32 (float64 logits stay float64). (..., V) -> (..., V) float32;
+    top_p >= 1 returns logits unchanged."""
+    if top_p >= 1:
+        return logits
+    out = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    flat = out.view(-1, out.shape[-1])
+    rows = max(1, chunk_elems // out.shape[-1])
+    for i in range(0, flat.shape[0], rows):
+        z = flat[i:i + rows]
+        sorted_z = z.sort(dim=-1, descending=True).values
+        p = torch.softmax(sorted_z, dim=-1)
+        kept = ((p.cumsum(-1) - p) < top_p).sum(-1, keepdim=True)         # mass of the strictly more likely < top_p
+        z.masked_fill_(z < sorted_z.gather(-1, kept - 1), float("-inf"))
+    return out
+
+
+def denoiser_logits(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
+    """log x_theta(. | xt) up to a constant per position, at the noise level alpha_t (a float): the model's logits
+    as they are; with CFG (null_xt, cfg_w != 0) (1 + w) f_c - w f_u of the two branches' logits f in at least
+    float32 (the per-position log-sum-exps cancel in the softmax: this is cfg_log_probs); with top_p < 1, -inf
+    outside the nucleus. xt (B, L) -> (B, L, V); x_theta = softmax of it. Never a float64 (B, L, V) tensor."""
     sigma = torch.full((xt.shape[0],), -math.log(alpha_t), device=xt.device)
-    log_p = denoiser_log_probs(model, xt, sigma, null_xt=null_xt, cfg_w=cfg_w, autocast=autocast)
-    return nucleus(log_p.exp(), top_p)
+    guided = null_xt is not None and cfg_w != 0
+    x_in, s_in = (torch.cat([xt, null_xt]), torch.cat([sigma, sigma])) if guided else (xt, sigma)
+    with autocast or nullcontext():
+        logits = model(x_in, s_in)
+    if guided:
+        f_c, f_u = logits.to(torch.promote_types(logits.dtype, torch.float32)).chunk(2)
+        logits = (1 + cfg_w) * f_c - cfg_w * f_u
+    return nucleus_logits(logits, top_p)
+
+
+def denoiser_probs(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
+    """x_theta(. | xt) in float64: softmax of denoiser_logits (a reference for tests; the sampler draws from
+    the logits). xt (B, L) -> (B, L, V)."""
+    logits = denoiser_logits(model, xt, alpha_t, null_xt=null_xt, cfg_w=cfg_w, top_p=top_p, autocast=autocast)
+    return torch.softmax(logits.double(), dim=-1)
 
 
 def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixed_ids=None, device=None):
@@ -167,22 +202,16 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
             cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
         null_fill = null_tokens((B, L), K, cfg_seed, device)
 
-    def x_theta(xt, alpha):
+    def x_theta(xt, alpha):      # logits of x_theta, guided and nucleus-filtered
         null_xt = None if null_fill is None else torch.where(fixed, null_fill, xt)
-        p = denoiser_probs(model, xt, alpha, null_xt=null_xt, cfg_w=cfg_w, top_p=top_p,
-                           autocast=autocast_for(device, dtype))
-        if p.shape[-1] != K:
-            raise ValueError(f"the model returns {p.shape[-1]} classes, vocab_size is {K}")
-        return p
+        logits = denoiser_logits(model, xt, alpha, null_xt=null_xt, cfg_w=cfg_w, top_p=top_p,
+                                 autocast=autocast_for(device, dtype))
+        if logits.shape[-1] != K:
+            raise ValueError(f"the model returns {logits.shape[-1]} classes, vocab_size is {K}")
+        return logits
 
     def step(xt, alpha_t, alpha_s):
-        if cfg_w == 0 and top_p >= 1:   # x_theta = softmax(logits): no (B, L, V) float64 tensor needed
-            with autocast_for(device, dtype):
-                logits = model(xt, torch.full((B,), -math.log(alpha_t), device=device))
-            if logits.shape[-1] != K:
-                raise ValueError(f"the model returns {logits.shape[-1]} classes, vocab_size is {K}")
-            return diffusion.ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator)
-        return diffusion.ancestral_step(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator)
+        return diffusion.ancestral_step_from_logits(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator)
 
     ts = torch.linspace(1, t_end, steps + 1, dtype=torch.float64)
     alphas = diffusion.SCHEDULES[alpha_schedule](ts)[0].tolist()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import bayes_posterior, transition_matrix
-from diffusion import (SCHEDULES, T_MIN, alpha_table, ancestral_step, ancestral_step_from_logits, cosine_schedule, curriculum_sample,
-                       gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice, reverse_posterior,
+from diffusion import (SCHEDULES, T_MIN, SoftTokens, alpha_table, ancestral_step, ancestral_step_from_logits,
+                       cosine_schedule, curriculum_input, curriculum_sample, gamma_to_alpha, gaussian_latent,
+                       gumbel_argmax, gumbel_noise, log_linear_schedule, rank_slice, reverse_posterior,
                        sample_categorical, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule)
 
 
@@ -340,14 +341,124 @@ def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
         assert abs(freq - p) < 4.5 * math.sqrt(p * (1 - p) / L)
 
 
-def test_ancestral_step_from_logits_is_ancestral_step_on_the_softmax():
-    """The sampler's fast path (float32 log-sum-exp, float64 rows only where x_theta is drawn) makes the same
-    draws as ancestral_step on softmax(logits) from the same generator state, including the final step."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype):
+    """The sampler's fast path (float32 log-sum-exp, float64 per-token weights, Gumbel-max on the logits) draws
+    Eq. (reverse) with x_theta = softmax(logits): chi-square against Bayes' rule, also with a token that x_theta
+    excludes (logit -inf, as outside a nucleus) and on the final step."""
+    K, N = 6, 20000
+    logits = (1.5 * torch.randn(5, K, generator=torch.Generator().manual_seed(4), dtype=torch.float64)).to(dtype)
+    logits[1, 3] = float("-inf")
+    cases = [(2, 0.3, 0.6), (3, 0.05, 0.5), (4, 0.4, 0.7), (1, 0.2, 0.25), (5, 0.6, 1.0)]   # (xt, alpha_t, alpha_s)
+    xt = torch.tensor([c[0] for c in cases])[:, None].expand(-1, N)
+    alpha_t, alpha_s = torch.tensor([[c[1]] for c in cases]), torch.tensor([[c[2]] for c in cases])
+    xs = ancestral_step_from_logits(xt, logits[:, None, :].expand(-1, N, K), alpha_t, alpha_s,
+                                    generator=torch.Generator().manual_seed(2))
+    for i, (z, a_t, a_s) in enumerate(cases):
+        target = bayes_posterior(torch.tensor([z]), torch.softmax(logits[i:i + 1].double(), -1), a_t, a_s, K)[0]
+        assert_frequencies(xs[i], target, msg=f"case {i}")
+
+
+def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_step():
+    """Stay / uniform / x_theta are decided by the same draws as ancestral_step on softmax(logits): every token
+    that does not draw from x_theta lands on the same value."""
     g = torch.Generator().manual_seed(3)
-    B, L, K = 6, 40, 13
+    B, L, K = 6, 400, 13
     logits = 3 * torch.randn(B, L, K, generator=g)
     xt = torch.randint(0, K, (B, L), generator=g)
     for a_t, a_s in ((0.2, 0.4), (0.7, 0.9), (0.99, 1.0)):
         a = ancestral_step(xt, torch.softmax(logits.double(), -1), a_t, a_s, torch.Generator().manual_seed(5))
         b = ancestral_step_from_logits(xt, logits, a_t, a_s, torch.Generator().manual_seed(5))
-        assert torch.equal(a, b)
+        p_z = torch.softmax(logits.double(), -1).gather(-1, xt[..., None])[..., 0]
+        u = torch.rand(xt.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        draws_x_theta = u < (a_s - a_t) / (K * a_t * p_z + 1 - a_t)
+        assert torch.equal(a[~draws_x_theta], b[~draws_x_theta]) and draws_x_theta.any()
+
+
+def test_gumbel_argmax_is_an_exact_draw_from_the_softmax():
+    """argmax(logits + G) ~ softmax(logits): chi-square per row, bf16 and float32 logits, an excluded token."""
+    K, N = 7, 30000
+    logits = 2 * torch.randn(3, K, generator=torch.Generator().manual_seed(6))
+    logits[2, 4] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        z = logits.to(dtype)
+        ids = gumbel_argmax(z[:, None, :].expand(3, N, K).reshape(-1, K), torch.Generator().manual_seed(7),
+                            chunk_elems=5000 * K).view(3, N)          # several chunks, a ragged last one
+        for r in range(3):
+            assert_frequencies(ids[r], torch.softmax(z[r].double(), -1), msg=f"{dtype} row {r}")
+
+
+def test_gumbel_noise_has_a_float64_like_tail():
+    """G = -log(-log(1 - U)), U on a 2^-48 grid: P(G > g) = 1 - exp(-e^-g). Its largest value is ~33 (a float32
+    uniform stops at 16.6 and so never draws a token whose logit trails by more than that), and its bulk is Gumbel."""
+    hi = torch.tensor([0.0, 0.0, 2.0 ** 23, 2.0 ** 24 - 1])
+    lo = torch.tensor([0.0, 2.0 ** 24 - 1, 0.0, 2.0 ** 24 - 1])
+    u = (hi + (lo + 0.5) * 2.0 ** -24) * 2.0 ** -24
+    g = -torch.log(-torch.log1p(-u))
+    assert g[0] > 33.0 and 16.6 < g[1] < 17.0 and abs(g[2] - 0.3665) < 1e-3 and g[3] == float("-inf")
+    x = gumbel_noise((200000,), torch.Generator().manual_seed(0))
+    assert x.dtype == torch.float32 and torch.isfinite(x).all()
+    for q in (-1.0, 0.0, 1.0, 3.0):
+        p = math.exp(-math.exp(-q))                # Gumbel CDF
+        assert abs((x <= q).double().mean().item() - p) < 4.5 * math.sqrt(p * (1 - p) / x.numel())
+
+
+# -----------------------------------------------------------------------------
+# the curriculum's input in chunks of rows, on its top-k coordinates
+
+def test_curriculum_input_equals_the_dense_route_on_the_same_draws():
+    """curriculum_input draws w chunk by chunk; on the CPU a generator gives the same numbers chunked or at once
+    (chunks of a multiple of 16 numbers), so it must reproduce gaussian_latent + argmax + soft_input exactly:
+    xt equal, the kept weights equal to float32 rounding, the embedding within float32 rounding of soft @ E,
+    and the weights it drops below 2^-24 of the total. (w / tau ~ 10^3 carries float32's relative resolution
+    1.2e-4 into the exponent: both routes round it the same way up to one unit, hence rtol 3e-4.)"""
+    K, B, L, k = 256, 3, 40, 32
+    x0 = torch.randint(0, K, (B, L), generator=torch.Generator().manual_seed(0))
+    gamma = torch.tensor([[-3.55], [-2.5], [-1.85]])
+    xt, soft = curriculum_input(x0, gamma, K, 1e-3, torch.Generator().manual_seed(1), top_k=k, chunk_elems=7 * K)
+    w = gaussian_latent(x0, gamma, K, generator=torch.Generator().manual_seed(1))
+    dense = soft_input(w, 1e-3)
+    assert torch.equal(xt, w.argmax(-1)) and soft.ids.shape == (B, L, k)
+    torch.testing.assert_close(soft.probs, dense.gather(-1, soft.ids), rtol=3e-4, atol=1e-9)
+    assert (dense.sum(-1) - dense.gather(-1, soft.ids).sum(-1)).max() < 2 ** -24
+    E = torch.randn(K, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    h = torch.nn.functional.embedding_bag(soft.ids.view(-1, k), E, per_sample_weights=soft.probs.view(-1, k).double(),
+                                          mode="sum").view(B, L, 16)
+    torch.testing.assert_close(h, dense.double() @ E, rtol=3e-4, atol=1e-6)
+
+
+def test_curriculum_input_top_k_is_exact_at_the_papers_settings():
+    """K = 50258, tau = 1e-3 over Duo's gamma range: on every position of a draw the (k+1)-th coordinate is more
+    than tau (log K + 24 log 2) below the largest, i.e. the dropped weights are below float32 resolution."""
+    K, k, tau = 50258, 32, 1e-3
+    x0 = torch.randint(0, K, (2, 64), generator=torch.Generator().manual_seed(0))
+    gamma = torch.tensor([[-3.55], [-1.85]])
+    w = gaussian_latent(x0, gamma, K, generator=torch.Generator().manual_seed(1))
+    top = w.topk(k + 1, dim=-1).values
+    assert ((top[..., 0] - top[..., k]) / tau > math.log(K) + 24 * math.log(2)).all()
+    xt, soft = curriculum_input(x0, gamma, K, tau, torch.Generator().manual_seed(1), top_k=k)
+    assert torch.equal(xt, w.argmax(-1)) and torch.allclose(soft.probs.sum(-1), torch.ones(2, 64))
+
+
+def test_curriculum_input_keeps_the_dense_route_at_high_temperature():
+    K = 64
+    x0 = torch.randint(0, K, (2, 10), generator=torch.Generator().manual_seed(0))
+    gamma = torch.tensor([[-3.0], [-2.0]])
+    xt, soft = curriculum_input(x0, gamma, K, 0.1, torch.Generator().manual_seed(1))
+    w = gaussian_latent(x0, gamma, K, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(xt, w.argmax(-1)) and torch.equal(soft, soft_input(w, 0.1))
+
+
+def test_curriculum_sample_top_k_route_has_the_uniform_state_marginal():
+    """Through the chunked top-k route (K = 64 > k): Pr[xt = x0] = alpha + (1 - alpha)/K with alpha = T(gamma)
+    (binomial), and the replaced tokens are uniform over the others (chi-square of xt - x0 mod K)."""
+    K, L = 64, 40000
+    t = torch.tensor([0.1, 0.9])
+    x0 = torch.randint(0, K, (2, L), generator=torch.Generator().manual_seed(0))
+    xt, soft, alpha, _ = curriculum_sample(x0, t, K, -3.5, -1.75, tau=1e-3, generator=torch.Generator().manual_seed(1))
+    assert isinstance(soft, SoftTokens) and torch.equal(soft.ids[..., 0], xt)
+    for b in range(2):
+        p = alpha[b].item() + (1 - alpha[b].item()) / K
+        assert abs((xt[b] == x0[b]).double().mean().item() - p) < 4.5 * math.sqrt(p * (1 - p) / L)
+        offset = (xt[b] - x0[b]) % K
+        assert_frequencies(offset[offset != 0], torch.cat([torch.zeros(1), torch.full((K - 1,), 1 / (K - 1))]))

@@ -7,7 +7,8 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
 Every field of TrainConfig is a CLI flag; --preset applies a dict of overrides first (TRAIN_PRESETS),
-explicit flags win. The run's full config is printed at start and saved next to the checkpoint.
+explicit flags win. Without --preset, a torchrun launch on CUDA trains the paper's recipe (FLAGSHIP_PRESET);
+`python train.py` on one process trains the tiny offline demo. The run's full config is printed at start and saved next to the checkpoint.
 One training step (paper Algorithm 1): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
 
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -28,8 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diffusion
 import losses
-from cli import (UsageError, append_jsonl, autocast_for, check_writable, os_error_line, parse_flags, remove_stale_temps,
-                 resolve_device, resolve_dtype, run_cli, save_atomic, write_json)
+from cli import (OutOfMemory, UsageError, append_jsonl, autocast_for, check_writable, oom_summary, os_error_line,
+                 parse_flags, remove_stale_temps, resolve_device, resolve_dtype, run_cli, save_atomic, write_json)
 from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset, prepared_dir
 from eval_ppl import nelbo_ppl
 from model import PRESETS, ModelConfig, build_model
@@ -38,7 +40,7 @@ from model import PRESETS, ModelConfig, build_model
 @dataclass
 class TrainConfig:
     preset: str = "tiny"             # tiny | small | medium | large (model + recipe), see TRAIN_PRESETS
-    loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | ar
+    loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
@@ -46,6 +48,7 @@ class TrainConfig:
     data_dir: str = ""               # prepared memmaps; "" = data.prepared_dir(dataset, tokenizer, L, wrap)
     block_size: int = 128            # sequence length L
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
+    vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
     # model (0 = take from the model preset)
     n_layer: int = 0
@@ -56,6 +59,7 @@ class TrainConfig:
     max_iters: int = 1000
     batch_size: int = 32             # GLOBAL batch in sequences (all ranks x accumulation steps)
     grad_accum: int = 1
+    auto_accum: bool = True          # CUDA: if the micro-batch does not fit, raise grad_accum until it does (0: stop)
     lr: float = 1e-3
     lr_schedule: str = "linear"      # constant | linear | cosine (after warm-up)
     min_lr: float = 0.0
@@ -115,6 +119,19 @@ def parse_config(argv=None):
     return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS)
 
 
+FLAGSHIP_PRESET = "small"
+FLAGSHIP_NOTE = ("torchrun on CUDA without --preset: training the paper's recipe, --preset small (DiT-small, "
+                 "OpenWebText, GPT-2 BPE, L = 1024, global batch 512, Duo's curriculum for 500K steps); "
+                 "--preset tiny gives the offline demo")
+
+
+def flagship_launch(argv, cfg):
+    """True for a torchrun launch on CUDA without --preset: train.py then runs the paper's recipe."""
+    given = any(a == "--preset" or a.startswith("--preset=") for a in argv)
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    return not given and torchrun and resolve_device(cfg.device).type == "cuda"
+
+
 def validate(cfg, world_size):
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
@@ -159,6 +176,8 @@ def model_config_for(cfg, vocab_size):
     base = dict(PRESETS[cfg.preset])
     base.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)})
     base.update(vocab_size=vocab_size, block_size=cfg.block_size, dropout=cfg.dropout)
+    if cfg.vocab_multiple:
+        base.update(vocab_multiple=cfg.vocab_multiple)
     if cfg.loss == "ar":   # the AR baseline: causal attention, no time input
         base.update(causal=True, time_cond=False)
     try:
@@ -194,15 +213,19 @@ class Corrupted:
     dalpha_t: torch.Tensor
 
 
-# --loss -> per-token loss (B, L) of the logits and the corrupted batch c: the one place a loss is chosen
+# --loss -> per-token loss (B, L) of the model's output and the corrupted batch c: the one place a loss is chosen.
+# The output is a losses.Head (the last hidden state and the output layer: the loss computes the logits chunk by
+# chunk and never holds all of them), except for the objectives in FULL_LOGITS, which get the (B, L, V) logits.
 OBJECTIVES = {
-    "sddlm": lambda logits, c, eps: losses.sddlm_loss(logits, c.x0, c.xt),
-    "sddlm_v1": lambda logits, c, eps: losses.sddlm_v1_loss(logits, c.x0, c.xt, neg=c.neg, eps=eps),
-    "sddlm_v2": lambda logits, c, eps: losses.sddlm_v2_loss(logits, c.x0, c.xt, eps=eps),
-    "naive": lambda logits, c, eps: losses.naive_denoising_loss(logits, c.x0),
-    "duo": lambda logits, c, eps: losses.usdm_nelbo_loss(logits, c.x0, c.xt, c.alpha_t, c.dalpha_t),
-    "ar": lambda logits, c, eps: losses.ar_loss(logits, c.x0),
+    "sddlm": lambda out, c, eps: losses.sddlm_loss(out, c.x0, c.xt),
+    "sddlm_v1": lambda out, c, eps: losses.sddlm_v1_loss(out, c.x0, c.xt, neg=c.neg, eps=eps),
+    "sddlm_v2": lambda out, c, eps: losses.sddlm_v2_loss(out, c.x0, c.xt, eps=eps),
+    "naive": lambda out, c, eps: losses.naive_denoising_loss(out, c.x0),
+    "duo": lambda out, c, eps: losses.usdm_nelbo_loss(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
+    "duo_lean": lambda out, c, eps: losses.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
+    "ar": lambda out, c, eps: losses.ar_loss(out, c.x0),
 }
+FULL_LOGITS = {"duo"}   # Duo's NELBO computed as Duo does (the reference); duo_lean is the same, memory-lean
 
 
 def draw_noise(batch, length, vocab_size, generator, device):
@@ -230,18 +253,20 @@ def corrupt(cfg, x0, t, it, vocab_size, generator, draws):
 
 
 def loss_terms(model, cfg, x0, t, it, generator, draws=None):
-    """Per-token training loss (B, L) (B, L - 1 for 'ar') of clean x0 (B, L) at times t (B,), and the logits.
-    draws: this micro-batch's slice of draw_noise (else drawn from generator)."""
+    """Per-token training loss (B, L) (B, L - 1 for 'ar') of clean x0 (B, L) at times t (B,), and the model's
+    output (the logits (B, L, V), or a losses.Head, see OBJECTIVES). draws: this micro-batch's slice of
+    draw_noise (else drawn from generator)."""
     V = unwrap(model).config.vocab_size
     if draws is None:
         draws = draw_noise(x0.shape[0], x0.shape[1], V, generator, x0.device)
+    head = cfg.loss not in FULL_LOGITS
     if cfg.loss == "ar":
         c = Corrupted(x0, x0, x0, draws[2], None, None)
-        logits = model(x0)
+        out = model(x0, return_head=head)
     else:
         c = corrupt(cfg, x0, t, it, V, generator, draws)
-        logits = model(c.net_in, diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1)))
-    return OBJECTIVES[cfg.loss](logits, c, cfg.eps), logits
+        out = model(c.net_in, diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1)), return_head=head)
+    return OBJECTIVES[cfg.loss](out, c, cfg.eps), out
 
 
 def unwrap(model):
@@ -404,7 +429,8 @@ def build_run(cfg, mcfg, env, data_dir=None):
     optimizer, ema = make_optimizer(raw_model, cfg, env.device)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if env.ddp:
-        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                    broadcast_buffers=False)   # the only buffers are the RoPE tables, identical on every rank
     loader = None
     if data_dir is not None:
         micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
@@ -413,6 +439,80 @@ def build_run(cfg, mcfg, env, data_dir=None):
     return Run(raw_model, model, optimizer, ema, loader,
                gen_shared=torch.Generator(device=env.device).manual_seed(cfg.seed),
                gen_local=torch.Generator(device=env.device).manual_seed(cfg.seed + 7919 * (env.rank + 1)))
+
+
+def fit_micro_batch(run, cfg, env):
+    """CUDA: make sure the micro-batch fits before training. One forward + backward of each kind of step the run
+    will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP, leaving weights,
+    optimizer and every random state as they were. The verdict is shared by all ranks. If it does not fit,
+    --auto_accum 1 doubles --grad_accum (halving the micro-batch) until it does; --auto_accum 0 stops with one
+    line naming the micro-batch that fits and the flag to set. Updates cfg.grad_accum."""
+    if env.device.type != "cuda":
+        return
+    accum, first = cfg.grad_accum, cfg.grad_accum
+    while True:
+        micro = cfg.batch_size // (env.world_size * accum)
+        fits = _probe_fits(run, cfg, env, micro)
+        if env.ddp:
+            flag = torch.tensor([float(fits)], device=env.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            fits = bool(flag.item())
+        if fits and accum == first:
+            return
+        if fits:
+            break
+        if micro == 1 or cfg.batch_size % (env.world_size * accum * 2):
+            raise OutOfMemory(f"micro-batch {micro} does not fit in GPU memory ({_gpu_gib(env)}): lower --block_size "
+                              f"or the model size")
+        accum *= 2
+    first_micro = cfg.batch_size // (env.world_size * first)
+    if not cfg.auto_accum:
+        raise OutOfMemory(f"micro-batch {first_micro} (--batch_size {cfg.batch_size} / {env.world_size} rank(s) / "
+                          f"--grad_accum {first}) does not fit in GPU memory ({_gpu_gib(env)}); micro-batch {micro} "
+                          f"fits: set --grad_accum {accum}")
+    if env.master:
+        print(f"micro-batch {first_micro} does not fit in GPU memory ({_gpu_gib(env)}): training with --grad_accum "
+              f"{accum} (micro-batch {micro}, the same global batch {cfg.batch_size})", flush=True)
+    cfg.grad_accum = accum
+
+
+def _gpu_gib(env):
+    return f"{torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30:.1f} GiB"
+
+
+def _probe_fits(run, cfg, env, micro):
+    """One probe of fit_micro_batch at this micro-batch -> bool. The optimizer's moments, not yet allocated in
+    a fresh run, are added to the measured peak."""
+    states = torch.get_rng_state(), torch.cuda.get_rng_state(env.device)
+    later = sum(2 * p.numel() * p.element_size() for p in run.raw_model.parameters()) if not run.optimizer.state else 0
+    its = [run.it] if run.it < cfg.curriculum_iters else []                      # a curriculum step
+    if cfg.max_iters > cfg.curriculum_iters:
+        its.append(max(run.it, cfg.curriculum_iters))                            # a plain step
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(env.device)
+    try:
+        for it in its:
+            _probe_step(run, cfg, env, micro, it)
+        peak = torch.cuda.max_memory_allocated(env.device) + later
+        fits = peak < 0.97 * torch.cuda.get_device_properties(env.device).total_memory
+    except torch.OutOfMemoryError:
+        fits = False
+    run.optimizer.zero_grad(set_to_none=True)
+    torch.set_rng_state(states[0])
+    torch.cuda.set_rng_state(states[1], env.device)
+    torch.cuda.empty_cache()
+    return fits
+
+
+def _probe_step(run, cfg, env, micro, it):
+    model = run.model.module if env.ddp else run.model       # no DDP hooks: a rank that fails leaves none waiting
+    gen = torch.Generator(device=env.device).manual_seed(0)
+    x0 = torch.randint(0, run.raw_model.config.vocab_size, (micro, cfg.block_size), generator=gen, device=env.device)
+    t = diffusion.sample_t(micro, gen, device=env.device)
+    with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+        loss = loss_terms(model, cfg, x0, t, it, gen)[0].mean()
+    loss.backward()
+    run.optimizer.zero_grad(set_to_none=True)
 
 
 def train_step(run, cfg, env, x0_all, mask_all=None):
@@ -636,10 +736,24 @@ def agree(env, loss_sum, bad, stopping):
 # -----------------------------------------------------------------------------------------------
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_config(argv)
+    flagship = flagship_launch(argv, cfg)
+    if flagship:
+        cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
     env = setup_distributed(cfg)
+    if flagship and env.master:
+        print(FLAGSHIP_NOTE, flush=True)
     try:
         return train(cfg, env)
+    except torch.OutOfMemoryError as e:
+        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+        fix = (f"set --grad_accum {2 * cfg.grad_accum} (micro-batch {micro // 2})" if micro > 1 and
+               cfg.batch_size % (2 * env.world_size * cfg.grad_accum) == 0 else
+               "lower --batch_size, --block_size or the model size")
+        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
+                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; {fix}; the last checkpoint "
+                          f"in {cfg.out_dir} is kept") from None
     finally:
         if env.ddp and dist.is_initialized():
             dist.destroy_process_group()
@@ -659,6 +773,7 @@ def train(cfg, env):
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
         restore(run, ckpt, env)
+    fit_micro_batch(run, cfg, env)
     log = Log(cfg, env, run.it)
     if env.master:
         print(json.dumps({"train_config": asdict(cfg), "model_config": asdict(mcfg)}, indent=1))
