@@ -34,7 +34,11 @@ Columns:
   act MiB      any device: bytes of the tensors autograd saves for backward (saved_tensors_hooks on an eager
                forward + loss, storages counted once, parameters excluded; autocast's bf16 weight copies
                are included). The device-independent part of the memory that the loss changes.
-  x duo        ratio to the 'duo' row (Duo's NELBO, usdm_nelbo_loss).
+  x duo        ratio to the 'duo' row (Duo's NELBO computed as Duo does, usdm_nelbo_loss); 'duo_lean' is the
+               same NELBO computed in chunks of rows (usdm_nelbo_loss_lean)
+Rows: the objectives of train.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
+with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one. A row or
+a measurement that does not fit in memory prints n/a and the table still comes out, with what did not fit.
 Sampler: sample.generate (ancestral, float64 posterior, Gumbel-max, final ancestral step) vs no-grad
 forwards of the same model at the same batch: overhead = generate time / (its forwards x forward time) - 1.
 """
@@ -49,7 +53,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import diffusion
-from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
+from cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
 from train import (OBJECTIVES, TRAIN_PRESETS, Env, Run, TrainConfig, loss_terms, make_optimizer, model_config_for,
                    token_mean, train_step)
@@ -71,6 +75,8 @@ class BenchConfig:
     repeats: int = 5                # timed rounds; each loss reports the median
     warmup: int = 2                 # rounds run first and dropped
     losses: str = ALL_LOSSES        # comma-separated subset of train.OBJECTIVES
+    curriculum: str = "sddlm"       # this loss again with Duo's curriculum on: the row 'sddlm+curriculum' ('' = none)
+    vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
     seed: int = 1
@@ -83,6 +89,9 @@ def parse_args(argv=None):
     bad = [s for s in names if s not in OBJECTIVES]
     if not names or bad:
         raise UsageError(f"unknown --losses {','.join(bad) or cfg.losses!r}; choose from {', '.join(OBJECTIVES)}")
+    if cfg.curriculum and (cfg.curriculum not in OBJECTIVES or cfg.curriculum == "ar"):
+        raise UsageError(f"--curriculum must be a diffusion loss of {', '.join(OBJECTIVES)} (not ar) or '', "
+                         f"got {cfg.curriculum!r}")
     if cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0:
         raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads >= 0")
     if cfg.block_size and cfg.block_size < 2:
@@ -95,13 +104,15 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------------------------
 # the training step: train.py's own (train.train_step on a Run without a data loader, one process)
 
-def train_config_for(cfg, loss):
-    """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes."""
+def train_config_for(cfg, loss, curriculum=False):
+    """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes, with Duo's
+    curriculum on for every step (curriculum=True) or off."""
     model = PRESETS[cfg.preset]
     return TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset, "loss": loss,
                           "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
                           "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-                          "curriculum_iters": 0, "seed": cfg.seed, "compile": cfg.compile})
+                          "vocab_multiple": cfg.vocab_multiple, "curriculum_iters": 10 ** 9 if curriculum else 0,
+                          "seed": cfg.seed, "compile": cfg.compile})
 
 
 def cpu_step_peak_bytes(fn):
@@ -176,42 +187,78 @@ def measure_peak_flops(device, dtype, seconds=1.0):
 # -----------------------------------------------------------------------------------------------
 # benchmarks
 
-def bench_training(cfg, device, dtype):
-    """Interleaved timing of every loss, and the matmul peak re-measured every round (the best is kept,
-    so a busy neighbour at start-up cannot inflate MFU). -> (results per loss, runs, L, peak FLOP/s).
-    runs: {loss: (its TrainConfig, a train.Run)}; the diffusion losses share one model and optimizer."""
+CURRICULUM = "+curriculum"      # a row name's suffix: the same loss with Duo's curriculum on
+
+
+def row_names(cfg):
+    """The table's rows: --losses, then --curriculum's loss again with the curriculum on."""
     names = cfg.losses.split(",")
+    return names + ([cfg.curriculum + CURRICULUM] if cfg.curriculum else [])
+
+
+def fits(measure, what, failures):
+    """measure() -> its value, or None when it runs out of memory; failures[what] then says what did not fit.
+    Gradients and cached blocks are released, so the next measurement starts clean."""
+    try:
+        return measure()
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        failures[what] = oom_summary(e)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None
+
+
+def bench_training(cfg, device, dtype):
+    """Interleaved timing of every row, and the matmul peak re-measured every round (the best is kept,
+    so a busy neighbour at start-up cannot inflate MFU). A row or measurement that runs out of memory is left
+    out (n/a) and the rest still run. -> (results per row, runs, L, peak FLOP/s, failures {what: why}).
+    runs: {row: (its TrainConfig, a train.Run)}; the diffusion rows share one model and optimizer."""
+    names, failures = row_names(cfg), {}
     L, B, env = None, cfg.batch_size, Env(device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     models, runs = {}, {}
     for name in names:
-        tcfg = train_config_for(cfg, name)
+        tcfg = train_config_for(cfg, name.removesuffix(CURRICULUM), curriculum=name.endswith(CURRICULUM))
         L = tcfg.block_size
         mcfg = model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
         key = json.dumps(asdict(mcfg), sort_keys=True)
         if key not in models:
-            torch.manual_seed(cfg.seed)
-            raw = build_model(mcfg).to(device).train()
-            models[key] = (raw, torch.compile(raw) if cfg.compile else raw, *make_optimizer(raw, tcfg, device))
-        runs[name] = (tcfg, Run(*models[key], loader=None, gen_shared=gen, gen_local=gen))
-    times = {name: [] for name in names}
-    peaks = {name: 0 for name in names}        # CUDA: max_memory_allocated, and its excess over the step's start
-    step_peaks = {name: 0 for name in names}
+            def build():
+                torch.manual_seed(cfg.seed)
+                raw = build_model(mcfg).to(device).train()
+                return (raw, torch.compile(raw) if cfg.compile else raw, *make_optimizer(raw, tcfg, device))
+            models[key] = fits(build, f"{name} model", failures)
+        if models[key] is not None:
+            runs[name] = (tcfg, Run(*models[key], loader=None, gen_shared=gen, gen_local=gen))
+    times = {name: [] for name in runs}
+    peaks = {name: 0 for name in runs}         # CUDA: max_memory_allocated, and its excess over the step's start
+    step_peaks = {name: 0 for name in runs}
     peak_flops = measure_peak_flops(device, dtype)
     for round_ in range(cfg.warmup + cfg.repeats):
         peak_flops = max(peak_flops, measure_peak_flops(device, dtype, seconds=0.2))
-        for name in names:
-            tcfg, run = runs[name]
+        for name, (tcfg, run) in runs.items():
+            if times[name] is None:
+                continue
             x0 = torch.randint(0, run.raw_model.config.vocab_size, (B, L), device=device, generator=gen)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            synchronize(device)
-            t0 = time.perf_counter()
-            loss = train_step(run, tcfg, env, x0)
-            synchronize(device)
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss.item()):
+
+            def step():
+                synchronize(device)
+                t0 = time.perf_counter()
+                loss = train_step(run, tcfg, env, x0)
+                synchronize(device)
+                return time.perf_counter() - t0, loss.item()
+            timed = fits(step, f"{name} step", failures)
+            if timed is None:
+                times[name] = None
+                run.optimizer.zero_grad(set_to_none=True)
+                continue
+            dt, loss = timed
+            if not math.isfinite(loss):
                 raise FloatingPointError(f"bench: non-finite {name} loss at round {round_}")
             if round_ >= cfg.warmup:
                 times[name].append(dt)
@@ -220,6 +267,10 @@ def bench_training(cfg, device, dtype):
                     step_peaks[name] = max(step_peaks[name], peaks[name] - before)
     results = {}
     for name in names:
+        if name not in runs or times[name] is None:
+            results[name] = dict(step_ms=None, step_ms_all=[], tokens_per_s=None, model_flops=None,
+                                 peak_mem_bytes=None, step_mem_bytes=None, act_bytes=None)
+            continue
         tcfg, run = runs[name]
         x0 = torch.randint(0, run.raw_model.config.vocab_size, (B, L), device=device, generator=gen)
         t = diffusion.sample_t(B, gen, device=device)
@@ -228,7 +279,8 @@ def bench_training(cfg, device, dtype):
             with autocast_for(device, dtype):
                 return token_mean(loss_terms(run.raw_model, tcfg, x0, t, 0, gen)[0], None)
 
-        act = saved_activation_bytes(forward_and_loss, list(run.raw_model.parameters()))
+        act = fits(lambda: saved_activation_bytes(forward_and_loss, list(run.raw_model.parameters())),
+                   f"{name} act", failures)
         if device.type == "cpu":
             step_peaks[name] = cpu_step_peak_bytes(lambda: train_step(run, tcfg, env, x0))
         step = statistics.median(times[name])
@@ -237,14 +289,16 @@ def bench_training(cfg, device, dtype):
                              tokens_per_s=B * L / step, model_flops=flops,
                              peak_mem_bytes=peaks[name] if device.type == "cuda" else None,
                              step_mem_bytes=step_peaks[name], act_bytes=act)
+    ratio = lambda r, ref, k: r[k] / ref[k] if ref is not None and r[k] and ref[k] else None
     for name, r in results.items():
         ref = results.get("duo")
-        r["step_vs_duo"] = r["step_ms"] / ref["step_ms"] if ref else None
-        r["peak_vs_duo"] = r["peak_mem_bytes"] / ref["peak_mem_bytes"] if ref and r["peak_mem_bytes"] else None
-        r["step_mem_vs_duo"] = r["step_mem_bytes"] / ref["step_mem_bytes"] if ref else None
-        r["act_vs_duo"] = r["act_bytes"] / ref["act_bytes"] if ref else None
-        r["step_vs_sddlm"] = r["step_ms"] / results["sddlm"]["step_ms"] if "sddlm" in results else None
-    return results, runs, L, peak_flops
+        r["step_vs_duo"] = ratio(r, ref, "step_ms")
+        r["peak_vs_duo"] = ratio(r, ref, "peak_mem_bytes")
+        r["step_mem_vs_duo"] = ratio(r, ref, "step_mem_bytes")
+        r["act_vs_duo"] = ratio(r, ref, "act_bytes")
+        r["step_vs_sddlm"] = ratio(r, results.get("sddlm"), "step_ms")
+        r["step_vs_plain"] = ratio(r, results.get(name.removesuffix(CURRICULUM)), "step_ms")
+    return results, runs, L, peak_flops, failures
 
 
 def bench_sampler(cfg, model, raw, device, dtype, L):
@@ -304,23 +358,27 @@ def run(cfg):
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    results, runs, L, peak = bench_training(cfg, device, dtype)
+    results, runs, L, peak, failures = bench_training(cfg, device, dtype)
+    if not runs:
+        raise OutOfMemory(f"no model of preset {cfg.preset} fits in memory ({'; '.join(failures.values())})")
     n = PEAK_MATMUL_N[device.type]
     peak_how = f"{dtype_name} {n}x{n} matmul"
     for r in results.values():
-        r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak
+        r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak if r["step_ms"] else None
     diffusion_runs = [run for tcfg, run in runs.values() if tcfg.loss != "ar"]
     sampler = None
     if cfg.sample_steps and diffusion_runs:
-        sampler = bench_sampler(cfg, diffusion_runs[0].model, diffusion_runs[0].raw_model, device, dtype, L)
+        sampler = fits(lambda: bench_sampler(cfg, diffusion_runs[0].model, diffusion_runs[0].raw_model, device,
+                                             dtype, L), "sampler", failures)
     any_raw = next(iter(runs.values()))[1].raw_model
     mc = any_raw.config
     out = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
                bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
                model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
-                          vocab_size=mc.vocab_size, params=any_raw.num_params(),
-                          non_embedding_params=any_raw.num_params(non_embedding=True)),
-               peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler)
+                          vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size,
+                          params=any_raw.num_params(), non_embedding_params=any_raw.num_params(non_embedding=True)),
+               peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler,
+               out_of_memory=failures)
     return out
 
 
@@ -333,9 +391,10 @@ def fmt(x, spec, none="n/a"):
 
 def markdown(out):
     m, cfg = out["model"], out["bench_config"]
+    padded = f" (output layer {m['padded_vocab_size']})" if m.get("padded_vocab_size", m["vocab_size"]) != m["vocab_size"] else ""
     lines = [
         f"### bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
-        f"V={m['vocab_size']}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
+        f"V={m['vocab_size']}{padded}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
         f"{out['dtype']}{', compiled' if cfg['compile'] else ', eager'}",
         f"{out['device']}; {out['date']}; median of {cfg['repeats']} interleaved rounds after {cfg['warmup']} "
         f"warm-up rounds",
@@ -347,16 +406,24 @@ def markdown(out):
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     mib = lambda b: None if b is None else b / 2 ** 20
+    pct = lambda x: None if x is None else 100 * x
     for name, r in out["losses"].items():
-        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% "
-                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {mib(r['step_mem_bytes']):,.1f} "
-                     f"| {mib(r['act_bytes']):,.1f} | {fmt(r['step_vs_duo'], '.2f')} | {fmt(r['peak_vs_duo'], '.2f')} "
+        lines.append(f"| {name} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} "
+                     f"| {fmt(pct(r['mfu']), '.1f')}{'%' if r['mfu'] is not None else ''} "
+                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {fmt(mib(r['step_mem_bytes']), ',.1f')} "
+                     f"| {fmt(mib(r['act_bytes']), ',.1f')} | {fmt(r['step_vs_duo'], '.2f')} | {fmt(r['peak_vs_duo'], '.2f')} "
                      f"| {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
+    for name, r in out["losses"].items():
+        if name.endswith(CURRICULUM):
+            lines.append(f"\n{name} step / {name.removesuffix(CURRICULUM)} step: {fmt(r['step_vs_plain'], '.3f')}")
     s = out["sampler"]
     if s is not None:
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|",
                   f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |"]
+    if out.get("out_of_memory"):
+        lines += ["", "n/a from running out of memory: "
+                  + "; ".join(f"{what}: {why}" for what, why in out["out_of_memory"].items())]
     return "\n".join(lines)
 
 

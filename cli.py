@@ -121,6 +121,9 @@ def _fail(message, code=2, any_rank=False):
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
     rank = os.environ.get("RANK", "0")
     if rank == "0" or any_rank:
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
+            bar.close()
         print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
     sys.exit(code)
 

@@ -59,7 +59,7 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
     """Token-mean NELBO over all batches and its perplexity (Duo spec 3.3).
     batches: iterable of x0 (B, L) int64 or (x0, mask) with mask (B, L) bool or None (False = padding, not
     counted). For each batch and draw: t = sample_t(B) stratified within the batch, alpha_t = 1 - (1 - 1e-3) t,
-    xt ~ q_t(. | x0), per-token losses.usdm_nelbo_loss. A causal model (model.config.causal, the AR baseline)
+    xt ~ q_t(. | x0), per-token losses.usdm_nelbo_loss (computed in chunks of rows). A causal model (model.config.causal, the AR baseline)
     is scored exactly with losses.ar_loss instead (one pass, no draws).
     -> dict(nll, ppl = exp(nll), bpd, tokens, estimator "nelbo" | "ar_exact", mc_draws)."""
     if mc_draws < 1:
@@ -86,7 +86,7 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
             xt = diffusion.sample_xt(x0, alpha_t, vocab_size, generator)
             with autocast:
                 logits = model(xt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
-            per_token = losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t)
+            per_token = losses.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t)   # no (B, L, V) float32
             total += (per_token.double() * mask).sum().cpu()
             count += int(mask.sum())
     if count == 0:

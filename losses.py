@@ -382,8 +382,8 @@ def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25)
     else:
         x, weight, bias, width = logits.reshape(-1, logits.shape[-1]), None, None, logits.shape[-1]
     acc = _acc_dtype(x.dtype)
-    rows = lambda a: torch.as_tensor(a, dtype=acc, device=x0.device).expand(shape).reshape(-1)
-    alpha_t, dalpha_t = torch.as_tensor(alpha_t), torch.as_tensor(dalpha_t)
+    rows = lambda a: a.expand(shape).reshape(-1)
+    alpha_t, dalpha_t = (torch.as_tensor(a, dtype=acc, device=x0.device) for a in (alpha_t, dalpha_t))
     while alpha_t.dim() < x0.dim():
         alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
     out = _RowChunks.apply(usdm_nelbo_loss, _chunk_rows(width, chunk_elems), vocab_size_of(logits), x, weight, bias,

@@ -290,8 +290,9 @@ class DiffusionTransformer(nn.Module):
         return n
 
     def rope(self, L, dtype, device):
-        """cos, sin (L, head_dim) in `dtype`: the cached tables when they fit, else computed."""
-        if L <= self.rope_cos.shape[0] and self.rope_cos.dtype == dtype:
+        """cos, sin (L, head_dim) in `dtype`: the cached float32 tables when they fit, else computed (a float64
+        model converts its buffers to float64, but their values stay float32's, so it computes its own)."""
+        if L <= self.rope_cos.shape[0] and self.rope_cos.dtype == dtype == torch.float32:
             return self.rope_cos[:L], self.rope_sin[:L]
         return rope_cos_sin(torch.arange(L, device=device), self.config.n_embd // self.config.n_head,
                             self.config.rope_base, dtype=dtype)

@@ -449,16 +449,19 @@ def test_curriculum_input_keeps_the_dense_route_at_high_temperature():
     assert torch.equal(xt, w.argmax(-1)) and torch.equal(soft, soft_input(w, 0.1))
 
 
-def test_curriculum_sample_top_k_route_has_the_uniform_state_marginal():
-    """Through the chunked top-k route (K = 64 > k): Pr[xt = x0] = alpha + (1 - alpha)/K with alpha = T(gamma)
-    (binomial), and the replaced tokens are uniform over the others (chi-square of xt - x0 mod K)."""
-    K, L = 64, 40000
-    t = torch.tensor([0.1, 0.9])
+def test_curriculum_input_top_k_route_has_the_uniform_state_marginal():
+    """Through the chunked top-k route (K = 64 > k): Pr[xt = x0] = int phi(z - nu) Phi(z)^(K-1) dz, nu =
+    exp(-gamma/2) (binomial), and the replaced tokens are uniform over the others (chi-square of xt - x0 mod K)."""
+    K, L = 64, 30000
+    gamma = torch.tensor([[-3.5], [-1.75]])
     x0 = torch.randint(0, K, (2, L), generator=torch.Generator().manual_seed(0))
-    xt, soft, alpha, _ = curriculum_sample(x0, t, K, -3.5, -1.75, tau=1e-3, generator=torch.Generator().manual_seed(1))
+    xt, soft = curriculum_input(x0, gamma, K, 1e-3, torch.Generator().manual_seed(1))
     assert isinstance(soft, SoftTokens) and torch.equal(soft.ids[..., 0], xt)
+    z = torch.linspace(-10, 20, 30001, dtype=torch.float64)
     for b in range(2):
-        p = alpha[b].item() + (1 - alpha[b].item()) / K
+        nu = math.exp(-gamma[b].item() / 2)
+        dens = torch.exp(-0.5 * (z - nu) ** 2 + (K - 1) * torch.special.log_ndtr(z)) / math.sqrt(2 * math.pi)
+        p = torch.trapezoid(dens, z).item()
         assert abs((xt[b] == x0[b]).double().mean().item() - p) < 4.5 * math.sqrt(p * (1 - p) / L)
         offset = (xt[b] - x0[b]) % K
         assert_frequencies(offset[offset != 0], torch.cat([torch.zeros(1), torch.full((K - 1,), 1 / (K - 1))]))

@@ -25,6 +25,14 @@ SMALL = dict(preset="tiny", block_size=16, batch_size=4, n_layer=2, n_head=2, n_
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
 
 
+def compiler_missing():
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported on this platform"
+    if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        return "no C++ compiler for TorchInductor's CPU backend"
+    return None
+
+
 def small_model(loss="sddlm", vocab_size=61, seed=0, perturb=0.05, **overrides):
     """A 2-layer DiT (or its causal twin for 'ar') from train.py's config path, with the zero-initialised
     output and adaLN layers perturbed so that every parameter gets a gradient."""
@@ -165,6 +173,219 @@ def test_sddlm_family_keeps_no_float32_vocabulary_sized_tensor_for_backward(name
 
 
 # -----------------------------------------------------------------------------
+# the output layer fused with the loss (losses.Head) against logits computed in full
+
+def head_case(dtype, V=61, V_pad=64, B=2, L=24, d=16, seed=9):
+    """A Head (hidden, W, b) with padding rows, tokens, and the plain logits F.linear(h, W, b)[..., :V]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, L, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V_pad, d, generator=g, dtype=torch.float64) / 2).to(dtype).requires_grad_(True)
+    bias = torch.randn(V_pad, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    x0, xt, neg = (torch.randint(0, V, (B, L), generator=g) for _ in range(3))
+    return hidden, weight, bias, x0, xt, neg, torch.randn(B, L, generator=g)
+
+
+HEAD_LOSSES = {
+    "naive": lambda z, x0, xt, neg: losses.naive_denoising_loss(z, x0),
+    "sddlm": lambda z, x0, xt, neg: losses.sddlm_loss(z, x0, xt),
+    "sddlm_v1": lambda z, x0, xt, neg: losses.sddlm_v1_loss(z, x0, xt, neg=neg),
+    "sddlm_v2": lambda z, x0, xt, neg: losses.sddlm_v2_loss(z, x0, xt),
+    "ar": lambda z, x0, xt, neg: F.pad(losses.ar_loss(z, x0), (0, 1)),
+    "duo_lean": lambda z, x0, xt, neg: losses.usdm_nelbo_loss_lean(z, x0, xt, torch.tensor([[0.3], [0.8]]), -0.999,
+                                                                   chunk_elems=7 * 64),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", list(HEAD_LOSSES))
+def test_loss_on_a_head_equals_the_loss_on_its_logits(name, dtype):
+    """Given the output layer and its input (with padding columns; duo_lean in row chunks of 7), each loss
+    returns the values and gradients (hidden, W, b) of the same loss on the logits F.linear(h, W, b)[..., :V].
+    float64: to rounding. bf16: the chunk logits are the same bf16 numbers, so values agree to float32 rounding;
+    the gradients of W and b are summed over chunks in float32 (the plain route rounds once at the end), within
+    a few bf16 roundings."""
+    hidden, weight, bias, x0, xt, neg, upstream = head_case(dtype)
+    call = HEAD_LOSSES[name]
+    ref = call(F.linear(hidden, weight, bias)[..., :61], x0, xt, neg)
+    got = call(losses.Head(hidden, weight, bias, 61), x0, xt, neg)
+    g_ref = torch.autograd.grad((ref * upstream).sum(), (hidden, weight, bias))
+    g_got = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
+    for a, b, what in zip(g_got, g_ref, ("hidden", "W", "b")):
+        assert a.dtype == b.dtype
+        bound = 1e-12 if dtype == torch.float64 else 8 * BF16_U * b.abs().max().item()
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=bound, msg=what)
+    assert g_got[1][61:].abs().max() == 0 and g_got[2][61:].abs().max() == 0     # padding: no gradient
+
+
+def test_head_log_probs_in_row_chunks_equal_one_chunk():
+    hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.float64)
+    head = losses.Head(hidden, weight, bias, 61)
+    one = losses.log_probs(head, x0, neg)
+    many = losses.log_probs(head, x0, neg, chunk_elems=5 * 64)      # 5 rows a chunk: 10 chunks, a ragged last
+    for a, b in zip(one, many):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    g_one = torch.autograd.grad((one[0] * upstream + one[1]).sum(), (hidden, weight, bias))
+    g_many = torch.autograd.grad((many[0] * upstream + many[1]).sum(), (hidden, weight, bias))
+    for a, b in zip(g_one, g_many):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["sddlm_v1", "ar", "duo_lean"])
+def test_losses_on_a_head_keep_no_vocabulary_sized_tensor_for_backward(name):
+    """The point of the Head: nothing of (B, L, V) size is kept for backward (only hidden, W, b and per-row values)."""
+    hidden, weight, bias, x0, xt, neg, _ = head_case(torch.bfloat16, V=2000, V_pad=2048, L=64)
+    big = []
+
+    def pack(t):
+        if t.numel() >= hidden.shape[0] * hidden.shape[1] * 1000:
+            big.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        HEAD_LOSSES[name](losses.Head(hidden, weight, bias, 2000), x0, xt, neg)
+    assert big == []
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype, tol):
+    """usdm_nelbo_loss_lean = usdm_nelbo_loss in row chunks (3 rows, ragged last): values and the logits' gradient
+    to float32 rounding (float64: exactly the same arithmetic per row), for per-sequence and scalar alphas."""
+    logits, x0, xt, neg, alpha_t, upstream = loss_case(V=300)
+    logits = logits.to(dtype).requires_grad_(True)
+    for a, da in ((alpha_t, torch.tensor([[-0.999], [-0.5]])), (0.42, -1.0)):
+        ref = losses.usdm_nelbo_loss(logits, x0, xt, a, da)
+        lean = losses.usdm_nelbo_loss_lean(logits, x0, xt, a, da, chunk_elems=3 * 300)
+        assert lean.dtype == ref.dtype
+        torch.testing.assert_close(lean, ref, rtol=tol, atol=tol)
+        g_ref, = torch.autograd.grad((ref * upstream).sum(), logits)
+        g_lean, = torch.autograd.grad((lean * upstream).sum(), logits)
+        torch.testing.assert_close(g_lean.double(), g_ref.double(), rtol=0,
+                                   atol=1e-13 if dtype == torch.float64 else BF16_U * g_ref.abs().max().item())
+
+
+def test_lean_nelbo_keeps_only_the_logits_for_backward():
+    logits, x0, xt, neg, alpha_t, _ = loss_case(V=2000, L=64)
+    logits.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        losses.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, -0.999)
+    big = [t for t in saved if t.numel() >= logits.shape[0] * logits.shape[1] * 100]
+    assert len(big) == 1 and big[0].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
+    """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (losses._fused); here the
+    same compilation runs on the CPU (TorchInductor's C++ backend) and must give the eager numbers: values and
+    gradients of the SDDLM losses on bf16 logits and on a bf16 Head, and the sampler's log-sum-exp."""
+    hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.bfloat16)
+    logits = F.linear(hidden, weight, bias)[..., :61].detach().requires_grad_(True)
+
+    def run():
+        out = {}
+        for name, z in (("logits", logits), ("head", losses.Head(hidden, weight, bias, 61))):
+            loss = losses.sddlm_v1_loss(z, x0, xt, neg=neg, eps=0.01)
+            out[name] = (loss, *torch.autograd.grad((loss * upstream).sum(), (logits,) if name == "logits" else
+                                                    (hidden, weight, bias)))
+        out["lse"] = (losses.logsumexp_fp32(logits.detach()),)
+        return out
+
+    eager = run()
+    compiled = {}
+    monkeypatch.setattr(losses, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
+    got = run()
+    assert len(compiled) == 3
+    for key in eager:
+        for a, b in zip(got[key], eager[key]):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-6 * b.abs().max().item(),
+                                       msg=key)
+
+
+# -----------------------------------------------------------------------------
+# the training step: the Head route against the full logits, and the curriculum's top-k input
+
+@pytest.mark.parametrize("name", ["sddlm_v1", "ar", "duo_lean"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast, monkeypatch):
+    """loss_terms gives the objectives a Head (train.FULL_LOGITS aside); the loss and every parameter gradient
+    equal the same objective on the model's logits (float64, or bf16 autocast within bf16 rounding)."""
+    model, tcfg = small_model(name, vocab_size=61, vocab_multiple=16)
+    model = model if autocast else model.double()
+    x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
+    t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
+    out = {}
+    for route in ("head", "logits"):
+        monkeypatch.setattr(train, "FULL_LOGITS", {name} if route == "logits" else set())
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            per_token, _ = loss_terms(model, tcfg, x0, t, 0, torch.Generator().manual_seed(3))
+            loss = token_mean(per_token, None)
+        loss.backward()
+        out[route] = (loss.detach().double(), grads(model).double())
+    (l_h, g_h), (l_l, g_l) = out["head"], out["logits"]
+    if autocast:
+        assert abs(l_h - l_l) < 1e-4 * abs(l_l)
+        assert (g_h - g_l).norm() < 2e-2 * g_l.norm()
+    else:
+        torch.testing.assert_close(l_h, l_l, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g_h, g_l, rtol=1e-9, atol=1e-11)
+
+
+def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
+    """During the curriculum the model gets diffusion.SoftTokens and the loss reaches E through them exactly
+    as through the dense soft input (float64, same draws)."""
+    model, tcfg = small_model("sddlm", vocab_size=64, curriculum_iters=10)
+    model = model.double()
+    x0 = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
+    c = train.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), train.draw_noise(4, 16, 64, None, "cpu"))
+    assert isinstance(c.net_in, diffusion.SoftTokens)
+    dense = torch.zeros(4, 16, 64, dtype=torch.float64).scatter_(-1, c.net_in.ids, c.net_in.probs.double())
+    sigma = diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1))
+    result = []
+    for net_in in (c.net_in, dense):
+        model.zero_grad()
+        train.OBJECTIVES["sddlm"](model(net_in, sigma, return_head=True), c, 0.0).mean().backward()
+        result.append(model.wte.weight.grad.clone())
+    assert result[0].abs().max() > 0
+    torch.testing.assert_close(result[0], result[1], rtol=1e-10, atol=1e-13)
+
+
+# -----------------------------------------------------------------------------
+# the sampler holds no float64 tensor over the vocabulary, also with CFG and top-p
+
+def test_sampler_builds_no_float64_vocabulary_tensor_with_cfg_and_top_p():
+    """Every tensor any op of sample.generate returns is watched: float64 appears only for per-token values,
+    never (B, L, V); with CFG and nucleus filtering too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sample import generate
+
+    class Watch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    model, _ = small_model("sddlm", vocab_size=61)
+    B, L = 3, 16
+    for kw in (dict(), dict(cfg_w=1.5, prompt_ids=[1, 2, 3], top_p=0.9)):
+        with Watch() as watch:
+            x = generate(model, B, L, 61, 4, generator=torch.Generator().manual_seed(0), show_progress=False, **kw)
+        assert x.shape == (B, L) and x.max() < 61
+        assert 0 < watch.largest <= 2 * B * L, kw       # per-token scalars (the CFG batch is 2B)
+
+
+# -----------------------------------------------------------------------------
 # the model's fast kernels: bf16 autocast for training, SDPA's CPU kernels
 # (test_model.py checks the bf16 forward and SDPA in float64 against hand-written attention)
 
@@ -187,14 +408,6 @@ def test_bf16_autocast_training_gradients_are_close_to_float32():
 
 # -----------------------------------------------------------------------------
 # torch.compile on CPU
-
-def compiler_missing():
-    if not torch._dynamo.is_dynamo_supported():
-        return "torch.compile is not supported on this platform"
-    if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
-        return "no C++ compiler for TorchInductor's CPU backend"
-    return None
-
 
 @pytest.mark.slow
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
@@ -258,7 +471,9 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
             "--warmup", "1", "--sample_steps", "2", "--json"]
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert list(out["losses"]) == bench.ALL_LOSSES.split(",")
+    assert list(out["losses"]) == bench.ALL_LOSSES.split(",") + ["sddlm+curriculum"]
+    assert out["losses"]["sddlm+curriculum"]["step_vs_plain"] > 0 and "sddlm+curriculum step / sddlm step" in \
+        bench.markdown(out)
     for name, r in out["losses"].items():
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["act_bytes"] > 0 and len(r["step_ms_all"]) == 2, name
         assert 0 < r["mfu"] and r["peak_mem_bytes"] is None, name      # CPU: no peak memory, never a guess
@@ -275,3 +490,33 @@ def test_bench_rejects_bad_flags_in_one_line():
     with pytest.raises(bench.UsageError, match="--preset"):
         bench.parse_args(["--preset", "huge"])
     assert bench.parse_args(["--json", "--compile"]).json is True
+
+
+def test_bench_prints_n_a_for_what_does_not_fit_and_still_prints_the_table(monkeypatch, capsys):
+    """A row whose step, or a measurement whose tensors, run out of memory reads n/a; the other rows, the
+    sampler and the reason still come out."""
+    real_step, real_saved = bench.train_step, bench.saved_activation_bytes
+
+    def step(run, tcfg, env, x0):
+        if tcfg.loss == "duo":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total "
+                                         "capacity of 79.19 GiB of which 1.20 GiB is free.")
+        return real_step(run, tcfg, env, x0)
+
+    def saved(fn, params):
+        if saved.calls == 0:
+            saved.calls += 1
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1000 bytes")
+        return real_saved(fn, params)
+    saved.calls = 0
+    monkeypatch.setattr(bench, "train_step", step)
+    monkeypatch.setattr(bench, "saved_activation_bytes", saved)
+    argv = ["--preset", "tiny", "--block_size", "16", "--batch_size", "2", "--n_layer", "1", "--repeats", "1",
+            "--warmup", "0", "--sample_steps", "1", "--losses", "sddlm,duo,ar", "--curriculum", ""]
+    assert bench.main(argv) == 0
+    table = capsys.readouterr().out
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["duo"].count("n/a") == 10 and "| sddlm | " in table and "| ar | " in table
+    assert " n/a | " in rows["sddlm"]                      # its act MiB measurement did not fit
+    assert "duo step: CUDA out of memory (tried to allocate 12.27 GiB; 1.20 GiB of 79.19 GiB free)" in table
+    assert "sddlm act: CPU out of memory" in table and "sample.generate" in table

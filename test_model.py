@@ -278,3 +278,119 @@ def test_config_validation():
         ModelConfig(arch="llama")
     with pytest.raises(ValueError, match="n_head"):
         ModelConfig(n_embd=100, n_head=3)
+
+
+# -----------------------------------------------------------------------------
+# the fast paths of the model: padded output layer, the Head output, cached RoPE tables, one rounding of the norms
+
+def padded_twin(model, multiple):
+    """model's weights in a model whose output layer is padded to `multiple` (random padding rows)."""
+    config = ModelConfig(**{**asdict(model.config), "vocab_multiple": multiple})
+    twin = DiffusionTransformer(config).to(model.lm_head.weight.dtype).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("lm_head")}
+    V = model.config.vocab_size
+    with torch.no_grad():
+        twin.load_state_dict(state, strict=False)
+        twin.lm_head.weight.normal_()                  # padding rows that would win every argmax if not masked
+        twin.lm_head.weight[:V] = model.lm_head.weight
+        twin.lm_head.bias.fill_(100.0)
+        twin.lm_head.bias[:V] = model.lm_head.bias
+    return twin
+
+
+def test_padded_output_layer_returns_and_scores_the_vocabulary_only():
+    """V = 50 padded to 64: the logits are the same 50 columns (the padding never reaches a caller), the Head
+    scores the same numbers, and the padding rows get no gradient; the padding is not counted as parameters."""
+    import losses
+    model = random_model(**TINY)
+    twin = padded_twin(model, 64)
+    assert twin.lm_head.weight.shape == (64, 32) and twin.config.padded_vocab_size == 64
+    assert twin.num_params() == model.num_params()
+    assert twin.num_params(non_embedding=True) == model.num_params(non_embedding=True)
+    x, sigma = torch.randint(0, 50, (2, 9)), torch.tensor([0.3, 1.5], dtype=torch.float64)
+    ref = model(x, sigma)
+    torch.testing.assert_close(twin(x, sigma), ref, rtol=0, atol=1e-12)
+    head = twin(x, sigma, return_head=True)
+    assert head.vocab_size == 50 and head.weight.shape[0] == 64
+    loss = losses.sddlm_v1_loss(head, x, (x + 1) % 50, neg=(x + 3) % 50).sum()
+    torch.testing.assert_close(loss, losses.sddlm_v1_loss(ref, x, (x + 1) % 50, neg=(x + 3) % 50).sum(), rtol=0,
+                               atol=1e-10)
+    loss.backward()
+    assert torch.equal(twin.lm_head.weight.grad[50:], torch.zeros(14, 32, dtype=torch.float64))
+    assert torch.equal(twin.lm_head.bias.grad[50:], torch.zeros(14, dtype=torch.float64))
+
+
+def test_checkpoints_from_before_padding_load_and_give_identical_outputs(tmp_path):
+    """A model_config without vocab_multiple (written before it existed) loads unpadded, bit for bit."""
+    config = asdict(ModelConfig(**TINY))
+    del config["vocab_multiple"]
+    model = random_model(**TINY).float()
+    path = tmp_path / "old.pt"
+    torch.save({"model": model.state_dict(), "model_config": config}, path)
+    loaded, _ = load_checkpoint(path)
+    assert loaded.config.vocab_multiple == 1 and loaded.lm_head.weight.shape[0] == 50
+    x, sigma = torch.randint(0, 50, (2, 9)), torch.tensor([0.3, 1.5])
+    assert torch.equal(loaded(x, sigma), model.eval()(x, sigma))
+
+
+def test_model_presets_pad_the_gpt2_vocabulary_to_a_multiple_of_128():
+    assert ModelConfig(**PRESETS["small"]).padded_vocab_size == 50304
+    assert all(ModelConfig(**p).padded_vocab_size % 128 == 0 for n, p in PRESETS.items() if n != "tiny")
+    with pytest.raises(ValueError, match="vocab_multiple"):
+        ModelConfig(**dict(TINY, vocab_multiple=0))
+
+
+def test_rope_tables_are_cached_buffers_equal_to_fresh_ones_and_not_saved():
+    model = DiffusionTransformer(ModelConfig(**TINY))
+    cos, sin = model.rope(10, torch.float32, torch.device("cpu"))
+    ref = rope_cos_sin(torch.arange(10), 16, 10000.0)
+    assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
+    assert cos.data_ptr() == model.rope_cos.data_ptr()                # a view of the buffer, not a new table
+    assert not any(k.startswith("rope") for k in model.state_dict())
+    model.double()     # float64 models compute their tables in float64, not from the float32 ones
+    cos64, _ = model.rope(10, torch.float64, torch.device("cpu"))
+    assert torch.equal(cos64, rope_cos_sin(torch.arange(10), 16, 10000.0, dtype=torch.float64)[0])
+    long_cos, _ = model.rope(20, torch.float32, torch.device("cpu"))   # beyond block_size: computed
+    assert torch.equal(long_cos, rope_cos_sin(torch.arange(20), 16, 10000.0)[0])
+
+
+@pytest.mark.parametrize("arch", ["dit", "llama"])
+def test_head_output_gives_the_models_logits(arch):
+    model = random_model(**(TINY if arch == "dit" else TINY_LLAMA)).float()
+    x, sigma = torch.randint(0, 50, (2, 9)), torch.tensor([0.3, 1.5])
+    for ctx in (torch.autocast("cpu", enabled=False), torch.autocast("cpu", dtype=torch.bfloat16)):
+        with ctx:
+            logits, head = model(x, sigma), model(x, sigma, return_head=True)
+        assert head.hidden.dtype == head.weight.dtype == logits.dtype
+        assert torch.equal(F.linear(head.hidden, head.weight, head.bias), logits)
+
+
+def test_norm_output_is_rounded_once_to_the_matmul_dtype():
+    """Under bf16 autocast the adaLN-modulated norm goes to bf16 once: bit for bit what autocast made of the
+    float32 value at the next matrix product; its gradient within bf16 rounding of the float32 one."""
+    from model import LayerNorm, modulate, norm_modulate
+    torch.manual_seed(0)
+    norm = LayerNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(32))
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    shift, scale = 0.1 * torch.randn(2, 1, 32), 0.1 * torch.randn(2, 1, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm_modulate(norm, x, shift, scale)
+    ref = modulate(norm(x), shift, scale)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+    w = torch.randn(2, 5, 32)
+    g, = torch.autograd.grad((y.float() * w).sum(), x)
+    g_ref, = torch.autograd.grad((ref * w).sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=4 * 2 ** -8 * g_ref.abs().max().item())
+
+
+def test_top_k_soft_input_embeds_like_the_dense_probabilities():
+    """(ids, probs) on k tokens per position (the curriculum's input) = the dense probability vector @ E."""
+    model = random_model(**TINY)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(50, generator=g)[:4] for _ in range(18)]).view(2, 9, 4)
+    probs = torch.softmax(torch.randn(2, 9, 4, generator=g, dtype=torch.float64), -1)
+    dense = torch.zeros(2, 9, 50, dtype=torch.float64).scatter_(-1, ids, probs)
+    sigma = torch.tensor([0.3, 1.5], dtype=torch.float64)
+    torch.testing.assert_close(model((ids, probs), sigma), model(dense, sigma), rtol=0, atol=1e-12)

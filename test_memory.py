@@ -1,0 +1,125 @@
+"""Running out of memory and the launch defaults: every out-of-memory error is one line naming what did not fit and
+the flag to change (exit 2, the last checkpoint kept); train.py fits the micro-batch to the GPU before training;
+a torchrun launch on CUDA without --preset trains the paper's recipe. CPU only: CUDA is stood in for."""
+import pytest
+import torch
+
+import cli
+import train
+from test_train import TINY, corpus, run  # noqa: F401 (corpus is a fixture)
+
+OOM = ("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+       "1.20 GiB is free. Including non-PyTorch memory, this process has 77.98 GiB memory in use.")
+
+
+def exit_and_stderr(fn, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.run_cli(fn, oom_hint="lower --batch_size")
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rank", ["0", "3"])
+def test_out_of_memory_is_one_line_from_the_rank_that_hit_it(rank, monkeypatch, capsys):
+    """torch's CUDA error and the CPU allocator's both become one line with the size and the flag; under torchrun
+    the rank that ran out says so (the others may not have), while bad flags are reported by rank 0 alone."""
+    monkeypatch.setenv("RANK", rank)
+
+    def cuda():
+        raise torch.OutOfMemoryError(OOM)
+
+    code, err = exit_and_stderr(cuda, capsys)
+    prefix = "error: " if rank == "0" else f"error: rank {rank}: "
+    assert code == 2 and err == (prefix + "out of memory: CUDA out of memory (tried to allocate 12.27 GiB; "
+                                 "1.20 GiB of 79.19 GiB free); lower --batch_size\n")
+    code, err = exit_and_stderr(lambda: torch.empty(1 << 60, dtype=torch.uint8), capsys)
+    assert code == 2 and err.startswith(prefix + "out of memory: CPU out of memory (tried to allocate ")
+    assert err.count("\n") == 1
+
+    def bad_flag():
+        raise cli.UsageError("--steps must be >= 1")
+
+    code, err = exit_and_stderr(bad_flag, capsys)
+    assert code == 2 and err == ("error: --steps must be >= 1\n" if rank == "0" else "")
+
+    def bug():
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):   # not every RuntimeError is a resource fault
+        cli.run_cli(bug)
+
+
+def test_out_of_memory_in_training_names_the_micro_batch_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch,
+                                                                                   capsys):
+    real = train.train_step
+
+    def step(run_, cfg, env, x0_all, mask_all=None):
+        if run_.it >= 6:
+            raise torch.OutOfMemoryError(OOM)
+        return real(run_, cfg, env, x0_all, mask_all)
+
+    monkeypatch.setattr(train, "train_step", step)
+    code, err = exit_and_stderr(lambda: run(["--max_iters", "20", "--ckpt_interval", "4", "--eval_interval", "1000",
+                                             "--grad_accum", "2"], tmp_path, corpus), capsys)
+    err = err.split("\r")[-1].splitlines()[-1]                   # after the progress bar: one line
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert err.startswith("error: out of memory at micro-batch 4 (--batch_size 8 / 1 rank(s) / --grad_accum 2): "
+                          "CUDA out of memory (tried to allocate 12.27 GiB")
+    assert "set --grad_accum 4 (micro-batch 2)" in err and f"the last checkpoint in {tmp_path} is kept" in err
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 4 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def fake_cuda_fit(monkeypatch, fits_up_to):
+    monkeypatch.setattr(train, "_probe_fits", lambda run_, cfg, env, micro: micro <= fits_up_to)
+    monkeypatch.setattr(train, "_gpu_gib", lambda env: "79.2 GiB")
+    return train.Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
+
+
+def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypatch, capsys):
+    env = fake_cuda_fit(monkeypatch, fits_up_to=16)
+    cfg = train.TrainConfig(batch_size=128, grad_accum=1)
+    train.fit_micro_batch(None, cfg, env)
+    assert cfg.grad_accum == 4                                 # 128 / 2 ranks / 4 = 16 sequences per micro-step
+    assert "micro-batch 64 does not fit in GPU memory (79.2 GiB): training with --grad_accum 4 (micro-batch 16" \
+        in capsys.readouterr().out
+    cfg = train.TrainConfig(batch_size=128, grad_accum=2)
+    train.fit_micro_batch(None, cfg, fake_cuda_fit(monkeypatch, fits_up_to=64))
+    assert cfg.grad_accum == 2                                 # it fits: nothing changes
+    cpu = train.TrainConfig(batch_size=128)
+    train.fit_micro_batch(None, cpu, train.Env(torch.device("cpu")))   # no probe on the CPU
+    assert cpu.grad_accum == 1
+
+
+def test_micro_batch_that_does_not_fit_stops_in_one_line_with_auto_accum_off(monkeypatch):
+    env = fake_cuda_fit(monkeypatch, fits_up_to=16)
+    cfg = train.TrainConfig(batch_size=128, grad_accum=1, auto_accum=False)
+    with pytest.raises(cli.OutOfMemory, match=r"^micro-batch 64 \(--batch_size 128 / 2 rank\(s\) / --grad_accum 1\) "
+                                              r"does not fit in GPU memory \(79.2 GiB\); micro-batch 16 fits: set "
+                                              r"--grad_accum 4$"):
+        train.fit_micro_batch(None, cfg, env)
+    with pytest.raises(cli.OutOfMemory, match="micro-batch 1 does not fit in GPU memory .*--block_size"):
+        train.fit_micro_batch(None, train.TrainConfig(batch_size=4), fake_cuda_fit(monkeypatch, fits_up_to=0))
+
+
+def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch, capsys):
+    """The flagship command `torchrun --nproc_per_node=8 train.py --loss sddlm_v1` runs --preset small and says so
+    first; a preset given, a CPU device or a plain `python train.py` keep what was asked."""
+    seen = []
+    monkeypatch.setattr(train, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
+    monkeypatch.setattr(train, "setup_distributed", lambda cfg: train.Env(torch.device("cpu")))
+    monkeypatch.setattr(train, "train", lambda cfg, env: seen.append(cfg) or 0)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert train.main(["--loss", "sddlm_v1"]) == 0 and seen[-1].preset == "tiny"          # python train.py
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert train.main(["--loss", "sddlm_v1"]) == 0
+    cfg, out = seen[-1], capsys.readouterr().out
+    assert (cfg.preset, cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.batch_size) == \
+        ("small", "openwebtext", "gpt2", 1024, 512) and cfg.loss == "sddlm_v1" and cfg.curriculum_iters == 500_000
+    assert out.splitlines()[0] == train.FLAGSHIP_NOTE
+    assert train.main(["--loss", "sddlm_v1", "--batch_size", "256"]) == 0 and seen[-1].batch_size == 256
+    capsys.readouterr()
+    for argv in (["--preset", "tiny"], ["--preset=tiny"], ["--device", "cpu"]):
+        assert train.main(argv) == 0 and seen[-1].preset == "tiny", argv
+    assert train.FLAGSHIP_NOTE not in capsys.readouterr().out
