@@ -115,7 +115,8 @@ def gumbel_noise(shape, generator=None, device=None):
     two 24-bit random integers. A float32 uniform (24 bits) would cap G at 16.6 and so never draw a token whose
     logit trails the best by more than ~17 (the entropy loss Duo avoids with float64); here G reaches 33 (float64
     noise: 36.7), and float64 is never needed for the (n, K) noise. -> float32 of `shape`."""
-    hi, lo = (torch.randint(0, 1 << 24, shape, generator=generator, device=device).float() for _ in range(2))
+    hi, lo = (torch.randint(0, 1 << 24, shape, generator=generator, device=device, dtype=torch.int32).float()
+              for _ in range(2))
     u = (hi + (lo + 0.5) * 2.0 ** -24) * 2.0 ** -24
     return -torch.log(-torch.log1p(-u))
 

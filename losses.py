@@ -1,24 +1,6 @@
 """
 Training objectives for uniform-state diffusion language models (USDMs).
 
-Copy this file alone into your project: it imports nothing but torch and math.
-Every loss takes logits (B, L, V) and token ids (B, L) and returns PER-TOKEN losses (B, L);
-the caller masks (padding) and reduces (Duo: sum over valid tokens / number of valid tokens).
-
-Paper: "Simple Denoising Diffusion Language Models" (SDDLM). Equation names refer to its labels:
-  Eq. (naive)      naive_denoising_loss   -log p(x0|xt) at every position (unstable ablation)
-  Eq. (denoising)  sddlm_loss             -log p(x0|xt) only where xt != x0
-  Eq. (negative)   sddlm_v1_loss          ... + log(p(x_hat|xt) + eps), x_hat ~ U(V), eps on both terms
-                   sddlm_v2_loss          ... the negative token is xt itself
-  Eq. (usdm)       usdm_nelbo_loss        Duo's continuous-time NELBO (sign-corrected, >= 0)
-                   ar_loss                next-token cross-entropy (autoregressive baseline)
-
-The SDDLM family never builds a (B, L, V) float32 tensor: one log-sum-exp over the vocabulary
-(computed in float32, chunked over rows) and gathers are all they need, so bf16 logits stay bf16.
-"""
-"""
-Training objectives for uniform-state diffusion language models (USDMs).
-
 Copy this file alone into your project: it imports nothing but torch, math and typing.
 Every loss takes logits (B, L, V) and token ids (B, L) and returns PER-TOKEN losses (B, L);
 the caller masks (padding) and reduces (Duo: sum over valid tokens / number of valid tokens).
@@ -96,18 +78,24 @@ def _logits_grad(z, lse, tokens, g, V):
     and rounded ONCE to z's dtype (a gather plus a separate log-sum-exp would round the target entry twice:
     ~13% gradient error at p = 0.9 in bf16); zero on the padding columns >= V.
     z (n, V_pad), lse (n,), tokens and g (k, n) -> (n, V_pad)."""
-    col = torch.arange(z.shape[-1], device=z.device)
-    grad = torch.exp(z.to(lse.dtype) - lse[:, None]) * -g.sum(0)[:, None]
-    for t, gt in zip(tokens, g):
-        grad = grad + torch.where(col == t[:, None], gt[:, None], 0.0)
-    return torch.where(col < V, grad, 0.0).to(z.dtype)
+    grad = _softmax_times(z, lse, -g.sum(0), V)
+    if torch.compiler.is_compiling():     # the targets as comparisons: all of it fuses into one kernel
+        col = torch.arange(z.shape[-1], device=z.device)
+        for t, gt in zip(tokens, g):
+            grad = grad + torch.where(col == t[:, None], gt[:, None], 0.0)
+    else:                                 # eager: in place, no further (n, V_pad) temporaries
+        for t, gt in zip(tokens, g):
+            grad.scatter_add_(-1, t[:, None], gt[:, None])
+    return grad.to(z.dtype)
 
 
 def _softmax_times(z, lse, g, V):
-    """softmax(z) * g (the gradient of g * lse), zero on the padding columns; z (n, V_pad), lse and g (n,)."""
-    col = torch.arange(z.shape[-1], device=z.device)
-    grad = torch.exp(z.to(lse.dtype) - lse[:, None]) * g[:, None]
-    return torch.where(col < V, grad, 0.0).to(z.dtype)
+    """softmax(z) * g in float32 (the gradient of g * lse), zero on the padding columns; z (n, V_pad), lse and
+    g (n,) -> (n, V_pad) float32 (at least)."""
+    grad = z.to(lse.dtype, copy=True).sub_(lse[:, None]).exp_().mul_(g[:, None])
+    if V < z.shape[-1]:
+        grad[:, V:] = 0
+    return grad
 
 
 _COMPILED = {}
@@ -124,7 +112,12 @@ def _fused(fn, like):
 
 
 def _can_compile():
-    return torch._dynamo.is_dynamo_supported() and torch.utils._triton.has_triton()
+    """torch.compile can build GPU kernels here (TorchDynamo supported, Triton installed)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return torch._dynamo.is_dynamo_supported() and has_triton()
 
 
 def _chunk_rows(width, chunk_elems):
@@ -159,7 +152,7 @@ class _LogSumExpFP32(torch.autograd.Function):
         grad = torch.empty_like(flat)
         kernel = _fused(_softmax_times, flat)
         for j in _chunks(flat.shape[0], ctx.chunk_rows):
-            grad[j] = kernel(flat[j], lse[j], g[j], flat.shape[-1])
+            grad[j] = kernel(flat[j], lse[j], g[j], flat.shape[-1])      # rounded once to the logits' dtype
         return grad, None
 
 
@@ -239,22 +232,23 @@ def logsumexp_fp32(logits, chunk_elems=1 << 25):
     return _LogSumExpFP32.apply(flat, _chunk_rows(flat.shape[-1], chunk_elems)).view(logits.shape[:-1])
 
 
-def log_probs(logits, *token_sets, chunk_elems=1 << 25):
+def log_probs(logits, *token_sets, chunk_elems=None):
     """log p(tokens | .) for each (B, L) id tensor in token_sets, from logits (B, L, V) or a Head -> tuple of
     (B, L), float32 (float64 for float64 logits). One log-sum-exp over the vocabulary, gathers, no (B, L, V)
-    float32 tensor for low-precision logits, and no (B, L, V) tensor at all for a Head."""
+    float32 tensor for low-precision logits, and no (B, L, V) tensor at all for a Head. chunk_elems: logits per
+    chunk of rows (default 2^25 for logits; 2^27 for a Head, whose chunks also carry three matrix products)."""
     tokens = torch.stack(token_sets)
     tok = tokens.reshape(tokens.shape[0], -1)                                         # (k, N)
     if isinstance(logits, Head):
         hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
         out = _HeadLogProbs.apply(hidden, logits.weight, logits.bias, tok, vocab_size_of(logits),
-                                  _chunk_rows(logits.weight.shape[0], chunk_elems))
+                                  _chunk_rows(logits.weight.shape[0], chunk_elems or 1 << 27))
     elif logits.dtype in (torch.float32, torch.float64) and logits.device.type != "cuda":
         lse = torch.logsumexp(logits, dim=-1)
         out = torch.stack([logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) for t in token_sets]) - lse
     else:
         flat = logits.reshape(-1, logits.shape[-1])
-        out = _LogProbsFP32.apply(flat, tok, _chunk_rows(flat.shape[-1], chunk_elems))
+        out = _LogProbsFP32.apply(flat, tok, _chunk_rows(flat.shape[-1], chunk_elems or 1 << 25))
     return tuple(out.view(tokens.shape))
 
 
@@ -336,9 +330,10 @@ class _RowChunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, per_row, chunk_rows, V, x, weight, bias, *row_args):
         out = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
+        fn = _fused(per_row, x)
         with torch.autocast(x.device.type, enabled=False):
             for j in _chunks(x.shape[0], chunk_rows):
-                out[j] = per_row(_RowChunks.logits(x[j], weight, bias, V), *(a[j] for a in row_args))
+                out[j] = fn(_RowChunks.logits(x[j], weight, bias, V), *(a[j] for a in row_args))
         ctx.save_for_backward(x, weight, bias, *row_args)
         ctx.per_row, ctx.chunk_rows, ctx.V = per_row, chunk_rows, V
         return out
@@ -354,12 +349,13 @@ class _RowChunks(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need[0] else None
         acc = [None if w is None or not n else torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device)
                for w, n in ((weight, need[1]), (bias, need[2]))]
+        fn = _fused(ctx.per_row, x)
         with torch.autocast(x.device.type, enabled=False):
             for j in _chunks(x.shape[0], ctx.chunk_rows):
                 with torch.enable_grad():
                     xj, w, b = (None if t is None else t.detach().requires_grad_(n)
                                 for t, n in ((x[j], need[0]), (weight, need[1]), (bias, need[2])))
-                    out = ctx.per_row(_RowChunks.logits(xj, w, b, ctx.V), *(a[j] for a in row_args))
+                    out = fn(_RowChunks.logits(xj, w, b, ctx.V), *(a[j] for a in row_args))
                     wanted = [t for t, n in ((xj, need[0]), (w, need[1]), (b, need[2])) if n]
                     grads = iter(torch.autograd.grad(out, wanted, grad_out[j].to(out.dtype)))
                 if need[0]:

@@ -5,8 +5,15 @@ import pytest
 import torch
 
 import cli
+import test_train
 import train
-from test_train import TINY, corpus, run  # noqa: F401 (corpus is a fixture)
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    test_train._corpus(d / "corpus.txt")
+    return str(d / "corpus.txt"), str(d / "data")
+
 
 OOM = ("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
        "1.20 GiB is free. Including non-PyTorch memory, this process has 77.98 GiB memory in use.")
@@ -58,7 +65,7 @@ def test_out_of_memory_in_training_names_the_micro_batch_and_keeps_the_checkpoin
         return real(run_, cfg, env, x0_all, mask_all)
 
     monkeypatch.setattr(train, "train_step", step)
-    code, err = exit_and_stderr(lambda: run(["--max_iters", "20", "--ckpt_interval", "4", "--eval_interval", "1000",
+    code, err = exit_and_stderr(lambda: test_train.run(["--max_iters", "20", "--ckpt_interval", "4", "--eval_interval", "1000",
                                              "--grad_accum", "2"], tmp_path, corpus), capsys)
     err = err.split("\r")[-1].splitlines()[-1]                   # after the progress bar: one line
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import diffusion
 from model import ModelConfig, build_model
-from sample import denoiser_probs, generate, generate_ar, nucleus
+from sample import denoiser_probs, generate, generate_ar, nucleus, nucleus_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = dict(vocab_size=11, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
@@ -230,6 +230,24 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     torch.testing.assert_close(nucleus(probs, 0.9), torch.tensor([[0, 0.5, 0.15, 0.3]], dtype=torch.float64) / 0.95)
     torch.testing.assert_close(nucleus(probs, 0.5), torch.tensor([[0, 1.0, 0, 0]], dtype=torch.float64))
     assert nucleus(probs, 1.0) is probs
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.7, 0.95, 0.999])
+def test_nucleus_on_logits_is_the_nucleus_of_the_softmax(top_p):
+    """The sampler filters logits (float32, in chunks of rows, no float64 vocabulary tensor): softmax of the result
+    is nucleus(softmax(logits)) computed in float64; bf16 logits (with ties) keep every token tied with the last
+    kept one."""
+    z = 2 * torch.randn(6, 40, 97, generator=gen(0), dtype=torch.float64)
+    got = nucleus_logits(z, top_p, chunk_elems=7 * 97)
+    torch.testing.assert_close(torch.softmax(got, -1), nucleus(torch.softmax(z, -1), top_p), rtol=1e-12, atol=1e-15)
+    zb = z.bfloat16()
+    kept = nucleus_logits(zb, top_p) > float("-inf")
+    cut = torch.where(kept, zb.float(), float("inf")).amin(-1, keepdim=True)
+    assert torch.equal(kept, zb.float() >= cut)                   # a threshold on the logits, ties included
+    p = torch.softmax(zb.double(), -1)
+    mass_above = torch.where(zb.float() > cut, p, 0.0).sum(-1)
+    assert (mass_above < top_p + 1e-6).all() and (torch.where(kept, p, 0.0).sum(-1) >= top_p - 1e-6).all()
+    assert nucleus_logits(zb, 1.0) is zb
 
 
 def test_top_p_one_is_no_nucleus_and_tiny_top_p_is_greedy_x_theta():

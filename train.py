@@ -3,17 +3,19 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
 
     python train.py                                   # tiny preset on the built-in corpus, 2 CPU cores, minutes
     python train.py --loss sddlm_v1 --max_iters 2000
-    torchrun --nproc_per_node=8 train.py --preset small --loss sddlm_v1 --dataset openwebtext
+    torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
 Every field of TrainConfig is a CLI flag; --preset applies a dict of overrides first (TRAIN_PRESETS),
 explicit flags win. Without --preset, a torchrun launch on CUDA trains the paper's recipe (FLAGSHIP_PRESET);
-`python train.py` on one process trains the tiny offline demo. The run's full config is printed at start and saved next to the checkpoint.
+`python train.py` on one process trains the tiny offline demo. The run's full config is printed at start and
+saved next to the checkpoint. On CUDA, fit_micro_batch checks at start that the micro-batch fits.
 One training step (paper Algorithm 1): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
 
 The file reads top to bottom: the config; the objective (OBJECTIVES, corrupt, loss_terms); the parts of a run
-(setup_distributed, prepare_data, open_out_dir, build_run, train_step, evaluate, save / restore); main.
+(setup_distributed, prepare_data, open_out_dir, build_run, fit_micro_batch, train_step, evaluate, save /
+restore); main.
 """
 import json
 import math
