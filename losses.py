@@ -19,7 +19,8 @@ Paper: "Simple Denoising Diffusion Language Models" (SDDLM). Equation names refe
 The SDDLM family never builds a (B, L, V) float32 tensor: one log-sum-exp over the vocabulary
 (computed in float32, chunked over rows) and gathers are all they need, so bf16 logits stay bf16.
 Given a Head they never build the (B, L, V) logits either: each chunk's logits are computed, reduced to a
-log-sum-exp and the gathered entries, and recomputed in backward (the idea of fused linear + cross-entropy).
+log-sum-exp and the gathered entries, and recomputed in backward (the idea of fused linear + cross-entropy;
+logits that fit in one chunk, 2^27 numbers, are simply kept).
 """
 import math
 from typing import NamedTuple, Optional
@@ -187,23 +188,26 @@ class _HeadLogProbs(torch.autograd.Function):
     """log p(tokens_i) from a Head without the (N, V) logits: per chunk of rows, logits = hidden @ W.T + b in
     the Head's dtype (as the model's output layer computes them), a float32 log-sum-exp over the first V columns
     and gathers; backward recomputes each chunk's logits, forms _logits_grad and multiplies it into the
-    gradients of hidden, W (accumulated in float32 over chunks) and b. Saves hidden, W, b and one float per row."""
+    gradients of hidden, W (accumulated in float32 over chunks) and b. Saves hidden, W, b and one float per row;
+    when all rows fit in one chunk, its logits are kept instead of recomputed (small logits: no extra product)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tok, V, chunk_rows):
         lse = torch.empty(hidden.shape[0], dtype=_acc_dtype(hidden.dtype), device=hidden.device)
         picked = torch.empty(tok.shape, dtype=lse.dtype, device=hidden.device)
         kernel = _fused(_lse_and_picked, hidden)
+        chunks = _chunks(hidden.shape[0], chunk_rows)
         with torch.autocast(hidden.device.type, enabled=False):   # the Head's dtype, in forward and backward
-            for j in _chunks(hidden.shape[0], chunk_rows):
-                lse[j], picked[:, j] = kernel(F.linear(hidden[j], weight, bias), tok[:, j], V)
-        ctx.save_for_backward(hidden, weight, bias, tok, lse)
+            for j in chunks:
+                z = F.linear(hidden[j], weight, bias)
+                lse[j], picked[:, j] = kernel(z, tok[:, j], V)
+        ctx.save_for_backward(hidden, weight, bias, tok, lse, z if len(chunks) == 1 else None)
         ctx.V, ctx.chunk_rows = V, chunk_rows
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, bias, tok, lse = ctx.saved_tensors
+        hidden, weight, bias, tok, lse, kept = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g = grad_out.to(lse.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -212,7 +216,8 @@ class _HeadLogProbs(torch.autograd.Function):
         kernel = _fused(_logits_grad, hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             for j in _chunks(hidden.shape[0], ctx.chunk_rows):
-                dz = kernel(F.linear(hidden[j], weight, bias), lse[j], tok[:, j], g[:, j], ctx.V)
+                z = kept if kept is not None else F.linear(hidden[j], weight, bias)
+                dz = kernel(z, lse[j], tok[:, j], g[:, j], ctx.V)
                 if need_h:
                     grad_h[j] = dz @ weight
                 if need_w:
