@@ -155,7 +155,8 @@ def validate(cfg, world_size):
     for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "sample_steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "n_layer", "n_head", "n_embd"):
+    for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "vocab_multiple", "n_layer", "n_head",
+                 "n_embd"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
