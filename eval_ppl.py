@@ -197,9 +197,10 @@ def entropy(samples):
 
 
 def load_judge(spec, device):
-    """An AR checkpoint of this repo (a path: a file, or a name ending in .pt) or a Hugging Face causal LM
-    (hub name or local folder, needs transformers). Never falls back to another judge."""
-    if spec.endswith(".pt") or os.path.isfile(spec):
+    """An AR checkpoint of this repo (a path: a file, or a name ending in .pt; or duo:PATH, Duo's released AR
+    baseline) or a Hugging Face causal LM (hub name or local folder, needs transformers). Never falls back to
+    another judge."""
+    if spec.endswith(".pt") or spec.startswith("duo:") or os.path.isfile(spec):
         model, ckpt = load_model(spec, device, use_ema=True)
         if not model.config.causal:
             raise UsageError(f"--judge {spec} is a diffusion checkpoint; a judge must be autoregressive "
@@ -360,8 +361,9 @@ def run_genppl(cfg, device, dtype):
             settings = json.loads(key)
             tok, _ = load_tokenizer({"meta": {"tokenizer": settings["tokenizer"]}}) if settings.get("tokenizer") \
                 else (None, None)
-            rows.append(score_samples([r["ids"] for r in records], [r.get("text") for r in records], tok, judge, cfg,
-                                      device, label=settings.get("ckpt") or cfg.samples, steps=settings.get("steps")))
+            rows.append(score_samples([r["ids"] for r in records], [r.get("text") for r in records], tok, judge,
+                                      cfg.judge_batch_size, device, label=settings.get("ckpt") or cfg.samples,
+                                      steps=settings.get("steps")))
         return rows
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
     tok, why = load_tokenizer(ckpt)
@@ -394,21 +396,24 @@ def run_genppl(cfg, device, dtype):
                             final_step=cfg.final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema)
             append_jsonl(cfg.save_samples, [dict(sample=i, text=t, ids=r, settings=settings)
                                             for i, (t, r) in enumerate(zip(texts, ids))])
-        rows.append(score_samples(ids, texts, tok, judge, cfg, device, label=cfg.ckpt, steps=steps if steps else "ar"))
+        rows.append(dict(score_samples(ids, texts, tok, judge, cfg.judge_batch_size, device, label=cfg.ckpt,
+                                       steps=steps if steps else "ar"), ckpt_step=ckpt.get("step")))
     return rows
 
 
-def score_samples(ids, texts, tok, judge, cfg, device, label, steps):
+def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show_progress=True):
     """Gen PPL (ids as they are when the judge shares the sampler's tokenizer, else the decoded texts
-    retokenized) and entropy of the sampler's own ids."""
+    retokenized), batch_size sequences per judge forward, and entropy of the sampler's own ids."""
     max_length = max(map(len, ids))
     if judge_shares_tokenizer(judge, tok):
-        result = gen_ppl(ids, judge, max_length=max_length, batch_size=cfg.judge_batch_size, device=device)
+        result = gen_ppl(ids, judge, max_length=max_length, batch_size=batch_size, device=device,
+                         show_progress=show_progress)
         how = "ids scored directly: the judge uses the sampler's tokenizer"
     else:
         if any(t is None for t in texts):
             raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
-        result = gen_ppl(texts, judge, max_length=max_length, batch_size=cfg.judge_batch_size, device=device)
+        result = gen_ppl(texts, judge, max_length=max_length, batch_size=batch_size, device=device,
+                         show_progress=show_progress)
         how = "decoded text retokenized with the judge's tokenizer"
     return dict(model=label, steps=steps, entropy=entropy(ids), tokenization=how, **result)
 

@@ -41,7 +41,7 @@ from model import PRESETS, ModelConfig, build_model
 
 @dataclass
 class TrainConfig:
-    preset: str = "tiny"             # tiny | small | medium | large (model + recipe), see TRAIN_PRESETS
+    preset: str = "tiny"             # tiny | owt (= small) | lm1b | medium | large (model + recipe), TRAIN_PRESETS
     loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
     # data
@@ -80,9 +80,17 @@ class TrainConfig:
     log10_tau_end: float = -3.0
     # evaluation, logging, checkpoints
     eval_interval: int = 250
-    eval_iters: int = 8
+    eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
     log_interval: int = 10
     ckpt_interval: int = 250
+    keep_every: int = 0              # N > 0: also keep out_dir/ckpt_<step>.pt (weights + EMA, for evaluation) every N steps
+    # sample quality during training (paper Figs. ppl_curve_lm1b, entropy_curve_lm1b): every gen_interval steps
+    # and at the end, Gen PPL and entropy of gen_num_samples EMA samples -> log.jsonl. 0 = off
+    gen_interval: int = 0
+    gen_num_samples: int = 64        # split over ranks: rank r draws its share with seed gen_seed + r, every time
+    gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
+    gen_seed: int = 0
+    judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo
     num_samples: int = 4             # printed at the end of training
     sample_steps: int = 128
     out_dir: str = "out"
@@ -107,6 +115,15 @@ TRAIN_PRESETS = {
                   ema=0.9999, eval_interval=5000, ckpt_interval=1000, eval_iters=50, sample_steps=1024),
 }
 TRAIN_PRESETS["medium"] = TRAIN_PRESETS["small"]
+# The paper's two small-model experiments: the Appendix hyperparameter table (AdamW 3e-4, linear decay, warm-up
+# 2500, betas (0.9, 0.999), no weight decay, batch 512, 1M steps, EMA 0.9999) on Duo's data and curriculum, with
+# the Gen PPL / entropy curves of its figures (GPT-2 Large judge, 1000 sampling steps) and kept checkpoints.
+# `small` is the same OWT recipe without the judge (it needs transformers and the network).
+PAPER_CURVES = dict(gen_interval=5000, gen_num_samples=64, gen_steps=1000, judge="gpt2-large", keep_every=100_000)
+TRAIN_PRESETS["owt"] = {**TRAIN_PRESETS["small"], **PAPER_CURVES}
+TRAIN_PRESETS["lm1b"] = {**TRAIN_PRESETS["small"], **PAPER_CURVES, "dataset": "lm1b",
+                         "tokenizer": "hf:bert-base-uncased", "block_size": 128, "wrap": False,
+                         "gamma_min": -3.5, "gamma_max": -1.75}
 TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.startswith("llama_")})  # SMDM ladder
 
 
@@ -138,7 +155,7 @@ def validate(cfg, world_size):
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
-        raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, medium, large")
+        raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, large")
     if cfg.lr_schedule not in ("constant", "linear", "cosine"):
         raise ConfigError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
     if cfg.noise_schedule not in diffusion.SCHEDULES:
@@ -152,7 +169,7 @@ def validate(cfg, world_size):
         raise ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
     if not 0 <= cfg.ema < 1:
         raise ConfigError("--ema must be in [0, 1)")
-    for name in ("eval_interval", "log_interval", "ckpt_interval", "eval_iters", "sample_steps"):
+    for name in ("eval_interval", "log_interval", "ckpt_interval", "sample_steps"):   # eval_iters: 0 = all
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "vocab_multiple", "n_layer", "n_head",
@@ -588,30 +605,132 @@ def ema_weights(run):
 
 @torch.no_grad()
 def evaluate(run, cfg, data_dir, env):
-    """EMA weights on the first eval_iters validation batches: the training objective's loss (curriculum off),
-    and the NELBO perplexity of eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear
-    schedule; exact PPL for 'ar'), both with the same draws at every evaluation, so runs are comparable."""
+    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
+    i % world_size: the training objective's loss (curriculum off), and the NELBO perplexity of
+    eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear schedule; exact PPL for 'ar'),
+    both with the same draws at every evaluation (seeded per rank), so runs are comparable. -> this rank's
+    float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over ranks (val_metrics)."""
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters, device=env.device)
+    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters or None, rank=env.rank,
+                                   world_size=env.world_size, device=env.device)
+    sums = torch.zeros(4, dtype=torch.float64)     # objective sum, its tokens, NELBO sum, its tokens
     with ema_weights(run) as model:
         model.eval()
-        gen = torch.Generator(device=env.device).manual_seed(1234)
-        total, count = 0.0, 0.0
+        gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
         for x0, mask in batches():
             t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
             with autocast_for(env.device, dtype):
                 per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)
             weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
             n = float(weight.sum()) if weight is not None else per_token.numel()
-            total, count = total + float(token_mean(per_token, weight)) * n, count + n
-        if count == 0:
-            raise DataError(f"{data_dir}: the validation split has no sequences of length {cfg.block_size}")
-        nelbo = nelbo_ppl(model, batches(), model.config.vocab_size,
-                          generator=torch.Generator(device=env.device).manual_seed(1234), device=env.device,
-                          dtype=dtype, show_progress=False)
+            sums[0] += float(token_mean(per_token, weight)) * n
+            sums[1] += n
+        if sums[1] > 0:      # a rank past the last batch contributes nothing
+            nelbo = nelbo_ppl(model, batches(), model.config.vocab_size,
+                              generator=torch.Generator(device=env.device).manual_seed(1234 + env.rank),
+                              device=env.device, dtype=dtype, show_progress=False)
+            sums[2:] = torch.tensor([nelbo["nll"] * nelbo["tokens"], nelbo["tokens"]], dtype=torch.float64)
         model.train()
-    return {"val_loss": total / count, "val_nelbo": nelbo["nll"], "val_ppl": math.exp(min(nelbo["nll"], 50))}
+    return sums
+
+
+def val_metrics(sums, cfg, data_dir):
+    """evaluate's sums, added over ranks -> the log.jsonl record."""
+    if sums[1] == 0 or sums[3] == 0:
+        raise DataError(f"{data_dir}: the validation split has no sequences of length {cfg.block_size}")
+    nll = float(sums[2] / sums[3])
+    return {"val_loss": float(sums[0] / sums[1]), "val_nelbo": nll, "val_ppl": math.exp(min(nll, 50)),
+            "val_tokens": int(sums[3])}
+
+
+def reduced_unless_stopped(stop, env, n, work):
+    """Work a stop signal abandons (interruptible): work() -> this rank's float64 sums (n,), then ONE all-reduce of
+    [interrupted, sums] that every rank joins, so a signal on any rank abandons the work on all of them and no
+    collective is left waiting. -> the sums added over ranks, or None when any rank was interrupted."""
+    sums, interrupted = torch.zeros(n, dtype=torch.float64), False
+    try:
+        with interruptible(stop):
+            sums = work()
+    except Interrupted:
+        interrupted = True
+    if env.ddp:
+        both = torch.cat([torch.tensor([float(interrupted)], dtype=torch.float64), sums]).to(env.device)
+        dist.all_reduce(both)
+        interrupted, sums = bool(both[0] > 0), both[1:].cpu()
+    return None if interrupted else sums
+
+
+def check_experiment_flags(cfg):
+    """The flags of kept checkpoints, full-split validation and sample quality during training."""
+    if cfg.eval_iters < 0 or cfg.keep_every < 0 or cfg.gen_interval < 0:
+        raise ConfigError("--eval_iters (0 = the whole split), --keep_every and --gen_interval (0 = off) must be >= 0")
+    if cfg.gen_interval and (cfg.gen_num_samples < 1 or cfg.gen_steps < 1):
+        raise ConfigError("--gen_interval needs --gen_num_samples >= 1 and --gen_steps >= 1")
+
+
+def load_gen_judge(cfg, env):
+    """The judge of sample_quality, or None when --gen_interval is 0. Loaded on every rank before the data are
+    prepared, so a missing judge fails at once (eval_ppl.load_judge never substitutes another)."""
+    if not cfg.gen_interval:
+        return None
+    from eval_ppl import load_judge
+    return load_judge(cfg.judge, env.device)
+
+
+@torch.no_grad()
+def sample_quality(run, cfg, env, judge, tok):
+    """Gen PPL and entropy of gen_num_samples samples from the EMA weights (paper Figs. ppl_curve_lm1b and
+    entropy_curve_lm1b): the ancestral sampler with gen_steps steps and an ancestral final step (the AR baseline:
+    its own sampler). Rank r draws samples r, r + W, ... with a generator seeded gen_seed + r, the same draws at
+    every call, so a curve follows the model and not the sampling noise; each rank scores its share with the
+    judge (eval_ppl.score_samples). -> this rank's float64 sums (NLL, scored tokens, entropy, samples); added over
+    ranks (gen_metrics), they pool all samples exactly as one process would."""
+    from eval_ppl import score_samples
+    from sample import generate, generate_ar
+    n = len(range(env.rank, cfg.gen_num_samples, env.world_size))
+    gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed + env.rank)
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    sums = torch.zeros(4, dtype=torch.float64)      # NLL sum, scored tokens, entropy sum, samples
+    if n:
+        ids = []
+        with ema_weights(run) as model:
+            model.eval()
+            for b in range(0, n, micro):
+                m = min(micro, n - b)
+                if cfg.loss == "ar":
+                    ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
+                                       dtype=dtype, show_progress=False).tolist()
+                else:
+                    ids += generate(model, m, cfg.block_size, model.config.vocab_size, cfg.gen_steps,
+                                    alpha_schedule=cfg.noise_schedule, final_step="ancestral", generator=gen,
+                                    device=env.device, dtype=dtype, show_progress=False).tolist()
+            model.train()
+        r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
+                          steps=cfg.gen_steps, show_progress=False)
+        sums = torch.tensor([r["nll"] * r["tokens"], r["tokens"], r["entropy"] * n, n], dtype=torch.float64)
+    return sums
+
+
+def gen_metrics(sums, cfg, judge):
+    """sample_quality's sums, added over ranks -> the log.jsonl record, naming the judge and sampler settings."""
+    nll = float(sums[0] / sums[1])
+    return {"gen_ppl": math.exp(min(nll, 700.0)), "gen_nll": nll, "gen_entropy": float(sums[2] / sums[3]),
+            "gen_samples": int(sums[3]), "gen_steps": None if cfg.loss == "ar" else cfg.gen_steps,
+            "gen_sampler": "ar" if cfg.loss == "ar" else "ancestral, final step ancestral",
+            "gen_seed": cfg.gen_seed, "gen_judge": judge.name}
+
+
+def keep_checkpoint(run, cfg, mcfg, meta):
+    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment
+    (no optimizer or RNG state: for eval_ppl.py / sample.py, not for --resume), so that any curve over
+    training can be recomputed after the run."""
+    ema = None if run.ema is None else {k: e.detach().clone()
+                                        for (k, _), e in zip(run.raw_model.named_parameters(), run.ema)}
+    state = {"model": run.raw_model.state_dict(), "ema": ema, "model_config": asdict(mcfg),
+             "train_config": asdict(cfg), "meta": meta, "step": run.it, "n_ema": run.n_ema}
+    save_atomic(os.path.join(cfg.out_dir, f"ckpt_{run.it}.pt"), lambda tmp: torch.save(state, tmp))
 
 
 def save(run, cfg, mcfg, meta, env):
@@ -764,6 +883,8 @@ def main(argv=None):
 
 def train(cfg, env):
     validate(cfg, env.world_size)
+    check_experiment_flags(cfg)
+    judge = load_gen_judge(cfg, env)
     data_dir, meta = prepare_data(cfg, env)
     cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
     mcfg = model_config_for(cfg, meta["vocab_size"])
@@ -777,6 +898,7 @@ def train(cfg, env):
     if ckpt is not None:
         restore(run, ckpt, env)
     fit_micro_batch(run, cfg, env)
+    quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     log = Log(cfg, env, run.it)
     if env.master:
         print(json.dumps({"train_config": asdict(cfg), "model_config": asdict(mcfg)}, indent=1))
@@ -804,14 +926,19 @@ def train(cfg, env):
                 log.progress(run.it, mean, lr_at(run.it - 1, cfg))
                 loss_sum.zero_()
             if (run.it % cfg.eval_interval == 0 or last) and not stopping:
-                try:
-                    with interruptible(stop):          # a signal abandons the evaluation, not the checkpoint
-                        log.metrics(run.it, evaluate(run, cfg, data_dir, env))
-                except Interrupted:
-                    pass
+                sums = reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, cfg, data_dir, env))
+                if sums is not None:
+                    log.metrics(run.it, val_metrics(sums, cfg, data_dir))
+                stopping = any_rank(env, stop["signal"] is not None)
+            if quality is not None and (run.it % cfg.gen_interval == 0 or last) and not stopping:
+                sums = reduced_unless_stopped(stop, env, 4, lambda: sample_quality(run, cfg, env, *quality))
+                if sums is not None:
+                    log.metrics(run.it, gen_metrics(sums, cfg, quality[0]))
                 stopping = any_rank(env, stop["signal"] is not None)
             if save_now or last or stopping:
                 save(run, cfg, mcfg, meta, env)
+            if cfg.keep_every and run.it % cfg.keep_every == 0 and env.master:
+                keep_checkpoint(run, cfg, mcfg, meta)
             if stopping:
                 log.close(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {run.it}; checkpoint saved "
                           f"to {os.path.join(cfg.out_dir, 'ckpt.pt')} "
@@ -858,7 +985,8 @@ class Log:
 
     def metrics(self, step, metrics):
         if self.master:
-            self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in metrics.items()))
             self._write({"step": step, **metrics})
         self.t_last = time.time()    # keep evaluation out of the tokens/s figure
 

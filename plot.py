@@ -1,0 +1,319 @@
+"""
+The paper's figures and the rows of its main table, from train.py run folders, eval_ppl.py and bench.py JSON.
+
+    python plot.py --runs out-sddlm,out-sddlm_v1,out-sddlm_v2,out-duo --out_dir figures
+    python plot.py --evals evals/sddlm-genppl.json,evals/duo-genppl.json --table table.md
+    python plot.py --bench bench.json                       # bench.py --json 1 > bench.json
+
+Figures (PNG; matplotlib, an optional dependency, is imported only to draw them):
+  training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
+  training_entropy.png   sample entropy over training steps              (Fig. entropy_curve_lm1b)
+  training_val_ppl.png   validation NELBO PPL over training steps        (Fig. eppl_curve_lm1b)
+  gen_ppl_vs_steps.png   Gen PPL vs sampling steps, one line per model   (Fig. steps; eval_ppl.py --metric genppl)
+  time_memory.png        training step time and memory per objective     (Fig. time; bench.py)
+A figure whose data are absent is skipped (and said so). A line is named by its run's objective (config.json next
+to the run's log or checkpoint), with ε when it is not the default. Every Gen PPL figure names its judge in the
+title; data scored by different judges are never drawn in one figure.
+--table writes the rows of Table main_results_metrics (Gen PPL and entropy at --table_steps sampling steps, with
+the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given), each naming its
+checkpoint, step, judge, sampler settings and seed; models that differ only in ε also form an ε-sweep table.
+"""
+import json
+import os
+from dataclasses import dataclass
+
+import losses
+from cli import UsageError, parse_flags, run_cli
+
+
+@dataclass
+class PlotConfig:
+    runs: str = ""                   # comma list of train.py out_dir folders (their log.jsonl and config.json)
+    evals: str = ""                  # comma list of eval_ppl.py --out JSON files (genppl and/or nelbo)
+    bench: str = ""                  # a bench.py --json 1 output file
+    out_dir: str = "figures"         # where the PNG files go
+    table: str = ""                  # also write the markdown tables here ("-" = print only)
+    table_steps: int = 0             # sampling steps of the table's Gen PPL (0 = the most steps evaluated)
+    dpi: int = 110
+
+
+# -----------------------------------------------------------------------------------------------
+# reading the data (no matplotlib)
+
+def _split(s):
+    return [x for x in s.split(",") if x]
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not JSON ({e})") from None
+
+
+def run_config(folder):
+    """train_config of the run in `folder` (its config.json, else its ckpt.pt), or {} when it has neither."""
+    path = os.path.join(folder, "config.json")
+    if os.path.isfile(path):
+        return _read_json(path).get("train_config", {})
+    if os.path.isfile(os.path.join(folder, "ckpt.pt")):
+        import torch
+        return torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=False).get(
+            "train_config", {})
+    return {}
+
+
+def label_of(train_config, fallback):
+    """The objective's name, with ε when a V1/V2 run does not use the default losses.EPS."""
+    loss = train_config.get("loss")
+    if loss is None:
+        return fallback
+    eps = train_config.get("eps", losses.EPS)
+    return f"{loss} (ε={eps:g})" if loss in ("sddlm_v1", "sddlm_v2") and eps != losses.EPS else loss
+
+
+def training_curves(folder):
+    """log.jsonl of a run -> {"label", "val": [(step, val_ppl)], "gen": [(step, gen_ppl, gen_entropy)],
+    "judges": set of judge names, "gen_settings": set of (samples, steps, seed, sampler)}."""
+    path = os.path.join(folder, "log.jsonl")
+    if not os.path.isfile(path):
+        raise UsageError(f"--runs {folder}: no log.jsonl there")
+    curves = dict(label=label_of(run_config(folder), os.path.basename(os.path.normpath(folder))), val=[], gen=[],
+                  judges=set(), gen_settings=set())
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if "val_ppl" in r:
+                curves["val"].append((r["step"], r["val_ppl"]))
+            if "gen_ppl" in r:
+                curves["gen"].append((r["step"], r["gen_ppl"], r["gen_entropy"]))
+                curves["judges"].add(r["gen_judge"])
+                curves["gen_settings"].add((r["gen_samples"], r["gen_steps"], r["gen_seed"], r["gen_sampler"]))
+    return curves
+
+
+def eval_rows(paths):
+    """eval_ppl.py JSON files -> (genppl rows, nelbo rows by checkpoint). Each genppl row: the result row plus
+    its file's checkpoint, step, label and sampler settings."""
+    gen, nelbo = [], {}
+    for path in paths:
+        e = _read_json(path)
+        if e.get("metric") not in ("genppl", "nelbo"):
+            raise UsageError(f"{path}: not an eval_ppl.py genppl or nelbo result (metric {e.get('metric')!r})")
+        ckpt = e.get("ckpt") or ""
+        cfg = e.get("config", {})
+        label = label_of(run_config(os.path.dirname(ckpt)) if ckpt and not ckpt.startswith("duo:") else {}, ckpt or path)
+        if e["metric"] == "nelbo":
+            nelbo[ckpt] = e["results"][0]
+            continue
+        for r in e["results"]:
+            gen.append(dict(r, label=label, ckpt=ckpt, ckpt_step=r.get("ckpt_step", e.get("ckpt_step")), seed=cfg.get("seed"),
+                            final_step=cfg.get("final_step"), top_p=cfg.get("top_p"), file=path))
+    return gen, nelbo
+
+
+def one_judge(judges, what):
+    """The single judge of a figure; data scored by several judges are refused, never drawn together."""
+    judges = sorted(judges)
+    if len(judges) > 1:
+        raise UsageError(f"{what}: the data were scored by different judges ({', '.join(judges)}); plot them apart")
+    return judges[0] if judges else "?"
+
+
+# -----------------------------------------------------------------------------------------------
+# figures
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("plot.py needs matplotlib for figures (pip install matplotlib); --table works without it") \
+            from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, out_dir, name, dpi):
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def plot_training(curves, cfg):
+    """Figs. ppl_curve_lm1b, entropy_curve_lm1b and eppl_curve_lm1b from run folders -> written paths."""
+    plt, written = _pyplot(), []
+    with_gen = [c for c in curves if c["gen"]]
+    if with_gen:
+        judge = one_judge(set().union(*(c["judges"] for c in with_gen)), "training Gen PPL")
+        settings = set().union(*(c["gen_settings"] for c in with_gen))
+        how = "; ".join(f"{n} samples, {'AR' if s is None else f'{s} steps'}, seed {seed}"
+                        for n, s, seed, _ in sorted(settings, key=str))
+        for key, index, ylabel, name, log in (("Gen PPL", 1, "Gen PPL (lower is better)", "training_gen_ppl.png", True),
+                                              ("entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
+            fig, ax = plt.subplots(figsize=(6.4, 4.2))
+            for c in with_gen:
+                ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], marker="o", ms=3, label=c["label"])
+            ax.set_xlabel("training step")
+            ax.set_ylabel(ylabel)
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(f"{key} over training (judge {judge})\n{how}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
+            plt.close(fig)
+    else:
+        print("plot.py: no Gen PPL in the runs' logs (train.py --gen_interval): training_gen_ppl.png and "
+              "training_entropy.png skipped")
+    with_val = [c for c in curves if c["val"]]
+    if with_val:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for c in with_val:
+            ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], marker="o", ms=3, label=c["label"])
+        ax.set_xlabel("training step")
+        ax.set_ylabel("validation NELBO PPL (upper bound; AR: exact)")
+        ax.set_yscale("log")
+        ax.set_title("Validation perplexity over training (EMA weights)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, cfg.out_dir, "training_val_ppl.png", cfg.dpi))
+        plt.close(fig)
+    return written
+
+
+def plot_gen_ppl_vs_steps(gen, cfg):
+    """Fig. steps: Gen PPL against the number of sampling steps, one line per model -> written path or None."""
+    rows = [r for r in gen if isinstance(r["steps"], int)]
+    if not rows:
+        print("plot.py: no diffusion Gen PPL evaluations (eval_ppl.py --metric genppl --out): gen_ppl_vs_steps.png "
+              "skipped")
+        return None
+    plt = _pyplot()
+    judge = one_judge({r["judge"] for r in rows}, "Gen PPL vs sampling steps")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["steps"])
+        ax.plot([r["steps"] for r in mine], [r["gen_ppl"] for r in mine], marker="o", ms=4, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sampling steps")
+    ax.set_ylabel("Gen PPL (lower is better)")
+    how = sorted({f"{r['samples']} samples, final step {r['final_step']}, top-p {r['top_p']}, seed {r['seed']}"
+                  for r in rows})
+    ax.set_title(f"Gen PPL vs sampling steps (judge {judge})\n{'; '.join(how)}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    path = _save(fig, cfg.out_dir, "gen_ppl_vs_steps.png", cfg.dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_time_memory(bench, cfg):
+    """Fig. time: step time and memory per objective (bars) from bench.py --json 1 -> written path."""
+    plt = _pyplot()
+    names = list(bench["losses"])
+    res = bench["losses"]
+    cuda = bench.get("cuda", False)
+    mem_key, mem_label = (("peak_mem_bytes", "peak memory (MiB)") if cuda else
+                          ("step_mem_bytes", "memory of the step's tensors (MiB)"))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for ax, values, ylabel in ((axes[0], [res[n]["step_ms"] for n in names], "step time (ms)"),
+                               (axes[1], [res[n][mem_key] / 2 ** 20 for n in names], mem_label)):
+        bars = ax.bar(names, values, color=["C0" if n.startswith("sddlm") else "C1" if n == "duo" else "C7"
+                                            for n in names])
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    m = bench["model"]
+    fig.suptitle(f"Training step per objective: {bench['device']}, {bench['dtype']}\n"
+                 f"{m['params'] / 1e6:.1f}M params, V = {m['vocab_size']}, L = {bench['block_size']}, "
+                 f"B = {bench['bench_config']['batch_size']} (bench.py, {bench['date'][:10]})", fontsize=9)
+    path = _save(fig, cfg.out_dir, "time_memory.png", cfg.dpi)
+    plt.close(fig)
+    return path
+
+
+# -----------------------------------------------------------------------------------------------
+# tables (no matplotlib)
+
+def _fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def tables(gen, nelbo, steps):
+    """Markdown: the rows of Table main_results_metrics at `steps` sampling steps (0: each model's most) for the
+    models at the default ε, and an ε sweep of the V1/V2 models when there is more than one ε. -> str."""
+    picked = {}
+    for r in gen:
+        if not isinstance(r["steps"], int) or (steps and r["steps"] != steps):
+            continue
+        if r["ckpt"] not in picked or r["steps"] > picked[r["ckpt"]]["steps"]:
+            picked[r["ckpt"]] = r
+    if not picked:
+        raise UsageError(f"--table: no Gen PPL evaluation at {steps or 'any number of'} sampling steps")
+    ppl = lambda r: nelbo.get(r["ckpt"], {}).get("ppl")
+    lines = ["| model | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint (step) | judge | sampler | samples | seed |",
+             "|---|---:|---:|---:|---|---|---|---:|---:|"]
+    for r in picked.values():
+        if "ε=" in r["label"]:          # the ε sweep's models: in the sweep table below
+            continue
+        lines.append(f"| {r['label']} | {r['gen_ppl']:.1f} | {r['entropy']:.2f} | {_fmt(ppl(r), '.1f')} "
+                     f"| `{r['ckpt']}` ({r['ckpt_step']}) | `{r['judge']}` | ancestral, {r['steps']} steps, final "
+                     f"{r['final_step']}, top-p {r['top_p']} | {r['samples']} | {r['seed']} |")
+    out = "\n".join(lines) + "\n"
+    sweep = {}
+    for r in picked.values():
+        cfg = run_config(os.path.dirname(r["ckpt"])) if not r["ckpt"].startswith("duo:") else {}
+        if cfg.get("loss") in ("sddlm_v1", "sddlm_v2"):
+            sweep.setdefault(cfg["loss"], []).append((cfg.get("eps", losses.EPS), r))
+    if any(len({e for e, _ in v}) > 1 for v in sweep.values()):
+        out += ("\n| objective | ε | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint |\n"
+                "|---|---:|---:|---:|---:|---|\n")
+        for loss, items in sweep.items():
+            for eps, r in sorted(items, key=lambda x: x[0]):
+                out += (f"| {loss} | {eps:g} | {r['gen_ppl']:.1f} | {r['entropy']:.2f} | {_fmt(ppl(r), '.1f')} "
+                        f"| `{r['ckpt']}` |\n")
+    return out
+
+
+# -----------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    cfg = parse_flags(PlotConfig, argv, description=__doc__.split("\n\n")[0])
+    if not (cfg.runs or cfg.evals or cfg.bench):
+        raise UsageError("nothing to plot: give --runs, --evals and/or --bench")
+    gen, nelbo = eval_rows(_split(cfg.evals))
+    curves = [training_curves(folder) for folder in _split(cfg.runs)]
+    bench = _read_json(cfg.bench) if cfg.bench else None
+    if bench is not None and "losses" not in bench:
+        raise UsageError(f"--bench {cfg.bench}: not a bench.py --json 1 output")
+    written = []
+    if curves or gen or bench:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    if curves:
+        written += plot_training(curves, cfg)
+    if gen:
+        written.append(plot_gen_ppl_vs_steps(gen, cfg))
+    if bench is not None:
+        written.append(plot_time_memory(bench, cfg))
+    for path in filter(None, written):
+        print(f"wrote {path}")
+    if cfg.table:
+        text = tables(gen, nelbo, cfg.table_steps)
+        print(text)
+        if cfg.table != "-":
+            with open(cfg.table, "w") as f:
+                f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
