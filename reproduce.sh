@@ -79,12 +79,13 @@ train_all() {   # train_all "NAME FLAGS..." ...: at most PAR at a time; any fail
   for job in "${pids[@]}"; do wait "$job"; done
 }
 
-evaluate() {   # evaluate OUT.json ARGS...: eval_ppl.py unless OUT.json exists
-  local out=$1
-  shift
+evaluate() {   # evaluate OUT.json RUN ARGS...: eval_ppl.py on RUN/ckpt.pt unless OUT.json exists; RUN must be finished
+  local out=$1 run=$2
+  shift 2
   if [ -e "$out" ]; then echo "skip   $out"; return 0; fi
+  [ -e "$run/DONE" ] || { echo "error: $run is not finished (no $run/DONE): run its training stage first" >&2; return 1; }
   echo "eval   $out"
-  python eval_ppl.py "$@" --out "$out" > "$out.log" 2>&1 || { echo "error: see $out.log" >&2; return 1; }
+  python eval_ppl.py --ckpt "$run/ckpt.pt" "$@" --out "$out" > "$out.log" 2>&1 || { echo "error: see $out.log" >&2; return 1; }
 }
 
 for stage in $STAGES; do
@@ -103,15 +104,15 @@ for stage in $STAGES; do
       train_all "${jobs[@]}";;
     eval)    # Gen PPL vs sampling steps (Fig. steps, Table main_results_metrics) and NELBO PPL of every model
       for loss in $OBJECTIVES; do
-        evaluate "$RUNS/evals/$loss-genppl.json" --ckpt "$RUNS/$loss/ckpt.pt" --metric genppl --judge "$JUDGE" \
+        evaluate "$RUNS/evals/$loss-genppl.json" "$RUNS/$loss" --metric genppl --judge "$JUDGE" \
           --steps "$STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0
-        evaluate "$RUNS/evals/$loss-nelbo.json" --ckpt "$RUNS/$loss/ckpt.pt" --metric nelbo
+        evaluate "$RUNS/evals/$loss-nelbo.json" "$RUNS/$loss" --metric nelbo
       done
-      evaluate "$RUNS/evals/ar-nelbo.json" --ckpt "$RUNS/ar/ckpt.pt" --metric nelbo
+      evaluate "$RUNS/evals/ar-nelbo.json" "$RUNS/ar" --metric nelbo
       for loss in $EPS_LOSSES; do for eps in $EPS_VALUES; do
-        evaluate "$RUNS/evals/$loss-eps$eps-genppl.json" --ckpt "$RUNS/eps/$loss-eps$eps/ckpt.pt" --metric genppl \
+        evaluate "$RUNS/evals/$loss-eps$eps-genppl.json" "$RUNS/eps/$loss-eps$eps" --metric genppl \
           --judge "$JUDGE" --steps "$TABLE_STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0
-        evaluate "$RUNS/evals/$loss-eps$eps-nelbo.json" --ckpt "$RUNS/eps/$loss-eps$eps/ckpt.pt" --metric nelbo
+        evaluate "$RUNS/evals/$loss-eps$eps-nelbo.json" "$RUNS/eps/$loss-eps$eps" --metric nelbo
       done; done;;
     bench)   # step time and memory per objective (Fig. time)
       if [ -e "$RUNS/bench.json" ]; then echo "skip   $RUNS/bench.json"; else

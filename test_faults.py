@@ -191,7 +191,7 @@ def test_bad_flags_fail_at_start_and_create_nothing(base, tmp_path):
     flags = [(["--eval_interval", "0"], "--eval_interval must be >= 1"),
              (["--log_interval", "0"], "--log_interval must be >= 1"),
              (["--ckpt_interval", "0"], "--ckpt_interval must be >= 1"),
-             (["--eval_iters", "0"], "--eval_iters must be >= 1"),
+             (["--eval_iters", "-1"], "--eval_iters (0 = the whole split)"),
              (["--eps", "-1"], "--eps must be in (0, inf)"),
              (["--lr", "nan"], "--lr must be in (0, inf), got nan"),
              (["--lr", "-1"], "--lr must be in (0, inf)"),
