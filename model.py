@@ -163,13 +163,8 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(LayerNorm):
     """y = w * x / sqrt(mean(x^2) + eps) (SMDM), computed in at least float32."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
 
     def forward(self, x):
         dtype = torch.promote_types(x.dtype, torch.float32)
