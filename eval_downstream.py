@@ -62,7 +62,7 @@ import losses
 from data import DataError, read_text
 from cli import (UsageError, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device, resolve_dtype,
                  run_cli, save_atomic, write_json)
-from sample import check_sampler, denoiser_log_probs, generate, null_tokens
+from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
 PAPER_TASKS = ["arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "race", "social_iqa", "lambada_standard"]
@@ -207,14 +207,15 @@ class Scorer:
     """One model and its tokenizer, scoring (context, continuation) string pairs."""
 
     def __init__(self, model, tokenizer, *, mc_draws=128, batch_size=16, seed=1234, lambada_steps=8,
-                 dtype=torch.float32, add_bos=True, progress=True, schedule="loglinear"):
-        """schedule: the noise schedule the model was trained with (its sampler's time grid)."""
+                 dtype=torch.float32, add_bos=True, progress=True, schedule="loglinear", final_step="ancestral"):
+        """schedule: the noise schedule the model was trained with (its sampler's time grid); final_step: what
+        final_step=auto means for this model (sample.default_final_step of its checkpoint)."""
         if model.config.causal:
             raise EvalError("this checkpoint is autoregressive (causal); eval_downstream scores diffusion models")
         self.model, self.tokenizer = model, tokenizer
         self.mc_draws, self.batch_size, self.seed = mc_draws, batch_size, seed
         self.lambada_steps, self.dtype, self.add_bos, self.progress = lambada_steps, dtype, add_bos, progress
-        self.schedule = schedule
+        self.schedule, self.final_step = schedule, final_step
 
     @property
     def autocast(self):
@@ -495,7 +496,7 @@ class EvalConfig:
     greedy_check: str = "argmax"     # is_greedy handed to lm-eval (its LAMBADA acc): argmax | generate
     lambada_steps: int = 8           # reverse steps of LAMBADA protocol (a)
     steps: int = 128                 # lm-eval generate_until: reverse steps of sample.generate
-    final_step: str = "ancestral"    # lm-eval generate_until: ancestral | greedy | none (see README, Sampling)
+    final_step: str = "auto"         # lm-eval generate_until: ancestral | greedy | none | auto (by objective)
     top_p: float = 1.0               # lm-eval generate_until: nucleus on x_theta
     rolling_context: int = 1         # lm-eval loglikelihood_rolling: clean tokens before each window's piece
     seed: int = 1234
@@ -583,7 +584,7 @@ def validate(cfg):
         raise EvalError(f"--cfg must be off, on or both, got {cfg.cfg!r}")
     if cfg.greedy_check not in GREEDY_CHECKS:
         raise EvalError(f"--greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {cfg.greedy_check!r}")
-    check_sampler(cfg.steps, cfg.final_step, cfg.top_p)
+    check_sampler(cfg.steps, "ancestral" if cfg.final_step == "auto" else cfg.final_step, cfg.top_p)
     if cfg.rolling_context < 0:
         raise EvalError(f"--rolling_context must be >= 0, got {cfg.rolling_context}")
     if not os.path.isfile(cfg.ckpt):
@@ -636,7 +637,8 @@ def main(argv=None):
         raise EvalError(f"--rolling_context must be < the model's block_size {model.config.block_size}")
     scorer = Scorer(model, tokenizer, mc_draws=cfg.mc_draws, batch_size=cfg.batch_size, seed=cfg.seed,
                     lambada_steps=cfg.lambada_steps, dtype=dtype, add_bos=cfg.add_bos,
-                    schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear")
+                    schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear",
+                    final_step=default_final_step(ckpt))
     for name, (kind, items) in data.items():     # every request is checked before any scoring
         items = items[:cfg.limit or None]
         scorer.encode_all(multiple_choice_requests(items) if kind == "multiple_choice"

@@ -45,7 +45,7 @@ import diffusion
 import losses
 from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_model, load_tokenizer, parse_flags,
                  resolve_device, resolve_dtype, run_cli, write_json)
-from sample import generate, generate_ar
+from sample import FINAL_STEPS, default_final_step, generate, generate_ar
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -267,7 +267,7 @@ class EvalConfig:
     samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
     steps: str = "128"               # comma list: one row of the "Gen PPL vs sampling steps" table each
     num_samples: int = 16
-    final_step: str = "ancestral"    # ancestral | greedy | none
+    final_step: str = "auto"         # ancestral | greedy | none | auto (sample.default_final_step)
     top_p: float = 1.0
     judge_batch_size: int = 8
     save_samples: str = ""           # append the generated samples (JSONL) here
@@ -377,6 +377,7 @@ def run_genppl(cfg, device, dtype):
     if not steps_list or any(n is not None and n < 1 for n in steps_list):
         raise UsageError(f"--steps must list integers >= 1, got {cfg.steps!r}")
     schedule = (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
+    final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
     rows = []
     for steps in steps_list:
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -388,16 +389,17 @@ def run_genppl(cfg, device, dtype):
                                    device=device, dtype=dtype).tolist()
             else:
                 ids += generate(model, n, mc.block_size, mc.vocab_size, steps, alpha_schedule=schedule,
-                                final_step=cfg.final_step, top_p=cfg.top_p, generator=generator, device=device,
+                                final_step=final_step, top_p=cfg.top_p, generator=generator, device=device,
                                 dtype=dtype).tolist()
         texts = [tok.decode(row) for row in ids]
         if cfg.save_samples:
             settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), tokenizer=tok.spec, steps=steps,
-                            final_step=cfg.final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema)
+                            final_step=final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema)
             append_jsonl(cfg.save_samples, [dict(sample=i, text=t, ids=r, settings=settings)
                                             for i, (t, r) in enumerate(zip(texts, ids))])
-        rows.append(dict(score_samples(ids, texts, tok, judge, cfg.judge_batch_size, device, label=cfg.ckpt,
-                                       steps=steps if steps else "ar"), ckpt_step=ckpt.get("step")))
+        row = dict(score_samples(ids, texts, tok, judge, cfg.judge_batch_size, device, label=cfg.ckpt,
+                                 steps=steps if steps else "ar"), ckpt_step=ckpt.get("step"))
+        rows.append(row if mc.causal else {**row, "final_step": final_step})
     return rows
 
 
@@ -433,12 +435,14 @@ def main(argv=None):
     for flag, path in (("--out", cfg.out), ("--save_samples", cfg.save_samples)):
         if path:
             check_writable(path, flag)
+    if cfg.final_step not in (*FINAL_STEPS, "auto"):
+        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, auto; got {cfg.final_step!r}")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     ckpt = None
     if cfg.metric == "genppl":
         rows = run_genppl(cfg, device, dtype)
-        columns = ["model", "steps", "samples", "gen_ppl", "entropy", "judge"]
+        columns = ["model", "steps", "final_step", "samples", "gen_ppl", "entropy", "judge"]
     else:
         model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
         run = run_nelbo if cfg.metric == "nelbo" else run_zeroshot

@@ -20,8 +20,8 @@ lm_eval.simple_evaluate(model="sddlm", model_args=...).
   greedy_check=argmax   is_greedy of loglikelihood: argmax (t = 1 argmax) | generate (lambada_steps sampler steps)
   lambada_steps=8       sampler steps of greedy_check=generate
   steps=128             generate_until: reverse steps of sample.generate
-  final_step=ancestral  generate_until: the sampler's final step, ancestral | greedy | none (keep ancestral for
-                        SDDLM losses, greedy suits NELBO models; see README, Sampling)
+  final_step=auto       generate_until: the sampler's final step, ancestral | greedy | none | auto (greedy for
+                        NELBO models, ancestral for the SDDLM losses: sample.default_final_step)
   top_p=1.0             generate_until: nucleus on x_theta
   rolling_context=1     loglikelihood_rolling: clean tokens before each window's piece (lm-eval's context_len)
   dtype=auto, add_bos=true
@@ -45,7 +45,7 @@ from lm_eval.api.registry import register_model
 import eval_downstream as ed
 from cli import UsageError, load_model, load_tokenizer, parse_bool, resolve_device, resolve_dtype, run_cli
 from data import DataError
-from sample import check_sampler
+from sample import check_sampler, default_final_step
 
 MODEL_ARGS = ("ckpt", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step", "top_p",
               "rolling_context", "use_ema", "dtype", "add_bos")
@@ -83,7 +83,7 @@ class SDDLMHarness(LM):
     """lm-eval's three request types over eval_downstream.Scorer (one model, its tokenizer, the MC settings)."""
 
     def __init__(self, ckpt="out/ckpt.pt", mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
-                 lambada_steps=8, steps=128, final_step="ancestral", top_p=1.0, rolling_context=1, use_ema=True,
+                 lambada_steps=8, steps=128, final_step="auto", top_p=1.0, rolling_context=1, use_ema=True,
                  dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
                  trust_remote_code=None, scorer=None, **unknown):
         """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
@@ -99,7 +99,7 @@ class SDDLMHarness(LM):
         self.steps, self.final_step = coerce(steps, int, "steps"), str(final_step)
         self.top_p = coerce(top_p, float, "top_p")
         try:
-            check_sampler(self.steps, self.final_step, self.top_p)
+            check_sampler(self.steps, "ancestral" if self.final_step == "auto" else self.final_step, self.top_p)
         except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
             raise ed.EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
@@ -107,6 +107,8 @@ class SDDLMHarness(LM):
                                                  coerce(lambada_steps, int, "lambada_steps"),
                                                  coerce(use_ema, bool, "use_ema"), str(dtype),
                                                  coerce(add_bos, bool, "add_bos"), batch_size, device)
+        if self.final_step == "auto":
+            self.final_step = self.scorer.final_step
         block_size = self.scorer.model.config.block_size
         if not 0 <= self.rolling_context < block_size:
             raise ed.EvalError(f"rolling_context must be in [0, {block_size - 1}], got {self.rolling_context}")
@@ -131,7 +133,8 @@ class SDDLMHarness(LM):
             raise ed.EvalError(f"{ckpt}: {why}")
         return ed.Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
                          lambada_steps=lambada_steps, dtype=resolve_dtype(dtype, device), add_bos=add_bos,
-                         schedule=(ckpt_dict.get("train_config") or {}).get("noise_schedule") or "loglinear")
+                         schedule=(ckpt_dict.get("train_config") or {}).get("noise_schedule") or "loglinear",
+                         final_step=default_final_step(ckpt_dict))
 
     def loglikelihood(self, requests, disable_tqdm=False):
         scored = self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)

@@ -42,6 +42,7 @@ from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_mo
                  resolve_device, resolve_dtype, run_cli)
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
+NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes
 
 
 # -----------------------------------------------------------------------------------------------
@@ -156,6 +157,16 @@ def _device_of(model):
         return torch.device("cpu")
 
 
+def default_final_step(ckpt):
+    """--final_step auto: the final step measured better for the checkpoint's objective (RESULTS.md, few-step
+    generation: the lower Gen PPL among final steps whose sample entropy stays within 1 nat of the data's).
+    Greedy (Duo's tail) for NELBO models, base or distilled; ancestral for everything else: the SDDLM family's
+    x_theta puts (almost) no mass on x_t, so argmax x_theta replaces clean tokens and the entropy collapses.
+    The same with or without distillation. ckpt: a checkpoint dict (its train_config names the objective)."""
+    loss = (ckpt.get("train_config") or {}).get("loss")
+    return "greedy" if loss in NELBO_OBJECTIVES else "ancestral"
+
+
 # -----------------------------------------------------------------------------------------------
 # samplers
 
@@ -260,7 +271,7 @@ class SampleConfig:
     batch_size: int = 0              # sequences per sampler call (0 = num_samples)
     seq_len: int = 0                 # 0 = the model's block_size
     steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
-    final_step: str = "ancestral"    # ancestral | greedy | none
+    final_step: str = "auto"         # ancestral | greedy | none | auto (by objective and distillation)
     noise_schedule: str = ""         # loglinear | cosine; "" = the checkpoint's training schedule
     t_end: float = 1e-5              # the grid runs from t = 1 to t_end
     top_p: float = 1.0               # nucleus on x_theta (1 = off)
@@ -298,7 +309,8 @@ def parse_prompt(cfg, tok, vocab_size):
 
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
-    check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
+    check_sampler(cfg.steps, "ancestral" if cfg.final_step == "auto" else cfg.final_step, cfg.top_p, cfg.t_end,
+                  cfg.noise_schedule or "loglinear")
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
     if cfg.out:
@@ -323,6 +335,7 @@ def main(argv=None):
     if mc.causal and cfg.cfg_w != 0:
         raise UsageError("--cfg_w applies to diffusion models; this checkpoint is autoregressive")
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
+    final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
 
     bos_id = tok.bos_id if tok else (ckpt.get("meta") or {}).get("bos_id")
     if mc.causal and prompt is None and bos_id is None:
@@ -332,7 +345,7 @@ def main(argv=None):
                     sampler=sampler, tokenizer=tok.spec if tok else None, seq_len=seq_len, seed=cfg.seed,
                     use_ema=cfg.use_ema, top_p=cfg.top_p, prompt=cfg.prompt or None, prompt_ids=prompt)
     if not mc.causal:
-        settings.update(steps=cfg.steps, nfe=cfg.steps + (cfg.final_step != "none"), final_step=cfg.final_step,
+        settings.update(steps=cfg.steps, nfe=cfg.steps + (final_step != "none"), final_step=final_step,
                         noise_schedule=schedule, t_end=cfg.t_end, cfg_w=cfg.cfg_w)
     print(f"sampling {cfg.num_samples} x {seq_len} tokens from {cfg.ckpt} (step {ckpt.get('step')}, "
           f"{'EMA' if cfg.use_ema and ckpt.get('ema') is not None else 'live'} weights) on {device}: "
@@ -349,7 +362,7 @@ def main(argv=None):
                               top_p=cfg.top_p, generator=generator, device=device, dtype=dtype)
         else:
             ids = generate(model, n, seq_len, mc.vocab_size, cfg.steps, alpha_schedule=schedule, t_end=cfg.t_end,
-                           final_step=cfg.final_step, prompt_ids=prompt, cfg_w=cfg.cfg_w, top_p=cfg.top_p,
+                           final_step=final_step, prompt_ids=prompt, cfg_w=cfg.cfg_w, top_p=cfg.top_p,
                            generator=generator, device=device, dtype=dtype)
         records = []
         for row in ids.tolist():

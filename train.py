@@ -733,9 +733,10 @@ def keep_checkpoint(run, cfg, mcfg, meta):
     save_atomic(os.path.join(cfg.out_dir, f"ckpt_{run.it}.pt"), lambda tmp: torch.save(state, tmp))
 
 
-def save(run, cfg, mcfg, meta, env):
+def save(run, cfg, mcfg, meta, env, extra=None):
     """Write out_dir/ckpt.pt atomically: weights, EMA, optimizer, configs, step, and every rank's data
-    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically."""
+    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically. extra: more
+    top-level entries (distill.py records its settings and teacher there), added last."""
     rng = {"torch": torch.get_rng_state(), "gen_shared": run.gen_shared.get_state(),
            "gen_local": run.gen_local.get_state(),
            "cuda": torch.cuda.get_rng_state() if env.device.type == "cuda" else None}
@@ -753,7 +754,7 @@ def save(run, cfg, mcfg, meta, env):
                                         for (k, _), e in zip(run.raw_model.named_parameters(), run.ema)}
     state = {"model": run.raw_model.state_dict(), "ema": ema, "optimizer": run.optimizer.state_dict(),
              "model_config": asdict(mcfg), "train_config": asdict(cfg), "meta": meta, "step": run.it,
-             "n_ema": run.n_ema, "data_state": states[0], "rng": states[1]}
+             "n_ema": run.n_ema, "data_state": states[0], "rng": states[1], **(extra or {})}
     save_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
 
 

@@ -1,0 +1,537 @@
+"""
+Discrete Consistency Distillation (DCD, Duo spec section 8) of a diffusion checkpoint of this repo, for
+few-step generation. Works for every objective (sddlm, sddlm_v1, sddlm_v2, duo, naive).
+
+    python distill.py --init out-duo/ckpt.pt --out_dir out-duo-dcd          # tiny schedule, CPU, minutes
+    torchrun --nproc_per_node=8 distill.py --preset small --init ckpt.pt --out_dir dcd   # Duo's distil_owt.sh
+    python distill.py --out_dir out-duo-dcd --resume 1                      # continue a stopped run exactly
+    python sample.py --ckpt out-duo-dcd/ckpt.pt --steps 8                   # few-step samples
+
+One step: x0 ~ data, t stratified in [1e-3, 1], dt = 2^round / T, t <- min(t + dt, 1), s = t - dt; the two
+times become Gaussian log-SNRs gamma = gamma_min + t (gamma_max - gamma_min) and discrete levels
+alpha = T(gamma) (Duo's diffusion transformation operator, diffusion.gamma_to_alpha). ONE Gaussian noise
+eps ~ N(0, I_K) per token gives both noisy tokens, z_t = argmax(alpha~_t e_x0 + sigma~_t eps) and
+z_s = argmax(alpha~_s e_x0 + sigma~_s eps) (a deterministic coupling: z_s is z_t with some of its noise
+removed). Loss = KL(x_theta(z_t, sigma_t) || x_teacher(z_s, sigma_s)) per token (Duo's default 'kl-bwd'),
+token mean. The teacher is a frozen copy of the student, refreshed at the start of every round (round_iters
+steps), so each round distils two steps of size dt into one, and dt doubles from round to round.
+
+Differences from Duo's code, all deliberate: the teacher runs in eval mode (Duo's inherits train mode, so its
+targets carry dropout noise); the teacher is saved in the checkpoint, so a resume mid-round keeps the round's
+teacher (Duo rebuilds it from the current student); the pair is drawn from the three numbers the two argmaxes
+depend on (see draw_pair_noise: same distribution as Duo's dense (B, L, K) Gaussian, O(B L) memory); the KL is
+one fused float32 pass over the vocabulary that never materialises (B, L, K) float32 tensors.
+
+Checkpoints have train.py's format (train_config is the base model's, so sample.py and eval_ppl.py load them
+unchanged) plus distill_config, distilled_from and the teacher's weights. Everything else is train.py's:
+flags from one dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights
+for evaluation and sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
+"""
+import copy
+import math
+import os
+import signal
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import diffusion
+import train
+from cli import (OutOfMemory, UsageError, autocast_for, check_writable, oom_summary, parse_flags, remove_stale_temps,
+                 resolve_dtype, run_cli, write_json)
+from data import DataError, check_tokenizer, eval_batches, get_tokenizer, load_meta
+from eval_ppl import nelbo_ppl
+from model import ModelConfig
+
+
+@dataclass
+class DistillConfig:
+    preset: str = "tiny"             # tiny (CPU schedule) | small (Duo's distil_owt.sh), see DISTILL_PRESETS
+    init: str = "out/ckpt.pt"        # the checkpoint to distil: train.py's, or distill.py's for more rounds
+    init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
+    # DCD
+    round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round
+    T: int = 64                      # dt = 2^round / T (Duo: T = 512, rounds of 10K steps, 5 rounds)
+    gamma_min: float = -4.0          # Gaussian log-SNR range of t in [0, 1] (Duo's distillation: [-4, -1])
+    gamma_max: float = -1.0
+    divergence: str = "kl_bwd"       # kl_bwd: KL(student || teacher) (Duo's default) | kl_fwd: KL(teacher || student)
+    teacher: str = "live"            # the teacher of a round: the student's live weights (Duo) | its ema weights
+    data_dir: str = ""               # prepared data ("" = the one recorded in --init)
+    # optimisation (train.py's names and meaning)
+    max_iters: int = 400
+    batch_size: int = 32             # GLOBAL batch in sequences
+    grad_accum: int = 1
+    lr: float = 1e-4
+    lr_schedule: str = "constant"    # constant | linear | cosine (after warm-up)
+    min_lr: float = 0.0
+    warmup_iters: int = 10
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ema: float = 0.99                # EMA decay (0 = off), with Duo's warm-up
+    # evaluation, logging, checkpoints
+    eval_interval: int = 100
+    eval_iters: int = 4
+    log_interval: int = 10
+    ckpt_interval: int = 100
+    num_samples: int = 4             # few-step samples printed at the end
+    sample_steps: int = 8
+    out_dir: str = "out-dcd"
+    resume: bool = False
+    # system
+    seed: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+
+
+DISTILL_PRESETS = {
+    "tiny": {},
+    # Duo's scripts/distil_owt.sh: 5 rounds of 10K steps, T = 512, lr 6e-5, warm-up 500, batch 128, EMA 0.999
+    "small": dict(round_iters=10_000, T=512, max_iters=50_000, batch_size=128, lr=6e-5, warmup_iters=500,
+                  ema=0.999, eval_interval=10_000, eval_iters=8, ckpt_interval=1000, sample_steps=32),
+}
+DIVERGENCES = ("kl_bwd", "kl_fwd")
+
+# the settings a resumed run must share with the run that wrote its checkpoint
+RESUME_KEYS = ("round_iters", "T", "gamma_min", "gamma_max", "divergence", "teacher", "batch_size", "seed")
+
+
+# -----------------------------------------------------------------------------------------------
+# the DCD targets: two noise levels, one Gaussian noise
+
+def step_size(it, cfg):
+    """dt of step `it`: 2^round / T with round = it // round_iters (Duo: 1/512, 2/512, ..., 16/512)."""
+    return 2 ** (it // cfg.round_iters) / cfg.T
+
+
+def gamma_of(t, cfg):
+    """The Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min) of time t (...) -> (...)."""
+    return cfg.gamma_min + t * (cfg.gamma_max - cfg.gamma_min)
+
+
+def draw_pair_noise(n, length, vocab_size, generator=None, device=None):
+    """The Gaussian noise eps ~ N(0, I_K) of one DCD step for n sequences of `length` tokens, reduced to the
+    three numbers per token that both argmaxes depend on: eps at the clean token, M = the largest of the other
+    K - 1 coordinates, and which of them holds it. They are independent: M has CDF Phi(m)^(K-1) and is drawn
+    exactly by inverting it, M = -Phi^-1(1 - U^(1/(K-1))) (computed with expm1 in float64, accurate at K = 50258),
+    and the position of the maximum of i.i.d. variables is uniform. Same distribution as Duo's dense (B, L, K)
+    draw, O(B L) memory. -> (eps_x0 float64, eps_max float64, other int64 in [0, K - 1)), each (n, length)."""
+    eps_x0 = torch.randn(n, length, generator=generator, device=device, dtype=torch.float64)
+    u = 1 - torch.rand(n, length, generator=generator, device=device, dtype=torch.float64)    # (0, 1]
+    eps_max = -torch.special.ndtri(-torch.expm1(torch.log(u) / (vocab_size - 1)))
+    other = torch.randint(0, vocab_size - 1, (n, length), generator=generator, device=device)
+    return eps_x0, eps_max, other
+
+
+def coupled_pair(x0, gamma_t, gamma_s, noise):
+    """DCD's pair (z_t, z_s) of argmaxes of the SAME Gaussian noise at two levels (Duo spec 2.1, 8):
+    z_u = argmax_k (alpha~_u e_x0 + sigma~_u eps)_k = argmax_k (nu_u e_x0 + eps)_k with nu_u = alpha~_u / sigma~_u
+    = exp(-gamma_u / 2), i.e. x0 when nu_u + eps_x0 > M, else the token holding M (the same one at both levels).
+    x0 (B, L); gamma_t >= gamma_s, each (B, 1); noise: this batch's draw_pair_noise -> z_t, z_s (B, L)."""
+    eps_x0, eps_max, other = noise
+    noisy_token = other + (other >= x0).long()            # the K - 1 tokens other than x0
+    nu_t, nu_s = torch.exp(-gamma_t.double() / 2), torch.exp(-gamma_s.double() / 2)
+    zt = torch.where(nu_t + eps_x0 > eps_max, x0, noisy_token)
+    zs = torch.where(nu_s + eps_x0 > eps_max, x0, noisy_token)
+    return zt, zs
+
+
+class _KLFromLogits(torch.autograd.Function):
+    """Per-row KL between softmax(student) and softmax(teacher) in float32 (float64 for float64 logits),
+    chunked over rows; saves only the two logit tensors and the per-row KL. Gradient for the student only:
+    kl_bwd d/dz KL(p || q) = p (log p - log q - KL);  kl_fwd d/dz KL(q || p) = p - q."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, reverse, chunk_rows):
+        s, t = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        dtype = torch.promote_types(student.dtype, torch.float32)
+        kl = torch.empty(s.shape[0], dtype=dtype, device=s.device)
+        for i in range(0, s.shape[0], chunk_rows):
+            j = slice(i, i + chunk_rows)
+            log_p, log_q = torch.log_softmax(s[j].to(dtype), -1), torch.log_softmax(t[j].to(dtype), -1)
+            kl[j] = (log_p.exp() * (log_p - log_q)).sum(-1) if reverse else (log_q.exp() * (log_q - log_p)).sum(-1)
+        ctx.save_for_backward(student, teacher, kl)
+        ctx.reverse, ctx.chunk_rows = reverse, chunk_rows
+        return kl.view(student.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        student, teacher, kl = ctx.saved_tensors
+        s, t = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+        g = grad_kl.reshape(-1, 1).to(kl.dtype)
+        grad = torch.empty_like(s)
+        for i in range(0, s.shape[0], ctx.chunk_rows):
+            j = slice(i, i + ctx.chunk_rows)
+            log_p, log_q = torch.log_softmax(s[j].to(kl.dtype), -1), torch.log_softmax(t[j].to(kl.dtype), -1)
+            p = log_p.exp()
+            d = p * (log_p - log_q - kl[j, None]) if ctx.reverse else p - log_q.exp()
+            grad[j] = (g[j] * d).to(grad.dtype)
+        return grad.view(student.shape), None, None, None
+
+
+def dcd_divergence(student_logits, teacher_logits, divergence="kl_bwd", chunk_elems=1 << 25):
+    """DCD's loss per token (Duo spec 8, 'kl-bwd' / 'kl-fwd'): with p = softmax(student), q = softmax(teacher),
+    kl_bwd = sum_v p (log p - log q) = KL(p || q), kl_fwd = KL(q || p). Logits (B, L, K), any float dtype,
+    the teacher's without gradient -> (B, L) float32 (float64 for float64 logits)."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
+    chunk_rows = max(1, chunk_elems // student_logits.shape[-1])
+    return _KLFromLogits.apply(student_logits, teacher_logits.detach(), divergence == "kl_bwd", chunk_rows)
+
+
+def dcd_loss_terms(student, teacher, cfg, x0, t, it, noise):
+    """Per-token DCD loss (B, L) of clean x0 (B, L) at stratified times t (B,) for step `it`: the two times
+    t + dt and t, their levels alpha = T(gamma), the coupled pair from `noise` (this batch's draw_pair_noise),
+    the student at (z_t, sigma_t) and the teacher (no gradient) at (z_s, sigma_s)."""
+    K = train.unwrap(student).config.vocab_size
+    dt = step_size(it, cfg)
+    t = (t + dt).clamp(max=1.0)
+    s = t - dt
+    gamma_t, gamma_s = gamma_of(t, cfg).unsqueeze(-1), gamma_of(s, cfg).unsqueeze(-1)
+    table = (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
+    alpha_t, _ = diffusion.gamma_to_alpha(gamma_t, K, *table)
+    alpha_s, _ = diffusion.gamma_to_alpha(gamma_s, K, *table)
+    zt, zs = coupled_pair(x0, gamma_t, gamma_s, noise)
+    with torch.no_grad():
+        teacher_logits = teacher(zs, diffusion.sigma_from_alpha(alpha_s.squeeze(-1)))
+    student_logits = student(zt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
+    return dcd_divergence(student_logits, teacher_logits, cfg.divergence)
+
+
+# -----------------------------------------------------------------------------------------------
+# the parts of a run (train.py's Run, optimizer, EMA, save/restore, signals; DCD's step and teacher)
+
+def parse_config(argv=None):
+    return parse_flags(DistillConfig, argv, __doc__.split("\n\n")[0], presets=DISTILL_PRESETS)
+
+
+def validate(cfg, world_size):
+    if cfg.divergence not in DIVERGENCES:
+        raise UsageError(f"unknown --divergence {cfg.divergence!r}; choose from {', '.join(DIVERGENCES)}")
+    if cfg.teacher not in ("live", "ema"):
+        raise UsageError(f"unknown --teacher {cfg.teacher!r}; choose from live, ema")
+    if cfg.teacher == "ema" and not cfg.ema:
+        raise UsageError("--teacher ema needs EMA weights: set --ema > 0")
+    if cfg.lr_schedule not in ("constant", "linear", "cosine"):
+        raise UsageError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
+    if min(cfg.max_iters, cfg.round_iters, cfg.T, cfg.batch_size, cfg.grad_accum, cfg.eval_interval,
+           cfg.log_interval, cfg.ckpt_interval) < 1:
+        raise UsageError("--max_iters, --round_iters, --T, --batch_size, --grad_accum, --eval_interval, "
+                         "--log_interval and --ckpt_interval must be >= 1")
+    if cfg.eval_iters < 0 or cfg.num_samples < 0 or cfg.sample_steps < 1:
+        raise UsageError("--eval_iters (0 = the whole split) and --num_samples must be >= 0, --sample_steps >= 1")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0 and 0 <= cfg.min_lr <= cfg.lr and cfg.warmup_iters >= 0):
+        raise UsageError(f"--lr must be finite and > 0 (got {cfg.lr}), --min_lr in [0, lr], --warmup_iters >= 0")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.weight_decay >= 0 and cfg.grad_clip >= 0):
+        raise UsageError("--beta1 and --beta2 must be in [0, 1), --weight_decay and --grad_clip >= 0")
+    if not cfg.gamma_min < cfg.gamma_max:
+        raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max})")
+    if step_size(cfg.max_iters - 1, cfg) >= 1:
+        raise UsageError(f"dt reaches {step_size(cfg.max_iters - 1, cfg):g} >= 1 in the last round: raise --T or "
+                         f"--round_iters, or lower --max_iters")
+    if cfg.batch_size % (world_size * cfg.grad_accum):
+        raise UsageError(f"--batch_size {cfg.batch_size} is not divisible by {world_size} ranks x "
+                         f"--grad_accum {cfg.grad_accum}")
+    if not 0 <= cfg.ema < 1:
+        raise UsageError("--ema must be in [0, 1)")
+    resolve_dtype(cfg.dtype, torch.device("cpu"))
+
+
+def load_init(cfg):
+    """The checkpoint to distil -> (its weights, the checkpoint). Refuses the AR baseline."""
+    if not os.path.isfile(cfg.init):
+        raise UsageError(f"--init {cfg.init}: no such checkpoint")
+    try:
+        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
+    if ckpt["model_config"].get("causal"):
+        raise UsageError(f"--init {cfg.init} is the autoregressive baseline; DCD distils diffusion models")
+    weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
+    return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}, ckpt
+
+
+def data_for(cfg, init_ckpt, vocab_size):
+    """The prepared data folder (--data_dir, else the one recorded in --init) and its meta, checked against K."""
+    data_dir = cfg.data_dir or (init_ckpt.get("train_config") or {}).get("data_dir")
+    if not data_dir:
+        raise UsageError(f"--init {cfg.init} records no data folder; pass --data_dir")
+    meta = load_meta(data_dir)
+    check_tokenizer(meta, vocab_size)
+    return os.path.abspath(data_dir), meta
+
+
+def open_out_dir(cfg):
+    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites a checkpoint nor mixes its
+    log with an earlier run's; a resume must find a readable distill.py checkpoint with the same DCD settings,
+    short of --max_iters. A refused run changes nothing in out_dir."""
+    check_writable(cfg.out_dir, "--out_dir", folder=True)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    remove_stale_temps(path)              # a save killed half-way (SIGKILL) leaves its temp file
+    if not cfg.resume:
+        if os.path.exists(path):
+            raise UsageError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
+        if os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):
+            raise UsageError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
+                             f"checkpoint; delete it or choose another --out_dir")
+        return None
+    if not os.path.exists(path):
+        raise UsageError(f"--resume: no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+    saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
+    if saved is None or any(k not in ckpt for k in (*train.RESUME_KEYS, "teacher")):
+        raise UsageError(f"cannot resume from {path}: not a distill.py checkpoint")
+    diff = {k: (saved.get(k), getattr(cfg, k)) for k in RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
+    if diff:
+        raise UsageError(f"cannot resume from {path}: DCD settings differ (saved, now) {diff}")
+    if cfg.max_iters < ckpt["step"]:
+        raise UsageError(f"--max_iters {cfg.max_iters} is below the checkpoint's step {ckpt['step']}; nothing to "
+                         f"resume (raise --max_iters)")
+    return ckpt
+
+
+def make_teacher(raw_model):
+    """A frozen copy of the student in eval mode: no dropout in the targets (Duo's teacher inherits train mode)."""
+    return copy.deepcopy(raw_model).eval().requires_grad_(False)
+
+
+def load_weights(run, weights):
+    """Start the student from `weights` (a state dict); the EMA starts at the same weights."""
+    run.raw_model.load_state_dict(weights)
+    if run.ema is not None:
+        for e, p in zip(run.ema, run.raw_model.parameters()):
+            e.copy_(p.detach())
+
+
+def saved_init(ckpt):
+    """What a resumed run needs to know about the checkpoint it distils, from its own checkpoint (--init is not
+    needed, and may be gone by then): the base model's configs and where it came from."""
+    origin = ckpt.get("distilled_from") or {}
+    return {"train_config": ckpt.get("train_config"), "model_config": ckpt["model_config"], "path": origin.get("ckpt"),
+            "step": origin.get("step"), "distill_config": origin.get("distill_config")}
+
+
+def refresh_teacher(teacher, run, cfg):
+    """The teacher of a new round: a copy of the student's live (Duo) or EMA weights, frozen, in eval mode."""
+    source = run.ema if cfg.teacher == "ema" else [p.detach() for p in run.raw_model.parameters()]
+    with torch.no_grad():
+        for p, v in zip(teacher.parameters(), source):
+            p.copy_(v)
+
+
+def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
+    """One optimizer step of DCD on this rank's part of a global batch (train.train_step's structure): times
+    and pair noise for the GLOBAL batch from gen_shared, sliced per rank and micro-batch, so a DDP run equals a
+    single process. -> the step's mean loss (a detached 0-dim tensor)."""
+    lr = train.lr_at(run.it, cfg)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    if run.it % cfg.round_iters == 0:
+        refresh_teacher(teacher, run, cfg)
+    K = run.raw_model.config.vocab_size
+    t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
+    noise_global = draw_pair_noise(cfg.batch_size, x0_all.shape[1], K, run.gen_shared, env.device)
+    micro = x0_all.shape[0] // cfg.grad_accum
+    total = torch.zeros((), device=env.device)
+    for m in range(cfg.grad_accum):
+        x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
+        mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
+        t, *noise = (diffusion.rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum)
+                     for v in (t_global, *noise_global))
+        sync = nullcontext() if (not env.ddp or m == cfg.grad_accum - 1) else run.model.no_sync()
+        with sync:
+            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+                per_token = dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise)
+                loss = train.token_mean(per_token, mask) / cfg.grad_accum
+            loss.backward()
+        total += loss.detach()
+    run.n_ema = train.optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema)
+    run.it += 1
+    return total
+
+
+@torch.no_grad()
+def evaluate(run, teacher, cfg, data_dir, env):
+    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
+    i % world_size: the DCD loss against the current teacher at the current round's dt, and eval_ppl.nelbo_ppl's
+    NELBO, with the same draws at every evaluation (seeded per rank). -> this rank's float64 sums (DCD loss, its
+    tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters or None, rank=env.rank,
+                                   world_size=env.world_size, device=env.device)
+    it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
+    sums = torch.zeros(4, dtype=torch.float64)
+    with train.ema_weights(run) as model:
+        model.eval()
+        gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
+        for x0, mask in batches():
+            t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
+            noise = draw_pair_noise(x0.shape[0], x0.shape[1], model.config.vocab_size, gen, env.device)
+            with autocast_for(env.device, dtype):
+                per_token = dcd_loss_terms(model, teacher, cfg, x0, t, it, noise)
+            n = float(mask.sum()) if mask is not None else per_token.numel()
+            sums[0] += float(train.token_mean(per_token, mask)) * n
+            sums[1] += n
+        if sums[1] > 0:      # a rank past the last batch contributes nothing
+            nelbo = nelbo_ppl(model, batches(), model.config.vocab_size,
+                              generator=torch.Generator(device=env.device).manual_seed(1234 + env.rank),
+                              device=env.device, dtype=dtype, show_progress=False)
+            sums[2:] = torch.tensor([nelbo["nll"] * nelbo["tokens"], nelbo["tokens"]], dtype=torch.float64)
+        model.train()
+    return sums
+
+
+def val_metrics(sums, cfg, data_dir, it):
+    """evaluate's sums, added over ranks -> the log.jsonl record (with the dt of the round evaluated)."""
+    if sums[1] == 0 or sums[3] == 0:
+        raise DataError(f"{data_dir}: the validation split is empty")
+    nll = float(sums[2] / sums[3])
+    return {"val_dcd": float(sums[0] / sums[1]), "val_nelbo": nll, "val_ppl": math.exp(min(nll, 50)),
+            "dt": step_size(max(it - 1, 0), cfg)}
+
+
+def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
+    """What a distilled checkpoint adds to train.py's: the base model's train_config (so sample.py and eval_ppl.py
+    see its objective, schedule and data), the DCD settings, where it came from, and the round's teacher."""
+    return {"train_config": {**(init_ckpt.get("train_config") or {}), "data_dir": data_dir},
+            "distill_config": asdict(cfg),
+            "distilled_from": {"ckpt": init_ckpt.get("path") or os.path.abspath(cfg.init),
+                               "step": init_ckpt.get("step"),
+                               "distill_config": init_ckpt.get("distill_config")},
+            "teacher": {k: v.detach().clone() for k, v in teacher.state_dict().items()}}
+
+
+# -----------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    env = train.setup_distributed(cfg)
+    try:
+        return distill(cfg, env)
+    except torch.OutOfMemoryError as e:
+        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
+                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; raise --grad_accum; the last "
+                          f"checkpoint in {cfg.out_dir} is kept") from None
+    finally:
+        if env.ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def distill(cfg, env):
+    validate(cfg, env.world_size)
+    ckpt = open_out_dir(cfg)
+    weights, init_ckpt = load_init(cfg) if ckpt is None else (None, saved_init(ckpt))
+    if ckpt is not None:
+        cfg.init = init_ckpt["path"] or cfg.init
+    try:
+        mcfg = ModelConfig(**init_ckpt["model_config"])
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
+    data_dir, meta = data_for(cfg, init_ckpt, mcfg.vocab_size)
+    if ckpt is not None and ckpt["step"] == cfg.max_iters:
+        if env.master:
+            print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
+                  f"to do (raise --max_iters to distil on)")
+        return 0
+    run = train.build_run(cfg, mcfg, env, data_dir)
+    if ckpt is not None:
+        train.restore(run, ckpt, env)
+    else:
+        load_weights(run, weights)
+    teacher = make_teacher(run.raw_model)
+    if ckpt is not None:
+        teacher.load_state_dict(ckpt["teacher"])
+    teacher_fn = torch.compile(teacher) if cfg.compile else teacher
+    base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
+    log = train.Log(SimpleNamespace(out_dir=cfg.out_dir, batch_size=cfg.batch_size, block_size=mcfg.block_size,
+                                    loss=f"dcd {base_loss}", max_iters=cfg.max_iters, resume=cfg.resume), env, run.it)
+    if env.master:
+        K, table = mcfg.vocab_size, (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
+        a_lo, a_hi = (float(diffusion.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
+                      for g in (cfg.gamma_max, cfg.gamma_min))
+        rounds = (cfg.max_iters + cfg.round_iters - 1) // cfg.round_iters
+        log.pbar.write(f"DCD of {cfg.init} (loss {base_loss}, step {init_ckpt.get('step')}, "
+                       f"{'EMA' if cfg.init_ema else 'live'} weights): {rounds} rounds of {cfg.round_iters} steps, "
+                       f"dt = 1/{cfg.T} ... {step_size(cfg.max_iters - 1, cfg):.4g}, gamma in [{cfg.gamma_min}, "
+                       f"{cfg.gamma_max}] -> alpha in [{a_lo:.4f}, {a_hi:.4f}], {cfg.divergence}, "
+                       f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.world_size} rank(s)")
+        write_json(os.path.join(cfg.out_dir, "config.json"),
+                   {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
+                    "train_config": init_ckpt.get("train_config")})
+    save = lambda: train.save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
+    bad = torch.zeros((), device=env.device, dtype=torch.bool)
+    loss_sum = torch.zeros((), device=env.device)
+    with train.stop_signals() as stop, log:
+        while run.it < cfg.max_iters:
+            loss = dcd_step(run, teacher_fn, cfg, env, *run.loader.next_batch())
+            loss_sum += loss
+            bad |= ~torch.isfinite(loss)
+            last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
+            stopping = False
+            if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
+                mean, is_bad, stopping = train.agree(env, loss_sum, bad, stop["signal"] is not None)
+                if is_bad:
+                    raise FloatingPointError(f"non-finite DCD loss by step {run.it}; the last good checkpoint in "
+                                             f"{cfg.out_dir} is kept. Lower --lr.")
+                log.progress(run.it, mean, train.lr_at(run.it - 1, cfg))
+                loss_sum.zero_()
+            if (run.it % cfg.eval_interval == 0 or last) and not stopping:
+                sums = train.reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, teacher_fn, cfg, data_dir, env))
+                if sums is not None:
+                    log.metrics(run.it, val_metrics(sums, cfg, data_dir, run.it))
+                stopping = train.any_rank(env, stop["signal"] is not None)
+            if save_now or last or stopping:
+                save()
+            if stopping:
+                log.close(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {run.it}; checkpoint saved "
+                          f"to {os.path.join(cfg.out_dir, 'ckpt.pt')} "
+                          + ("(distillation finished)" if last else "(continue with --resume 1)"))
+                return 130
+        log.close()
+        try:
+            with train.interruptible(stop):
+                if env.master and cfg.num_samples > 0:
+                    print_samples(run, cfg, init_ckpt, meta, env)
+        except train.Interrupted:
+            if env.master:
+                print(f"stopped by signal {stop['signal']} after distillation; checkpoint of step {run.it} saved to "
+                      f"{os.path.join(cfg.out_dir, 'ckpt.pt')}")
+            return 130
+    return 0
+
+
+def print_samples(run, cfg, init_ckpt, meta, env):
+    """A few few-step samples from the EMA weights, with the final step --final_step auto picks."""
+    from sample import default_final_step, generate
+    final_step = default_final_step({**init_ckpt, "distill_config": asdict(cfg)})
+    tok = get_tokenizer(meta["tokenizer"])
+    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
+    schedule = (init_ckpt.get("train_config") or {}).get("noise_schedule", "loglinear")
+    with train.ema_weights(run) as model:
+        model.eval()
+        ids = generate(model, cfg.num_samples, model.config.block_size, model.config.vocab_size, cfg.sample_steps,
+                       alpha_schedule=schedule, final_step=final_step, generator=gen, device=env.device)
+        model.train()
+    for i, row in enumerate(ids.tolist()):
+        print(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{tok.decode(row)}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    run_cli(main, DataError, FloatingPointError, FileNotFoundError,
+            oom_hint="lower the micro-batch: raise --grad_accum (or lower --batch_size)")
