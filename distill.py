@@ -32,17 +32,14 @@ import math
 import os
 import signal
 import sys
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 import diffusion
 import train
-from cli import (OutOfMemory, UsageError, autocast_for, check_writable, oom_summary, parse_flags, remove_stale_temps,
-                 resolve_dtype, run_cli, write_json)
+from cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli, write_json
 from data import DataError, check_tokenizer, eval_batches, get_tokenizer, load_meta
 from eval_ppl import nelbo_ppl
 from model import ModelConfig
@@ -273,24 +270,10 @@ def open_out_dir(cfg):
     """The checkpoint to resume (None for a fresh run). A fresh run never overwrites a checkpoint nor mixes its
     log with an earlier run's; a resume must find a readable distill.py checkpoint with the same DCD settings,
     short of --max_iters. A refused run changes nothing in out_dir."""
-    check_writable(cfg.out_dir, "--out_dir", folder=True)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    remove_stale_temps(path)              # a save killed half-way (SIGKILL) leaves its temp file
-    if not cfg.resume:
-        if os.path.exists(path):
-            raise UsageError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
-        if os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):
-            raise UsageError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
-                             f"checkpoint; delete it or choose another --out_dir")
+    ckpt = train.load_resume_checkpoint(cfg)
+    if ckpt is None:
         return None
-    if not os.path.exists(path):
-        raise UsageError(f"--resume: no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
     saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
     if saved is None or any(k not in ckpt for k in (*train.RESUME_KEYS, "teacher")):
         raise UsageError(f"cannot resume from {path}: not a distill.py checkpoint")
@@ -333,34 +316,19 @@ def refresh_teacher(teacher, run, cfg):
 
 
 def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
-    """One optimizer step of DCD on this rank's part of a global batch (train.train_step's structure): times
-    and pair noise for the GLOBAL batch from gen_shared, sliced per rank and micro-batch, so a DDP run equals a
-    single process. -> the step's mean loss (a detached 0-dim tensor)."""
-    lr = train.lr_at(run.it, cfg)
-    for g in run.optimizer.param_groups:
-        g["lr"] = lr
+    """One optimizer step of DCD on this rank's part of a global batch (train.accumulate_step, as train.py's
+    step): the teacher refreshed at the start of a round; times and pair noise for the GLOBAL batch from
+    gen_shared, sliced per rank and micro-batch, so a DDP run equals a single process. -> the step's mean loss
+    (a detached 0-dim tensor)."""
     if run.it % cfg.round_iters == 0:
         refresh_teacher(teacher, run, cfg)
-    K = run.raw_model.config.vocab_size
     t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    noise_global = draw_pair_noise(cfg.batch_size, x0_all.shape[1], K, run.gen_shared, env.device)
-    micro = x0_all.shape[0] // cfg.grad_accum
-    total = torch.zeros((), device=env.device)
-    for m in range(cfg.grad_accum):
-        x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
-        mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
-        t, *noise = (diffusion.rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum)
-                     for v in (t_global, *noise_global))
-        sync = nullcontext() if (not env.ddp or m == cfg.grad_accum - 1) else run.model.no_sync()
-        with sync:
-            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
-                per_token = dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise)
-                loss = train.token_mean(per_token, mask) / cfg.grad_accum
-            loss.backward()
-        total += loss.detach()
-    run.n_ema = train.optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema)
-    run.it += 1
-    return total
+    noise_global = draw_pair_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
+                                   env.device)
+
+    def per_token_loss(x0, mask, t, *noise):
+        return dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise), mask
+    return train.accumulate_step(run, cfg, env, x0_all, mask_all, (t_global, *noise_global), per_token_loss)
 
 
 @torch.no_grad()
@@ -419,17 +387,7 @@ def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    env = train.setup_distributed(cfg)
-    try:
-        return distill(cfg, env)
-    except torch.OutOfMemoryError as e:
-        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
-                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; raise --grad_accum; the last "
-                          f"checkpoint in {cfg.out_dir} is kept") from None
-    finally:
-        if env.ddp and dist.is_initialized():
-            dist.destroy_process_group()
+    return train.run_distributed(cfg, lambda env: distill(cfg, env))
 
 
 def distill(cfg, env):

@@ -16,7 +16,8 @@
 # owt/lm1b: gpt2-large as in the paper, which needs transformers and the network; or an AR ckpt.pt, offline).
 # TRAIN_EXTRA (flags added to every training run, e.g. "--max_iters 30" for a quick check of the script),
 # ITERS (tiny: steps of the objectives and ε runs, default the tiny preset's 1000; curves every ITERS / 4),
-# SAMPLES (Gen PPL samples per evaluation), EPS_LOSSES and EPS_VALUES (the ε sweep; default V1 and V2 at
+# SAMPLES (Gen PPL samples per evaluation), FINAL_STEP (the sampler's final step, default ancestral for every
+# objective, as the paper's comparison; auto gives each objective its measured better one), EPS_LOSSES and EPS_VALUES (the ε sweep; default V1 and V2 at
 # 1e-3 and 1e-8: at paper scale each is a full run). owt/lm1b need the data (datasets + network the first time, then
 # data/ holds the token memmaps).
 set -euo pipefail
@@ -28,6 +29,7 @@ RUNS=${RUNS:-out-reproduce/$SCALE}
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l || true)
 NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 1 ))}
 PAR=${PAR:-1}
+FINAL_STEP=${FINAL_STEP:-ancestral}   # the same final step for every objective (auto: each its measured better one)
 OBJECTIVES="sddlm sddlm_v1 sddlm_v2 duo"
 EPS_LOSSES=${EPS_LOSSES:-sddlm_v1 sddlm_v2}
 EPS_VALUES=${EPS_VALUES:-1e-3 1e-8}     # besides the default losses.EPS = 1e-6 of the main runs
@@ -105,13 +107,14 @@ for stage in $STAGES; do
     eval)    # Gen PPL vs sampling steps (Fig. steps, Table main_results_metrics) and NELBO PPL of every model
       for loss in $OBJECTIVES; do
         evaluate "$RUNS/evals/$loss-genppl.json" "$RUNS/$loss" --metric genppl --judge "$JUDGE" \
-          --steps "$STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0
+          --steps "$STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0 --final_step "$FINAL_STEP"
         evaluate "$RUNS/evals/$loss-nelbo.json" "$RUNS/$loss" --metric nelbo
       done
       evaluate "$RUNS/evals/ar-nelbo.json" "$RUNS/ar" --metric nelbo
       for loss in $EPS_LOSSES; do for eps in $EPS_VALUES; do
         evaluate "$RUNS/evals/$loss-eps$eps-genppl.json" "$RUNS/eps/$loss-eps$eps" --metric genppl \
-          --judge "$JUDGE" --steps "$TABLE_STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0
+          --judge "$JUDGE" --steps "$TABLE_STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0 \
+          --final_step "$FINAL_STEP"
         evaluate "$RUNS/evals/$loss-eps$eps-nelbo.json" "$RUNS/eps/$loss-eps$eps" --metric nelbo
       done; done;;
     bench)   # step time and memory per objective (Fig. time)

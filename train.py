@@ -356,11 +356,10 @@ def prepare_data(cfg, env):
     return data_dir, load_meta(data_dir)
 
 
-def open_out_dir(cfg, mcfg, meta=None):
-    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
-    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
-    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
-    nothing in out_dir."""
+def load_resume_checkpoint(cfg):
+    """What train.py and distill.py share at start: out_dir writable and cleared of a killed save's temp file;
+    a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
+    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable)."""
     check_writable(cfg.out_dir, "--out_dir", folder=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -375,11 +374,22 @@ def open_out_dir(cfg, mcfg, meta=None):
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})"
                           ) from None
+
+
+def open_out_dir(cfg, mcfg, meta=None):
+    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
+    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
+    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
+    nothing in out_dir."""
+    ckpt = load_resume_checkpoint(cfg)
+    if ckpt is None:
+        return None
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
     missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
@@ -537,27 +547,36 @@ def _probe_step(run, cfg, env, micro, it):
 
 def train_step(run, cfg, env, x0_all, mask_all=None):
     """One optimizer step on this rank's part of a global batch x0_all (B_rank, L): times and noise for the
-    global batch from gen_shared, sliced per rank and micro-batch; forward, per-token loss, token mean and
-    backward per micro-batch (DDP syncs gradients on the last); then optimizer_step. -> the step's mean loss
+    global batch from gen_shared, then accumulate_step. -> the step's mean loss (a detached 0-dim tensor)."""
+    t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
+    draws_global = draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
+                              env.device)
+
+    def per_token_loss(x0, mask, t, *draws):
+        per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
+        return per_token, None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+    return accumulate_step(run, cfg, env, x0_all, mask_all, (t_global, *draws_global), per_token_loss)
+
+
+def accumulate_step(run, cfg, env, x0_all, mask_all, draws_global, per_token_loss):
+    """The optimizer step shared by train.py and distill.py: learning rate of step run.it; per micro-batch, this
+    rank's slice of every global draw (diffusion.rank_slice, so a DDP run equals one process), forward under
+    autocast via per_token_loss(x0, mask, *draws) -> (per-token loss, token weights or None), token mean and
+    backward (DDP syncs gradients on the last micro-batch only); then optimizer_step. -> the step's mean loss
     (a detached 0-dim tensor: no host sync here)."""
     lr = lr_at(run.it, cfg)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    V = run.raw_model.config.vocab_size
-    t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    draws_global = draw_noise(cfg.batch_size, x0_all.shape[1], V, run.gen_shared, env.device)
     micro = x0_all.shape[0] // cfg.grad_accum
     total = torch.zeros((), device=env.device)
     for m in range(cfg.grad_accum):
         x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
         mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
-        t, *draws = (diffusion.rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum)
-                     for v in (t_global, *draws_global))
+        draws = [diffusion.rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum) for v in draws_global]
         sync = nullcontext() if (not env.ddp or m == cfg.grad_accum - 1) else run.model.no_sync()
         with sync:
             with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
-                per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
-                weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+                per_token, weight = per_token_loss(x0, mask, *draws)
                 loss = token_mean(per_token, weight) / cfg.grad_accum
             loss.backward()
         total += loss.detach()
@@ -864,11 +883,21 @@ def main(argv=None):
     flagship = flagship_launch(argv, cfg)
     if flagship:
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
-    env = setup_distributed(cfg)
-    if flagship and env.master:
-        print(FLAGSHIP_NOTE, flush=True)
-    try:
+
+    def work(env):
+        if flagship and env.master:
+            print(FLAGSHIP_NOTE, flush=True)
         return train(cfg, env)
+    return run_distributed(cfg, work)
+
+
+def run_distributed(cfg, work):
+    """work(env) in this process's place of a torchrun job (setup_distributed), the process group torn down
+    after it. Out of memory -> one line naming the micro-batch and the flag that halves it; the checkpoint on
+    disk is kept. Shared by train.py and distill.py."""
+    env = setup_distributed(cfg)
+    try:
+        return work(env)
     except torch.OutOfMemoryError as e:
         micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
         fix = (f"set --grad_accum {2 * cfg.grad_accum} (micro-batch {micro // 2})" if micro > 1 and
