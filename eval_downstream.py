@@ -584,7 +584,7 @@ def validate(cfg):
         raise EvalError(f"--cfg must be off, on or both, got {cfg.cfg!r}")
     if cfg.greedy_check not in GREEDY_CHECKS:
         raise EvalError(f"--greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {cfg.greedy_check!r}")
-    check_sampler(cfg.steps, "ancestral" if cfg.final_step == "auto" else cfg.final_step, cfg.top_p)
+    check_sampler(cfg.steps, cfg.final_step, cfg.top_p)
     if cfg.rolling_context < 0:
         raise EvalError(f"--rolling_context must be >= 0, got {cfg.rolling_context}")
     if not os.path.isfile(cfg.ckpt):

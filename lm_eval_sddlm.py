@@ -99,7 +99,7 @@ class SDDLMHarness(LM):
         self.steps, self.final_step = coerce(steps, int, "steps"), str(final_step)
         self.top_p = coerce(top_p, float, "top_p")
         try:
-            check_sampler(self.steps, "ancestral" if self.final_step == "auto" else self.final_step, self.top_p)
+            check_sampler(self.steps, self.final_step, self.top_p)
         except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
             raise ed.EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")

@@ -172,11 +172,12 @@ def default_final_step(ckpt):
 
 def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule="loglinear"):
     """The sampler's settings, checked once (by generate, and by the CLI before it loads a model); the messages
-    name the flags, which are generate's keyword arguments. Raises UsageError."""
+    name the flags, which are generate's keyword arguments. final_step may be "auto" (the CLI's default, which
+    default_final_step resolves once the checkpoint is loaded). Raises UsageError."""
     if steps < 1:
         raise UsageError(f"--steps must be >= 1 (the number of reverse steps), got {steps}")
-    if final_step not in FINAL_STEPS:
-        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, got {final_step!r}")
+    if final_step not in (*FINAL_STEPS, "auto"):
+        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, auto; got {final_step!r}")
     if schedule not in diffusion.SCHEDULES:
         raise UsageError(f"--noise_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {schedule!r}")
     if not 0 < top_p <= 1:
@@ -198,6 +199,8 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     `generator`, or torch.initial_seed(), plus 1), so the sampling noise, and with it every sample, is
     identical whether CFG is on or off; cfg_w = 0 skips the unconditional branch."""
     check_sampler(steps, final_step, top_p, t_end, alpha_schedule)
+    if final_step == "auto":
+        raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")
     device = torch.device(device) if device is not None else _device_of(model)
     B, L, K = num_samples, seq_len, vocab_size
     fixed, fixed_val = fixed_positions(B, L, prompt_ids, fixed_mask, fixed_ids, device)
@@ -271,7 +274,7 @@ class SampleConfig:
     batch_size: int = 0              # sequences per sampler call (0 = num_samples)
     seq_len: int = 0                 # 0 = the model's block_size
     steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
-    final_step: str = "auto"         # ancestral | greedy | none | auto (by objective and distillation)
+    final_step: str = "auto"         # ancestral | greedy | none | auto (by objective: default_final_step)
     noise_schedule: str = ""         # loglinear | cosine; "" = the checkpoint's training schedule
     t_end: float = 1e-5              # the grid runs from t = 1 to t_end
     top_p: float = 1.0               # nucleus on x_theta (1 = off)
@@ -309,8 +312,7 @@ def parse_prompt(cfg, tok, vocab_size):
 
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
-    check_sampler(cfg.steps, "ancestral" if cfg.final_step == "auto" else cfg.final_step, cfg.top_p, cfg.t_end,
-                  cfg.noise_schedule or "loglinear")
+    check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
     if cfg.out:

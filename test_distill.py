@@ -19,7 +19,7 @@ import diffusion
 import distill
 import train
 from model import ModelConfig, build_model
-from sample import default_final_step
+from sample import default_final_step, generate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
@@ -215,6 +215,9 @@ def test_final_step_auto_is_greedy_for_nelbo_models_only():
         for loss in ("sddlm", "sddlm_v1", "sddlm_v2", "naive"):
             assert default_final_step({"train_config": {"loss": loss}, **distilled}) == "ancestral"
     assert default_final_step({}) == "ancestral"           # a checkpoint that names no objective
+    model = build_model(ModelConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
+    with pytest.raises(ValueError, match="default_final_step"):    # never taken for "none" silently
+        generate(model, 1, 6, 11, 2, final_step="auto")
 
 
 # -----------------------------------------------------------------------------------------------
