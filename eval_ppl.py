@@ -45,7 +45,7 @@ import diffusion
 import losses
 from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_model, load_tokenizer, parse_flags,
                  resolve_device, resolve_dtype, run_cli, write_json)
-from sample import FINAL_STEPS, default_final_step, generate, generate_ar
+from sample import check_sampler, default_final_step, generate, generate_ar
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -426,8 +426,7 @@ def main(argv=None):
         raise UsageError(f"--metric must be nelbo, zeroshot or genppl, got {cfg.metric!r}")
     if cfg.batch_size < 1 or cfg.judge_batch_size < 1 or cfg.mc_draws < 1 or cfg.num_samples < 1:
         raise UsageError("--batch_size, --judge_batch_size, --mc_draws and --num_samples must be >= 1")
-    if not 0 < cfg.top_p <= 1:
-        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}")
+    check_sampler(1, cfg.final_step, cfg.top_p)       # --steps is a list, checked in run_genppl
     if not 0 < cfg.t_min < 1:
         raise UsageError(f"--t_min must be in (0, 1), got {cfg.t_min}")
     if cfg.max_batches < 0:
@@ -435,8 +434,6 @@ def main(argv=None):
     for flag, path in (("--out", cfg.out), ("--save_samples", cfg.save_samples)):
         if path:
             check_writable(path, flag)
-    if cfg.final_step not in (*FINAL_STEPS, "auto"):
-        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, auto; got {cfg.final_step!r}")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     ckpt = None
