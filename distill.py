@@ -30,7 +30,6 @@ for evaluation and sampling, atomic checkpoints, Ctrl-C saves, --resume 1 contin
 import copy
 import math
 import os
-import signal
 import sys
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -39,14 +38,21 @@ import torch
 
 import diffusion
 import train
-from cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli, write_json
+from cli import UsageError, autocast_for, first_line, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, eval_batches, get_tokenizer, load_meta
-from eval_ppl import nelbo_ppl
+from eval_ppl import nelbo_sums
 from model import ModelConfig
+from objective import token_mean, unwrap
+from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, restore, save
+from plumbing.distributed import run_distributed
+from plumbing.files import write_json
+from plumbing.runlog import Log
 
 
 @dataclass
-class DistillConfig:
+class DistillConfig(train.OptimConfig):
+    """train.OptimConfig's optimisation, evaluation and system flags (train.py's names and meaning), with DCD's
+    defaults, and the DCD settings."""
     preset: str = "tiny"             # tiny (CPU schedule) | small (Duo's distil_owt.sh), see DISTILL_PRESETS
     init: str = "out/ckpt.pt"        # the checkpoint to distil: train.py's, or distill.py's for more rounds
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
@@ -58,33 +64,17 @@ class DistillConfig:
     divergence: str = "kl_bwd"       # kl_bwd: KL(student || teacher) (Duo's default) | kl_fwd: KL(teacher || student)
     teacher: str = "live"            # the teacher of a round: the student's live weights (Duo) | its ema weights
     data_dir: str = ""               # prepared data ("" = the one recorded in --init)
-    # optimisation (train.py's names and meaning)
+    # DCD's defaults of train.OptimConfig's fields
     max_iters: int = 400
-    batch_size: int = 32             # GLOBAL batch in sequences
-    grad_accum: int = 1
     lr: float = 1e-4
-    lr_schedule: str = "constant"    # constant | linear | cosine (after warm-up)
-    min_lr: float = 0.0
+    lr_schedule: str = "constant"
     warmup_iters: int = 10
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ema: float = 0.99                # EMA decay (0 = off), with Duo's warm-up
-    # evaluation, logging, checkpoints
+    ema: float = 0.99                # with Duo's warm-up
     eval_interval: int = 100
     eval_iters: int = 4
-    log_interval: int = 10
     ckpt_interval: int = 100
-    num_samples: int = 4             # few-step samples printed at the end
-    sample_steps: int = 8
+    sample_steps: int = 8            # few-step samples printed at the end
     out_dir: str = "out-dcd"
-    resume: bool = False
-    # system
-    seed: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
 
 
 DISTILL_PRESETS = {
@@ -186,7 +176,7 @@ def dcd_loss_terms(student, teacher, cfg, x0, t, it, noise):
     """Per-token DCD loss (B, L) of clean x0 (B, L) at stratified times t (B,) for step `it`: the two times
     t + dt and t, their levels alpha = T(gamma), the coupled pair from `noise` (this batch's draw_pair_noise),
     the student at (z_t, sigma_t) and the teacher (no gradient) at (z_s, sigma_s)."""
-    K = train.unwrap(student).config.vocab_size
+    K = unwrap(student).config.vocab_size
     dt = step_size(it, cfg)
     t = (t + dt).clamp(max=1.0)
     s = t - dt
@@ -247,7 +237,7 @@ def load_init(cfg):
     try:
         ckpt = torch.load(cfg.init, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
     if ckpt["model_config"].get("causal"):
@@ -270,12 +260,12 @@ def open_out_dir(cfg):
     """The checkpoint to resume (None for a fresh run). A fresh run never overwrites a checkpoint nor mixes its
     log with an earlier run's; a resume must find a readable distill.py checkpoint with the same DCD settings,
     short of --max_iters. A refused run changes nothing in out_dir."""
-    ckpt = train.load_resume_checkpoint(cfg)
+    ckpt = load_resume_checkpoint(cfg)
     if ckpt is None:
         return None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
     saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
-    if saved is None or any(k not in ckpt for k in (*train.RESUME_KEYS, "teacher")):
+    if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
         raise UsageError(f"cannot resume from {path}: not a distill.py checkpoint")
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
@@ -343,7 +333,7 @@ def evaluate(run, teacher, cfg, data_dir, env):
                                    world_size=env.world_size, device=env.device)
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
     sums = torch.zeros(4, dtype=torch.float64)
-    with train.ema_weights(run) as model:
+    with ema_weights(run) as model:
         model.eval()
         gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
         for x0, mask in batches():
@@ -352,13 +342,10 @@ def evaluate(run, teacher, cfg, data_dir, env):
             with autocast_for(env.device, dtype):
                 per_token = dcd_loss_terms(model, teacher, cfg, x0, t, it, noise)
             n = float(mask.sum()) if mask is not None else per_token.numel()
-            sums[0] += float(train.token_mean(per_token, mask)) * n
+            sums[0] += float(token_mean(per_token, mask)) * n
             sums[1] += n
         if sums[1] > 0:      # a rank past the last batch contributes nothing
-            nelbo = nelbo_ppl(model, batches(), model.config.vocab_size,
-                              generator=torch.Generator(device=env.device).manual_seed(1234 + env.rank),
-                              device=env.device, dtype=dtype, show_progress=False)
-            sums[2:] = torch.tensor([nelbo["nll"] * nelbo["tokens"], nelbo["tokens"]], dtype=torch.float64)
+            sums[2:] = nelbo_sums(model, batches(), env, dtype)
         model.train()
     return sums
 
@@ -387,7 +374,7 @@ def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    return train.run_distributed(cfg, lambda env: distill(cfg, env))
+    return run_distributed(cfg, lambda env: distill(cfg, env))
 
 
 def distill(cfg, env):
@@ -408,7 +395,7 @@ def distill(cfg, env):
         return 0
     run = train.build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
-        train.restore(run, ckpt, env)
+        restore(run, ckpt, env)
     else:
         load_weights(run, weights)
     teacher = make_teacher(run.raw_model)
@@ -416,7 +403,7 @@ def distill(cfg, env):
         teacher.load_state_dict(ckpt["teacher"])
     teacher_fn = torch.compile(teacher) if cfg.compile else teacher
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
-    log = train.Log(SimpleNamespace(out_dir=cfg.out_dir, batch_size=cfg.batch_size, block_size=mcfg.block_size,
+    log = Log(SimpleNamespace(out_dir=cfg.out_dir, batch_size=cfg.batch_size, block_size=mcfg.block_size,
                                     loss=f"dcd {base_loss}", max_iters=cfg.max_iters, resume=cfg.resume), env, run.it)
     if env.master:
         K, table = mcfg.vocab_size, (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
@@ -431,46 +418,14 @@ def distill(cfg, env):
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
                     "train_config": init_ckpt.get("train_config")})
-    save = lambda: train.save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
-    bad = torch.zeros((), device=env.device, dtype=torch.bool)
-    loss_sum = torch.zeros((), device=env.device)
-    with train.stop_signals() as stop, log:
-        while run.it < cfg.max_iters:
-            loss = dcd_step(run, teacher_fn, cfg, env, *run.loader.next_batch())
-            loss_sum += loss
-            bad |= ~torch.isfinite(loss)
-            last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
-            stopping = False
-            if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
-                mean, is_bad, stopping = train.agree(env, loss_sum, bad, stop["signal"] is not None)
-                if is_bad:
-                    raise FloatingPointError(f"non-finite DCD loss by step {run.it}; the last good checkpoint in "
-                                             f"{cfg.out_dir} is kept. Lower --lr.")
-                log.progress(run.it, mean, train.lr_at(run.it - 1, cfg))
-                loss_sum.zero_()
-            if (run.it % cfg.eval_interval == 0 or last) and not stopping:
-                sums = train.reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, teacher_fn, cfg, data_dir, env))
-                if sums is not None:
-                    log.metrics(run.it, val_metrics(sums, cfg, data_dir, run.it))
-                stopping = train.any_rank(env, stop["signal"] is not None)
-            if save_now or last or stopping:
-                save()
-            if stopping:
-                log.close(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {run.it}; checkpoint saved "
-                          f"to {os.path.join(cfg.out_dir, 'ckpt.pt')} "
-                          + ("(distillation finished)" if last else "(continue with --resume 1)"))
-                return 130
-        log.close()
-        try:
-            with train.interruptible(stop):
-                if env.master and cfg.num_samples > 0:
-                    print_samples(run, cfg, init_ckpt, meta, env)
-        except train.Interrupted:
-            if env.master:
-                print(f"stopped by signal {stop['signal']} after distillation; checkpoint of step {run.it} saved to "
-                      f"{os.path.join(cfg.out_dir, 'ckpt.pt')}")
-            return 130
-    return 0
+    return train.guarded_loop(
+        run, cfg, env, log, lambda *batch: dcd_step(run, teacher_fn, cfg, env, *batch),
+        [(cfg.eval_interval, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
+          lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
+        save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
+        samples=lambda: print_samples(run, cfg, init_ckpt, meta, env), what="distillation",
+        nonfinite=lambda it: f"non-finite DCD loss by step {it}; the last good checkpoint in {cfg.out_dir} is kept. "
+                             f"Lower --lr.")
 
 
 def print_samples(run, cfg, init_ckpt, meta, env):
@@ -480,7 +435,7 @@ def print_samples(run, cfg, init_ckpt, meta, env):
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     schedule = (init_ckpt.get("train_config") or {}).get("noise_schedule", "loglinear")
-    with train.ema_weights(run) as model:
+    with ema_weights(run) as model:
         model.eval()
         ids = generate(model, cfg.num_samples, model.config.block_size, model.config.vocab_size, cfg.sample_steps,
                        alpha_schedule=schedule, final_step=final_step, generator=gen, device=env.device)

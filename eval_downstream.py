@@ -60,8 +60,9 @@ from tqdm import tqdm
 import diffusion
 import losses
 from data import DataError, read_text
-from cli import (UsageError, autocast_for, load_model, load_tokenizer, parse_flags, resolve_device, resolve_dtype,
-                 run_cli, save_atomic, write_json)
+from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.checkpoint import load_model, load_tokenizer
+from plumbing.files import save_atomic, write_json
 from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
@@ -423,8 +424,7 @@ def hub_offline_check(timeout=3.0):
 def lm_eval_failure(e, task=None):
     """One line for an exception raised inside lm-eval (a dataset that cannot be reached, an unknown task, ...),
     naming the variable to set when the cause looks like a missing network."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    msg = f"lm-eval failed{f' on task {task!r}' if task else ''}: {type(e).__name__}: {first}"
+    msg = f"lm-eval failed{f' on task {task!r}' if task else ''}: {type(e).__name__}: {first_line(e)}"
     offline = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes") for v in OFFLINE_VARS)
     if offline and ("Offline" in msg or "Hub" in msg):
         msg += " (offline mode: only datasets in the local Hugging Face cache can load)"

@@ -43,8 +43,10 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_model, load_tokenizer, parse_flags,
-                 resolve_device, resolve_dtype, run_cli, write_json)
+from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
+from objective import loss_terms, token_mean
+from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
+from plumbing.files import append_jsonl, check_writable, write_json
 from sample import check_sampler, default_final_step, generate, generate_ar
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
@@ -98,6 +100,15 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
 
 # -----------------------------------------------------------------------------------------------
 # zero-shot text: documents -> wrapped blocks
+
+def nelbo_sums(model, batches, env, dtype=None):
+    """nelbo_ppl of one rank's validation batches during training, with the same draws at every evaluation
+    (seeded per rank) -> float64 (NLL sum, tokens), for the caller to add over ranks."""
+    nelbo = nelbo_ppl(model, batches, model.config.vocab_size,
+                      generator=torch.Generator(device=env.device).manual_seed(1234 + env.rank),
+                      device=env.device, dtype=dtype, show_progress=False)
+    return torch.tensor([nelbo["nll"] * nelbo["tokens"], nelbo["tokens"]], dtype=torch.float64)
+
 
 def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
     """Duo's zero-shot wrap WITHOUT an EOS between documents: the documents' ids concatenated, then
@@ -221,8 +232,8 @@ def load_judge(spec, device):
         hf_tok = transformers.AutoTokenizer.from_pretrained(spec)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(spec).to(device).eval()
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"could not load judge {spec!r} ({type(e).__name__}: {msg}); {offline_hint}") from None
+        raise UsageError(f"could not load judge {spec!r} ({type(e).__name__}: {first_line(e)}); {offline_hint}"
+                         ) from None
     context = getattr(hf_model.config, "n_positions", None) or hf_model.config.max_position_embeddings
     return Judge(name=f"hf:{spec}", logits=lambda ids, attn: hf_model(input_ids=ids, attention_mask=attn).logits,
                  encode=lambda text: hf_tok(text)["input_ids"], eos_id=hf_tok.eos_token_id, context=context)
@@ -418,6 +429,102 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
                          show_progress=show_progress)
         how = "decoded text retokenized with the judge's tokenizer"
     return dict(model=label, steps=steps, entropy=entropy(ids), tokenization=how, **result)
+
+
+# -----------------------------------------------------------------------------------------------
+# validation during training (train.py): the objective and the NELBO, with the EMA weights
+
+@torch.no_grad()
+def evaluate(run, cfg, data_dir, env):
+    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
+    i % world_size: the training objective's loss (curriculum off), and the NELBO perplexity of
+    eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear schedule; exact PPL for 'ar'),
+    both with the same draws at every evaluation (seeded per rank), so runs are comparable. -> this rank's
+    float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over ranks (val_metrics)."""
+    from data import eval_batches
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters or None, rank=env.rank,
+                                   world_size=env.world_size, device=env.device)
+    sums = torch.zeros(4, dtype=torch.float64)     # objective sum, its tokens, NELBO sum, its tokens
+    with ema_weights(run) as model:
+        model.eval()
+        gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
+        for x0, mask in batches():
+            t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
+            with autocast_for(env.device, dtype):
+                per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)
+            weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+            n = float(weight.sum()) if weight is not None else per_token.numel()
+            sums[0] += float(token_mean(per_token, weight)) * n
+            sums[1] += n
+        if sums[1] > 0:      # a rank past the last batch contributes nothing
+            sums[2:] = nelbo_sums(model, batches(), env, dtype)
+        model.train()
+    return sums
+
+
+def val_metrics(sums, cfg, data_dir):
+    """evaluate's sums, added over ranks -> the log.jsonl record."""
+    from data import DataError
+    if sums[1] == 0 or sums[3] == 0:
+        raise DataError(f"{data_dir}: the validation split has no sequences of length {cfg.block_size}")
+    nll = float(sums[2] / sums[3])
+    return {"val_loss": float(sums[0] / sums[1]), "val_nelbo": nll, "val_ppl": math.exp(min(nll, 50)),
+            "val_tokens": int(sums[3])}
+
+
+# -----------------------------------------------------------------------------------------------
+# sample quality during training (train.py --gen_interval)
+
+def load_gen_judge(cfg, env):
+    """The judge of sample_quality, or None when --gen_interval is 0. Loaded on every rank before the data are
+    prepared, so a missing judge fails at once (eval_ppl.load_judge never substitutes another)."""
+    if not cfg.gen_interval:
+        return None
+    return load_judge(cfg.judge, env.device)
+
+
+@torch.no_grad()
+def sample_quality(run, cfg, env, judge, tok):
+    """Gen PPL and entropy of gen_num_samples samples from the EMA weights (paper Figs. ppl_curve_lm1b and
+    entropy_curve_lm1b): the ancestral sampler with gen_steps steps and an ancestral final step (the AR baseline:
+    its own sampler). Rank r draws samples r, r + W, ... with a generator seeded gen_seed + r, the same draws at
+    every call, so a curve follows the model and not the sampling noise; each rank scores its share with the
+    judge (eval_ppl.score_samples). -> this rank's float64 sums (NLL, scored tokens, entropy, samples); added over
+    ranks (gen_metrics), they pool all samples exactly as one process would."""
+    n = len(range(env.rank, cfg.gen_num_samples, env.world_size))
+    gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed + env.rank)
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    dtype = resolve_dtype(cfg.dtype, env.device)
+    sums = torch.zeros(4, dtype=torch.float64)      # NLL sum, scored tokens, entropy sum, samples
+    if n:
+        ids = []
+        with ema_weights(run) as model:
+            model.eval()
+            for b in range(0, n, micro):
+                m = min(micro, n - b)
+                if cfg.loss == "ar":
+                    ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
+                                       dtype=dtype, show_progress=False).tolist()
+                else:
+                    ids += generate(model, m, cfg.block_size, model.config.vocab_size, cfg.gen_steps,
+                                    alpha_schedule=cfg.noise_schedule, final_step="ancestral", generator=gen,
+                                    device=env.device, dtype=dtype, show_progress=False).tolist()
+            model.train()
+        r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
+                          steps=cfg.gen_steps, show_progress=False)
+        sums = torch.tensor([r["nll"] * r["tokens"], r["tokens"], r["entropy"] * n, n], dtype=torch.float64)
+    return sums
+
+
+def gen_metrics(sums, cfg, judge):
+    """sample_quality's sums, added over ranks -> the log.jsonl record, naming the judge and sampler settings."""
+    nll = float(sums[0] / sums[1])
+    return {"gen_ppl": math.exp(min(nll, 700.0)), "gen_nll": nll, "gen_entropy": float(sums[2] / sums[3]),
+            "gen_samples": int(sums[3]), "gen_steps": None if cfg.loss == "ar" else cfg.gen_steps,
+            "gen_sampler": "ar" if cfg.loss == "ar" else "ancestral, final step ancestral",
+            "gen_seed": cfg.gen_seed, "gen_judge": judge.name}
 
 
 def main(argv=None):

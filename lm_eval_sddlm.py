@@ -43,7 +43,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 import eval_downstream as ed
-from cli import UsageError, load_model, load_tokenizer, parse_bool, resolve_device, resolve_dtype, run_cli
+from cli import UsageError, parse_bool, resolve_device, resolve_dtype, run_cli
+from plumbing.checkpoint import load_model, load_tokenizer
 from data import DataError
 from sample import check_sampler, default_final_step
 

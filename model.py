@@ -6,13 +6,11 @@ Two architectures share one class:
   arch="dit"   Duo's DiT (adaLN-Zero time conditioning, bias-free LayerNorm, GELU MLP, zero-init output).
   arch="llama" SMDM's LLaMA-style encoder (RMSNorm, SwiGLU, no time input, untied head).
 time_cond=False gives a DiT without the sigma MLP and adaLN; with causal=True it is the AR baseline.
+Loading checkpoints (this repo's and Duo's released ones) is plumbing/checkpoint.py and plumbing/duo.py.
 """
 
-import json
 import math
-import os
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -341,143 +339,6 @@ class DiffusionTransformer(nn.Module):
 def build_model(config):
     """ModelConfig (or a dict of its fields) -> DiffusionTransformer"""
     return DiffusionTransformer(config if isinstance(config, ModelConfig) else ModelConfig(**config))
-
-
-def load_checkpoint(path, device="cpu", use_ema=True):
-    """Checkpoint written by train.py -> (model in eval mode, checkpoint dict). Uses the EMA weights when
-    use_ema and the checkpoint has them. Only load trusted files (full unpickling)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:
-        raise ValueError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
-    model = build_model(ckpt["model_config"])
-    state = ckpt["ema"] if use_ema and ckpt.get("ema") is not None else ckpt["model"]
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not fit its model_config ({str(e).splitlines()[0]})") from None
-    return model.to(device).eval(), ckpt
-
-
-# -----------------------------------------------------------------------------
-# Duo's released checkpoints (s-sahoo/duo, models/dit.py DIT) in this DiT, to check this repo's NELBO and Gen PPL
-# pipeline against Duo's published numbers. The two networks compute the same function (adaLN-Zero blocks,
-# bias-free LayerNorm, rotate-half RoPE, tanh GELU, biased output layer); only the parameter names differ.
-
-DUO_KEYS = [   # (Duo's name after its "backbone." prefix, ours): regular expressions, in order
-    (r"vocab_embed\.embedding", r"wte.weight"),
-    (r"sigma_map\.mlp\.(0|2)\.(weight|bias)", r"sigma_map.\1.\2"),
-    (r"blocks\.(\d+)\.norm(1|2)\.weight", r"blocks.\1.norm\2.weight"),
-    (r"blocks\.(\d+)\.attn_qkv\.weight", r"blocks.\1.attn.qkv.weight"),        # (3d, d): [q; k; v], heads inside
-    (r"blocks\.(\d+)\.attn_out\.weight", r"blocks.\1.attn.proj.weight"),
-    (r"blocks\.(\d+)\.mlp\.0\.(weight|bias)", r"blocks.\1.mlp.fc.\2"),
-    (r"blocks\.(\d+)\.mlp\.2\.(weight|bias)", r"blocks.\1.mlp.out.\2"),
-    (r"blocks\.(\d+)\.adaLN_modulation\.(weight|bias)", r"blocks.\1.adaLN.\2"),  # [shift, scale, gate] x (attn, mlp)
-    (r"output_layer\.norm_final\.weight", r"norm_f.weight"),
-    (r"output_layer\.adaLN_modulation\.(weight|bias)", r"adaLN_f.\1"),            # [shift, scale]
-    (r"output_layer\.linear\.(weight|bias)", r"lm_head.\1"),
-]
-DUO_BUFFERS = ("rotary_emb.inv_freq",)   # recomputed here from rope_base
-
-
-def duo_key(name):
-    """One of Duo's backbone parameter names (without "backbone.") -> ours, None for a buffer we recompute.
-    Raises ValueError for a name outside the map, so nothing is dropped silently."""
-    if name in DUO_BUFFERS:
-        return None
-    for pattern, ours in DUO_KEYS:
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, ours, name)
-    raise ValueError(f"unexpected parameter {name!r} in a Duo checkpoint (not in model.DUO_KEYS)")
-
-
-def duo_state_dict(state, ema_params=None):
-    """Duo's DIT state dict (keys with or without the "backbone." prefix of its Lightning module; other
-    modules' keys are ignored) -> (our state dict, our ModelConfig fields read from the shapes).
-    ema_params: the "shadow_params" list of a Lightning checkpoint's "ema" entry (Duo's EMA over
-    backbone.parameters(), in registration order = the order of the parameter keys), used instead of the weights."""
-    prefix = "backbone." if any(k.startswith("backbone.") for k in state) else ""
-    names = [k[len(prefix):] for k in state if k.startswith(prefix)]
-    params = [(k, duo_key(k)) for k in names if duo_key(k) is not None]
-    values = [state[prefix + k] for k, _ in params]
-    if ema_params is not None:
-        if len(ema_params) != len(params) or any(e.shape != v.shape for e, v in zip(ema_params, values)):
-            raise ValueError(f"the EMA has {len(ema_params)} tensors that do not match the {len(params)} backbone "
-                             f"parameters in order and shape")
-        values = list(ema_params)
-    ours = {o: v for (_, o), v in zip(params, values)}
-    if "wte.weight" not in ours:
-        raise ValueError("not a Duo DIT state dict: no vocab_embed.embedding")
-    K, d = ours["wte.weight"].shape
-    time_cond = "sigma_map.0.weight" in ours     # Duo's AR baseline (DDiTBlockCausal) has no sigma map or adaLN
-    fields = dict(arch="dit", vocab_size=K, n_embd=d, n_layer=1 + max(int(o.split(".")[1]) for o in ours
-                                                                      if o.startswith("blocks.")),
-                  mlp_hidden=ours["blocks.0.mlp.fc.weight"].shape[0], time_cond=time_cond, causal=not time_cond)
-    if time_cond:
-        fields["cond_dim"] = ours["sigma_map.0.weight"].shape[0]
-    return {k: v.float() for k, v in ours.items()}, fields
-
-
-def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_size=None):
-    """A Duo checkpoint -> (model in eval mode, a checkpoint dict as train.py writes: meta, train_config, step).
-    spec: a Lightning .ckpt (dict with "state_dict" of backbone.* keys, and "ema"), a .safetensors / .bin / .pt
-    state dict, a folder holding one (with Duo's Hugging Face config.json), or a Hugging Face hub name
-    (s-sahoo/duo, s-sahoo/duo-distilled; needs huggingface_hub and the network). Not in the tensors and so set
-    here: n_head (default config.json's n_heads, else d / 64, Duo's head size), block_size (config.json's
-    model_length, else 128 for K = 30522 (LM1B), else 1024), the tokenizer (K = 50258: "gpt2", this repo's GPT-2
-    BPE + [PAD] with Duo's ids; K = 30522: "hf:bert-base-uncased") and the log-linear schedule Duo trains with.
-    Only load trusted files (.ckpt and .pt unpickle)."""
-    path, extra = spec, {}
-    if not os.path.exists(path):
-        try:
-            from huggingface_hub import snapshot_download
-        except ImportError:
-            raise ValueError(f"duo:{spec} is not a local file or folder, and loading it from the Hugging Face hub "
-                             f"needs huggingface_hub (pip install huggingface_hub)") from None
-        try:
-            path = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.bin"])
-        except Exception as e:
-            raise ValueError(f"duo:{spec}: could not download it ({type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
-                extra = json.load(f)
-        files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
-        if not files:
-            raise ValueError(f"duo:{spec}: no model.safetensors or pytorch_model.bin in {path}")
-        path = os.path.join(path, files[0])
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        raw = {"state_dict": load_file(path)}
-    else:
-        try:
-            raw = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise ValueError(f"could not read Duo checkpoint {path}: {type(e).__name__}: {e}") from None
-    state = raw.get("state_dict", raw) if isinstance(raw, dict) else None
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise ValueError(f"{path} holds no state dict of tensors")
-    ema = (raw.get("ema") or {}).get("shadow_params") if use_ema else None
-    ours, fields = duo_state_dict(state, ema)
-    d, K = fields["n_embd"], fields["vocab_size"]
-    fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)
-    fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)
-    model = build_model(fields)
-    missing = set(model.state_dict()) - set(ours)
-    if missing:
-        raise ValueError(f"duo:{spec}: the checkpoint lacks {sorted(missing)[:4]}")
-    model.load_state_dict(ours)
-    tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)
-    ckpt = {"model_config": asdict(model.config), "meta": {"tokenizer": tokenizer} if tokenizer else {},
-            "train_config": {"noise_schedule": "loglinear", "loss": "ar" if fields["causal"] else "duo"},
-            "step": raw.get("global_step"), "source": f"duo:{spec}", "used_ema": ema is not None}
-    return model.to(device).eval(), ckpt
 
 
 # -----------------------------------------------------------------------------

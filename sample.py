@@ -38,8 +38,9 @@ import torch
 from tqdm import tqdm
 
 import diffusion
-from cli import (UsageError, append_jsonl, autocast_for, check_writable, load_model, load_tokenizer, parse_flags,
-                 resolve_device, resolve_dtype, run_cli)
+from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.checkpoint import load_model, load_tokenizer
+from plumbing.files import append_jsonl, check_writable
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes

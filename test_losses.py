@@ -10,7 +10,7 @@ import torch
 from losses import (EPS, ar_loss, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
                     sddlm_v2_loss, usdm_nelbo_loss)
 from diffusion import log_linear_schedule
-from conftest import bayes_posterior, transition_matrix
+from tests.conftest import bayes_posterior, transition_matrix
 
 B, L, V = 2, 6, 7
 

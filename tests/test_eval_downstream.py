@@ -19,9 +19,10 @@ import torch
 
 import eval_downstream as ed
 from data import get_tokenizer
-from model import ModelConfig, build_model, load_checkpoint
+from model import ModelConfig, build_model
+from plumbing.checkpoint import load_checkpoint
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 FACTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
 COLOURS = list(FACTS.values())
 

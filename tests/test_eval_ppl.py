@@ -16,7 +16,7 @@ import losses
 from eval_ppl import Judge, entropy, gen_ppl, nelbo_ppl, zero_shot_blocks
 from model import ModelConfig, build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TOY = ("--max_iters 6 --eval_interval 3 --ckpt_interval 3 --eval_iters 1 --n_layer 1 --n_embd 32 --n_head 2 "
        "--batch_size 4 --block_size 32")
 

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 import cli
+from plumbing import files
 import data
 import train
 from test_train import TINY, _corpus
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
 
 RUNNER = r"""
@@ -138,11 +139,11 @@ def test_failed_writes_keep_the_previous_file_and_leave_no_temp(tmp_path, monkey
                            "data/0: file write failed")
     with pytest.raises(OSError, match=r"could not write .*ckpt.pt \(PytorchStreamWriter failed writing file data/0"
                                       r".* GiB free there\); the previous .*ckpt.pt is kept"):
-        cli.save_atomic(str(path), torch_on_a_full_disk)
+        files.save_atomic(str(path), torch_on_a_full_disk)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
 
     log = tmp_path / "log.jsonl"
-    cli.append_jsonl(str(log), [{"step": 1}])
+    files.append_jsonl(str(log), [{"step": 1}])
     real_write = os.write
 
     def half_then_full(fd, b):
@@ -150,23 +151,23 @@ def test_failed_writes_keep_the_previous_file_and_leave_no_temp(tmp_path, monkey
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(cli.os, "write", half_then_full)
     with pytest.raises(OSError, match="No space left"):
-        cli.append_jsonl(str(log), [{"step": 2, "loss": 1.0}])
+        files.append_jsonl(str(log), [{"step": 2, "loss": 1.0}])
     assert log.read_text() == '{"step": 1}\n'                         # no torn line left
 
 
 def test_output_paths_are_checked_before_the_work(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     (tmp_path / "folder").mkdir()
-    cli.check_writable(str(tmp_path / "new" / "deeper" / "samples.jsonl"), "--out")   # made when written
-    cli.check_writable(str(tmp_path / "new_dir"), "--out_dir", folder=True)
+    files.check_writable(str(tmp_path / "new" / "deeper" / "samples.jsonl"), "--out")   # made when written
+    files.check_writable(str(tmp_path / "new_dir"), "--out_dir", folder=True)
     for path, folder, words in [(tmp_path / "folder", False, "is a folder"), (tmp_path / "file", True, "is a file"),
                                 (tmp_path / "file" / "x.jsonl", False, "is a file, not a folder"),
                                 (tmp_path / "file" / "sub", True, "is a file, not a folder")]:
         with pytest.raises(cli.UsageError, match=words):
-            cli.check_writable(str(path), "--out", folder=folder)
+            files.check_writable(str(path), "--out", folder=folder)
     monkeypatch.setattr(cli.os, "access", lambda path, mode: False)   # as a non-root user on a read-only folder
     with pytest.raises(cli.UsageError, match="is not writable"):
-        cli.check_writable(str(tmp_path / "folder" / "s.jsonl"), "--out")
+        files.check_writable(str(tmp_path / "folder" / "s.jsonl"), "--out")
 
 
 def test_a_resumed_log_keeps_the_lines_up_to_the_checkpoint(tmp_path):

@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
+import eval_ppl
 import losses
 import train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
         "--warmup_iters", "5", "--lr", "3e-3", "--num_samples", "0", "--eval_iters", "2", "--ema", "0.9",
         "--log_interval", "5", "--tokenizer", "sp_train:320"]
@@ -79,6 +80,7 @@ def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus,
         inputs.append(it)
         return real_loss_terms(model, cfg, x0, t, it, *args)
     monkeypatch.setattr(train, "loss_terms", record)
+    monkeypatch.setattr(eval_ppl, "loss_terms", record)      # validation during training
     args = ["--loss", "sddlm", "--max_iters", "20", "--curriculum_iters", "10", "--gamma_min", "-3.5",
             "--gamma_max", "-1.0", "--eval_interval", "20", "--grad_accum", "2"]
     assert run(args, tmp_path, corpus) == 0

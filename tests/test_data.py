@@ -11,7 +11,7 @@ import torch
 import data
 from data import DataError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXTS = ["Hello world", "  leading and trailing spaces  ",
          "tabs\tand\nnew\n\nlines\r\n", "naïve café — 世界 🙂",
          "code:\n    def f(x):\n        return x ** 2\n", "<|endoftext|> is plain text here", ""]

@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench
 import diffusion
 import losses
+import objective
 from model import ModelConfig, build_model
 import train
 from train import TrainConfig, loss_terms, model_config_for, token_mean
@@ -328,7 +329,7 @@ def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast,
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
     out = {}
     for route in ("head", "logits"):
-        monkeypatch.setattr(train, "FULL_LOGITS", {name} if route == "logits" else set())
+        monkeypatch.setattr(objective, "FULL_LOGITS", {name} if route == "logits" else set())
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             per_token, _ = loss_terms(model, tcfg, x0, t, 0, torch.Generator().manual_seed(3))

@@ -15,7 +15,7 @@ import diffusion
 from model import ModelConfig, build_model
 from sample import denoiser_probs, generate, generate_ar, nucleus, nucleus_logits
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = dict(vocab_size=11, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
 
 

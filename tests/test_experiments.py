@@ -12,11 +12,12 @@ import torch
 import train
 from data import load_meta
 from eval_ppl import entropy, gen_ppl, load_judge
-from model import PRESETS, DiffusionTransformer, ModelConfig, load_checkpoint
+from model import PRESETS, DiffusionTransformer, ModelConfig
+from plumbing.checkpoint import load_checkpoint
 from sample import generate
 from test_train import TINY, _corpus
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
 
 def test_paper_presets_are_the_appendix_table_and_duo_data():

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (PRESETS, SMDM_LADDER, DiffusionTransformer, ModelConfig, apply_rope, build_model,
-                   load_checkpoint, rope_cos_sin, timestep_embedding)
+from model import (PRESETS, SMDM_LADDER, DiffusionTransformer, ModelConfig, apply_rope, build_model, rope_cos_sin,
+                   timestep_embedding)
+from plumbing.checkpoint import load_checkpoint
 
 TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, cond_dim=16)
 TINY_LLAMA = dict(TINY, arch="llama", time_cond=False, mlp_hidden=48)

@@ -1,4 +1,4 @@
-"""Duo's released checkpoints load into model.py's DiT through model.DUO_KEYS: a state dict fabricated with Duo's
+"""Duo's released checkpoints load into model.py's DiT through plumbing.duo.DUO_KEYS: a state dict fabricated with Duo's
 parameter names, order and shapes (s-sahoo/duo models/dit.py: DIT, DDiTBlock, DDiTFinalLayer; the AR baseline's
 DDiTBlockCausal) gives the logits of an independent float64 forward written here from those tensors by their
 Duo names; the Lightning EMA ("shadow_params") is used when asked; anything unknown is refused."""
@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
-import model as model_py
-from cli import UsageError, load_model
+from cli import UsageError
+from plumbing import duo
+from plumbing.checkpoint import load_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
 
 def duo_backbone(K=40, d=32, n_blocks=2, cond=16, causal=False, seed=0):
@@ -118,7 +119,7 @@ def test_duo_checkpoint_forward_equals_duo_equations_in_float64(tmp_path, one_th
     sd = duo_backbone(causal=causal)
     ckpt = lightning_ckpt(sd)
     torch.save(ckpt, tmp_path / "duo.ckpt")
-    model, info = model_py.load_duo_checkpoint(str(tmp_path / "duo.ckpt"), use_ema=use_ema, n_head=2, block_size=16)
+    model, info = duo.load_duo_checkpoint(str(tmp_path / "duo.ckpt"), use_ema=use_ema, n_head=2, block_size=16)
     assert info["step"] == 1234 and info["used_ema"] == use_ema and model.config.causal == causal
     assert (model.config.vocab_size, model.config.n_embd, model.config.n_layer) == (40, 32, 2)
     weights = sd
@@ -139,11 +140,11 @@ def test_duo_checkpoint_forward_equals_duo_equations_in_float64(tmp_path, one_th
 def test_unknown_or_mismatched_duo_keys_are_refused(tmp_path):
     sd = duo_backbone()
     with pytest.raises(ValueError, match="blocks.0.extra.weight"):
-        model_py.duo_state_dict({**sd, "blocks.0.extra.weight": torch.zeros(2)})
+        duo.duo_state_dict({**sd, "blocks.0.extra.weight": torch.zeros(2)})
     ckpt = lightning_ckpt(sd)
     ckpt["ema"]["shadow_params"] = ckpt["ema"]["shadow_params"][:-1]
     with pytest.raises(ValueError, match="EMA"):
-        model_py.duo_state_dict(ckpt["state_dict"], ckpt["ema"]["shadow_params"])
+        duo.duo_state_dict(ckpt["state_dict"], ckpt["ema"]["shadow_params"])
     torch.save({"state_dict": {"backbone.foo": torch.zeros(1)}}, tmp_path / "bad.ckpt")
     with pytest.raises(UsageError, match="foo"):
         load_model("duo:" + str(tmp_path / "bad.ckpt"), "cpu")

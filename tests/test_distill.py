@@ -21,7 +21,7 @@ import train
 from model import ModelConfig, build_model
 from sample import default_final_step, generate
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
 
 

@@ -1,0 +1,5 @@
+"""The plumbing of a run, each concern in a room of its own, so that the method's files read as the algorithm:
+errors (one-line failures), files (atomic writes, stale temp files), distributed (torchrun set-up, agreement
+between ranks), signals (stop and save), checkpoint (the state dict, save / keep / restore, resume checks,
+loading a model and its tokenizer), duo (Duo's released checkpoints), memory (the micro-batch probe) and runlog
+(log.jsonl). Nothing here imports a script."""

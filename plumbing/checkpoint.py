@@ -1,0 +1,232 @@
+"""Checkpoints: the one state dict a run saves (ckpt.pt to resume, ckpt_<step>.pt to evaluate), writing and
+restoring it, the checks before a resume, and loading a model with its tokenizer for sampling and evaluation.
+A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
+(the last two per rank), plus a script's own entries (distill.py: distill_config, distilled_from, teacher)."""
+import os
+from contextlib import contextmanager
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from data import DataError, get_tokenizer
+from model import ModelConfig, build_model
+from cli import ConfigError, UsageError, first_line
+from plumbing.files import check_writable, remove_stale_temps, save_atomic
+from plumbing.signals import deferred_signals
+
+# what a resumed run requires of its checkpoint (save writes them)
+RESUME_KEYS = ("model", "optimizer", "model_config", "train_config", "step", "data_state", "rng")
+
+
+def checkpoint_state(run, cfg, mcfg, meta, resume=None):
+    """The checkpoint dict of this moment of a run: weights, EMA weights, configs, step. resume: every rank's
+    (data position, RNG states), as gathered by save -> also the optimizer and those, for --resume 1."""
+    ema = None if run.ema is None else {k: e.detach().clone()
+                                        for (k, _), e in zip(run.raw_model.named_parameters(), run.ema)}
+    state = {"model": run.raw_model.state_dict(), "ema": ema}
+    if resume is not None:
+        state["optimizer"] = run.optimizer.state_dict()
+    state.update(model_config=asdict(mcfg), train_config=asdict(cfg), meta=meta, step=run.it, n_ema=run.n_ema)
+    if resume is not None:
+        state.update(data_state=resume[0], rng=resume[1])
+    return state
+
+
+def keep_checkpoint(run, cfg, mcfg, meta):
+    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment
+    (no optimizer or RNG state: for eval_ppl.py / sample.py, not for --resume), so that any curve over
+    training can be recomputed after the run."""
+    state = checkpoint_state(run, cfg, mcfg, meta)
+    save_atomic(os.path.join(cfg.out_dir, f"ckpt_{run.it}.pt"), lambda tmp: torch.save(state, tmp))
+
+
+def save(run, cfg, mcfg, meta, env, extra=None):
+    """Write out_dir/ckpt.pt atomically: weights, EMA, optimizer, configs, step, and every rank's data
+    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically. extra: more
+    top-level entries (distill.py records its settings and teacher there), added last."""
+    rng = {"torch": torch.get_rng_state(), "gen_shared": run.gen_shared.get_state(),
+           "gen_local": run.gen_local.get_state(),
+           "cuda": torch.cuda.get_rng_state() if env.device.type == "cuda" else None}
+    states = [run.loader.state_dict(), rng]
+    if env.ddp:
+        gathered = []
+        for obj in states:
+            out = [None] * env.world_size
+            dist.all_gather_object(out, obj)
+            gathered.append(out)
+        states = gathered
+    if not env.master:
+        return
+    state = {**checkpoint_state(run, cfg, mcfg, meta, resume=states), **(extra or {})}
+    save_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
+
+
+def restore(run, ckpt, env):
+    """Load a checkpoint written by save into the run (this rank's data position and RNG states). A checkpoint
+    whose state does not load -> ConfigError (one line)."""
+    try:
+        _restore(run, ckpt, env)
+    except DataError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"cannot resume: the checkpoint's state does not load ({type(e).__name__}: "
+                          f"{first_line(e)})") from None
+
+
+def _restore(run, ckpt, env):
+    run.raw_model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    if run.ema is not None and ckpt.get("ema") is not None:
+        for e, v in zip(run.ema, ckpt["ema"].values()):
+            e.copy_(v)
+    run.it, run.n_ema = ckpt["step"], ckpt.get("n_ema", ckpt["step"])
+    per_rank = lambda v: v[env.rank] if isinstance(v, list) else v
+    run.loader.load_state_dict(per_rank(ckpt["data_state"]))
+    r = per_rank(ckpt["rng"])
+    torch.set_rng_state(r["torch"])
+    if r["cuda"] is not None and env.device.type == "cuda":
+        torch.cuda.set_rng_state(r["cuda"])
+    run.gen_shared.set_state(r["gen_shared"])
+    run.gen_local.set_state(r["gen_local"])
+
+
+def load_resume_checkpoint(cfg):
+    """What train.py and distill.py share at start: out_dir writable and cleared of a killed save's temp file;
+    a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
+    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable)."""
+    check_writable(cfg.out_dir, "--out_dir", folder=True)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    remove_stale_temps(path)              # a save killed half-way (SIGKILL) leaves its temp file
+    if not cfg.resume:
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
+        if os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):
+            raise ConfigError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
+                              f"checkpoint; delete it or choose another --out_dir")
+        return None
+    if not os.path.exists(path):
+        raise ConfigError(f"--resume: no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: "
+                          f"{first_line(e)})") from None
+
+
+def open_out_dir(cfg, mcfg, meta=None):
+    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
+    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
+    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
+    nothing in out_dir."""
+    ckpt = load_resume_checkpoint(cfg)
+    return None if ckpt is None else check_resume(ckpt, cfg, mcfg, meta)
+
+
+def check_resume(ckpt, cfg, mcfg, meta=None):
+    """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
+    tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
+    unknown = sorted(set(ckpt["model_config"]) - set(asdict(mcfg)))
+    if unknown:
+        raise ConfigError(f"cannot resume from {path}: its model_config has keys this model.py does not know: "
+                          f"{', '.join(unknown)}")
+    try:
+        saved = asdict(ModelConfig(**ckpt["model_config"]))   # fields added since it was saved take their defaults
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {path}: its model_config is invalid ({e})") from None
+    if saved != asdict(mcfg):
+        diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
+        raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
+    old_meta = ckpt.get("meta") or {}
+    by_content = meta is not None and old_meta.get("tokenizer_sha256") and meta.get("tokenizer_sha256")
+    for k in ("loss", "batch_size") + (() if by_content else ("tokenizer",)):
+        if ckpt["train_config"].get(k) != getattr(cfg, k):
+            raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'].get(k)!r}, now "
+                              f"{getattr(cfg, k)!r}")
+    if by_content and old_meta["tokenizer_sha256"] != meta["tokenizer_sha256"]:
+        raise ConfigError(f"cannot resume from {path}: the tokenizer's content differs from the checkpoint's (sha256 "
+                          f"{old_meta['tokenizer_sha256'][:12]}..., now {meta['tokenizer_sha256'][:12]}...)")
+    if meta is not None and old_meta.get("data_key") and old_meta["data_key"] != meta.get("data_key"):
+        diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
+        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
+                          f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
+    if cfg.max_iters < ckpt["step"]:
+        raise ConfigError(f"--max_iters {cfg.max_iters} is below the checkpoint's step {ckpt['step']}; nothing to "
+                          f"resume (raise --max_iters)")
+    return ckpt
+
+
+@contextmanager
+def ema_weights(run):
+    """Evaluate or sample with the EMA weights: swap them into the model, and back on exit. A signal that
+    interrupts evaluation or sampling waits for a swap to finish, so the weights are never left half-swapped."""
+    def swap():
+        if run.ema is not None:
+            for p, e in zip(run.raw_model.parameters(), run.ema):
+                tmp = p.detach().clone()
+                p.data.copy_(e)
+                e.copy_(tmp)
+    swapped = False
+    try:
+        with deferred_signals():
+            swap()
+            swapped = True
+        yield run.raw_model
+    finally:
+        if swapped:
+            with deferred_signals():
+                swap()
+
+
+# -----------------------------------------------------------------------------------------------
+# a trained model and its tokenizer, for sampling and evaluation
+
+def load_checkpoint(path, device="cpu", use_ema=True):
+    """Checkpoint written by train.py -> (model in eval mode, checkpoint dict). Uses the EMA weights when
+    use_ema and the checkpoint has them. Only load trusted files (full unpickling)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        raise ValueError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
+    model = build_model(ckpt["model_config"])
+    state = ckpt["ema"] if use_ema and ckpt.get("ema") is not None else ckpt["model"]
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
+    return model.to(device).eval(), ckpt
+
+
+def load_model(path, device, use_ema=True):
+    """load_checkpoint (or, for "duo:PATH_OR_HUB_NAME", plumbing.duo.load_duo_checkpoint: one of Duo's released
+    checkpoints) with its errors as UsageError (one line) -> (model in eval mode, checkpoint)."""
+    from plumbing.duo import load_duo_checkpoint
+    try:
+        if path.startswith("duo:"):
+            return load_duo_checkpoint(path[len("duo:"):], device=device, use_ema=use_ema)
+        return load_checkpoint(path, device=device, use_ema=use_ema)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    except TypeError as e:    # a model_config with keys this ModelConfig does not know
+        raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
+
+
+def load_tokenizer(ckpt):
+    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason."""
+    spec = (ckpt.get("meta") or {}).get("tokenizer")
+    if spec is None:
+        return None, "the checkpoint has no meta['tokenizer']"
+    try:
+        return get_tokenizer(spec), None
+    except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
+        return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {first_line(e)})"

@@ -1,0 +1,77 @@
+"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume."""
+import json
+import os
+import time
+
+from plumbing.files import append_jsonl, save_atomic
+
+
+class Log:
+    """Rank 0's progress bar and out_dir/log.jsonl: training loss and tokens/s at log steps, validation metrics."""
+
+    def __init__(self, cfg, env, step):
+        self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
+        self.tokens_per_step, self.loss_name = cfg.batch_size * cfg.block_size, cfg.loss
+        self.t_last, self.step_last = time.time(), step
+        self.pbar = None
+        if self.master:
+            if cfg.resume:
+                truncate_log(self.path, step)
+            from tqdm import tqdm
+            self.pbar = tqdm(total=cfg.max_iters, initial=step, desc=f"train {cfg.loss}", dynamic_ncols=True)
+
+    def _write(self, record):
+        append_jsonl(self.path, [record])
+
+    def progress(self, step, loss_sum, lr):
+        steps, dt = step - self.step_last, time.time() - self.t_last
+        self.t_last, self.step_last = time.time(), step
+        if self.master:
+            tok_s = self.tokens_per_step * steps / dt
+            self.pbar.update(steps)
+            self.pbar.set_postfix(loss=f"{loss_sum / max(1, steps):.4f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:,.0f}")
+            self._write({"step": step, "loss": loss_sum / max(1, steps), "lr": lr, "tokens_per_s": tok_s})
+
+    def metrics(self, step, metrics):
+        if self.master:
+            self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in metrics.items()))
+            self._write({"step": step, **metrics})
+        self.t_last = time.time()    # keep evaluation out of the tokens/s figure
+
+    def close(self, message=None):
+        if self.master:
+            self.pbar.close()
+            if message:
+                print(message)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):   # an error ends the bar's line, so its one-line message starts a line of its own
+        if self.master:
+            self.pbar.close()
+
+
+def truncate_log(path, step):
+    """Keep the lines of log.jsonl up to `step`, the checkpoint's: a resumed run logs the later steps again.
+    A torn last line (a kill mid-write) goes too; lines that are not JSON elsewhere are kept as they are."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i < len(lines) - 1:
+                keep.append(line)
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if keep != lines:
+        def write(tmp):
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+        save_atomic(path, write)
