@@ -35,6 +35,102 @@ import torch.nn.functional as F
 EPS = 1e-6
 
 
+def naive_denoising_loss(logits, x0):
+    """Eq. (naive): -log p_theta(x0^l | xt) at every position l. (B, L, V), (B, L) -> (B, L)."""
+    return -log_probs(logits, x0)[0]
+
+
+def sddlm_loss(logits, x0, xt):
+    """Eq. (denoising): -log p_theta(x0^l | xt) * 1[xt^l != x0^l] (only noise-replaced tokens)."""
+    return -log_probs(logits, x0)[0] * (xt != x0)
+
+
+def sddlm_v1_loss(logits, x0, xt, neg=None, eps=EPS, generator=None):
+    """Eq. (negative) with eps on both terms (paper Sec. 3.2):
+        (-log(p(x0|xt) + eps) + log(p(neg|xt) + eps)) * 1[xt != x0],   neg ~ U(V) when None.
+    In expectation over neg the second term is -KL(U || p) + const (Appendix A.1): anti-uniform sharpening."""
+    if neg is None:
+        neg = torch.randint(0, vocab_size_of(logits), x0.shape, device=x0.device, generator=generator)
+    log_p_x0, log_p_neg = log_probs(logits, x0, neg)
+    return (log_p_plus_eps(log_p_neg, eps) - log_p_plus_eps(log_p_x0, eps)) * (xt != x0)
+
+
+def sddlm_v2_loss(logits, x0, xt, eps=EPS):
+    """SDDLM-V2: Eq. (negative) with the negative token x_hat = xt (the corrupted token itself)."""
+    return sddlm_v1_loss(logits, x0, xt, neg=xt, eps=eps)
+
+
+def usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t):
+    """Eq. (usdm): Duo's continuous-time NELBO integrand for the uniform-state process, per token, >= 0.
+
+    With K = V, x_bar = K alpha e_x0 + (1 - alpha) 1 and x_bar_theta = K alpha p_theta + (1 - alpha) 1,
+    z = xt, the paper writes  -alpha'/(K alpha) [K/x_bar_z - K/x_bar_theta_z - sum_j x_bar_j/x_bar_z
+    log(x_bar_j x_bar_theta_z / (x_bar_z x_bar_theta_j))].  As printed that is <= 0: the bracket is
+    itself <= 0 and alpha' < 0, so the leading minus sign is wrong (Duo's code has +alpha'/(K alpha)).
+    Using sum_j x_bar_j = sum_j x_bar_theta_j = K the bracket rearranges into two non-negative parts,
+        loss = -alpha' / (alpha x_bar_z) * [ (r - 1 - log r) + KL_K(x_bar || x_bar_theta) / K ],
+    r = x_bar_z / x_bar_theta_z, KL_K = sum_j x_bar_j log(x_bar_j / x_bar_theta_j),
+    which has no catastrophic cancellation (the printed form subtracts terms of size K/(1-alpha)) and is
+    exactly zero when p_theta = one-hot(x0). It equals lim_{dt->0} KL(q(x_s|xt,x0) || q(x_s|xt,p_theta))/dt.
+
+    logits (B, L, V); x0, xt (B, L); alpha_t, dalpha_t broadcastable to (B, L) (e.g. (B, 1)) -> (B, L).
+    Cost: one float32 pass over the full vocabulary (the price the SDDLM losses avoid)."""
+    K = logits.shape[-1]
+    log_p = torch.log_softmax(_at_least_fp32(logits), dim=-1)
+    alpha_t = torch.as_tensor(alpha_t, dtype=log_p.dtype, device=logits.device)
+    dalpha_t = torch.as_tensor(dalpha_t, dtype=log_p.dtype, device=logits.device)
+    while alpha_t.dim() < x0.dim():
+        alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
+    a = 1 - alpha_t                      # x_bar_j for j != x0
+    log_c = torch.log(K * alpha_t) - torch.log(a)   # c = K alpha / (1 - alpha)
+    # u_j = log(x_bar_theta_j / a) = log1p(c p_j) = softplus(log c + log p_j)
+    u = torch.nn.functional.softplus(log_c.unsqueeze(-1) + log_p)          # (B, L, V)
+    u_sum = u.sum(-1)
+    u_x = u.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    u_z = u.gather(-1, xt.unsqueeze(-1)).squeeze(-1)
+    log1p_c = torch.nn.functional.softplus(log_c)                          # log(x_bar_x0 / a)
+    # KL_K = (a + K alpha) log(x_bar_x0 / x_bar_theta_x0) + a sum_{j != x0} log(a / x_bar_theta_j)
+    kl = (a + K * alpha_t) * (log1p_c - u_x) - a * (u_sum - u_x)
+    is_x0 = (xt == x0)
+    log_r = torch.where(is_x0, log1p_c, torch.zeros_like(u_z)) - u_z     # log(x_bar_z / x_bar_theta_z)
+    r_term = torch.expm1(log_r) - log_r                                     # r - 1 - log r >= 0
+    x_bar_z = torch.where(is_x0, a + K * alpha_t, a)
+    return -dalpha_t / (alpha_t * x_bar_z) * (r_term + kl / K)
+
+
+def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25):
+    """usdm_nelbo_loss computed chunk_elems // V rows at a time, each chunk recomputed in backward: the same
+    numbers (equal to float32 rounding, values and gradients) without its (B, L, V) float32 tensors, and, given a
+    Head, without the (B, L, V) logits. logits (B, L, V) or a Head; the rest as usdm_nelbo_loss -> (B, L)."""
+    shape = x0.shape
+    if isinstance(logits, Head):
+        x, weight, bias = logits.hidden.reshape(-1, logits.hidden.shape[-1]), logits.weight, logits.bias
+        width = weight.shape[0]
+    else:
+        x, weight, bias, width = logits.reshape(-1, logits.shape[-1]), None, None, logits.shape[-1]
+    acc = _acc_dtype(x.dtype)
+    rows = lambda a: a.expand(shape).reshape(-1)
+    alpha_t, dalpha_t = (torch.as_tensor(a, dtype=acc, device=x0.device) for a in (alpha_t, dalpha_t))
+    while alpha_t.dim() < x0.dim():
+        alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
+    out = _RowChunks.apply(usdm_nelbo_loss, _chunk_rows(width, chunk_elems), vocab_size_of(logits), x, weight, bias,
+                           x0.reshape(-1), xt.reshape(-1), rows(alpha_t), rows(dalpha_t))
+    return out.view(shape)
+
+
+def ar_loss(logits, x):
+    """Next-token cross-entropy for the autoregressive baseline: -log p(x^{l+1} | x^{<=l}).
+    logits (B, L, V) or a Head computed on x (the last position is dropped), or on x[:, :-1] -> (B, L-1)."""
+    if isinstance(logits, Head):
+        logits = logits._replace(hidden=logits.hidden[:, : x.shape[1] - 1])
+    else:
+        logits = logits[:, : x.shape[1] - 1]
+    return -log_probs(logits, x[:, 1:])[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Head: the output layer in place of logits, and the two reductions every loss above is written in
+
 class Head(NamedTuple):
     """The output layer and its input, in place of logits: logits = hidden @ weight.T + bias, of which the
     first vocab_size columns are the vocabulary (the rest pads the matrix to a fast size and is never scored).
@@ -52,6 +148,48 @@ def vocab_size_of(logits):
     return logits.shape[-1]
 
 
+def log_probs(logits, *token_sets, chunk_elems=None):
+    """log p(tokens | .) for each (B, L) id tensor in token_sets, from logits (B, L, V) or a Head -> tuple of
+    (B, L), float32 (float64 for float64 logits). One log-sum-exp over the vocabulary, gathers, no (B, L, V)
+    float32 tensor for low-precision logits, and no (B, L, V) tensor at all for a Head. chunk_elems: logits per
+    chunk of rows (default 2^25 for logits; 2^27 for a Head, whose chunks also carry three matrix products)."""
+    tokens = torch.stack(token_sets)
+    tok = tokens.reshape(tokens.shape[0], -1)                                         # (k, N)
+    if isinstance(logits, Head):
+        hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
+        out = _HeadLogProbs.apply(hidden, logits.weight, logits.bias, tok, vocab_size_of(logits),
+                                  _chunk_rows(logits.weight.shape[0], chunk_elems or 1 << 27))
+    elif logits.dtype in (torch.float32, torch.float64) and logits.device.type != "cuda":
+        lse = torch.logsumexp(logits, dim=-1)
+        out = torch.stack([logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) for t in token_sets]) - lse
+    else:
+        flat = logits.reshape(-1, logits.shape[-1])
+        out = _LogProbsFP32.apply(flat, tok, _chunk_rows(flat.shape[-1], chunk_elems or 1 << 25))
+    return tuple(out.view(tokens.shape))
+
+
+def logsumexp_fp32(logits, chunk_elems=1 << 25):
+    """log sum_v exp(logits[..., v]) in float32 without materialising a float32 copy of the logits.
+    logits: (..., V) any float dtype -> (...) float32 (float64 for float64 logits)."""
+    if logits.dtype in (torch.float32, torch.float64) and logits.device.type != "cuda":
+        return torch.logsumexp(logits, dim=-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _LogSumExpFP32.apply(flat, _chunk_rows(flat.shape[-1], chunk_elems)).view(logits.shape[:-1])
+
+
+def log_p_plus_eps(log_p, eps):
+    """log(p + eps) computed from log p as logaddexp(log p, log eps): exact and stable for tiny p."""
+    if eps == 0:
+        return log_p
+    return torch.logaddexp(log_p, torch.full_like(log_p, math.log(eps)))
+
+
+# =============================================================================================================
+# KERNELS BEGIN. Everything above is the method; everything below only makes it fast and memory-lean: float32
+# log-sum-exps over chunks of rows, gathers, and autograd Functions that recompute a Head's logits in backward.
+# The numbers are the same as the plain formulas (tests/test_fastpaths.py and test_losses.py check them).
+# =============================================================================================================
+
 def _at_least_fp32(x):
     return x if x.dtype == torch.float64 else x.float()
 
@@ -62,6 +200,7 @@ def _acc_dtype(dtype):
 
 # -----------------------------------------------------------------------------------------------
 # one pass over a chunk of rows of the logits; compiled into one kernel each on CUDA (see _fused)
+
 
 def _lse_rows(z, V):
     """z (n, V_pad) any float dtype -> log-sum-exp of its first V columns, (n,) in at least float32."""
@@ -131,6 +270,7 @@ def _chunks(n, chunk_rows):
 
 # -----------------------------------------------------------------------------------------------
 # log-sum-exp and log-probabilities of gathered tokens, chunked over rows
+
 
 class _LogSumExpFP32(torch.autograd.Function):
     """logsumexp over the last dim in float32, chunked over rows; saves only the input and the result."""
@@ -228,105 +368,6 @@ class _HeadLogProbs(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
 
-def logsumexp_fp32(logits, chunk_elems=1 << 25):
-    """log sum_v exp(logits[..., v]) in float32 without materialising a float32 copy of the logits.
-    logits: (..., V) any float dtype -> (...) float32 (float64 for float64 logits)."""
-    if logits.dtype in (torch.float32, torch.float64) and logits.device.type != "cuda":
-        return torch.logsumexp(logits, dim=-1)
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _LogSumExpFP32.apply(flat, _chunk_rows(flat.shape[-1], chunk_elems)).view(logits.shape[:-1])
-
-
-def log_probs(logits, *token_sets, chunk_elems=None):
-    """log p(tokens | .) for each (B, L) id tensor in token_sets, from logits (B, L, V) or a Head -> tuple of
-    (B, L), float32 (float64 for float64 logits). One log-sum-exp over the vocabulary, gathers, no (B, L, V)
-    float32 tensor for low-precision logits, and no (B, L, V) tensor at all for a Head. chunk_elems: logits per
-    chunk of rows (default 2^25 for logits; 2^27 for a Head, whose chunks also carry three matrix products)."""
-    tokens = torch.stack(token_sets)
-    tok = tokens.reshape(tokens.shape[0], -1)                                         # (k, N)
-    if isinstance(logits, Head):
-        hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
-        out = _HeadLogProbs.apply(hidden, logits.weight, logits.bias, tok, vocab_size_of(logits),
-                                  _chunk_rows(logits.weight.shape[0], chunk_elems or 1 << 27))
-    elif logits.dtype in (torch.float32, torch.float64) and logits.device.type != "cuda":
-        lse = torch.logsumexp(logits, dim=-1)
-        out = torch.stack([logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) for t in token_sets]) - lse
-    else:
-        flat = logits.reshape(-1, logits.shape[-1])
-        out = _LogProbsFP32.apply(flat, tok, _chunk_rows(flat.shape[-1], chunk_elems or 1 << 25))
-    return tuple(out.view(tokens.shape))
-
-
-def log_p_plus_eps(log_p, eps):
-    """log(p + eps) computed from log p as logaddexp(log p, log eps): exact and stable for tiny p."""
-    if eps == 0:
-        return log_p
-    return torch.logaddexp(log_p, torch.full_like(log_p, math.log(eps)))
-
-
-def naive_denoising_loss(logits, x0):
-    """Eq. (naive): -log p_theta(x0^l | xt) at every position l. (B, L, V), (B, L) -> (B, L)."""
-    return -log_probs(logits, x0)[0]
-
-
-def sddlm_loss(logits, x0, xt):
-    """Eq. (denoising): -log p_theta(x0^l | xt) * 1[xt^l != x0^l] (only noise-replaced tokens)."""
-    return -log_probs(logits, x0)[0] * (xt != x0)
-
-
-def sddlm_v1_loss(logits, x0, xt, neg=None, eps=EPS, generator=None):
-    """Eq. (negative) with eps on both terms (paper Sec. 3.2):
-        (-log(p(x0|xt) + eps) + log(p(neg|xt) + eps)) * 1[xt != x0],   neg ~ U(V) when None.
-    In expectation over neg the second term is -KL(U || p) + const (Appendix A.1): anti-uniform sharpening."""
-    if neg is None:
-        neg = torch.randint(0, vocab_size_of(logits), x0.shape, device=x0.device, generator=generator)
-    log_p_x0, log_p_neg = log_probs(logits, x0, neg)
-    return (log_p_plus_eps(log_p_neg, eps) - log_p_plus_eps(log_p_x0, eps)) * (xt != x0)
-
-
-def sddlm_v2_loss(logits, x0, xt, eps=EPS):
-    """SDDLM-V2: Eq. (negative) with the negative token x_hat = xt (the corrupted token itself)."""
-    return sddlm_v1_loss(logits, x0, xt, neg=xt, eps=eps)
-
-
-def usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t):
-    """Eq. (usdm): Duo's continuous-time NELBO integrand for the uniform-state process, per token, >= 0.
-
-    With K = V, x_bar = K alpha e_x0 + (1 - alpha) 1 and x_bar_theta = K alpha p_theta + (1 - alpha) 1,
-    z = xt, the paper writes  -alpha'/(K alpha) [K/x_bar_z - K/x_bar_theta_z - sum_j x_bar_j/x_bar_z
-    log(x_bar_j x_bar_theta_z / (x_bar_z x_bar_theta_j))].  As printed that is <= 0: the bracket is
-    itself <= 0 and alpha' < 0, so the leading minus sign is wrong (Duo's code has +alpha'/(K alpha)).
-    Using sum_j x_bar_j = sum_j x_bar_theta_j = K the bracket rearranges into two non-negative parts,
-        loss = -alpha' / (alpha x_bar_z) * [ (r - 1 - log r) + KL_K(x_bar || x_bar_theta) / K ],
-    r = x_bar_z / x_bar_theta_z, KL_K = sum_j x_bar_j log(x_bar_j / x_bar_theta_j),
-    which has no catastrophic cancellation (the printed form subtracts terms of size K/(1-alpha)) and is
-    exactly zero when p_theta = one-hot(x0). It equals lim_{dt->0} KL(q(x_s|xt,x0) || q(x_s|xt,p_theta))/dt.
-
-    logits (B, L, V); x0, xt (B, L); alpha_t, dalpha_t broadcastable to (B, L) (e.g. (B, 1)) -> (B, L).
-    Cost: one float32 pass over the full vocabulary (the price the SDDLM losses avoid)."""
-    K = logits.shape[-1]
-    log_p = torch.log_softmax(_at_least_fp32(logits), dim=-1)
-    alpha_t = torch.as_tensor(alpha_t, dtype=log_p.dtype, device=logits.device)
-    dalpha_t = torch.as_tensor(dalpha_t, dtype=log_p.dtype, device=logits.device)
-    while alpha_t.dim() < x0.dim():
-        alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
-    a = 1 - alpha_t                      # x_bar_j for j != x0
-    log_c = torch.log(K * alpha_t) - torch.log(a)   # c = K alpha / (1 - alpha)
-    # u_j = log(x_bar_theta_j / a) = log1p(c p_j) = softplus(log c + log p_j)
-    u = torch.nn.functional.softplus(log_c.unsqueeze(-1) + log_p)          # (B, L, V)
-    u_sum = u.sum(-1)
-    u_x = u.gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    u_z = u.gather(-1, xt.unsqueeze(-1)).squeeze(-1)
-    log1p_c = torch.nn.functional.softplus(log_c)                          # log(x_bar_x0 / a)
-    # KL_K = (a + K alpha) log(x_bar_x0 / x_bar_theta_x0) + a sum_{j != x0} log(a / x_bar_theta_j)
-    kl = (a + K * alpha_t) * (log1p_c - u_x) - a * (u_sum - u_x)
-    is_x0 = (xt == x0)
-    log_r = torch.where(is_x0, log1p_c, torch.zeros_like(u_z)) - u_z     # log(x_bar_z / x_bar_theta_z)
-    r_term = torch.expm1(log_r) - log_r                                     # r - 1 - log r >= 0
-    x_bar_z = torch.where(is_x0, a + K * alpha_t, a)
-    return -dalpha_t / (alpha_t * x_bar_z) * (r_term + kl / K)
-
-
 class _RowChunks(torch.autograd.Function):
     """out (N,) = per_row(z, *row_args) with z = the logits of a chunk of rows: logits[j] (weight None) or
     hidden[j] @ weight.T + bias, first V columns. Each chunk is recomputed in backward, where autograd of
@@ -370,33 +411,3 @@ class _RowChunks(torch.autograd.Function):
                         a += next(grads)
         cast = lambda a, w: None if a is None else a.to(w.dtype)
         return (None, None, None, grad_x, cast(acc[0], weight), cast(acc[1], bias)) + (None,) * len(row_args)
-
-
-def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25):
-    """usdm_nelbo_loss computed chunk_elems // V rows at a time, each chunk recomputed in backward: the same
-    numbers (equal to float32 rounding, values and gradients) without its (B, L, V) float32 tensors, and, given a
-    Head, without the (B, L, V) logits. logits (B, L, V) or a Head; the rest as usdm_nelbo_loss -> (B, L)."""
-    shape = x0.shape
-    if isinstance(logits, Head):
-        x, weight, bias = logits.hidden.reshape(-1, logits.hidden.shape[-1]), logits.weight, logits.bias
-        width = weight.shape[0]
-    else:
-        x, weight, bias, width = logits.reshape(-1, logits.shape[-1]), None, None, logits.shape[-1]
-    acc = _acc_dtype(x.dtype)
-    rows = lambda a: a.expand(shape).reshape(-1)
-    alpha_t, dalpha_t = (torch.as_tensor(a, dtype=acc, device=x0.device) for a in (alpha_t, dalpha_t))
-    while alpha_t.dim() < x0.dim():
-        alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
-    out = _RowChunks.apply(usdm_nelbo_loss, _chunk_rows(width, chunk_elems), vocab_size_of(logits), x, weight, bias,
-                           x0.reshape(-1), xt.reshape(-1), rows(alpha_t), rows(dalpha_t))
-    return out.view(shape)
-
-
-def ar_loss(logits, x):
-    """Next-token cross-entropy for the autoregressive baseline: -log p(x^{l+1} | x^{<=l}).
-    logits (B, L, V) or a Head computed on x (the last position is dropped), or on x[:, :-1] -> (B, L-1)."""
-    if isinstance(logits, Head):
-        logits = logits._replace(hidden=logits.hidden[:, : x.shape[1] - 1])
-    else:
-        logits = logits[:, : x.shape[1] - 1]
-    return -log_probs(logits, x[:, 1:])[0]
