@@ -55,8 +55,9 @@ import torch
 import diffusion
 from cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
-from train import (OBJECTIVES, TRAIN_PRESETS, Env, Run, TrainConfig, loss_terms, make_optimizer, model_config_for,
-                   token_mean, train_step)
+from objective import OBJECTIVES, loss_terms, token_mean
+from plumbing.distributed import Env
+from train import TRAIN_PRESETS, Run, TrainConfig, make_optimizer, model_config_for, train_step
 
 ALL_LOSSES = ",".join(OBJECTIVES)
 MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token block weight matrices)"
