@@ -38,11 +38,11 @@ import torch
 
 import diffusion
 import train
-from cli import UsageError, autocast_for, first_line, parse_flags, resolve_dtype, run_cli
-from data import DataError, check_tokenizer, eval_batches, get_tokenizer, load_meta
-from eval_ppl import nelbo_sums
+from cli import UsageError, first_line, parse_flags, resolve_dtype, run_cli
+from data import DataError, check_tokenizer, get_tokenizer, load_meta
+from eval_ppl import validation_sums
 from model import ModelConfig
-from objective import token_mean, unwrap
+from objective import unwrap
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, restore, save
 from plumbing.distributed import run_distributed
 from plumbing.files import write_json
@@ -321,33 +321,17 @@ def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
     return train.accumulate_step(run, cfg, env, x0_all, mask_all, (t_global, *noise_global), per_token_loss)
 
 
-@torch.no_grad()
 def evaluate(run, teacher, cfg, data_dir, env):
     """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
     i % world_size: the DCD loss against the current teacher at the current round's dt, and eval_ppl.nelbo_ppl's
     NELBO, with the same draws at every evaluation (seeded per rank). -> this rank's float64 sums (DCD loss, its
     tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
-    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-    dtype = resolve_dtype(cfg.dtype, env.device)
-    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters or None, rank=env.rank,
-                                   world_size=env.world_size, device=env.device)
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
-    sums = torch.zeros(4, dtype=torch.float64)
-    with ema_weights(run) as model:
-        model.eval()
-        gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
-        for x0, mask in batches():
-            t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
-            noise = draw_pair_noise(x0.shape[0], x0.shape[1], model.config.vocab_size, gen, env.device)
-            with autocast_for(env.device, dtype):
-                per_token = dcd_loss_terms(model, teacher, cfg, x0, t, it, noise)
-            n = float(mask.sum()) if mask is not None else per_token.numel()
-            sums[0] += float(token_mean(per_token, mask)) * n
-            sums[1] += n
-        if sums[1] > 0:      # a rank past the last batch contributes nothing
-            sums[2:] = nelbo_sums(model, batches(), env, dtype)
-        model.train()
-    return sums
+
+    def per_token_loss(model, x0, mask, t, gen):
+        noise = draw_pair_noise(x0.shape[0], x0.shape[1], model.config.vocab_size, gen, env.device)
+        return dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask
+    return validation_sums(run, cfg, data_dir, env, per_token_loss)
 
 
 def val_metrics(sums, cfg, data_dir, it):

@@ -435,26 +435,24 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
 # validation during training (train.py): the objective and the NELBO, with the EMA weights
 
 @torch.no_grad()
-def evaluate(run, cfg, data_dir, env):
-    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
-    i % world_size: the training objective's loss (curriculum off), and the NELBO perplexity of
-    eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear schedule; exact PPL for 'ar'),
-    both with the same draws at every evaluation (seeded per rank), so runs are comparable. -> this rank's
-    float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over ranks (val_metrics)."""
+def validation_sums(run, cfg, data_dir, env, per_token_loss):
+    """The EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
+    i % world_size: a run's own loss, per_token_loss(model, x0, mask, t, gen) -> (per-token loss, token weights
+    or None), and nelbo_ppl's NELBO, with the same draws at every evaluation (seeded per rank), so evaluations are
+    comparable. -> this rank's float64 sums (loss, its tokens, NELBO, its tokens), for the caller to add over ranks."""
     from data import eval_batches
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     dtype = resolve_dtype(cfg.dtype, env.device)
     batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters or None, rank=env.rank,
                                    world_size=env.world_size, device=env.device)
-    sums = torch.zeros(4, dtype=torch.float64)     # objective sum, its tokens, NELBO sum, its tokens
+    sums = torch.zeros(4, dtype=torch.float64)     # loss sum, its tokens, NELBO sum, its tokens
     with ema_weights(run) as model:
         model.eval()
         gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
         for x0, mask in batches():
             t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
             with autocast_for(env.device, dtype):
-                per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)
-            weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+                per_token, weight = per_token_loss(model, x0, mask, t, gen)
             n = float(weight.sum()) if weight is not None else per_token.numel()
             sums[0] += float(token_mean(per_token, weight)) * n
             sums[1] += n
@@ -462,6 +460,18 @@ def evaluate(run, cfg, data_dir, env):
             sums[2:] = nelbo_sums(model, batches(), env, dtype)
         model.train()
     return sums
+
+
+def evaluate(run, cfg, data_dir, env):
+    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
+    i % world_size: the training objective's loss (curriculum off), and the NELBO perplexity of
+    eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear schedule; exact PPL for 'ar'),
+    both with the same draws at every evaluation (seeded per rank), so runs are comparable. -> this rank's
+    float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over ranks (val_metrics)."""
+    def per_token_loss(model, x0, mask, t, gen):
+        per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)
+        return per_token, None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+    return validation_sums(run, cfg, data_dir, env, per_token_loss)
 
 
 def val_metrics(sums, cfg, data_dir):
