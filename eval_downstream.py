@@ -45,6 +45,7 @@ Through lm-eval each task's result is written to --out as soon as it is known; a
 cannot be reached, ...) is reported and the others still run; the exit code is 2 when any failed.
 """
 
+import argparse
 import dataclasses
 import functools
 import importlib.util
@@ -60,7 +61,7 @@ from tqdm import tqdm
 import diffusion
 import losses
 from data import DataError, read_text
-from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
+from cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import save_atomic, write_json
 from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens
@@ -386,12 +387,121 @@ def run_lambada(items, scorer, cfg_w=0.0):
 # -----------------------------------------------------------------------------------------------
 # EleutherAI lm-evaluation-harness adapter (lm-eval 0.4.x, imported only here)
 
+@functools.cache
 def lm_eval_model_class():
-    """The lm-eval model class, registered as "sddlm" (lm_eval_sddlm.SDDLMHarness; needs lm-eval). After this,
-    lm_eval.simple_evaluate(model="sddlm", model_args="ckpt=out/ckpt.pt,mc_draws=128,cfg_w=1.1", tasks=[...])
-    works; eval_downstream's CLI passes an instance instead."""
-    import lm_eval_sddlm
-    return lm_eval_sddlm.SDDLMHarness
+    """The lm-eval model class (needs lm-eval): _Harness on lm-eval's LM, built once. eval_downstream's CLI passes
+    instances to lm-eval; `import lm_eval_sddlm` registers the class as "sddlm", after which
+    lm_eval.simple_evaluate(model="sddlm", model_args="ckpt=out/ckpt.pt,mc_draws=128,cfg_w=1.1", tasks=[...]) works."""
+    from lm_eval.api.model import LM
+    return type("SDDLMHarness", (_Harness, LM), {"__doc__": _Harness.__doc__, "__module__": __name__})
+
+
+MODEL_ARGS = ("ckpt", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step", "top_p",
+              "rolling_context", "use_ema", "dtype", "add_bos")
+
+_NOTED = set()
+
+
+def note_once(key, message):
+    """A note on stderr, once per process (eval_downstream's CLI builds one adapter per task and setting)."""
+    if key not in _NOTED:
+        _NOTED.add(key)
+        print(f"sddlm: {message}", file=sys.stderr)
+
+
+def coerce(value, typ, name):
+    """lm-eval passes model_args as strings or already coerced: '16' -> 16, 'true' -> True."""
+    if value is None or isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+        return value
+    s = str(value).strip().lower()
+    try:
+        if typ is bool:
+            return parse_bool(s)
+        return typ(float(s)) if typ is int and float(s).is_integer() else typ(s)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise EvalError(f"sddlm model argument {name}={value!r} is not a valid {typ.__name__}") from None
+
+
+class _Harness:
+    """lm-eval's three request types over Scorer (one model, its tokenizer, the MC settings)."""
+
+    def __init__(self, ckpt="out/ckpt.pt", mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
+                 lambada_steps=8, steps=128, final_step="auto", top_p=1.0, rolling_context=1, use_ema=True,
+                 dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
+                 trust_remote_code=None, scorer=None, **unknown):
+        """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
+        meant for datasets; neither it nor max_batch_size is used); or around an existing Scorer (eval_downstream's
+        CLI), whose model settings then apply."""
+        super().__init__()
+        if unknown:
+            raise EvalError(f"unknown sddlm model argument(s) {', '.join(sorted(unknown))}; "
+                               f"known: {', '.join(MODEL_ARGS)}")
+        self.cfg_w, self.greedy_check = coerce(cfg_w, float, "cfg_w"), str(greedy_check)
+        if self.greedy_check not in GREEDY_CHECKS:
+            raise EvalError(f"greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {greedy_check!r}")
+        self.steps, self.final_step = coerce(steps, int, "steps"), str(final_step)
+        self.top_p = coerce(top_p, float, "top_p")
+        try:
+            check_sampler(self.steps, self.final_step, self.top_p)
+        except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
+            raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+        self.rolling_context = coerce(rolling_context, int, "rolling_context")
+        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), coerce(seed, int, "seed"),
+                                                 coerce(lambada_steps, int, "lambada_steps"),
+                                                 coerce(use_ema, bool, "use_ema"), str(dtype),
+                                                 coerce(add_bos, bool, "add_bos"), batch_size, device)
+        if self.final_step == "auto":
+            self.final_step = self.scorer.final_step
+        block_size = self.scorer.model.config.block_size
+        if not 0 <= self.rolling_context < block_size:
+            raise EvalError(f"rolling_context must be in [0, {block_size - 1}], got {self.rolling_context}")
+
+    @staticmethod
+    def load_scorer(ckpt, mc_draws, seed, lambada_steps, use_ema, dtype, add_bos, batch_size, device):
+        """The checkpoint's model and tokenizer in an eval_downstream.Scorer (its sampler on its training schedule)."""
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            batch_size = 16   # no automatic batch-size search: draws per forward is a fixed choice
+        batch_size = coerce(batch_size, int, "batch_size")
+        if batch_size < 1 or mc_draws < 1:
+            raise EvalError(f"batch_size and mc_draws must be >= 1, got {batch_size} and {mc_draws}")
+        if batch_size == 1 and mc_draws > 1:
+            note_once("batch", f"--batch_size 1 (lm-eval's default) runs one of the {mc_draws} Monte Carlo draws "
+                               f"per forward; --batch_size 16 or more is much faster")
+        name = str(device or "auto")
+        device = resolve_device(name.split(":")[0])
+        device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
+        model, ckpt_dict = load_model(str(ckpt), device, use_ema)
+        tokenizer, why = load_tokenizer(ckpt_dict)
+        if tokenizer is None:
+            raise EvalError(f"{ckpt}: {why}")
+        return Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
+                         lambada_steps=lambada_steps, dtype=resolve_dtype(dtype, device), add_bos=add_bos,
+                         schedule=(ckpt_dict.get("train_config") or {}).get("noise_schedule") or "loglinear",
+                         final_step=default_final_step(ckpt_dict))
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        scored = self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)
+        return [(float(ll), bool(greedy)) for ll, greedy in scored]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        note_once("rolling", f"loglikelihood_rolling returns a LOWER BOUND on log p(text) (the NELBO over windows "
+                             f"of {self.scorer.model.config.block_size} tokens, {self.rolling_context} of them clean "
+                             f"context): the perplexities and bits per byte computed from it are upper bounds")
+        return self.scorer.loglikelihood_rolling([req.args[0] for req in requests], self.cfg_w, self.rolling_context)
+
+    def generate_until(self, requests, disable_tqdm=False):
+        L = self.scorer.model.config.block_size
+        for _, kwargs in (req.args for req in requests):
+            unused = sorted(set(kwargs) - {"until", "max_gen_toks"})
+            if unused:
+                note_once(("unused", *unused), f"generate_until samples with the diffusion sampler (steps="
+                                               f"{self.steps}, final_step={self.final_step}, top_p={self.top_p}, "
+                                               f"cfg_w={self.cfg_w}); the task's {', '.join(unused)} are not used")
+            if int(kwargs.get("max_gen_toks", MAX_GEN_TOKS)) > L - 1:
+                note_once("long", f"max_gen_toks {kwargs.get('max_gen_toks', MAX_GEN_TOKS)} does not fit the "
+                                  f"model's window: generating {L - 1} tokens (block_size {L} - 1)")
+        return self.scorer.generate_until([tuple(req.args) for req in requests], self.cfg_w, self.steps,
+                                          self.final_step, self.top_p)
 
 
 OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")

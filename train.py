@@ -449,7 +449,8 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                     samples()
         except Interrupted:
             if env.master:
-                print(f"stopped by signal {stop['signal']} after {what}; checkpoint of step {run.it} saved to {ckpt_path}")
+                print(f"stopped by signal {stop['signal']} after {what}; checkpoint of step {run.it} saved to "
+                      f"{ckpt_path}")
             return 130
     return 0
 

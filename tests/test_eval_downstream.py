@@ -411,6 +411,7 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     from lm_eval.api.instance import Instance
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
+    import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
     cls = ed.lm_eval_model_class()
     assert get_model("sddlm") is cls and issubclass(cls, LM)
     assert get_model("dummy").__name__ == "DummyLM"        # registering ours does not hide the harness's models
