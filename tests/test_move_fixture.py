@@ -1,7 +1,7 @@
-"""The tiny preset reproduces, from the same seed, the numbers recorded before the code was laid out in rooms:
-the losses of a few training steps (curriculum and plain, every kind of objective), the weights and EMA weights
-they leave, and an ancestral sample. Any change of behaviour in the step, the model or the sampler shows here.
-Regenerate (only after a deliberate change of behaviour) with `python tests/test_move_fixture.py`."""
+"""The tiny preset reproduces, from the same seed, recorded numbers exactly: the losses of a few training steps
+(curriculum and plain, every kind of objective), the weights and EMA weights they leave, and an ancestral sample.
+Any change of behaviour in the step, the model or the sampler shows here. Regenerate (only after a deliberate
+change of behaviour) with `python tests/test_move_fixture.py`."""
 import os
 
 import torch
