@@ -49,7 +49,6 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -60,10 +59,11 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from data import DataError, read_text
+from data import DataError
 from cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import save_atomic, write_json
+from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
@@ -321,13 +321,7 @@ def read_jsonl(path):
     if not os.path.isfile(path):
         raise EvalError(f"JSONL file not found: {path}")
     items, kinds = [], set()
-    for n, line in enumerate(read_text(path).split("\n"), 1):   # not UTF-8 -> one line naming the byte
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EvalError(f"{path}:{n}: not JSON ({e.msg})") from None
+    for n, item in jsonl_records(path, lambda n, e: EvalError(f"{path}:{n}: not JSON ({e.msg})")):
         if isinstance(item, dict) and "choices" in item:
             gold = item.get("gold")
             ok = (isinstance(item.get("context"), str) and isinstance(item["choices"], list) and item["choices"]

@@ -47,6 +47,7 @@ from cli import UsageError, autocast_for, first_line, parse_flags, resolve_devic
 from objective import loss_terms, token_mean
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, write_json
+from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, generate, generate_ar
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
@@ -297,15 +298,9 @@ def _fmt(v):
 def _read_samples(path):
     if not os.path.isfile(path):
         raise UsageError(f"--samples {path}: no such file")
-    from data import read_text
     records = []
-    for n, line in enumerate(read_text(path).split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise UsageError(f"--samples {path}:{n}: not a JSON line ({e}); a truncated file?") from None
+    for n, record in jsonl_records(path, lambda n, e: UsageError(f"--samples {path}:{n}: not a JSON line ({e}); "
+                                                                 f"a truncated file?")):
         if not isinstance(record, dict) or not isinstance(record.get("ids"), list) or \
                 not all(isinstance(i, int) and not isinstance(i, bool) for i in record["ids"]):
             raise UsageError(f"--samples {path}:{n}: expected a JSON object with 'ids' (a list of integers) and "

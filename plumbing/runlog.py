@@ -1,4 +1,5 @@
-"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume."""
+"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume; and the
+one reader of JSONL files the evaluation scripts take as input."""
 import json
 import os
 import time
@@ -75,3 +76,17 @@ def truncate_log(path, step):
             with open(tmp, "w") as f:
                 f.writelines(keep)
         save_atomic(path, write)
+
+
+def jsonl_records(path, bad_line):
+    """(line number, record) for each non-blank line of a JSONL file, read as UTF-8 (otherwise one line naming the
+    byte: data.read_text). bad_line(n, e) -> the exception raised for line n, which is not JSON (e: json's error)."""
+    from data import read_text
+    for n, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise bad_line(n, e) from None
+        yield n, record
