@@ -456,10 +456,11 @@ def assert_same_categorical(a, b, cells, msg=""):
 @pytest.mark.parametrize("gamma", [-3.0, 0.0])
 def test_top_k_latent_has_the_joint_law_of_the_dense_top_k(gamma):
     """top_k_latent against the top k of the dense w (gaussian_latent + topk) at K = 10, k = 3, by two-sample
-    tests: each of the k values, their sum and the top gap (Kolmogorov-Smirnov), the rank of x0 among them
-    (or absent) jointly with the next two tokens' offsets from x0 (chi-square over 4 x 10 x 10 cells)."""
+    tests: each of the k values, their sum and the top gap (Kolmogorov-Smirnov), and x0 with its rank among
+    them (or absent) jointly with the two largest tokens (chi-square over 2 x 4 x 10 x 10 cells; x0 is 1 or 8, so
+    that the tokens are tested as token ids, not only as offsets from a uniform x0)."""
     K, k, L = 10, 3, 30000
-    x0 = torch.randint(0, K, (1, L), generator=torch.Generator().manual_seed(0))
+    x0 = torch.tensor([1, 8]).repeat(L // 2)[None]
     g = torch.tensor([[gamma]])
     values, ids = top_k_latent(x0, g, K, k, torch.Generator().manual_seed(1))
     dense = gaussian_latent(x0, g, K, generator=torch.Generator().manual_seed(2)).topk(k, dim=-1)
@@ -471,9 +472,8 @@ def test_top_k_latent_has_the_joint_law_of_the_dense_top_k(gamma):
 
     def pattern(ids):
         rank = torch.where(ids == x0[..., None], torch.arange(k), k).amin(-1)          # k: x0 not in the top k
-        off = (ids - x0[..., None]) % K
-        return (rank * K + off[..., 0]) * K + off[..., 1]
-    assert_same_categorical(pattern(ids), pattern(dense.indices), (k + 1) * K * K, msg=f"gamma={gamma}")
+        return (((x0 == 8) * (k + 1) + rank) * K + ids[..., 0]) * K + ids[..., 1]
+    assert_same_categorical(pattern(ids), pattern(dense.indices), 2 * (k + 1) * K * K, msg=f"gamma={gamma}")
 
 
 def test_top_k_latent_argmax_follows_the_operator_table():
