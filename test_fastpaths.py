@@ -490,8 +490,9 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out["losses"]) == bench.ALL_LOSSES.split(",") + ["sddlm+curriculum"]
-    assert out["losses"]["sddlm+curriculum"]["step_vs_plain"] > 0 and "sddlm+curriculum step / sddlm step" in \
-        bench.markdown(out)
+    table = bench.markdown(out)
+    assert out["losses"]["sddlm+curriculum"]["step_vs_plain"] > 0 and "| sddlm+curriculum step / sddlm step | " in \
+        table and f"| sampler time / its forwards' time | {1 + out['sampler']['overhead']:.3f} (" in table
     for name, r in out["losses"].items():
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["act_bytes"] > 0 and len(r["step_ms_all"]) == 2, name
         assert 0 < r["mfu"] and r["peak_mem_bytes"] is None, name      # CPU: no peak memory, never a guess
