@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from losses import _fused
+import losses
 
 T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
 
@@ -145,7 +145,7 @@ def block_logsumexp(logits, block=None, chunk_elems=None):
     flat = logits.reshape(-1, logits.shape[-1])
     chunk_elems = chunk_elems or (1 << 25 if flat.device.type == "cuda" else 1 << 20)
     rows = max(1, chunk_elems // flat.shape[-1])
-    kernel = _fused(_block_lse_rows, flat)
+    kernel = losses._fused(_block_lse_rows, flat)
     out = torch.cat([kernel(flat[i:i + rows], block) for i in range(0, flat.shape[0], rows)])
     return out.view(*logits.shape[:-1], -1)
 

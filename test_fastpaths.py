@@ -287,7 +287,7 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
     """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (losses._fused); here the
     same compilation runs on the CPU (TorchInductor's C++ backend) and must give the eager numbers: values and
     gradients of the SDDLM losses and the lean NELBO on bf16 logits and on a bf16 Head, and the sampler's
-    log-sum-exp."""
+    log-sum-exps (of whole rows, and of blocks of the vocabulary)."""
     hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.bfloat16)
     logits = F.linear(hidden, weight, bias)[..., :61].detach().requires_grad_(True)
 
@@ -301,13 +301,14 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
             out[name + " nelbo"] = (nelbo, *torch.autograd.grad((nelbo * upstream).sum(), (
                 logits,) if name == "logits" else (hidden, weight, bias)))
         out["lse"] = (losses.logsumexp_fp32(logits.detach()),)
+        out["block lse"] = (diffusion.block_logsumexp(logits.detach(), 16, chunk_elems=7 * 61),)
         return out
 
     eager = run()
     compiled = {}
     monkeypatch.setattr(losses, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
     got = run()
-    assert len(compiled) == 4
+    assert len(compiled) == 5
     for key in eager:
         for a, b in zip(got[key], eager[key]):
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-6 * b.abs().max().item(),
