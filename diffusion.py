@@ -114,7 +114,7 @@ def gumbel_noise(shape, generator=None, device=None):
     """Gumbel noise G = -log E, E = -log(1 - U) ~ Exp(1), in float32 with U uniform on a grid of 2^-48 built from
     two 24-bit random integers. A float32 uniform (24 bits) would cap G at 16.6 and so never draw a token whose
     logit trails the best by more than ~17 (the entropy loss Duo avoids with float64); here G reaches 33 (float64
-    noise: 36.7), and float64 is never needed for the (n, K) noise. -> float32 of `shape`."""
+    noise: 36.7), so float64 noise is never needed. -> float32 of `shape`."""
     hi, lo = (torch.randint(0, 1 << 24, shape, generator=generator, device=device, dtype=torch.int32).float()
               for _ in range(2))
     u = (hi + (lo + 0.5) * 2.0 ** -24) * 2.0 ** -24
@@ -157,10 +157,11 @@ def gumbel_argmax(logits, generator=None, chunk_elems=1 << 25, block_lse=None, r
     over the block), so P(v) = exp(lse_c - lse) exp(logits[v] - lse_c) = softmax(logits)[v]. Given the block
     log-sum-exps (block_logsumexp: the sampler has them from its one pass), a row costs O(K / block + block)
     random numbers and reads one block of logits, not O(K).
-    Precision: G is gumbel_noise (float32, from 48-bit uniforms, reaching G = 33) and is added to float32
-    block log-sum-exps and logits, so a block or token is never drawn only when its mass is below e^-33 of the
-    one it competes with (the most likely), at most K e^-33 < 1e-9 of the law at K = 50258 (float64 noise:
-    e^-37); the sums round at float32's relative 6e-8, as the logits themselves already are.
+    Precision: G is gumbel_noise (float32 from 48-bit uniforms: G reaches 33, float64 noise 37, a float32
+    uniform only 16.6) added to float32 block log-sum-exps and logits. A block (a token) whose log-mass trails
+    the best it competes with by more than ~36 is never drawn: such blocks and tokens carry at most K e^-36
+    < 1e-11 of the law at K = 50258, far below what sampling resolves; the sums round at float32's relative
+    6e-8, the precision the logits themselves carry.
     logits (n, K), -inf allowed; block_lse (n, ceil(K / block)) or None (computed, chunk_elems logits a pass);
     rows: optional (m,) row indices to draw for (only those rows' blocks are read) -> ids (n,) or (m,)."""
     K, block = logits.shape[-1], GUMBEL_BLOCK
@@ -214,8 +215,8 @@ def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
     logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus)."""
     K = logits.shape[-1]
     block_lse = block_logsumexp(logits)                                      # (B, L, ceil(K / block))
-    lse = torch.logsumexp(block_lse.double(), dim=-1)
-    p_z = torch.exp(logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double() - lse)
+    log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).float() - torch.logsumexp(block_lse, dim=-1)
+    p_z = torch.exp(log_p_z.double())
     flat, flat_lse = logits.reshape(-1, K), block_lse.reshape(-1, block_lse.shape[-1])
     return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(flat, generator, block_lse=flat_lse,
                                                              rows=pick[0] * xt.shape[1] + pick[1]),
