@@ -215,7 +215,7 @@ def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
     logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus)."""
     K = logits.shape[-1]
     block_lse = block_logsumexp(logits)                                      # (B, L, ceil(K / block))
-    log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).float() - torch.logsumexp(block_lse, dim=-1)
+    log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).to(block_lse.dtype) - torch.logsumexp(block_lse, -1)
     p_z = torch.exp(log_p_z.double())
     flat, flat_lse = logits.reshape(-1, K), block_lse.reshape(-1, block_lse.shape[-1])
     return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(flat, generator, block_lse=flat_lse,
