@@ -345,7 +345,8 @@ def top_k_latent(x0, gamma, vocab_size, k=CURRICULUM_TOP_K, generator=None):
     scale, signal = torch.sqrt(torch.sigmoid(g)), torch.sqrt(torch.sigmoid(-g))
     E = torch.empty(N, k, device=dev, dtype=torch.float64).exponential_(generator=generator)
     S = (E / torch.arange(n, n - k, -1, device=dev, dtype=torch.float64)).cumsum(-1)
-    others = -scale * torch.special.ndtri((-torch.expm1(-S)).clamp_min(1e-300))     # (N, k) descending; U > 0 keeps w finite
+    U = (-torch.expm1(-S)).clamp_min(1e-300)                     # U > 0 keeps w finite should an E_i be 0
+    others = -scale * torch.special.ndtri(U)                                      # (N, k), descending
     other_ids = _distinct_uniform(n, k, N, generator, dev)
     x0 = x0.reshape(-1, 1)
     other_ids = other_ids + (other_ids >= x0)                                    # skip x0's own token
