@@ -9,11 +9,11 @@ import torch
 
 from conftest import bayes_posterior, transition_matrix
 import diffusion
-from diffusion import (SCHEDULES, T_MIN, SoftTokens, alpha_table, ancestral_step, ancestral_step_from_logits,
-                       block_logsumexp, cosine_schedule, curriculum_input, curriculum_sample, gamma_to_alpha,
-                       gaussian_latent, gumbel_argmax, gumbel_noise, log_linear_schedule, rank_slice,
-                       reverse_posterior, sample_categorical, sample_t, sample_xt, sigma_from_alpha, soft_input,
-                       tau_schedule, top_k_latent)
+from diffusion import (SCHEDULES, T_MIN, TOP_K_MAX_TAU, SoftTokens, alpha_table, ancestral_step,
+                       ancestral_step_from_logits, block_logsumexp, cosine_schedule, curriculum_input,
+                       curriculum_sample, gamma_to_alpha, gaussian_latent, gumbel_argmax, gumbel_noise,
+                       log_linear_schedule, rank_slice, reverse_posterior, sample_categorical, sample_t, sample_xt,
+                       sigma_from_alpha, soft_input, tau_schedule, top_k_latent)
 
 
 def chi2_quantile(df, z=4.5):
@@ -494,12 +494,13 @@ def test_top_k_latent_argmax_follows_the_operator_table():
         assert_frequencies((off - 1) * 50 // (K - 1), torch.full((50,), 1 / 50), msg=f"gamma={gamma[b].item()}")
 
 
-def test_curriculum_soft_input_equals_the_dense_softmax_to_float32_rounding():
-    """K = 50258, tau = 1e-3, Duo's gamma range: complete the top-k latent to a dense w with its exact conditional
+@pytest.mark.parametrize("tau", [1e-3, TOP_K_MAX_TAU])
+def test_curriculum_soft_input_equals_the_dense_softmax_to_float32_rounding(tau):
+    """K = 50258, tau = 1e-3 (Duo's) and the largest tau the top-k input is used at, Duo's gamma range: complete the top-k latent to a dense w with its exact conditional
     law (given the k largest coordinates, the others are independent, each truncated below the k-th: N(0,
     sigma~^2), or N(alpha~, sigma~^2) at x0); then the top k of w are the drawn ones, softmax(w / tau) in float64
     puts less than 2^-24 outside them, and curriculum_input's float32 weights equal it to float32 rounding."""
-    K, k, tau = 50258, 32, 1e-3
+    K, k = 50258, 32
     x0 = torch.randint(0, K, (2, 64), generator=torch.Generator().manual_seed(0))
     gamma = torch.tensor([[-3.55], [-1.85]])
     values, ids = top_k_latent(x0, gamma, K, k, torch.Generator().manual_seed(1))
