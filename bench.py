@@ -39,8 +39,10 @@ Columns:
 Rows: the objectives of train.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
 with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one. A row or
 a measurement that does not fit in memory prints n/a and the table still comes out, with what did not fit.
-Sampler: sample.generate (ancestral, float64 posterior, Gumbel-max, final ancestral step) vs no-grad
-forwards of the same model at the same batch: overhead = generate time / (its forwards x forward time) - 1.
+Sampler: sample.generate (ancestral: float64 per-token mixture weights, two-stage Gumbel-max on block
+log-sum-exps, final ancestral step) vs no-grad forwards of the same model at the same batch: overhead = generate
+time / (its forwards x forward time) - 1. The last table puts the curriculum's and the sampler's costs over the
+bare computation side by side, both from this one run.
 """
 import datetime
 import json
@@ -414,14 +416,18 @@ def markdown(out):
                      f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {fmt(mib(r['step_mem_bytes']), ',.1f')} "
                      f"| {fmt(mib(r['act_bytes']), ',.1f')} | {fmt(r['step_vs_duo'], '.2f')} | {fmt(r['peak_vs_duo'], '.2f')} "
                      f"| {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
-    for name, r in out["losses"].items():
-        if name.endswith(CURRICULUM):
-            lines.append(f"\n{name} step / {name.removesuffix(CURRICULUM)} step: {fmt(r['step_vs_plain'], '.3f')}")
     s = out["sampler"]
     if s is not None:
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|",
                   f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |"]
+    costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
+             for name, r in out["losses"].items() if name.endswith(CURRICULUM)]
+    if s is not None:
+        costs.append(("sampler time / its forwards' time", f"{1 + s['overhead']:.3f} ({100 * s['overhead']:+.1f}%)"))
+    if costs:       # the two costs over the bare computation, from the same run (same machine load)
+        lines += ["", "| cost over the bare computation, this run | ratio |", "|---|---:|"]
+        lines += [f"| {what} | {ratio} |" for what, ratio in costs]
     if out.get("out_of_memory"):
         lines += ["", "n/a from running out of memory: "
                   + "; ".join(f"{what}: {why}" for what, why in out["out_of_memory"].items())]

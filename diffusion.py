@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from losses import log_probs
+import losses
 
 T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
 
@@ -114,23 +114,68 @@ def gumbel_noise(shape, generator=None, device=None):
     """Gumbel noise G = -log E, E = -log(1 - U) ~ Exp(1), in float32 with U uniform on a grid of 2^-48 built from
     two 24-bit random integers. A float32 uniform (24 bits) would cap G at 16.6 and so never draw a token whose
     logit trails the best by more than ~17 (the entropy loss Duo avoids with float64); here G reaches 33 (float64
-    noise: 36.7), and float64 is never needed for the (n, K) noise. -> float32 of `shape`."""
+    noise: 36.7), so float64 noise is never needed. -> float32 of `shape`."""
     hi, lo = (torch.randint(0, 1 << 24, shape, generator=generator, device=device, dtype=torch.int32).float()
               for _ in range(2))
     u = (hi + (lo + 0.5) * 2.0 ** -24) * 2.0 ** -24
     return -torch.log(-torch.log1p(-u))
 
 
-def gumbel_argmax(logits, generator=None, chunk_elems=1 << 25):
-    """An exact draw from softmax(logits) per row: argmax(logits + G), G iid Gumbel (gumbel_noise), the logits
-    in their own precision (at least float32), chunk_elems at a time. logits (n, K), -inf allowed -> ids (n,)."""
-    ids = torch.empty(logits.shape[:-1], dtype=torch.long, device=logits.device)
-    rows = max(1, chunk_elems // logits.shape[-1])
-    for i in range(0, logits.shape[0], rows):
-        z = logits[i:i + rows]
-        noise = gumbel_noise(z.shape, generator, z.device)
-        ids[i:i + rows] = (z.to(torch.promote_types(z.dtype, torch.float32)) + noise).argmax(-1)
-    return ids
+GUMBEL_BLOCK = 256     # vocabulary entries per block of the two-stage Gumbel-max (about sqrt(K) for GPT-2's K)
+
+
+def _block_lse_rows(z, block):
+    """z (n, K) -> log-sum-exp of each run of `block` consecutive entries (the last run may be shorter),
+    (n, ceil(K / block)) in at least float32: one read of z; compiled into one kernel on CUDA (losses._fused)."""
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    full = z.shape[-1] // block * block
+    parts = [torch.logsumexp(z[:, :full].unflatten(-1, (-1, block)), dim=-1)] if full else []
+    if full < z.shape[-1]:
+        parts.append(torch.logsumexp(z[:, full:], dim=-1, keepdim=True))
+    return torch.cat(parts, dim=-1)
+
+
+def block_logsumexp(logits, block=None, chunk_elems=None):
+    """log sum_{v in block c} exp(logits[..., v]) for the blocks c of GUMBEL_BLOCK consecutive tokens: the one
+    pass over the vocabulary the sampler makes. Their log-sum-exp is the row's normaliser (log-sum-exp is
+    associative), and they are the masses the first stage of gumbel_argmax draws from. Chunks of rows: about 4 MB
+    of logits on the CPU (a chunk's temporaries stay in cache), 2^25 logits on CUDA.
+    logits (..., K) any float dtype -> (..., ceil(K / block)) float32 (float64 for float64 logits)."""
+    block = block or GUMBEL_BLOCK
+    flat = logits.reshape(-1, logits.shape[-1])
+    chunk_elems = chunk_elems or (1 << 25 if flat.device.type == "cuda" else 1 << 20)
+    rows = max(1, chunk_elems // flat.shape[-1])
+    kernel = losses._fused(_block_lse_rows, flat)
+    out = torch.cat([kernel(flat[i:i + rows], block) for i in range(0, flat.shape[0], rows)])
+    return out.view(*logits.shape[:-1], -1)
+
+
+def gumbel_argmax(logits, generator=None, chunk_elems=1 << 25, block_lse=None, rows=None):
+    """An exact draw from softmax(logits) per row, by Gumbel-max in two stages over blocks of GUMBEL_BLOCK
+    consecutive tokens: a block c with probability proportional to exp(lse_c) (argmax of lse_c + G_c over the
+    blocks), then a token v of c with probability proportional to exp(logits[v]) (argmax of logits[v] + G_v
+    over the block), so P(v) = exp(lse_c - lse) exp(logits[v] - lse_c) = softmax(logits)[v]. Given the block
+    log-sum-exps (block_logsumexp: the sampler has them from its one pass), a row costs O(K / block + block)
+    random numbers and reads one block of logits, not O(K).
+    Precision: G is gumbel_noise (float32 from 48-bit uniforms: G reaches 33, float64 noise 37, a float32
+    uniform only 16.6) added to float32 block log-sum-exps and logits. A block (a token) whose log-mass trails
+    the best it competes with by more than ~36 is never drawn: such blocks and tokens carry at most K e^-36
+    < 1e-11 of the law at K = 50258, far below what sampling resolves; the sums round at float32's relative
+    6e-8, the precision the logits themselves carry.
+    logits (n, K), -inf allowed; block_lse (n, ceil(K / block)) or None (computed, chunk_elems logits a pass);
+    rows: optional (m,) row indices to draw for (only those rows' blocks are read) -> ids (n,) or (m,)."""
+    K, block = logits.shape[-1], GUMBEL_BLOCK
+    if block_lse is None:
+        block_lse = block_logsumexp(logits if rows is None else logits[rows], block, chunk_elems)
+    elif rows is not None:
+        block_lse = block_lse[rows]
+    if rows is None:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+    c = (block_lse + gumbel_noise(block_lse.shape, generator, logits.device)).argmax(-1)
+    cols = c[:, None] * block + torch.arange(min(block, K), device=logits.device)
+    z = logits[rows[:, None], cols.clamp(max=K - 1)]
+    z = z.to(torch.promote_types(z.dtype, torch.float32)).masked_fill(cols >= K, float("-inf"))
+    return c * block + (z + gumbel_noise(z.shape, generator, logits.device)).argmax(-1)
 
 
 def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator):
@@ -162,14 +207,20 @@ def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
 
 
 def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
-    """ancestral_step with x_theta = softmax(logits), the same law: one float32 log-sum-exp pass over the
-    vocabulary (in chunks of rows, one fused kernel on CUDA) gives x_theta[x_t], float64 only for the per-token
-    mixture weights, and the tokens that draw from x_theta draw by Gumbel-max on their logits (gumbel_argmax):
-    no float64 and no probability tensor over the vocabulary. logits (B, L, K) any float dtype; -inf marks
-    tokens x_theta excludes (e.g. outside a nucleus)."""
-    p_z = torch.exp(log_probs(logits, xt)[0].double())
-    return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(logits[pick], generator), logits.shape[-1],
-                         alpha_t, alpha_s, generator)
+    """ancestral_step with x_theta = softmax(logits), the same law, at the cost of one pass over the vocabulary:
+    one float32 log-sum-exp pass per block of tokens (block_logsumexp; one fused kernel on CUDA) gives the
+    normaliser, so x_theta[x_t] and the per-token mixture weights (float64 only for these per-token scalars);
+    the tokens that draw from x_theta draw by the two-stage Gumbel-max of gumbel_argmax on those block
+    log-sum-exps and one block of their logits. No float64 and no probability tensor over the vocabulary.
+    logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus)."""
+    K = logits.shape[-1]
+    block_lse = block_logsumexp(logits)                                      # (B, L, ceil(K / block))
+    log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).to(block_lse.dtype) - torch.logsumexp(block_lse, -1)
+    p_z = torch.exp(log_p_z.double())
+    flat, flat_lse = logits.reshape(-1, K), block_lse.reshape(-1, block_lse.shape[-1])
+    return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(flat, generator, block_lse=flat_lse,
+                                                             rows=pick[0] * xt.shape[1] + pick[1]),
+                         K, alpha_t, alpha_s, generator)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -254,35 +305,74 @@ CURRICULUM_TOP_K = 32       # latent coordinates kept per position by curriculum
 TOP_K_MAX_TAU = 2e-3        # above this temperature curriculum_input keeps the whole (B, L, K) soft input
 
 
-def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULUM_TOP_K, chunk_elems=1 << 26):
-    """The curriculum's Gaussian latent w (gaussian_latent), its argmax xt and the soft input softmax(w / tau),
-    drawn chunk_elems // K rows at a time and kept on the top_k largest coordinates of w per position
-    (SoftTokens), so no (B, L, K) tensor is kept: only (n, K) float32 for one chunk while it is drawn.
-    Exactness: xt and the law of w are exact; the soft input is exact to float32 rounding whenever the
+def _distinct_uniform(n, k, rows, generator=None, device=None):
+    """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (a
+    uniform k-subset: for j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) in a uniformly random
+    order (argsort of iid uniform keys). O(k^2) comparisons per row, no O(n) work. -> (rows, k) int64."""
+    picked = torch.empty(rows, k, dtype=torch.long, device=device)
+    for i, j in enumerate(range(n - k, n)):
+        t = torch.randint(0, j + 1, (rows,), generator=generator, device=device)
+        taken = (picked[:, :i] == t[:, None]).any(-1)
+        picked[:, i] = torch.where(taken, j, t)
+    order = torch.rand(rows, k, generator=generator, device=device, dtype=torch.float64).argsort(-1)
+    return picked.gather(-1, order)
+
+
+def top_k_latent(x0, gamma, vocab_size, k=CURRICULUM_TOP_K, generator=None):
+    """The k largest coordinates of the curriculum's Gaussian latent w = alpha~ e_x0 + sigma~ eps (gaussian_latent),
+    drawn exactly in law in O(k) per position, without the other K - k coordinates:
+
+    1. The n = K - 1 coordinates other than x0 are iid N(0, sigma~^2). With U_i = 1 - Phi(w_i / sigma~) (iid
+       U(0, 1), decreasing in w_i), their k largest values are those of the k smallest U. The smallest of n
+       uniforms has P(U_(1) > u) = (1 - u)^n, so -log(1 - U_(1)) ~ Exp(1) / n; given U_(1), the other n - 1 are
+       iid uniform on (U_(1), 1), i.e. 1 - U = (1 - U_(1)) (1 - U') with U' ~ U(0, 1) (Renyi). By induction
+           S_j = -log(1 - U_(j)) = sum_{i <= j} E_i / (n - i + 1),   E_i iid Exp(1),
+           U_(j) = -expm1(-S_j),   w_(j) = sigma~ Phi^-1(1 - U_(j)) = -sigma~ ndtri(U_(j)),
+       in float64 and through the small tail probability U_(j) (no 1 - U cancellation: the top values keep
+       full precision however far in the tail).
+    2. The n coordinates are exchangeable and the ranks of iid continuous variables are a uniform permutation
+       independent of their sorted values, so the tokens carrying w_(1) > ... > w_(k) are a uniformly random
+       ordered k-tuple of distinct tokens of the other K - 1 (_distinct_uniform), independent of the values.
+    3. x0's own coordinate w_x0 = alpha~ + sigma~ eps_0 is independent of both. Every coordinate below w_(k)
+       is below k others, so the k largest of all K are the k largest of {w_x0, w_(1..k)}: w_x0 is among them
+       exactly when it exceeds w_(k) (and then w_(k) drops out), and argmax w = x0 exactly when w_x0 > w_(1).
+    Given these k coordinates the remaining K - k are independent, each with its own law (N(0, sigma~^2), or
+    N(alpha~, sigma~^2) at x0) truncated below the k-th value: what a test completes w with.
+    x0 (B, L); gamma (B, 1); 1 <= k < K -> (values (B, L, k) float64, descending; ids (B, L, k) int64)."""
+    B, L = x0.shape
+    K, n, N, dev = vocab_size, vocab_size - 1, x0.numel(), x0.device
+    g = gamma.double().expand(B, L).reshape(-1, 1)
+    scale, signal = torch.sqrt(torch.sigmoid(g)), torch.sqrt(torch.sigmoid(-g))
+    E = torch.empty(N, k, device=dev, dtype=torch.float64).exponential_(generator=generator)
+    S = (E / torch.arange(n, n - k, -1, device=dev, dtype=torch.float64)).cumsum(-1)
+    U = (-torch.expm1(-S)).clamp_min(1e-300)                     # U > 0 keeps w finite should an E_i be 0
+    others = -scale * torch.special.ndtri(U)                                      # (N, k), descending
+    other_ids = _distinct_uniform(n, k, N, generator, dev)
+    x0 = x0.reshape(-1, 1)
+    other_ids = other_ids + (other_ids >= x0)                                    # skip x0's own token
+    at_x0 = signal + scale * torch.randn(N, 1, generator=generator, device=dev, dtype=torch.float64)
+    values, order = torch.cat([others, at_x0], dim=-1).topk(k, dim=-1)
+    ids = torch.cat([other_ids, x0], dim=-1).gather(-1, order)
+    return values.view(B, L, k), ids.view(B, L, k)
+
+
+def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULUM_TOP_K):
+    """The curriculum's latent xt = argmax w and soft input softmax(w / tau) of the Gaussian latent w
+    (gaussian_latent), kept on the top_k largest coordinates of w per position (SoftTokens), which top_k_latent
+    draws exactly in O(top_k) per position: no (B, L, K) tensor and no O(K) work.
+    Exactness: xt and the kept coordinates are exact in law; the soft input (softmax over the kept coordinates,
+    in float64, rounded to float32) equals the dense softmax(w / tau) to float32 rounding whenever the
     (top_k+1)-th largest coordinate is more than tau (log K + 24 log 2) below the largest (every weight beyond
     it is then under 2^-24 of the total). The gaps between the top order statistics of K Gaussians of scale
     sigma~ <= 1 are ~ sigma~ / sqrt(2 log K), so at tau <= TOP_K_MAX_TAU and top_k = 32 that fails with
-    probability < 1e-20 per position; above TOP_K_MAX_TAU (or K <= top_k) this returns the dense soft input.
+    probability < 1e-20 per position; above TOP_K_MAX_TAU (or K <= top_k) this draws the dense (B, L, K) w and
+    returns the dense soft input.
     x0 (B, L); gamma (B, 1) -> xt (B, L), SoftTokens (or the (B, L, K) float32 soft input)."""
-    K = vocab_size
-    if tau > TOP_K_MAX_TAU or K <= top_k:
-        w = gaussian_latent(x0, gamma, K, generator)
+    if tau > TOP_K_MAX_TAU or vocab_size <= top_k:
+        w = gaussian_latent(x0, gamma, vocab_size, generator)
         return w.argmax(-1), soft_input(w, tau)
-    B, L = x0.shape
-    g = gamma.float().expand(B, L).reshape(-1, 1)
-    scale, signal = torch.sqrt(torch.sigmoid(g)), torch.sqrt(torch.sigmoid(-g))
-    x0 = x0.reshape(-1, 1)
-    ids = torch.empty(B * L, top_k, dtype=torch.long, device=x0.device)
-    probs = torch.empty(B * L, top_k, device=x0.device)
-    rows = max(1, chunk_elems // K)
-    for i in range(0, B * L, rows):
-        j = slice(i, i + rows)
-        w = torch.randn(x0[j].shape[0], K, generator=generator, device=x0.device).mul_(scale[j])
-        w.scatter_add_(-1, x0[j], signal[j])
-        top, ids[j] = w.topk(top_k, dim=-1)
-        probs[j] = torch.softmax(top / tau, dim=-1)
-    ids, probs = ids.view(B, L, top_k), probs.view(B, L, top_k)
-    return ids[..., 0], SoftTokens(ids, probs)
+    values, ids = top_k_latent(x0, gamma, vocab_size, top_k, generator)
+    return ids[..., 0], SoftTokens(ids, torch.softmax(values / tau, dim=-1).float())
 
 
 def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):

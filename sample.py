@@ -115,9 +115,9 @@ def denoiser_logits(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, a
     x_in, s_in = (torch.cat([xt, null_xt]), torch.cat([sigma, sigma])) if guided else (xt, sigma)
     with autocast or nullcontext():
         logits = model(x_in, s_in)
-    if guided:
+    if guided:      # (1 + w) f_c - w f_u = f_u + (1 + w)(f_c - f_u): one fused pass (lerp)
         f_c, f_u = logits.to(torch.promote_types(logits.dtype, torch.float32)).chunk(2)
-        logits = (1 + cfg_w) * f_c - cfg_w * f_u
+        logits = torch.lerp(f_u, f_c, 1 + cfg_w)
     return nucleus_logits(logits, top_p)
 
 

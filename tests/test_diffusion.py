@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from conftest import bayes_posterior, transition_matrix
-from diffusion import (SCHEDULES, T_MIN, SoftTokens, alpha_table, ancestral_step, ancestral_step_from_logits,
-                       cosine_schedule, curriculum_input, curriculum_sample, gamma_to_alpha, gaussian_latent,
-                       gumbel_argmax, gumbel_noise, log_linear_schedule, rank_slice, reverse_posterior,
-                       sample_categorical, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule)
+import diffusion
+from diffusion import (SCHEDULES, T_MIN, TOP_K_MAX_TAU, SoftTokens, alpha_table, ancestral_step,
+                       ancestral_step_from_logits, block_logsumexp, cosine_schedule, curriculum_input,
+                       curriculum_sample, gamma_to_alpha, gaussian_latent, gumbel_argmax, gumbel_noise,
+                       log_linear_schedule, rank_slice, reverse_posterior, sample_categorical, sample_t, sample_xt,
+                       sigma_from_alpha, soft_input, tau_schedule, top_k_latent)
 
 
 def chi2_quantile(df, z=4.5):
@@ -341,11 +343,14 @@ def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
         assert abs(freq - p) < 4.5 * math.sqrt(p * (1 - p) / L)
 
 
+@pytest.mark.parametrize("block", [256, 4])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype):
-    """The sampler's fast path (float32 log-sum-exp, float64 per-token weights, Gumbel-max on the logits) draws
-    Eq. (reverse) with x_theta = softmax(logits): chi-square against Bayes' rule, also with a token that x_theta
-    excludes (logit -inf, as outside a nucleus) and on the final step."""
+def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype, block, monkeypatch):
+    """The sampler's fast path (float32 block log-sum-exps, float64 per-token weights, two-stage Gumbel-max on the
+    logits) draws Eq. (reverse) with x_theta = softmax(logits): chi-square against Bayes' rule, also with a token
+    that x_theta excludes (logit -inf, as outside a nucleus) and on the final step; K = 6 in one block, and in
+    blocks of 4 (a ragged last one)."""
+    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", block)
     K, N = 6, 20000
     logits = (1.5 * torch.randn(5, K, generator=torch.Generator().manual_seed(4), dtype=torch.float64)).to(dtype)
     logits[1, 3] = float("-inf")
@@ -359,9 +364,10 @@ def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype):
         assert_frequencies(xs[i], target, msg=f"case {i}")
 
 
-def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_step():
+def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_step(monkeypatch):
     """Stay / uniform / x_theta are decided by the same draws as ancestral_step on softmax(logits): every token
     that does not draw from x_theta lands on the same value."""
+    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", 5)
     g = torch.Generator().manual_seed(3)
     B, L, K = 6, 400, 13
     logits = 3 * torch.randn(B, L, K, generator=g)
@@ -375,17 +381,41 @@ def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_
         assert torch.equal(a[~draws_x_theta], b[~draws_x_theta]) and draws_x_theta.any()
 
 
-def test_gumbel_argmax_is_an_exact_draw_from_the_softmax():
-    """argmax(logits + G) ~ softmax(logits): chi-square per row, bf16 and float32 logits, an excluded token."""
+@pytest.mark.parametrize("block", [256, 3])
+def test_gumbel_argmax_is_an_exact_draw_from_the_softmax(block, monkeypatch):
+    """Two-stage Gumbel-max ~ softmax(logits): chi-square per row, bf16 and float32 logits, an excluded token, the
+    whole row in one block and in blocks of 3 (3 + 3 + 1), on all rows and on a subset of rows."""
+    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", block)
     K, N = 7, 30000
     logits = 2 * torch.randn(3, K, generator=torch.Generator().manual_seed(6))
     logits[2, 4] = float("-inf")
+    logits[1, 6] = -25.0                      # alone in the last block when block = 3: a block of tiny mass
     for dtype in (torch.float32, torch.bfloat16):
         z = logits.to(dtype)
-        ids = gumbel_argmax(z[:, None, :].expand(3, N, K).reshape(-1, K), torch.Generator().manual_seed(7),
-                            chunk_elems=5000 * K).view(3, N)          # several chunks, a ragged last one
+        flat = z[:, None, :].expand(3, N, K).reshape(-1, K)
+        ids = gumbel_argmax(flat, torch.Generator().manual_seed(7), chunk_elems=5000 * K).view(3, N)
+        rows = torch.arange(1, 3 * N, 2)      # every other row, with the block log-sum-exps of all rows given
+        picked = gumbel_argmax(flat, torch.Generator().manual_seed(8), block_lse=block_logsumexp(flat), rows=rows)
         for r in range(3):
-            assert_frequencies(ids[r], torch.softmax(z[r].double(), -1), msg=f"{dtype} row {r}")
+            p = torch.softmax(z[r].double(), -1)
+            assert_frequencies(ids[r], p, msg=f"{dtype} row {r}")
+            assert_frequencies(picked[(rows // N) == r], p, msg=f"{dtype} row {r}, picked rows")
+
+
+def test_block_logsumexp_equals_float64_logsumexp_of_each_block():
+    """One pass, in chunks of rows: each block's log-sum-exp (the last block ragged) to float32 rounding, -inf for
+    a block with no mass, and their log-sum-exp is the row's (the sampler's normaliser)."""
+    g = torch.Generator().manual_seed(9)
+    z = 5 * torch.randn(2, 9, 1000, generator=g)
+    z[0, 0, 256:512] = float("-inf")
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-6)):
+        x = z.to(dtype)
+        got = block_logsumexp(x, 256, chunk_elems=3 * 1000)
+        assert got.shape == (2, 9, 4) and got.dtype == torch.float32
+        ref = torch.stack([torch.logsumexp(x.double()[..., i:i + 256], -1) for i in range(0, 1000, 256)], -1)
+        assert got[0, 0, 1] == float("-inf")
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=0)
+        torch.testing.assert_close(torch.logsumexp(got.double(), -1), torch.logsumexp(x.double(), -1), rtol=tol, atol=0)
 
 
 def test_gumbel_noise_has_a_float64_like_tail():
@@ -404,32 +434,96 @@ def test_gumbel_noise_has_a_float64_like_tail():
 
 
 # -----------------------------------------------------------------------------
-# the curriculum's input in chunks of rows, on its top-k coordinates
+# the curriculum's input on its top-k coordinates, drawn in O(k) per position (top_k_latent)
 
-def test_curriculum_input_equals_the_dense_route_on_the_same_draws():
-    """curriculum_input draws w chunk by chunk; on the CPU a generator gives the same numbers chunked or at once
-    (chunks of a multiple of 16 numbers), so it must reproduce gaussian_latent + argmax + soft_input exactly:
-    xt equal, the kept weights equal to float32 rounding, the embedding within float32 rounding of soft @ E,
-    and the weights it drops below 2^-24 of the total. (w / tau ~ 10^3 carries float32's relative resolution
-    1.2e-4 into the exponent: both routes round it the same way up to one unit, hence rtol 3e-4.)"""
-    K, B, L, k = 256, 3, 40, 32
-    x0 = torch.randint(0, K, (B, L), generator=torch.Generator().manual_seed(0))
-    gamma = torch.tensor([[-3.55], [-2.5], [-1.85]])
-    xt, soft = curriculum_input(x0, gamma, K, 1e-3, torch.Generator().manual_seed(1), top_k=k, chunk_elems=7 * K)
-    w = gaussian_latent(x0, gamma, K, generator=torch.Generator().manual_seed(1))
-    dense = soft_input(w, 1e-3)
-    assert torch.equal(xt, w.argmax(-1)) and soft.ids.shape == (B, L, k)
-    torch.testing.assert_close(soft.probs, dense.gather(-1, soft.ids), rtol=3e-4, atol=1e-9)
-    assert (dense.sum(-1) - dense.gather(-1, soft.ids).sum(-1)).max() < 2 ** -24
-    E = torch.randn(K, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    h = torch.nn.functional.embedding_bag(soft.ids.view(-1, k), E, per_sample_weights=soft.probs.view(-1, k).double(),
-                                          mode="sum").view(B, L, 16)
-    torch.testing.assert_close(h, dense.double() @ E, rtol=3e-4, atol=1e-6)
+def ks_two_sample(a, b):
+    """Kolmogorov-Smirnov statistic of two samples (1-D) and its critical value at p = 1e-6."""
+    a, b = a.double().reshape(-1).sort().values, b.double().reshape(-1).sort().values
+    both = torch.cat([a, b])
+    d = (torch.searchsorted(a, both, right=True) / a.numel() - torch.searchsorted(b, both, right=True) / b.numel())
+    c = math.sqrt(-math.log(1e-6 / 2) / 2)
+    return d.abs().max().item(), c * math.sqrt((a.numel() + b.numel()) / (a.numel() * b.numel()))
+
+
+def assert_same_categorical(a, b, cells, msg=""):
+    """Two-sample chi-square of integer samples a, b (equal sizes) over `cells` categories."""
+    ca, cb = (torch.bincount(x.reshape(-1), minlength=cells).double() for x in (a, b))
+    keep = (ca + cb) > 0
+    stat = ((ca - cb)[keep] ** 2 / (ca + cb)[keep]).sum().item()
+    assert stat < chi2_quantile(int(keep.sum()) - 1), f"{msg} chi2={stat:.1f}"
+
+
+@pytest.mark.parametrize("gamma", [-3.0, 0.0])
+def test_top_k_latent_has_the_joint_law_of_the_dense_top_k(gamma):
+    """top_k_latent against the top k of the dense w (gaussian_latent + topk) at K = 10, k = 3, by two-sample
+    tests: each of the k values, their sum and the top gap (Kolmogorov-Smirnov), and x0 with its rank among
+    them (or absent) jointly with the two largest tokens (chi-square over 2 x 4 x 10 x 10 cells; x0 is 1 or 8, so
+    that the tokens are tested as token ids, not only as offsets from a uniform x0)."""
+    K, k, L = 10, 3, 30000
+    x0 = torch.tensor([1, 8]).repeat(L // 2)[None]
+    g = torch.tensor([[gamma]])
+    values, ids = top_k_latent(x0, g, K, k, torch.Generator().manual_seed(1))
+    dense = gaussian_latent(x0, g, K, generator=torch.Generator().manual_seed(2)).topk(k, dim=-1)
+    assert (values.diff(dim=-1) < 0).all() and ((ids[..., :, None] == ids[..., None, :]).sum((-1, -2)) == k).all()
+    for name, f in [(f"value {j}", lambda v, j=j: v[..., j]) for j in range(k)] + [
+            ("sum", lambda v: v.sum(-1)), ("gap", lambda v: v[..., 0] - v[..., 1])]:
+        d, crit = ks_two_sample(f(values), f(dense.values))
+        assert d < crit, f"{name}: KS {d:.4f} >= {crit:.4f}"
+
+    def pattern(ids):
+        rank = torch.where(ids == x0[..., None], torch.arange(k), k).amin(-1)          # k: x0 not in the top k
+        return (((x0 == 8) * (k + 1) + rank) * K + ids[..., 0]) * K + ids[..., 1]
+    assert_same_categorical(pattern(ids), pattern(dense.indices), 2 * (k + 1) * K * K, msg=f"gamma={gamma}")
+
+
+def test_top_k_latent_argmax_follows_the_operator_table():
+    """At GPT-2's K = 50258 over Duo's gamma range: Pr[argmax w = x0] = T(gamma) + (1 - T(gamma)) / K (the
+    alpha_table quadrature; binomial), and a replaced token is uniform over the other K - 1 (chi-square of its
+    offset from x0 in 50 bins)."""
+    K, L = 50258, 50000
+    gamma = torch.tensor([[-3.55], [-3.0], [-2.5], [-1.85]])
+    x0 = torch.randint(0, K, (4, L), generator=torch.Generator().manual_seed(0))
+    xt, soft = curriculum_input(x0, gamma, K, 1e-3, torch.Generator().manual_seed(1))
+    alpha = gamma_to_alpha(gamma.double(), K)[0]
+    for b in range(4):
+        p = alpha[b].item() + (1 - alpha[b].item()) / K
+        freq = (xt[b] == x0[b]).double().mean().item()
+        assert abs(freq - p) < 4.5 * math.sqrt(p * (1 - p) / L), f"gamma={gamma[b].item()}: {freq} vs {p}"
+        off = (xt[b] - x0[b]) % K
+        off = off[off != 0]
+        assert_frequencies((off - 1) * 50 // (K - 1), torch.full((50,), 1 / 50), msg=f"gamma={gamma[b].item()}")
+
+
+@pytest.mark.parametrize("tau", [1e-3, TOP_K_MAX_TAU])
+def test_curriculum_soft_input_equals_the_dense_softmax_to_float32_rounding(tau):
+    """K = 50258, tau = 1e-3 (Duo's) and the largest tau the top-k input is used at, Duo's gamma range: complete the top-k latent to a dense w with its exact conditional
+    law (given the k largest coordinates, the others are independent, each truncated below the k-th: N(0,
+    sigma~^2), or N(alpha~, sigma~^2) at x0); then the top k of w are the drawn ones, softmax(w / tau) in float64
+    puts less than 2^-24 outside them, and curriculum_input's float32 weights equal it to float32 rounding."""
+    K, k = 50258, 32
+    x0 = torch.randint(0, K, (2, 64), generator=torch.Generator().manual_seed(0))
+    gamma = torch.tensor([[-3.55], [-1.85]])
+    values, ids = top_k_latent(x0, gamma, K, k, torch.Generator().manual_seed(1))
+    xt, soft = curriculum_input(x0, gamma, K, tau, torch.Generator().manual_seed(1), top_k=k)
+    assert torch.equal(soft.ids, ids) and torch.equal(xt, ids[..., 0])
+    g = torch.Generator().manual_seed(2)
+    scale = torch.sqrt(torch.sigmoid(gamma.double()))[..., None]
+    mean = torch.zeros(2, 64, K, dtype=torch.float64).scatter_(
+        -1, x0[..., None], torch.sqrt(torch.sigmoid(-gamma.double()))[..., None].expand(2, 64, 1))
+    below = torch.special.ndtr((values[..., -1:] - mean) / scale)          # P(coordinate < k-th value)
+    u = torch.rand(2, 64, K, generator=g, dtype=torch.float64) * below
+    w = (mean + scale * torch.special.ndtri(u)).scatter_(-1, ids, values)
+    top = w.topk(k, dim=-1)
+    assert torch.equal(top.indices, ids) and torch.equal(top.values, values)
+    dense = torch.softmax(w / tau, dim=-1)
+    assert (1 - dense.gather(-1, ids).sum(-1)).max() < 2 ** -24
+    torch.testing.assert_close(soft.probs.double(), dense.gather(-1, ids), rtol=2 ** -23, atol=2 ** -126)
 
 
 def test_curriculum_input_top_k_is_exact_at_the_papers_settings():
-    """K = 50258, tau = 1e-3 over Duo's gamma range: on every position of a draw the (k+1)-th coordinate is more
-    than tau (log K + 24 log 2) below the largest, i.e. the dropped weights are below float32 resolution."""
+    """K = 50258, tau = 1e-3 over Duo's gamma range, on the dense w: on every position of a draw the (k+1)-th
+    coordinate is more than tau (log K + 24 log 2) below the largest, i.e. the weights the top-k input drops are
+    below float32 resolution (the regime curriculum_input relies on at tau <= TOP_K_MAX_TAU)."""
     K, k, tau = 50258, 32, 1e-3
     x0 = torch.randint(0, K, (2, 64), generator=torch.Generator().manual_seed(0))
     gamma = torch.tensor([[-3.55], [-1.85]])
@@ -437,7 +531,7 @@ def test_curriculum_input_top_k_is_exact_at_the_papers_settings():
     top = w.topk(k + 1, dim=-1).values
     assert ((top[..., 0] - top[..., k]) / tau > math.log(K) + 24 * math.log(2)).all()
     xt, soft = curriculum_input(x0, gamma, K, tau, torch.Generator().manual_seed(1), top_k=k)
-    assert torch.equal(xt, w.argmax(-1)) and torch.allclose(soft.probs.sum(-1), torch.ones(2, 64))
+    assert torch.allclose(soft.probs.sum(-1), torch.ones(2, 64)) and torch.equal(xt, soft.ids[..., 0])
 
 
 def test_curriculum_input_keeps_the_dense_route_at_high_temperature():

@@ -288,7 +288,7 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
     """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (losses._fused); here the
     same compilation runs on the CPU (TorchInductor's C++ backend) and must give the eager numbers: values and
     gradients of the SDDLM losses and the lean NELBO on bf16 logits and on a bf16 Head, and the sampler's
-    log-sum-exp."""
+    log-sum-exps (of whole rows, and of blocks of the vocabulary)."""
     hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.bfloat16)
     logits = F.linear(hidden, weight, bias)[..., :61].detach().requires_grad_(True)
 
@@ -302,13 +302,14 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
             out[name + " nelbo"] = (nelbo, *torch.autograd.grad((nelbo * upstream).sum(), (
                 logits,) if name == "logits" else (hidden, weight, bias)))
         out["lse"] = (losses.logsumexp_fp32(logits.detach()),)
+        out["block lse"] = (diffusion.block_logsumexp(logits.detach(), 16, chunk_elems=7 * 61),)
         return out
 
     eager = run()
     compiled = {}
     monkeypatch.setattr(losses, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
     got = run()
-    assert len(compiled) == 4
+    assert len(compiled) == 5
     for key in eager:
         for a, b in zip(got[key], eager[key]):
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-6 * b.abs().max().item(),
@@ -368,9 +369,10 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
 # -----------------------------------------------------------------------------
 # the sampler holds no float64 tensor over the vocabulary, also with CFG and top-p
 
-def test_sampler_builds_no_float64_vocabulary_tensor_with_cfg_and_top_p():
+def test_sampler_builds_no_float64_vocabulary_tensor_with_cfg_and_top_p(monkeypatch):
     """Every tensor any op of sample.generate returns is watched: float64 appears only for per-token values,
-    never (B, L, V); with CFG and nucleus filtering too."""
+    never (B, L, V) nor (B, L, blocks of V); with CFG and nucleus filtering too."""
+    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", 8)        # V = 61 in 8 blocks
     from torch.utils._python_dispatch import TorchDispatchMode
     from sample import generate
 
@@ -491,8 +493,9 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out["losses"]) == bench.ALL_LOSSES.split(",") + ["sddlm+curriculum"]
-    assert out["losses"]["sddlm+curriculum"]["step_vs_plain"] > 0 and "sddlm+curriculum step / sddlm step" in \
-        bench.markdown(out)
+    table = bench.markdown(out)
+    assert out["losses"]["sddlm+curriculum"]["step_vs_plain"] > 0 and "| sddlm+curriculum step / sddlm step | " in \
+        table and f"| sampler time / its forwards' time | {1 + out['sampler']['overhead']:.3f} (" in table
     for name, r in out["losses"].items():
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["act_bytes"] > 0 and len(r["step_ms_all"]) == 2, name
         assert 0 < r["mfu"] and r["peak_mem_bytes"] is None, name      # CPU: no peak memory, never a guess
