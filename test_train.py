@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import losses
+from model import ModelConfig
 import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -220,3 +221,67 @@ def test_objectives_table_gives_each_loss_its_own_arguments():
         torch.testing.assert_close(train.OBJECTIVES[name](logits, c, 0.01), ref, rtol=0, atol=1e-12 * (name == "duo_lean"),
                                    msg=name)
     assert not torch.equal(expected["sddlm_v1"], losses.sddlm_v1_loss(logits, x0, xt, neg=neg))   # eps matters
+
+
+# -----------------------------------------------------------------------------------------------
+# one training step on a stand-in model: what the model is fed and what the loss is given
+
+class SpyModel(torch.nn.Module):
+    """Logits = one learnable row per vocabulary entry, the same at every position; records every (input, sigma)."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.config = ModelConfig(vocab_size=vocab_size, block_size=64, n_layer=1, n_head=1, n_embd=8)
+        self.bias = torch.nn.Parameter(torch.zeros(vocab_size))
+        self.calls = []
+
+    def forward(self, x, sigma=None, return_head=False):
+        self.calls.append((x.clone(), None if sigma is None else sigma.clone()))
+        return self.bias.expand(*x.shape[:2], -1)
+
+
+def spy_step(loss, vocab_size, batch, length, seed=0, **overrides):
+    """One train.train_step of SpyModel on uniform x0 -> (model, x0, gen_shared's state before the step)."""
+    cfg = train.TrainConfig(loss=loss, batch_size=batch, block_size=length, ema=0, warmup_iters=0, seed=seed,
+                            **overrides)
+    model = SpyModel(vocab_size)
+    run = train.Run(model, model, torch.optim.SGD(model.parameters(), lr=0.1), None, None,
+                    gen_shared=torch.Generator().manual_seed(seed), gen_local=torch.Generator().manual_seed(seed + 1))
+    x0 = torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed + 2))
+    state = run.gen_shared.get_state()
+    train.train_step(run, cfg, train.Env(torch.device("cpu")), x0)
+    return model, x0, state
+
+
+def test_training_conditions_the_model_on_minus_log_alpha_t():
+    """The network sees sigma = -log alpha_t (as Duo), alpha_t = 1 - (1 - 1e-3) t of the step's stratified times:
+    replayed here from the shared generator's first draw, t_i = 1e-3 + (1 - 1e-3)(u_i + i)/n."""
+    n = 16
+    model, _, state = spy_step("sddlm", 11, n, 8, grad_accum=2)
+    u = torch.rand(n, generator=torch.Generator().set_state(state)).double()
+    t = 1e-3 + (1 - 1e-3) * (u + torch.arange(n)) / n
+    sigma = torch.cat([s for _, s in model.calls]).double()
+    assert len(model.calls) == 2
+    torch.testing.assert_close(sigma, -torch.log(1 - (1 - 1e-3) * t), rtol=1e-5, atol=1e-6)
+
+
+def test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replacement_tokens(monkeypatch):
+    """Eq. (negative): x_hat ~ U(V), drawn apart from the corruption. Chi-square tests (z = 4.5, p ~ 3e-6) of the
+    negatives the loss receives: their frequencies against U(V), and their joint tables with x_t and with the
+    replacement tokens of Eq. (discrete_marginal) (train.draw_noise's second draw) against independence."""
+    from test_diffusion import assert_frequencies, chi2_quantile
+    V, seen, noise = 5, [], []
+    real_loss, real_noise = losses.sddlm_v1_loss, train.draw_noise
+    monkeypatch.setattr(losses, "sddlm_v1_loss", lambda out, x0, xt, neg, eps: (
+        seen.append((xt, neg)) or real_loss(out, x0, xt, neg=neg, eps=eps)))
+    monkeypatch.setattr(train, "draw_noise", lambda *a: noise.append(real_noise(*a)) or noise[-1])
+    spy_step("sddlm_v1", V, 64, 64)
+    (xt, neg), = seen
+    assert_frequencies(neg, torch.full((V,), 1 / V), "negatives")
+
+    def independence(a, b):
+        table = torch.bincount(a.reshape(-1) * V + b.reshape(-1), minlength=V * V).view(V, V).double()
+        expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+        return ((table - expected) ** 2 / expected).sum().item()
+    assert independence(neg, xt) < chi2_quantile((V - 1) ** 2), "negatives depend on x_t"
+    assert independence(neg, noise[0][1]) < chi2_quantile((V - 1) ** 2), "negatives depend on the replacement tokens"
