@@ -1,6 +1,7 @@
 """train.py end to end on a tiny synthetic corpus (CPU, offline): every loss learns, resume is exact,
 2-process DDP equals 1 process, bad input fails in one line without losing what was written."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -49,9 +50,30 @@ def test_every_loss_trains_and_its_loss_goes_down(loss, corpus, tmp_path):
     assert run(["--loss", loss, "--max_iters", "60", "--eval_interval", "60"], tmp_path, corpus) == 0
     rows = log_rows(tmp_path, "loss")
     assert len(rows) == 12 and all(map(lambda v: v == v, rows))
-    assert sum(rows[-3:]) / 3 < sum(rows[:2]) / 2 - 0.05, rows
-    # the validation NELBO is reported for every loss so runs are comparable
-    assert 1 < log_rows(tmp_path, "val_ppl")[-1] < 320 * 4
+    # From the zero output layer (uniform predictions) every objective here falls by 1.6 (sddlm, which scores only
+    # the ~half replaced tokens) to 5.4 nats (V1, V2) in 60 steps at this seed (measured 2026-11-24, torch 2.13,
+    # CPU); 1 nat leaves room for platform rounding, and a run whose gradient does not reach the model stays put.
+    assert sum(rows[-3:]) / 3 < rows[0] - 1.0, rows
+    # The validation NELBO (the exact NLL for 'ar') is reported for every loss so runs are comparable, and must
+    # beat any denoiser blind to the other tokens: such an x_theta makes the reverse process act on each position
+    # alone, so the model is a product of per-position marginals q_l, and its expected NELBO >= -log p. Packing
+    # starts sentences anywhere in a block, so the best q_l is point mass on BOS / EOS at the first / last position
+    # and the interior unigram law elsewhere: on the scored tokens at best their plug-in cross-entropy (measured:
+    # ppl 5.2 (ar) to 8.5 (naive) against the bound 9.5; an untrained model scores ~V = 320).
+    assert 1 < log_rows(tmp_path, "val_ppl")[-1] < context_free_ppl(corpus[1], loss == "ar")
+
+
+def context_free_ppl(data_dir, ar):
+    """exp of the per-token NLL, on the validation tokens train.evaluate scores (TINY: 2 batches of 8), of the best
+    model that knows the position of BOS and EOS and the interior tokens' frequencies (none of their context)."""
+    from data import eval_batches
+    x0 = torch.cat([x for x, _ in eval_batches(data_dir, "val", 8, 2)])
+    assert (x0[:, 0] == x0[0, 0]).all() and (x0[:, -1] == x0[0, -1]).all()         # every block is framed
+    counts = torch.bincount(x0[:, 1:-1].reshape(-1)).double()
+    p = counts[counts > 0] / counts.sum()
+    interior = float(-(p * p.log()).sum())
+    n = x0.shape[1] - 1 if ar else x0.shape[1]           # the AR baseline does not score position 0 (BOS)
+    return math.exp(interior * (x0.shape[1] - 2) / n)
 
 
 def test_resume_continues_bit_identically(corpus, tmp_path):
