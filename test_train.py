@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import diffusion
 import losses
 from model import ModelConfig
 import train
@@ -291,8 +292,9 @@ def spy_step(loss, vocab_size, batch, length, seed=0, **overrides):
 
 
 def test_training_conditions_the_model_on_minus_log_alpha_t():
-    """The network sees sigma = -log alpha_t (as Duo), alpha_t = 1 - (1 - 1e-3) t of the step's stratified times:
-    replayed here from the shared generator's first draw, t_i = 1e-3 + (1 - 1e-3)(u_i + i)/n."""
+    """The network sees sigma = -log alpha_t (as Duo), alpha_t = 1 - (1 - 1e-3) t of the step's stratified times
+    (during the curriculum: Duo's T(gamma_t)), the times replayed here from the shared generator's first draw,
+    t_i = 1e-3 + (1 - 1e-3)(u_i + i)/n."""
     n = 16
     model, _, state = spy_step("sddlm", 11, n, 8, grad_accum=2)
     u = torch.rand(n, generator=torch.Generator().set_state(state)).double()
@@ -300,6 +302,13 @@ def test_training_conditions_the_model_on_minus_log_alpha_t():
     sigma = torch.cat([s for _, s in model.calls]).double()
     assert len(model.calls) == 2
     torch.testing.assert_close(sigma, -torch.log(1 - (1 - 1e-3) * t), rtol=1e-5, atol=1e-6)
+    # during the curriculum: alpha_t = T(gamma_t), gamma_t = gamma_min + t (gamma_max - gamma_min)
+    model, _, state = spy_step("sddlm", 11, n, 8, curriculum_iters=1)
+    u = torch.rand(n, generator=torch.Generator().set_state(state)).double()
+    t = 1e-3 + (1 - 1e-3) * (u + torch.arange(n)) / n
+    alpha_t = diffusion.gamma_to_alpha(-3.55 + t * (-1.85 + 3.55), 11)[0]
+    (_, sigma), = model.calls
+    torch.testing.assert_close(sigma.double(), -torch.log(alpha_t), rtol=1e-5, atol=1e-6)
 
 
 def test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replacement_tokens(monkeypatch):
