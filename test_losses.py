@@ -123,6 +123,9 @@ def test_default_eps_is_used_by_sddlm_v1_and_v2():
     ref = brute(v1_ref(EPS), logits, x0, xt, neg)
     torch.testing.assert_close(sddlm_v1_loss(logits, x0, xt, neg=neg), ref, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(ref, brute(v1_ref(0.0), logits, x0, xt, neg))
+    ref_v2 = brute(v1_ref(EPS), logits, x0, xt, xt)            # V2: the negative is xt itself
+    torch.testing.assert_close(sddlm_v2_loss(logits, x0, xt), ref_v2, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(ref_v2, brute(v1_ref(0.0), logits, x0, xt, xt))
     assert 0 < EPS <= 1 / (10 * 50258)   # well below 1/V for GPT-2 (and Llama's 1/32000), as documented
 
 

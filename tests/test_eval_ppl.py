@@ -111,27 +111,54 @@ def test_entropy_of_hand_made_sequences():
 DIT = ModelConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
 
 
-def test_nelbo_ppl_is_exp_of_the_token_mean_of_usdm_nelbo_loss_for_the_same_draws():
-    model = perturbed(DIT)
+class Recording(torch.nn.Module):
+    """The model, keeping every (x_t, sigma, logits in float64) it is called with."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.calls = model, model.config, []
+
+    def forward(self, x, sigma=None):
+        logits = self.model(x, sigma)
+        self.calls.append((x.clone(), sigma.double(), logits.double()))
+        return logits
+
+
+def printed_nelbo(logits, x0, z, alpha, dalpha):
+    """Eq. (usdm) term by term in Python floats (Duo's sign +alpha'/(K alpha)): one token, logits a list."""
+    K, m = len(logits), max(logits)
+    e = [math.exp(v - m) for v in logits]
+    p = [v / sum(e) for v in e]
+    xbar = [K * alpha * (j == x0) + (1 - alpha) for j in range(K)]
+    xbar_th = [K * alpha * p[j] + (1 - alpha) for j in range(K)]
+    bracket = K / xbar[z] - K / xbar_th[z] - sum(
+        xbar[j] / xbar[z] * math.log(xbar_th[z] * xbar[j] / (xbar_th[j] * xbar[z])) for j in range(K))
+    return dalpha / (K * alpha) * bracket
+
+
+def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw():
+    """Independent of the code under test: the model's own inputs and outputs, alpha_t = exp(-sigma), the
+    log-linear alpha' = -(1 - 1e-3), Eq. (usdm) written out in float64, pooled over the unmasked tokens of every
+    batch and draw; the times of each batch stratified (one in each of its n strata of [1e-3, 1])."""
+    model = Recording(perturbed(DIT))
     data = torch.Generator().manual_seed(0)
     x0s = [torch.randint(0, V, (6, 16), generator=data), torch.randint(0, V, (3, 16), generator=data)]
     masks = [torch.ones(6, 16, dtype=torch.bool), torch.arange(16).expand(3, 16) < torch.tensor([[16], [9], [4]])]
     result = nelbo_ppl(model, list(zip(x0s, masks)), V, generator=torch.Generator().manual_seed(7), mc_draws=2,
                        show_progress=False)
-    g = torch.Generator().manual_seed(7)
+    assert len(model.calls) == 4
     total, count = 0.0, 0
-    with torch.no_grad():
-        for x0, mask in zip(x0s, masks):
-            for _ in range(2):
-                t = diffusion.sample_t(x0.shape[0], g)
-                alpha_t = 1 - (1 - 1e-3) * t[:, None]
-                xt = diffusion.sample_xt(x0, alpha_t, V, g)
-                loss = losses.usdm_nelbo_loss(model(xt, -torch.log(alpha_t[:, 0])), x0, xt, alpha_t,
-                                              torch.full_like(alpha_t, -(1 - 1e-3)))
-                total += float(loss[mask].double().sum())
-                count += int(mask.sum())
+    for (xt, sigma, logits), x0, mask in zip(model.calls, [x0s[0]] * 2 + [x0s[1]] * 2, [masks[0]] * 2 + [masks[1]] * 2):
+        alpha = torch.exp(-sigma)
+        t = (1 - alpha) / (1 - 1e-3)
+        assert sorted(((t - 1e-3) / (1 - 1e-3) * len(t)).floor().long().tolist()) == list(range(len(t)))
+        for b, l in mask.nonzero().tolist():
+            total += printed_nelbo(logits[b, l].tolist(), int(x0[b, l]), int(xt[b, l]), float(alpha[b]),
+                                   -(1 - 1e-3))
+            count += 1
     assert result["tokens"] == count == 2 * (6 * 16 + 16 + 9 + 4)
-    assert result["ppl"] == pytest.approx(math.exp(total / count), rel=1e-6)
+    assert result["nll"] == pytest.approx(total / count, rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
     assert result["estimator"] == "nelbo"
 
 

@@ -60,6 +60,21 @@ def test_oracle_denoiser_recovers_x0_exactly(final_step):
     assert torch.equal(x, x0)
 
 
+def test_final_ancestral_step_alone_lands_on_x0_from_a_large_t_end():
+    """At t_end = 0.6 (alpha ~ 0.4) a fraction (1 - alpha)(1 - 1/V) ~ 0.51 of the tokens is still wrong after the
+    N steps (x_t ~ q_t(. | x0) exactly, the oracle being exact); the final step to alpha_s = 1 has m_unif = 0 and
+    m_theta = 1 wherever x_theta[x_t] = 0 (Eq. reverse), so with x_theta = one-hot(x0) it alone must turn every
+    one of them into x0."""
+    V, B, L = 7, 8, 12
+    x0 = torch.randint(0, V, (B, L), generator=gen(1))
+    oracle = lambda x, sigma: 40.0 * F.one_hot(x0, V).float()
+    before = generate(oracle, B, L, V, 4, t_end=0.6, final_step="none", generator=gen(2), show_progress=False)
+    after = generate(oracle, B, L, V, 4, t_end=0.6, final_step="ancestral", generator=gen(2), show_progress=False)
+    # 96 tokens, each wrong with probability 0.51 (sd of the fraction 0.05): below 0.3 is 4 sd away
+    assert (before != x0).float().mean() > 0.3
+    assert torch.equal(after, x0)
+
+
 @pytest.mark.parametrize("final_step,nfe", [("ancestral", 9), ("greedy", 9), ("none", 8)])
 def test_duo_time_grid_and_nfe(final_step, nfe):
     """N = 8 steps on ts = linspace(1, 1e-5, N + 1): the network sees sigma = -log alpha(ts[i]) for i = 0..N-1,

@@ -1,0 +1,157 @@
+"""
+Mutation check: does each test catch the bug its name claims? Not part of the test suite (CI never runs it).
+
+    python tools/mutate.py              # every mutation below; exit 1 if one is missed or its snippet is stale
+    python tools/mutate.py --list       # the mutations, one a line
+    python tools/mutate.py v2_eps_zero  # only the named ones
+
+Each MUTATIONS entry puts one deliberate bug into a copy of the repository (the tracked and untracked, not ignored
+files, copied once to a temporary folder): in `file` the snippet `old`, which must occur exactly once, becomes
+`new`; then `python -m pytest -x -q` runs the named `tests` there on one thread. A mutation is caught when pytest
+reports a failing test (exit 1); passing (exit 0) is a miss, anything else (collection error, no such test) an
+error. The named tests are first run on the unchanged copy, which must pass. When code moves, only `file`,
+`old` (keep it short and distinctive) and the test node ids need retargeting.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+M = dict   # name, file, old, new, tests
+MUTATIONS = [
+    # --- the bugs that the suite once missed or caught only by luck -------------------------------------------
+    M(name="v2_eps_zero", file="losses.py",
+      old="def sddlm_v2_loss(logits, x0, xt, eps=EPS):", new="def sddlm_v2_loss(logits, x0, xt, eps=0.0):",
+      tests=["test_losses.py::test_default_eps_is_used_by_sddlm_v1_and_v2"]),
+    M(name="final_ancestral_step_noop", file="sample.py",
+      old="x = step(x, alphas[-1], 1.0)", new="x = x",
+      tests=["test_sample.py::test_final_ancestral_step_alone_lands_on_x0_from_a_large_t_end"]),
+    M(name="resume_forgets_gen_local", file="train.py",
+      old='run.gen_local.set_state(r["gen_local"])', new="pass",
+      tests=["test_train.py::test_resume_mid_curriculum_continues_bit_identically"]),
+    M(name="model_fed_alpha_not_sigma", file="train.py",
+      old="out = model(c.net_in, diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1)),",
+      new="out = model(c.net_in, c.alpha_t.squeeze(-1),",
+      tests=["test_train.py::test_training_conditions_the_model_on_minus_log_alpha_t"]),
+    M(name="v1_negatives_are_replacement_tokens", file="train.py",
+      old="return Corrupted(x0, xt, net_in, draws[2],", new="return Corrupted(x0, xt, net_in, draws[1],",
+      tests=["test_train.py::test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replacement_tokens"]),
+    # --- the loosely checked paths ------------------------------------------------------------------------------
+    M(name="nelbo_pooling_ignores_mask", file="eval_ppl.py",
+      old="total += (per_token.double() * mask).sum().cpu()", new="total += per_token.double().sum().cpu()",
+      tests=["test_eval_ppl.py::test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw"]),
+    M(name="nelbo_eval_feeds_alpha_not_sigma", file="eval_ppl.py",
+      old="logits = model(xt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))",
+      new="logits = model(xt, alpha_t.squeeze(-1))",
+      tests=["test_eval_ppl.py::test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw"]),
+    M(name="replacement_never_redraws_x0", file="diffusion.py",
+      old="device=x0.device), x0, noise)",
+      new="device=x0.device), x0, (x0 + 1 + noise % (vocab_size - 1)) % vocab_size)",
+      tests=["test_eval_downstream.py::test_continuation_tokens_survive_with_probability_alpha_t_plus_its_uniform_share",
+             "test_diffusion.py::test_sample_xt_frequencies_match_discrete_marginal"]),
+    M(name="training_detached_from_the_model", file="train.py",
+      old="loss = token_mean(per_token, weight) / cfg.grad_accum",
+      new="loss = token_mean(per_token.detach(), weight).requires_grad_() / cfg.grad_accum",
+      tests=["test_train.py::test_every_loss_trains_and_its_loss_goes_down"]),
+    # --- equations: losses, forward process, posterior, sampler ---------------------------------------------------
+    M(name="v1_eps_on_one_term_only", file="losses.py",
+      old="- log_p_plus_eps(log_p_x0, eps))", new="- log_p_x0)",
+      tests=["test_losses.py::test_sddlm_v1_matches_negative_sampling_formula_with_eps_on_both_terms"]),
+    M(name="sddlm_scores_kept_tokens", file="losses.py",
+      old="return -log_probs(logits, x0)[0] * (xt != x0)", new="return -log_probs(logits, x0)[0] * (xt == x0)",
+      tests=["test_losses.py::test_sddlm_loss_is_cross_entropy_on_replaced_tokens_only"]),
+    M(name="nelbo_drops_r_minus_1_minus_log_r", file="losses.py",
+      old="r_term = torch.expm1(log_r) - log_r", new="r_term = torch.zeros_like(log_r)",
+      tests=["test_losses.py::test_usdm_nelbo_matches_printed_formula_with_duo_sign"]),
+    M(name="nelbo_kl_not_divided_by_K", file="losses.py",
+      old="return -dalpha_t / (alpha_t * x_bar_z) * (r_term + kl / K)",
+      new="return -dalpha_t / (alpha_t * x_bar_z) * (r_term + kl)",
+      tests=["test_losses.py::test_usdm_nelbo_matches_printed_formula_with_duo_sign"]),
+    M(name="posterior_uniform_share_uses_alpha_t", file="diffusion.py",
+      old="numer = (a_s - a_t) * x0_probs + (1 - a_ts) * (1 - a_s) / K",
+      new="numer = (a_s - a_t) * x0_probs + (1 - a_ts) * (1 - a_t) / K",
+      tests=["test_diffusion.py::test_reverse_posterior_matches_bayes_rule"]),
+    M(name="ancestral_mixture_uniform_weight", file="diffusion.py",
+      old="m_unif = (1 - a_t / a_s) * (1 - a_s) / Z", new="m_unif = (1 - a_t / a_s) / Z",
+      tests=["test_diffusion.py::test_ancestral_step_frequencies_match_reverse_posterior"]),
+    M(name="times_not_stratified", file="diffusion.py",
+      old="e = (u + torch.arange(n, device=device)) / n", new="e = u",
+      tests=["test_diffusion.py::test_sample_t_is_stratified_over_the_global_batch",
+             "test_train.py::test_training_conditions_the_model_on_minus_log_alpha_t"]),
+    M(name="resume_forgets_gen_shared", file="train.py",
+      old='run.gen_shared.set_state(r["gen_shared"])', new="pass",
+      tests=["test_train.py::test_resume_continues_bit_identically"]),
+]
+
+
+def repo_files():
+    """The files a checkout carries: tracked ones and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.split("\0") if f and os.path.isfile(os.path.join(ROOT, f))]
+
+
+def pytest(copy, tests):
+    """-> (pytest's exit code, its last line)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=copy,
+                       env=env, capture_output=True, text=True)
+    lines = [l for l in (r.stdout + r.stderr).strip().splitlines() if l.strip()]
+    return r.returncode, lines[-1] if lines else ""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m['name']:40s} {m['file']:20s} {' '.join(m['tests'])}")
+        return 0
+    unknown = sorted(set(args.names) - {m["name"] for m in MUTATIONS})
+    if unknown:
+        print(f"unknown mutation(s) {', '.join(unknown)}; see --list", file=sys.stderr)
+        return 2
+    chosen = [m for m in MUTATIONS if not args.names or m["name"] in args.names]
+    bad = 0
+    with tempfile.TemporaryDirectory(prefix="sddlm-mutate-") as copy:
+        for f in repo_files():
+            os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+        baseline = sorted({t for m in chosen for t in m["tests"]})
+        code, last = pytest(copy, baseline)
+        print(f"{'baseline (unmutated)':40s} {'pass' if code == 0 else 'FAIL'}  {last}", flush=True)
+        if code != 0:
+            print("the named tests must pass on the unchanged code first", file=sys.stderr)
+            return 1
+        for m in chosen:
+            path = os.path.join(copy, m["file"])
+            source = open(path).read() if os.path.exists(path) else None
+            n = 0 if source is None else source.count(m["old"])
+            if n != 1:
+                print(f"{m['name']:40s} STALE   {m['file']}: snippet found {n} times (must be once): {m['old']!r}")
+                bad += 1
+                continue
+            start = time.time()
+            with open(path, "w") as f:
+                f.write(source.replace(m["old"], m["new"]))
+            try:
+                code, last = pytest(copy, m["tests"])
+            finally:
+                with open(path, "w") as f:
+                    f.write(source)
+            verdict = {0: "MISSED", 1: "caught"}.get(code, f"ERROR({code})")
+            bad += verdict != "caught"
+            print(f"{m['name']:40s} {verdict:7s} {time.time() - start:5.1f}s  {last}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} mutations caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
