@@ -156,9 +156,9 @@ def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
 
 
 def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancestral", top_p=1.0, cfg_w=0.0, seed=0,
-                          schedule="loglinear", dtype=None):
-    """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps on the time grid of
-    `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised CFG against a random-token context)
+                          schedule="loglinear", dtype=None, psi=None):
+    """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps, or Psi steps with
+    psi (a sample.Psi), on the time grid of `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised CFG against a random-token context)
     -> list of n_tokens ids. The context is cut from the left to fit block_size; the generator is seeded with
     `seed` for every call, so a request's result does not depend on the others."""
     device = _device(model)
@@ -166,7 +166,8 @@ def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancest
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = generate(model, 1, x0.shape[1], model.config.vocab_size, steps, alpha_schedule=schedule,
                    final_step=final_step, top_p=top_p, prompt_ids=x0[0, :n_ctx] if n_ctx else None,
-                   cfg_w=cfg_w if n_ctx else 0.0, generator=gen, device=device, dtype=dtype, show_progress=False)
+                   cfg_w=cfg_w if n_ctx else 0.0, psi=psi, generator=gen, device=device, dtype=dtype,
+                   show_progress=False)
     return ids[0, n_ctx:].tolist()
 
 
@@ -272,7 +273,7 @@ class Scorer:
         return self.tokenizer.decode(span).strip() == text.strip()
 
     def generate_until(self, requests, cfg_w=0.0, steps=128, final_step="ancestral", top_p=1.0,
-                       desc="generate_until"):
+                       desc="generate_until", psi=None):
         """[(context, gen_kwargs)] -> [continuation]: gen_kwargs["max_gen_toks"] tokens (default 256, as lm-eval's
         HF model; at most block_size - 1) sampled after the context by generate_continuation, cut at the first EOS,
         decoded, then cut before the first of the stop strings gen_kwargs["until"] (a str or a list)."""
@@ -285,7 +286,7 @@ class Scorer:
             ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
             ids = generate_continuation(self.model, ctx, n, steps=steps, final_step=final_step, top_p=top_p,
                                         cfg_w=cfg_w, seed=self.seed, schedule=self.schedule,
-                                        dtype=self.dtype) if n > 0 else []
+                                        dtype=self.dtype, psi=psi) if n > 0 else []
             if self.tokenizer.eos_id in ids:
                 ids = ids[:ids.index(self.tokenizer.eos_id)]
             out.append(cut_at_stops(self.decode_after(ctx, ids), until))

@@ -23,6 +23,8 @@ lm_eval.simple_evaluate(model="sddlm", model_args=...).
   final_step=auto       generate_until: the sampler's final step, ancestral | greedy | none | auto (greedy for
                         NELBO models, ancestral for the SDDLM losses: sample.default_final_step)
   top_p=1.0             generate_until: nucleus on x_theta
+  sampler=ancestral     generate_until: ancestral | psi, with psi_kappa, psi_eta, psi_profile, psi_loop_t and
+                        psi_fracs as sample.py's flags of those names (psi_eta=1/0.02/1: "/" separates phases)
   rolling_context=1     loglikelihood_rolling: clean tokens before each window's piece (lm-eval's context_len)
   dtype=auto, add_bos=true
 --batch_size is Monte Carlo draws per forward (SMDM's meaning; 2 x rows with CFG), not requests per batch;
@@ -45,10 +47,11 @@ from lm_eval.api.registry import register_model
 import eval_downstream as ed
 from cli import UsageError, load_model, load_tokenizer, parse_bool, resolve_device, resolve_dtype, run_cli
 from data import DataError
-from sample import check_sampler, default_final_step
+from sample import check_sampler, default_final_step, parse_psi
 
 MODEL_ARGS = ("ckpt", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step", "top_p",
-              "rolling_context", "use_ema", "dtype", "add_bos")
+              "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "rolling_context", "use_ema",
+              "dtype", "add_bos")
 
 # The harness's own models first: lm-eval's get_model imports them only into an EMPTY registry, so registering
 # "sddlm" alone would hide "hf", "dummy", ...
@@ -83,7 +86,9 @@ class SDDLMHarness(LM):
     """lm-eval's three request types over eval_downstream.Scorer (one model, its tokenizer, the MC settings)."""
 
     def __init__(self, ckpt="out/ckpt.pt", mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
-                 lambada_steps=8, steps=128, final_step="auto", top_p=1.0, rolling_context=1, use_ema=True,
+                 lambada_steps=8, steps=128, final_step="auto", top_p=1.0, sampler="ancestral", psi_kappa="eta",
+                 psi_eta="0.9", psi_profile="linear", psi_loop_t=0.1, psi_fracs="0.45/0.5/0.05", rolling_context=1,
+                 use_ema=True,
                  dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
                  trust_remote_code=None, scorer=None, **unknown):
         """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
@@ -100,6 +105,10 @@ class SDDLMHarness(LM):
         self.top_p = coerce(top_p, float, "top_p")
         try:
             check_sampler(self.steps, self.final_step, self.top_p)
+            # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
+            self.psi = parse_psi(str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
+                                 str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
+                                 str(psi_fracs).replace("/", ","), self.steps)
         except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
             raise ed.EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
@@ -158,7 +167,7 @@ class SDDLMHarness(LM):
                 note_once("long", f"max_gen_toks {kwargs.get('max_gen_toks', ed.MAX_GEN_TOKS)} does not fit the "
                                   f"model's window: generating {L - 1} tokens (block_size {L} - 1)")
         return self.scorer.generate_until([tuple(req.args) for req in requests], self.cfg_w, self.steps,
-                                          self.final_step, self.top_p)
+                                          self.final_step, self.top_p, psi=self.psi)
 
 
 def main():

@@ -271,6 +271,11 @@ def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loo
     return Psi(modes, etas, profile, float(loop_t), fr)
 
 
+def psi_from_flags(cfg, steps=None):
+    """parse_psi of a CLI config's --sampler and --psi_* fields (sample.py's and eval_ppl.py's)."""
+    return parse_psi(cfg.sampler, cfg.psi_kappa, cfg.psi_eta, cfg.psi_profile, cfg.psi_loop_t, cfg.psi_fracs, steps)
+
+
 # -----------------------------------------------------------------------------------------------
 # samplers
 
@@ -429,7 +434,7 @@ def parse_prompt(cfg, tok, vocab_size):
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
-    psi = parse_psi(cfg.sampler, cfg.psi_kappa, cfg.psi_eta, cfg.psi_profile, cfg.psi_loop_t, cfg.psi_fracs, cfg.steps)
+    psi = psi_from_flags(cfg, cfg.steps)
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
     if cfg.out:

@@ -426,10 +426,29 @@ def test_cli_writes_and_appends_jsonl(tiny_ckpt, tmp_path, capsys):
     assert [r["ids"] for r in records[:3]] == [r["ids"] for r in records[3:]]   # same seed, same samples
 
 
+def test_cli_psi_sampler_records_its_settings_and_eta_one_is_ancestral(tiny_ckpt, tmp_path):
+    """--sampler psi runs on a checkpoint and records its settings; --psi_eta 1 writes the ancestral samples."""
+    import sample
+    ckpt, _ = tiny_ckpt
+    base = ["--ckpt", ckpt, "--num_samples", 2, "--steps", 6, "--seq_len", 16, "--final_step", "ancestral"]
+    runs = {name: tmp_path / f"{name}.jsonl" for name in ("ancestral", "eta1", "loop")}
+    extra = {"ancestral": [], "eta1": ["--sampler", "psi", "--psi_eta", 1],
+             "loop": ["--sampler", "psi", "--psi_profile", "loop", "--psi_kappa", "eta,max_capped,eta",
+                      "--psi_eta", "1,0.5,1", "--psi_loop_t", 0.3]}
+    for name, out in runs.items():
+        assert sample.main([str(a) for a in base + extra[name] + ["--out", out]]) == 0
+    rec = {name: [json.loads(line) for line in out.read_text().splitlines()] for name, out in runs.items()}
+    assert [r["ids"] for r in rec["eta1"]] == [r["ids"] for r in rec["ancestral"]]
+    assert rec["loop"][0]["settings"]["sampler"] == "psi" and rec["ancestral"][0]["settings"]["sampler"] == "ancestral"
+    assert rec["loop"][0]["settings"]["psi"]["kappa"] == ["eta", "max_capped", "eta"]
+    assert rec["loop"][0]["settings"]["psi"]["eta"] == [1.0, 0.5, 1.0]
+
+
 @pytest.mark.slow
 def test_cli_bad_input_is_one_line_and_exit_code_2(tiny_ckpt, tmp_path):
     cases = {"longer than the context": ("--prompt_ids", ",".join(["5"] * 40)),
              "--steps": ("--steps", 0),
+             "--psi_kappa": ("--sampler", "psi", "--psi_kappa", "remdm"),
              "checkpoint not found": ("--ckpt", "no/such/ckpt.pt")}
     procs = {message: run_cli("--ckpt", tiny_ckpt[0], "--out", tmp_path / "s.jsonl", *args)
              for message, args in cases.items()}                 # run side by side
