@@ -385,6 +385,8 @@ def run_genppl(cfg, device, dtype):
         raise UsageError(f"--steps must list integers >= 1, got {cfg.steps!r}")
     schedule = (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
     final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
+    if mc.causal and cfg.sampler != "ancestral":
+        raise UsageError(f"--sampler {cfg.sampler} applies to diffusion models; {cfg.ckpt} is autoregressive")
     psi = None if mc.causal else psi_from_flags(cfg, min(steps_list))
     rows = []
     for steps in steps_list:
