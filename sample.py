@@ -312,6 +312,8 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     check_sampler(steps, final_step, top_p, t_end, alpha_schedule)
     if final_step == "auto":
         raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")
+    if psi is not None and psi.profile == "loop" and steps < 2:
+        raise ValueError(f"the loop profile needs steps >= 2 (a high and a low phase), got {steps}")
     device = torch.device(device) if device is not None else _device_of(model)
     B, L, K = num_samples, seq_len, vocab_size
     fixed, fixed_val = fixed_positions(B, L, prompt_ids, fixed_mask, fixed_ids, device)
