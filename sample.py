@@ -338,8 +338,6 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
         return logits
 
     def step(xt, alpha_t, alpha_s, kappa=1.0):
-        if kappa == 1:
-            return diffusion.ancestral_step_from_logits(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator)
         return diffusion.ancestral_step_from_logits(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator,
                                                     kappa=kappa)
 

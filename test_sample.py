@@ -133,7 +133,7 @@ def test_broken_samplers_fail_the_same_check(monkeypatch):
     argmax_of_posterior = lambda xt, p, a_t, a_s, generator=None: diffusion.reverse_posterior(
         xt, p, a_t, a_s, p.shape[-1]).argmax(-1)
     monkeypatch.setattr(diffusion, "ancestral_step", argmax_of_posterior)
-    monkeypatch.setattr(diffusion, "ancestral_step_from_logits", lambda xt, logits, a_t, a_s, generator=None:
+    monkeypatch.setattr(diffusion, "ancestral_step_from_logits", lambda xt, logits, a_t, a_s, generator=None, kappa=1:
                         argmax_of_posterior(xt, torch.softmax(logits.double(), -1), a_t, a_s))
     x = generate(toy_denoiser(include_own_token=False), TOY_SAMPLES, 2, V_TOY, TOY_STEPS, generator=gen(0),
                  show_progress=False)
