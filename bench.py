@@ -43,6 +43,8 @@ Sampler: sample.generate (ancestral: float64 per-token mixture weights, two-stag
 log-sum-exps, final ancestral step) vs no-grad forwards of the same model at the same batch: overhead = generate
 time / (its forwards x forward time) - 1. The last table puts the curriculum's and the sampler's costs over the
 bare computation side by side, both from this one run.
+The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
+same rounds, and its time per step over the ancestral sampler's.
 """
 import datetime
 import json
@@ -305,15 +307,15 @@ def bench_training(cfg, device, dtype):
 
 
 def bench_sampler(cfg, model, raw, device, dtype, L):
-    """sample.generate per reverse step vs one no-grad forward of the same batch. -> dict."""
-    from sample import generate
+    """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch. -> dict."""
+    from sample import Psi, generate
     B, V = cfg.batch_size, raw.config.vocab_size
     calls = [0]
     hook = raw.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randint(0, V, (B, L), device=device, generator=gen)
     sigma = torch.full((B,), 0.5, device=device)
-    fwd, gen_time, nfe = [], [], 0
+    fwd, gen_time, psi_time, nfe = [], [], [], 0
     raw.eval()
     try:
         for round_ in range(cfg.warmup + cfg.repeats):
@@ -330,15 +332,22 @@ def bench_sampler(cfg, model, raw, device, dtype, L):
             synchronize(device)
             t2 = time.perf_counter()
             nfe = calls[0]
+            generate(model, B, L, V, cfg.sample_steps, psi=Psi(("eta",), (0.9,)), generator=gen, device=device,
+                     dtype=dtype, show_progress=False)
+            synchronize(device)
+            t3 = time.perf_counter()
             if round_ >= cfg.warmup:
                 fwd.append((t1 - t0) / cfg.sample_steps)
                 gen_time.append(t2 - t1)
+                psi_time.append(t3 - t2)
     finally:
         hook.remove()
         raw.train()
-    forward_s, generate_s = statistics.median(fwd), statistics.median(gen_time)
+    forward_s, generate_s, psi_s = statistics.median(fwd), statistics.median(gen_time), statistics.median(psi_time)
     return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
-                ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1)
+                ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1,
+                psi_ms_per_step=1e3 * psi_s / cfg.sample_steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
+                psi_vs_ancestral=psi_s / generate_s)
 
 
 def device_name(device):
@@ -420,7 +429,10 @@ def markdown(out):
     if s is not None:
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|",
                   f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
-                  f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |"]
+                  f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
+                  f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
+                  f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
+                  "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
              for name, r in out["losses"].items() if name.endswith(CURRICULUM)]
     if s is not None:

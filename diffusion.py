@@ -1,11 +1,12 @@
 """
 The uniform-state diffusion process: noise schedules, the forward marginal, the reverse posterior,
-one ancestral sampling step, and Duo's Gaussian-guided curriculum.
+one ancestral (or Psi predictor-corrector) sampling step, and Duo's Gaussian-guided curriculum.
 
 Each token x0 is kept with probability alpha_t and otherwise replaced by a token drawn uniformly from
 the whole vocabulary of size K (which may be x0 itself):
   Eq. (discrete_marginal)  q_t(. | x0) = Cat(alpha_t e_x0 + (1 - alpha_t) / K)       -> sample_xt
   Eq. (reverse)            q(x_s | x_t, x0), s < t                                    -> reverse_posterior
+  Psi step (Duo, Ch. II)   kappa Eq. (reverse) + (1 - kappa) q(x0 | x_t, x_theta) renoised to s -> psi_weights
 Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, (B, 1) or a float.
 """
 import functools
@@ -178,16 +179,48 @@ def gumbel_argmax(logits, generator=None, chunk_elems=1 << 25, block_lse=None, r
     return c * block + (z + gumbel_noise(z.shape, generator, logits.device)).argmax(-1)
 
 
-def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator):
-    """Eq. (reverse) as a three-part mixture: stay at x_t, draw from x_theta, or draw uniformly, with weights
+def predictor_weights(p_z, K, alpha_t, alpha_s):
+    """Eq. (reverse), q(x_s | x_t, x_theta), as a three-part mixture: stay at x_t, draw from x_theta, or draw
+    uniformly, with weights
         m_theta = (a_s - a_t) / Z,  m_unif = (1 - a_t/a_s)(1 - a_s) / Z,  m_stay = 1 - m_theta - m_unif,
         Z = K a_t x_theta[x_t] + 1 - a_t.
-    p_z = x_theta[x_t] (B, L) float64; draw_x_theta(index) -> draws from x_theta for the tokens that pick it."""
+    p_z = x_theta[x_t] (B, L) float64; alphas floats or (B, 1) -> (m_theta, m_unif), each (B, L) float64."""
     a_t = _per_sequence(alpha_t, p_z)
     a_s = _per_sequence(alpha_s, p_z)
     Z = K * a_t * p_z + 1 - a_t
-    m_theta = (a_s - a_t) / Z
-    m_unif = (1 - a_t / a_s) * (1 - a_s) / Z
+    return (a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z
+
+
+def corrector_weights(p_z, K, alpha_t, alpha_s):
+    """The Psi-samplers' corrector: the posterior to level 0, q(x0 | x_t, x_theta) = (K a_t x_theta[x_t] e_xt
+    + (1 - a_t) x_theta) / Z (Eq. (reverse) with a_s = 1), pushed forward to level s by Eq. (discrete_marginal),
+    a_s q(x0 | x_t, x_theta) + (1 - a_s) / K: the same three parts as predictor_weights, with weights
+        m_theta = a_s (1 - a_t) / Z,  m_unif = 1 - a_s,  m_stay = a_s K a_t x_theta[x_t] / Z.
+    It renoises from x_t's level to s whatever s is, so s = t (a loop step) still moves tokens.
+    p_z = x_theta[x_t] (B, L) float64 -> (m_theta, m_unif), each (B, L) float64."""
+    a_t = _per_sequence(alpha_t, p_z)
+    a_s = _per_sequence(alpha_s, p_z)
+    Z = K * a_t * p_z + 1 - a_t
+    return a_s * (1 - a_t) / Z, (1 - a_s).expand_as(p_z)
+
+
+def psi_weights(p_z, K, alpha_t, alpha_s, kappa=1.0):
+    """The Psi step (Duo, Chapter II): x_s ~ kappa q(x_s | x_t, x_theta) + (1 - kappa) a_s q(x0 | x_t, x_theta)
+    + (1 - kappa)(1 - a_s) / K, i.e. kappa predictor_weights + (1 - kappa) corrector_weights (a mixture of two
+    three-part mixtures over the same three parts). kappa = 1 is Eq. (reverse) itself, bit for bit.
+    p_z (B, L) float64; kappa a float in [0, 1] -> (m_theta, m_unif), each (B, L) float64."""
+    m_theta, m_unif = predictor_weights(p_z, K, alpha_t, alpha_s)
+    if kappa == 1:
+        return m_theta, m_unif
+    c_theta, c_unif = corrector_weights(p_z, K, alpha_t, alpha_s)
+    return kappa * m_theta + (1 - kappa) * c_theta, kappa * m_unif + (1 - kappa) * c_unif
+
+
+def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1.0):
+    """Draw x_s from the three-part mixture of psi_weights (stay at x_t, draw from x_theta, or draw uniformly);
+    kappa = 1 is Eq. (reverse).
+    p_z = x_theta[x_t] (B, L) float64; draw_x_theta(index) -> draws from x_theta for the tokens that pick it."""
+    m_theta, m_unif = psi_weights(p_z, K, alpha_t, alpha_s, kappa)
     u = torch.rand(xt.shape, generator=generator, device=xt.device, dtype=torch.float64)
     xs = torch.where(u < m_theta + m_unif, torch.randint(0, K, xt.shape, generator=generator, device=xt.device), xt)
     pick = (u < m_theta).nonzero(as_tuple=True)
@@ -196,23 +229,24 @@ def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator):
     return xs
 
 
-def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None):
+def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None, kappa=1.0):
     """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), exact in distribution.
     Drawn as the mixture of _mixture_step, so only the tokens that pick x_theta (about a_s - a_t of them) need
     a draw over the vocabulary (float64 Gumbel-max) and the (B, L, K) posterior is never built.
-    alpha_s = 1 is the final 'ancestral' denoising step. xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
+    alpha_s = 1 is the final 'ancestral' denoising step. kappa < 1: the Psi step of psi_weights instead.
+    xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
     p_z = x0_probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double()
     return _mixture_step(xt, p_z, lambda pick: sample_categorical(x0_probs[pick], generator), x0_probs.shape[-1],
-                         alpha_t, alpha_s, generator)
+                         alpha_t, alpha_s, generator, kappa)
 
 
-def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
+def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None, kappa=1.0):
     """ancestral_step with x_theta = softmax(logits), the same law, at the cost of one pass over the vocabulary:
     one float32 log-sum-exp pass per block of tokens (block_logsumexp; one fused kernel on CUDA) gives the
     normaliser, so x_theta[x_t] and the per-token mixture weights (float64 only for these per-token scalars);
     the tokens that draw from x_theta draw by the two-stage Gumbel-max of gumbel_argmax on those block
     log-sum-exps and one block of their logits. No float64 and no probability tensor over the vocabulary.
-    logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus)."""
+    logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus). kappa < 1: the Psi step of psi_weights, the same draw."""
     K = logits.shape[-1]
     block_lse = block_logsumexp(logits)                                      # (B, L, ceil(K / block))
     log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).to(block_lse.dtype) - torch.logsumexp(block_lse, -1)
@@ -220,7 +254,7 @@ def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None):
     flat, flat_lse = logits.reshape(-1, K), block_lse.reshape(-1, block_lse.shape[-1])
     return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(flat, generator, block_lse=flat_lse,
                                                              rows=pick[0] * xt.shape[1] + pick[1]),
-                         K, alpha_t, alpha_s, generator)
+                         K, alpha_t, alpha_s, generator, kappa)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, r
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import save_atomic, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens
+from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens, parse_psi
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
 PAPER_TASKS = ["arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "race", "social_iqa", "lambada_standard"]
@@ -158,9 +158,9 @@ def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
 
 
 def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancestral", top_p=1.0, cfg_w=0.0, seed=0,
-                          schedule="loglinear", dtype=None):
-    """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps on the time grid of
-    `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised CFG against a random-token context)
+                          schedule="loglinear", dtype=None, psi=None):
+    """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps, or Psi steps with
+    psi (a sample.Psi), on the time grid of `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised CFG against a random-token context)
     -> list of n_tokens ids. The context is cut from the left to fit block_size; the generator is seeded with
     `seed` for every call, so a request's result does not depend on the others."""
     device = _device(model)
@@ -168,7 +168,8 @@ def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancest
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = generate(model, 1, x0.shape[1], model.config.vocab_size, steps, alpha_schedule=schedule,
                    final_step=final_step, top_p=top_p, prompt_ids=x0[0, :n_ctx] if n_ctx else None,
-                   cfg_w=cfg_w if n_ctx else 0.0, generator=gen, device=device, dtype=dtype, show_progress=False)
+                   cfg_w=cfg_w if n_ctx else 0.0, psi=psi, generator=gen, device=device, dtype=dtype,
+                   show_progress=False)
     return ids[0, n_ctx:].tolist()
 
 
@@ -274,7 +275,7 @@ class Scorer:
         return self.tokenizer.decode(span).strip() == text.strip()
 
     def generate_until(self, requests, cfg_w=0.0, steps=128, final_step="ancestral", top_p=1.0,
-                       desc="generate_until"):
+                       desc="generate_until", psi=None):
         """[(context, gen_kwargs)] -> [continuation]: gen_kwargs["max_gen_toks"] tokens (default 256, as lm-eval's
         HF model; at most block_size - 1) sampled after the context by generate_continuation, cut at the first EOS,
         decoded, then cut before the first of the stop strings gen_kwargs["until"] (a str or a list)."""
@@ -287,7 +288,7 @@ class Scorer:
             ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
             ids = generate_continuation(self.model, ctx, n, steps=steps, final_step=final_step, top_p=top_p,
                                         cfg_w=cfg_w, seed=self.seed, schedule=self.schedule,
-                                        dtype=self.dtype) if n > 0 else []
+                                        dtype=self.dtype, psi=psi) if n > 0 else []
             if self.tokenizer.eos_id in ids:
                 ids = ids[:ids.index(self.tokenizer.eos_id)]
             out.append(cut_at_stops(self.decode_after(ctx, ids), until))
@@ -391,7 +392,8 @@ def lm_eval_model_class():
 
 
 MODEL_ARGS = ("ckpt", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step", "top_p",
-              "rolling_context", "use_ema", "dtype", "add_bos")
+              "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "rolling_context", "use_ema",
+              "dtype", "add_bos")
 
 _NOTED = set()
 
@@ -420,7 +422,9 @@ class _Harness:
     """lm-eval's three request types over Scorer (one model, its tokenizer, the MC settings)."""
 
     def __init__(self, ckpt="out/ckpt.pt", mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
-                 lambada_steps=8, steps=128, final_step="auto", top_p=1.0, rolling_context=1, use_ema=True,
+                 lambada_steps=8, steps=128, final_step="auto", top_p=1.0, sampler="ancestral", psi_kappa="eta",
+                 psi_eta="0.9", psi_profile="linear", psi_loop_t=0.1, psi_fracs="0.45/0.5/0.05", rolling_context=1,
+                 use_ema=True,
                  dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
                  trust_remote_code=None, scorer=None, **unknown):
         """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
@@ -437,6 +441,10 @@ class _Harness:
         self.top_p = coerce(top_p, float, "top_p")
         try:
             check_sampler(self.steps, self.final_step, self.top_p)
+            # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
+            self.psi = parse_psi(str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
+                                 str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
+                                 str(psi_fracs).replace("/", ","), self.steps)
         except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
             raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
@@ -495,7 +503,7 @@ class _Harness:
                 note_once("long", f"max_gen_toks {kwargs.get('max_gen_toks', MAX_GEN_TOKS)} does not fit the "
                                   f"model's window: generating {L - 1} tokens (block_size {L} - 1)")
         return self.scorer.generate_until([tuple(req.args) for req in requests], self.cfg_w, self.steps,
-                                          self.final_step, self.top_p)
+                                          self.final_step, self.top_p, psi=self.psi)
 
 
 OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")

@@ -4,6 +4,7 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
     python eval_ppl.py --ckpt out/ckpt.pt --metric nelbo                          # validation NELBO perplexity
     python eval_ppl.py --ckpt out/ckpt.pt --metric zeroshot --dataset wikitext103,lambada   # or a .txt file
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
+    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --sampler psi --psi_eta 0.9 --steps 64,1024
     python eval_ppl.py --metric genppl --samples samples.jsonl --judge out_ar/ckpt.pt   # score saved samples
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split: per batch one t per sequence,
@@ -48,7 +49,7 @@ from objective import loss_terms, token_mean
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, default_final_step, generate, generate_ar
+from sample import check_sampler, default_final_step, generate, generate_ar, psi_from_flags
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -281,6 +282,12 @@ class EvalConfig:
     num_samples: int = 16
     final_step: str = "auto"         # ancestral | greedy | none | auto (sample.default_final_step)
     top_p: float = 1.0
+    sampler: str = "ancestral"       # ancestral | psi: the --sampler and --psi_* flags of sample.py
+    psi_kappa: str = "eta"
+    psi_eta: str = "0.9"
+    psi_profile: str = "linear"
+    psi_loop_t: float = 0.1
+    psi_fracs: str = "0.45,0.5,0.05"
     judge_batch_size: int = 8
     save_samples: str = ""           # append the generated samples (JSONL) here
 
@@ -384,6 +391,9 @@ def run_genppl(cfg, device, dtype):
         raise UsageError(f"--steps must list integers >= 1, got {cfg.steps!r}")
     schedule = (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
     final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
+    if mc.causal and cfg.sampler != "ancestral":
+        raise UsageError(f"--sampler {cfg.sampler} applies to diffusion models; {cfg.ckpt} is autoregressive")
+    psi = None if mc.causal else psi_from_flags(cfg, min(steps_list))
     rows = []
     for steps in steps_list:
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -395,18 +405,27 @@ def run_genppl(cfg, device, dtype):
                                    device=device, dtype=dtype).tolist()
             else:
                 ids += generate(model, n, mc.block_size, mc.vocab_size, steps, alpha_schedule=schedule,
-                                final_step=final_step, top_p=cfg.top_p, generator=generator, device=device,
-                                dtype=dtype).tolist()
+                                final_step=final_step, top_p=cfg.top_p, psi=psi, generator=generator,
+                                device=device, dtype=dtype).tolist()
         texts = [tok.decode(row) for row in ids]
         if cfg.save_samples:
             settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), tokenizer=tok.spec, steps=steps,
-                            final_step=final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema)
+                            final_step=final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema,
+                            sampler="ar" if mc.causal else cfg.sampler, psi=psi._asdict() if psi else None)
             append_jsonl(cfg.save_samples, [dict(sample=i, text=t, ids=r, settings=settings)
                                             for i, (t, r) in enumerate(zip(texts, ids))])
         row = dict(score_samples(ids, texts, tok, judge, cfg.judge_batch_size, device, label=cfg.ckpt,
                                  steps=steps if steps else "ar"), ckpt_step=ckpt.get("step"))
-        rows.append(row if mc.causal else {**row, "final_step": final_step})
+        rows.append(row if mc.causal else {**row, "final_step": final_step, "sampler": sampler_label(psi)})
     return rows
+
+
+def sampler_label(psi):
+    """A short name of the sampler for the results table: "ancestral", or "psi" with its kappa modes and etas."""
+    if psi is None:
+        return "ancestral"
+    phases = "/".join(f"{m}={e:g}" for m, e in zip(psi.kappa, psi.eta))
+    return f"psi {phases}" + (f" loop@{psi.loop_t:g}" if psi.profile == "loop" else "")
 
 
 def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show_progress=True):
@@ -539,6 +558,7 @@ def main(argv=None):
     if cfg.batch_size < 1 or cfg.judge_batch_size < 1 or cfg.mc_draws < 1 or cfg.num_samples < 1:
         raise UsageError("--batch_size, --judge_batch_size, --mc_draws and --num_samples must be >= 1")
     check_sampler(1, cfg.final_step, cfg.top_p)       # --steps is a list, checked in run_genppl
+    psi_from_flags(cfg)
     if not 0 < cfg.t_min < 1:
         raise UsageError(f"--t_min must be in (0, 1), got {cfg.t_min}")
     if cfg.max_batches < 0:
@@ -551,7 +571,7 @@ def main(argv=None):
     ckpt = None
     if cfg.metric == "genppl":
         rows = run_genppl(cfg, device, dtype)
-        columns = ["model", "steps", "final_step", "samples", "gen_ppl", "entropy", "judge"]
+        columns = ["model", "sampler", "steps", "final_step", "samples", "gen_ppl", "entropy", "judge"]
     else:
         model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
         run = run_nelbo if cfg.metric == "nelbo" else run_zeroshot

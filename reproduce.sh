@@ -7,6 +7,7 @@
 #   bash reproduce.sh owt             # the paper's OWT setting: DiT-small, 1M steps x 512 x 1024 (NPROC=8 GPUs)
 #   bash reproduce.sh lm1b            # the paper's LM1B setting: DiT-small, 1M steps x 512 x 128, bert-base-uncased
 #   bash reproduce.sh tiny eval report   # only some stages: judge train eps eval bench report (default: all)
+#   bash reproduce.sh tiny psi        # the Psi samplers' steps-quality table (not in the default stages)
 #
 # Every stage skips finished work, so a rerun (after an interruption, or to add stages) redoes nothing:
 # a run is finished when OUT_DIR/DONE exists (an interrupted one continues with --resume 1), an evaluation when
@@ -18,11 +19,14 @@
 # ITERS (tiny: steps of the objectives and ε runs, default the tiny preset's 1000; curves every ITERS / 4),
 # SAMPLES (Gen PPL samples per evaluation), FINAL_STEP (the sampler's final step, default ancestral for every
 # objective, as the paper's comparison; auto gives each objective its measured better one), EPS_LOSSES and EPS_VALUES (the ε sweep; default V1 and V2 at
-# 1e-3 and 1e-8: at paper scale each is a full run). owt/lm1b need the data (datasets + network the first time, then
+# 1e-3 and 1e-8: at paper scale each is a full run). The psi stage: PSI_LOSSES (default sddlm_v1 duo), PSI_STEPS
+# (default 16,64,256,1024) and PSI_SETTINGS, sampler flag sets separated by ";" (eval_ppl.py's --sampler and
+# --psi_* flags; default a constant kappa = 0.9 and a ReMDM max-capped loop), each beside the ancestral sampler.
+# owt/lm1b need the data (datasets + network the first time, then
 # data/ holds the token memmaps).
 set -euo pipefail
 cd "$(dirname "$0")"
-SCALE=${1:?usage: bash reproduce.sh tiny|owt|lm1b [judge train eps eval bench report]}
+SCALE=${1:?usage: bash reproduce.sh tiny|owt|lm1b [judge train eps eval bench report psi]}
 shift
 STAGES=${*:-judge train eps eval bench report}
 RUNS=${RUNS:-out-reproduce/$SCALE}
@@ -33,6 +37,9 @@ FINAL_STEP=${FINAL_STEP:-ancestral}   # the same final step for every objective 
 OBJECTIVES="sddlm sddlm_v1 sddlm_v2 duo"
 EPS_LOSSES=${EPS_LOSSES:-sddlm_v1 sddlm_v2}
 EPS_VALUES=${EPS_VALUES:-1e-3 1e-8}     # besides the default losses.EPS = 1e-6 of the main runs
+PSI_LOSSES=${PSI_LOSSES:-sddlm_v1 duo}
+PSI_STEPS=${PSI_STEPS:-16,64,256,1024}
+PSI_SETTINGS=${PSI_SETTINGS:---sampler ancestral;--sampler psi --psi_kappa eta --psi_eta 0.9;--sampler psi --psi_profile loop --psi_kappa eta,max_capped,eta --psi_eta 1,0.02,1 --psi_loop_t 0.1}
 case $SCALE in
   tiny)   # train.py's tiny preset (1.55M params, 1000 steps x 32 x 128 tokens, SentencePiece 2048)
     TRAIN="--preset tiny --data_dir $RUNS/data --num_samples 0"
@@ -117,6 +124,14 @@ for stage in $STAGES; do
           --final_step "$FINAL_STEP"
         evaluate "$RUNS/evals/$loss-eps$eps-nelbo.json" "$RUNS/eps/$loss-eps$eps" --metric nelbo
       done; done;;
+    psi)     # Gen PPL vs sampling steps of the ancestral and Psi samplers (evals-psi/, not read by the report)
+      mkdir -p "$RUNS/evals-psi"
+      IFS=';' read -ra settings <<< "$PSI_SETTINGS"
+      for loss in $PSI_LOSSES; do for i in "${!settings[@]}"; do
+        evaluate "$RUNS/evals-psi/$loss-sampler$i-genppl.json" "$RUNS/$loss" --metric genppl --judge "$JUDGE" \
+          --steps "$PSI_STEPS" --num_samples "$SAMPLES" --batch_size "$EVAL_BATCH" --seed 0 \
+          --final_step "$FINAL_STEP" ${settings[$i]}
+      done; done;;
     bench)   # step time and memory per objective (Fig. time)
       if [ -e "$RUNS/bench.json" ]; then echo "skip   $RUNS/bench.json"; else
         echo "bench  $RUNS/bench.json"
@@ -129,6 +144,6 @@ for stage in $STAGES; do
       bench=$([ -e "$RUNS/bench.json" ] && echo "$RUNS/bench.json" || true)
       python plot.py --runs "$runs" --evals "$evals" ${bench:+--bench "$bench"} --out_dir "$RUNS/figures" \
         --table "$RUNS/table.md" --table_steps "$TABLE_STEPS";;
-    *) echo "error: unknown stage '$stage' (judge train eps eval bench report)" >&2; exit 2;;
+    *) echo "error: unknown stage '$stage' (judge train eps eval bench report psi)" >&2; exit 2;;
   esac
 done

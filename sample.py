@@ -16,6 +16,13 @@ weighs in the likelihood of the position's own noisy token; the sampler is exact
 x_theta^l = p(x0^l | x_t^{-l}), the posterior given the other positions (the NELBO's minimiser), not
 p(x0^l | x_t) (test_sample.py checks both on a solvable toy distribution).
 
+Psi sampler (--sampler psi; Duo, Chapter II: Psi-samplers): each step draws x_s from kappa_t q(x_s | x_t, x_theta)
+(the predictor above) + (1 - kappa_t) [a_s q(x0 | x_t, x_theta) + (1 - a_s)/K] (the corrector: the posterior to
+level 0 renoised to s), the same three-part mixture with other weights (diffusion.psi_weights). kappa_t is eta
+(--psi_kappa eta) or comes from a ReMDM renoising rate sigma_t (max_capped | max_rescale | sigma_constant);
+--psi_profile loop holds the time at --psi_loop_t for a middle fraction of the steps. kappa = 1 is the ancestral
+sampler; the final step is always kappa = 1.
+
 Options, all acting on x_theta before the posterior:
   top_p      nucleus filtering of x_theta, renormalised. Never of the posterior: its argmax/nucleus gives
              near-random text (Duo issue #29).
@@ -33,6 +40,7 @@ import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -169,6 +177,107 @@ def default_final_step(ckpt):
 
 
 # -----------------------------------------------------------------------------------------------
+# the Psi sampler's kappa_t and time grid (Duo, Chapter II; kappa = 1 is the ancestral sampler)
+
+SAMPLERS = ("ancestral", "psi")
+KAPPA_MODES = ("eta", "max_capped", "max_rescale", "sigma_constant")
+PROFILES = ("linear", "loop")
+
+
+class Psi(NamedTuple):
+    """The Psi sampler's settings: per phase (one entry for the linear profile, or high, middle and low phases of
+    the loop profile) a kappa mode of KAPPA_MODES and its eta; the loop's level loop_t (a time, held for the
+    middle phase) and the fractions of the steps the three phases take."""
+    kappa: tuple = ("eta",)
+    eta: tuple = (0.9,)
+    profile: str = "linear"
+    loop_t: float = 0.1
+    fracs: tuple = (0.45, 0.5, 0.05)
+
+
+def remdm_sigma(mode, eta, alpha_t, alpha_s):
+    """ReMDM's renoising rate sigma_t (Wang et al. 2025), bounded by sigma_t^max = min(1, (1 - a_s) / a_t):
+    "max_capped" min(eta, sigma_t^max), "max_rescale" eta sigma_t^max, "sigma_constant" eta.
+    max_rescale caps sigma_t^max at 1, as ReMDM defines it, not at eta: eta then scales the largest rate the
+    posterior allows and the mode stays a rescaling (with the cap at eta it would be eta min(eta, .), i.e.
+    max_capped's shape scaled once more). alphas floats -> float."""
+    sigma_max = min(1.0, (1 - alpha_s) / alpha_t)
+    return {"max_capped": min(eta, sigma_max), "max_rescale": eta * sigma_max, "sigma_constant": eta}[mode]
+
+
+def kappa_from_sigma(sigma, alpha_s):
+    """kappa_t = clip(1 - sigma_t / (1 - a_s), 0, 1): the predictor's share of the Psi step for a ReMDM rate
+    sigma_t. a_s = 1 (nothing left to renoise) -> 1."""
+    return 1.0 if alpha_s >= 1 else min(1.0, max(0.0, 1 - sigma / (1 - alpha_s)))
+
+
+def psi_kappa(mode, eta, alpha_t, alpha_s):
+    """kappa_t of one step from a_t to a_s: eta itself ("eta"), or kappa_from_sigma of remdm_sigma."""
+    return eta if mode == "eta" else kappa_from_sigma(remdm_sigma(mode, eta, alpha_t, alpha_s), alpha_s)
+
+
+def psi_phase_steps(steps, fracs):
+    """The loop profile's steps per phase (high, middle, low), rounded, the high and low phases at least one."""
+    hi = max(1, round(fracs[0] * steps))
+    mid = max(0, min(steps - hi - 1, round(fracs[1] * steps)))
+    return hi, mid, steps - hi - mid
+
+
+def time_grid(steps, t_end, psi=None):
+    """The times ts (steps + 1,) of the reverse steps and each step's phase (steps,): Duo's linspace(1, t_end)
+    (phase 0), or with psi.profile == "loop" three phases: linear from 1 to loop_t, loop_t held for the middle
+    phase (steps from a level to itself: only the corrector moves tokens), then linear from loop_t to t_end."""
+    if psi is None or psi.profile == "linear":
+        return torch.linspace(1, t_end, steps + 1, dtype=torch.float64), [0] * steps
+    hi, mid, lo = psi_phase_steps(steps, psi.fracs)
+    c = psi.loop_t
+    ts = torch.cat([torch.linspace(1, c, hi + 1, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
+                    torch.linspace(c, t_end, lo + 1, dtype=torch.float64)[1:]])
+    return ts, [0] * hi + [1] * mid + [2] * lo
+
+
+def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loop_t=0.1, fracs="0.45,0.5,0.05",
+              steps=None):
+    """The sampler flags -> Psi, or None for the ancestral sampler. kappa and eta: one value, or (loop profile)
+    three comma-separated, for the high, middle and low phases. Raises UsageError naming the flag."""
+    if sampler not in SAMPLERS:
+        raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    if sampler == "ancestral":
+        return None
+    if profile not in PROFILES:
+        raise UsageError(f"--psi_profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    phases = 3 if profile == "loop" else 1
+    modes = tuple(str(kappa).replace(" ", "").split(","))
+    try:
+        etas = tuple(float(e) for e in str(eta).replace(" ", "").split(","))
+        fr = tuple(float(f) for f in str(fracs).replace(" ", "").split(","))
+    except ValueError:
+        raise UsageError(f"--psi_eta and --psi_fracs must be comma-separated numbers, got {eta!r}, {fracs!r}") from None
+    modes, etas = (modes * phases if len(modes) == 1 else modes), (etas * phases if len(etas) == 1 else etas)
+    if len(modes) != phases or len(etas) != phases:
+        raise UsageError(f"--psi_kappa and --psi_eta take 1 value, or 3 (high, middle, low) with --psi_profile loop; "
+                         f"got {kappa!r}, {eta!r} for --psi_profile {profile}")
+    bad = [m for m in modes if m not in KAPPA_MODES]
+    if bad:
+        raise UsageError(f"--psi_kappa must be one of {', '.join(KAPPA_MODES)}, got {bad[0]!r}")
+    if not all(0 <= e <= 1 for e in etas):
+        raise UsageError(f"--psi_eta must be in [0, 1], got {eta!r}")
+    if phases == 3:
+        if len(fr) != 3 or min(fr) < 0 or abs(sum(fr) - 1) > 1e-6:
+            raise UsageError(f"--psi_fracs must be 3 non-negative fractions of the steps summing to 1, got {fracs!r}")
+        if not 0 < loop_t < 1:
+            raise UsageError(f"--psi_loop_t must be in (0, 1) (the loop's time level), got {loop_t}")
+        if steps is not None and steps < 2:
+            raise UsageError(f"--psi_profile loop needs --steps >= 2 (a high and a low phase), got {steps}")
+    return Psi(modes, etas, profile, float(loop_t), fr)
+
+
+def psi_from_flags(cfg, steps=None):
+    """parse_psi of a CLI config's --sampler and --psi_* fields (sample.py's and eval_ppl.py's)."""
+    return parse_psi(cfg.sampler, cfg.psi_kappa, cfg.psi_eta, cfg.psi_profile, cfg.psi_loop_t, cfg.psi_fracs, steps)
+
+
+# -----------------------------------------------------------------------------------------------
 # samplers
 
 def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule="loglinear"):
@@ -190,8 +299,10 @@ def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule
 @torch.no_grad()
 def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="loglinear", t_end=1e-5,
              final_step="ancestral", prompt_ids=None, fixed_mask=None, fixed_ids=None, cfg_w=0.0, cfg_seed=None,
-             top_p=1.0, generator=None, device=None, dtype=None, show_progress=True):
-    """Ancestral sampling of num_samples sequences of length seq_len with `steps` reverse steps -> (B, L) int64.
+             top_p=1.0, psi=None, generator=None, device=None, dtype=None, show_progress=True):
+    """Ancestral sampling of num_samples sequences of length seq_len with `steps` reverse steps -> (B, L) int64;
+    with psi (a Psi, from parse_psi) the Psi sampler: its time grid (time_grid) and each step drawn from
+    kappa_t predictor + (1 - kappa_t) corrector (diffusion.psi_weights); the final step is always kappa = 1.
 
     model(x (B, L) int64, sigma (B,)) -> logits (B, L, V) with V = vocab_size; alpha_schedule a key of
     diffusion.SCHEDULES; generator a torch.Generator on `device` (default: the model's device) for the prior
@@ -202,6 +313,8 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     check_sampler(steps, final_step, top_p, t_end, alpha_schedule)
     if final_step == "auto":
         raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")
+    if psi is not None and psi.profile == "loop" and steps < 2:
+        raise ValueError(f"the loop profile needs steps >= 2 (a high and a low phase), got {steps}")
     device = torch.device(device) if device is not None else _device_of(model)
     B, L, K = num_samples, seq_len, vocab_size
     fixed, fixed_val = fixed_positions(B, L, prompt_ids, fixed_mask, fixed_ids, device)
@@ -225,13 +338,15 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
             raise ValueError(f"the model returns {logits.shape[-1]} classes, vocab_size is {K}")
         return logits
 
-    def step(xt, alpha_t, alpha_s):
-        return diffusion.ancestral_step_from_logits(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator)
+    def step(xt, alpha_t, alpha_s, kappa=1.0):
+        return diffusion.ancestral_step_from_logits(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator,
+                                                    kappa=kappa)
 
-    ts = torch.linspace(1, t_end, steps + 1, dtype=torch.float64)
+    ts, phase = time_grid(steps, t_end, psi)
     alphas = diffusion.SCHEDULES[alpha_schedule](ts)[0].tolist()
     for i in tqdm(range(steps), desc=f"sampling ({steps} steps)", disable=not show_progress, leave=False):
-        x = keep_fixed(step(x, alphas[i], alphas[i + 1]))
+        kappa = 1.0 if psi is None else psi_kappa(psi.kappa[phase[i]], psi.eta[phase[i]], alphas[i], alphas[i + 1])
+        x = keep_fixed(step(x, alphas[i], alphas[i + 1], kappa))
     if final_step == "ancestral":
         x = step(x, alphas[-1], 1.0)
     elif final_step == "greedy":
@@ -280,6 +395,12 @@ class SampleConfig:
     t_end: float = 1e-5              # the grid runs from t = 1 to t_end
     top_p: float = 1.0               # nucleus on x_theta (1 = off)
     cfg_w: float = 0.0               # unsupervised CFG weight w (needs a prompt; SDDLM uses 1.1)
+    sampler: str = "ancestral"       # ancestral | psi (predictor-corrector, Duo Chapter II)
+    psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant (3 with loop)
+    psi_eta: str = "0.9"             # psi: eta of each mode (kappa = eta, or ReMDM's sigma_t), 1 or 3 values
+    psi_profile: str = "linear"      # psi: time profile, linear | loop (high, middle held at psi_loop_t, low)
+    psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase
+    psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
     prompt: str = ""                 # text held fixed at the start of every sample
     prompt_ids: str = ""             # or token ids "1,2,3" (used verbatim, no BOS added)
     add_bos: bool = True             # prepend the tokenizer's BOS to --prompt (training blocks start with BOS)
@@ -314,6 +435,7 @@ def parse_prompt(cfg, tok, vocab_size):
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
+    psi = psi_from_flags(cfg, cfg.steps)
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
     if cfg.out:
@@ -337,19 +459,23 @@ def main(argv=None):
                          "random tokens, so without one it would change nothing")
     if mc.causal and cfg.cfg_w != 0:
         raise UsageError("--cfg_w applies to diffusion models; this checkpoint is autoregressive")
+    if mc.causal and psi is not None:
+        raise UsageError("--sampler psi applies to diffusion models; this checkpoint is autoregressive")
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
     final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
 
     bos_id = tok.bos_id if tok else (ckpt.get("meta") or {}).get("bos_id")
     if mc.causal and prompt is None and bos_id is None:
         raise UsageError(f"the AR sampler starts from BOS, but {why}; give --prompt_ids")
-    sampler = "ar" if mc.causal else "ancestral"
+    sampler = "ar" if mc.causal else cfg.sampler
     settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), loss=(ckpt.get("train_config") or {}).get("loss"),
                     sampler=sampler, tokenizer=tok.spec if tok else None, seq_len=seq_len, seed=cfg.seed,
                     use_ema=cfg.use_ema, top_p=cfg.top_p, prompt=cfg.prompt or None, prompt_ids=prompt)
     if not mc.causal:
         settings.update(steps=cfg.steps, nfe=cfg.steps + (final_step != "none"), final_step=final_step,
                         noise_schedule=schedule, t_end=cfg.t_end, cfg_w=cfg.cfg_w)
+    if psi is not None:
+        settings.update(psi=psi._asdict())
     print(f"sampling {cfg.num_samples} x {seq_len} tokens from {cfg.ckpt} (step {ckpt.get('step')}, "
           f"{'EMA' if cfg.use_ema and ckpt.get('ema') is not None else 'live'} weights) on {device}: "
           + ", ".join(f"{k}={v}" for k, v in settings.items() if k not in ("ckpt", "ckpt_step", "prompt_ids")),
@@ -365,7 +491,7 @@ def main(argv=None):
                               top_p=cfg.top_p, generator=generator, device=device, dtype=dtype)
         else:
             ids = generate(model, n, seq_len, mc.vocab_size, cfg.steps, alpha_schedule=schedule, t_end=cfg.t_end,
-                           final_step=final_step, prompt_ids=prompt, cfg_w=cfg.cfg_w, top_p=cfg.top_p,
+                           final_step=final_step, prompt_ids=prompt, cfg_w=cfg.cfg_w, top_p=cfg.top_p, psi=psi,
                            generator=generator, device=device, dtype=dtype)
         records = []
         for row in ids.tolist():

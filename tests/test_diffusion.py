@@ -10,7 +10,8 @@ import torch
 from conftest import bayes_posterior, transition_matrix
 import diffusion
 from diffusion import (SCHEDULES, T_MIN, TOP_K_MAX_TAU, SoftTokens, alpha_table, ancestral_step,
-                       ancestral_step_from_logits, block_logsumexp, cosine_schedule, curriculum_input,
+                       ancestral_step_from_logits, block_logsumexp,
+                       corrector_weights, cosine_schedule, curriculum_input,
                        curriculum_sample, gamma_to_alpha, gaussian_latent, gumbel_argmax, gumbel_noise,
                        log_linear_schedule, rank_slice, reverse_posterior, sample_categorical, sample_t, sample_xt,
                        sigma_from_alpha, soft_input, tau_schedule, top_k_latent)
@@ -379,6 +380,47 @@ def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_
         u = torch.rand(xt.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
         draws_x_theta = u < (a_s - a_t) / (K * a_t * p_z + 1 - a_t)
         assert torch.equal(a[~draws_x_theta], b[~draws_x_theta]) and draws_x_theta.any()
+
+
+PSI_CASES = [(2, 0.3, 0.6, 0.5), (3, 0.05, 0.5, 0.0), (4, 0.4, 0.4, 0.2), (1, 0.2, 0.25, 0.9), (5, 0.6, 1.0, 0.3)]
+
+
+@pytest.mark.parametrize("route", ["logits", "probs"])
+def test_psi_step_frequencies_match_kappa_predictor_plus_corrector(route):
+    """The Psi step draws kappa q(x_s | x_t, x_theta) + (1 - kappa) q(x0 | x_t, x_theta) Q_s: chi-square against
+    Bayes' rule on explicit matrices (the predictor: bayes_posterior to s; the corrector: bayes_posterior to
+    level 0, then the forward matrix Q_s), at kappa = 0 (pure corrector), at a loop step (a_s = a_t, where the
+    predictor stays put), on the final step and with a token x_theta excludes. (xt, alpha_t, alpha_s, kappa)."""
+    K, N = 6, 20000
+    logits = 1.5 * torch.randn(5, K, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    logits[1, 3] = float("-inf")
+    for i, (z, a_t, a_s, kappa) in enumerate(PSI_CASES):
+        xt = torch.full((1, N), z)
+        g = torch.Generator().manual_seed(10 + i)
+        if route == "logits":
+            xs = ancestral_step_from_logits(xt, logits[i].expand(1, N, K).float(), a_t, a_s, g, kappa=kappa)
+        else:
+            xs = ancestral_step(xt, torch.softmax(logits[i], -1).expand(1, N, K), a_t, a_s, g, kappa=kappa)
+        x_theta = torch.softmax(logits[i:i + 1], -1)
+        predictor = bayes_posterior(torch.tensor([z]), x_theta, a_t, a_s, K)[0]
+        corrector = bayes_posterior(torch.tensor([z]), x_theta, a_t, 1.0, K)[0] @ transition_matrix(a_s, K)
+        assert_frequencies(xs[0], kappa * predictor + (1 - kappa) * corrector, msg=f"case {i}")
+
+
+def test_psi_corrector_is_the_posterior_to_level_zero_renoised_to_s():
+    """corrector_weights' three parts rebuild a_s q(x0 | x_t, x_theta) + (1 - a_s)/K token for token (float64),
+    and its stay weight is what is left, a_s K a_t x_theta[x_t] / Z."""
+    K = 7
+    x_theta = softmax_rows(4, K, seed=9)
+    xt = torch.tensor([0, 3, 6, 2])
+    p_z = x_theta.gather(-1, xt[:, None])[:, 0]
+    for a_t, a_s in ((0.2, 0.5), (0.6, 0.6), (0.01, 0.99)):
+        m_theta, m_unif = corrector_weights(p_z, K, a_t, a_s)
+        m_stay = 1 - m_theta - m_unif
+        law = m_theta[:, None] * x_theta + m_unif[:, None] / K + m_stay[:, None] * torch.nn.functional.one_hot(xt, K)
+        exact = bayes_posterior(xt, x_theta, a_t, 1.0, K) @ transition_matrix(a_s, K)
+        torch.testing.assert_close(law, exact, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(m_stay, a_s * K * a_t * p_z / (K * a_t * p_z + 1 - a_t), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("block", [256, 3])

@@ -210,6 +210,26 @@ class CharTokenizer:
         return "".join(" " if i == 0 else CHARS[i - 2] if i > 2 else "" for i in ids)
 
 
+def test_lm_eval_model_args_choose_the_psi_sampler():
+    """sampler=psi with the loop profile's phases separated by "/" (lm-eval splits --model_args at commas) reaches
+    sample.generate through generate_until: the same continuation as the Scorer with that Psi, unlike the ancestral
+    sampler's; a bad psi_eta is one error naming it."""
+    from types import SimpleNamespace
+    from lm_eval_sddlm import SDDLMHarness
+    from sample import parse_psi
+    scorer = ed.Scorer(StubDenoiser(), CharTokenizer(), seed=0, progress=False)
+    harness = SDDLMHarness(scorer=scorer, sampler="psi", psi_kappa="eta/max_capped/eta", psi_eta="1/0.3/1",
+                           psi_profile="loop", psi_loop_t=0.5, steps=16)
+    psi = parse_psi("psi", "eta,max_capped,eta", "1,0.3,1", "loop", 0.5, steps=16)
+    assert harness.psi == psi
+    requests = [("xy", {"until": [], "max_gen_toks": 12}), ("ab", {"until": [], "max_gen_toks": 12})]
+    got = harness.generate_until([SimpleNamespace(args=r) for r in requests])
+    assert got == scorer.generate_until(requests, steps=16, final_step=harness.final_step, psi=psi)
+    assert got != scorer.generate_until(requests, steps=16, final_step=harness.final_step)
+    with pytest.raises(ed.EvalError, match="psi_eta"):
+        SDDLMHarness(scorer=scorer, sampler="psi", psi_eta="2")
+
+
 def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
     """The stand-in denoiser is sure of one token per position (the sampler then returns them all but surely):
     the continuation 'ab.cd' EOS 'ef' after the context, cut by hand."""

@@ -272,6 +272,11 @@ def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys)
     again, _ = run_main(capsys, "--metric", "genppl", "--judge", setup["ar"], "--samples", setup["tmp"] / "s.jsonl")
     assert [(r["steps"], r["samples"]) for r in again["results"]] == [(2, 2), (3, 2)]      # one row per run
     assert [r["gen_ppl"] for r in again["results"]] == [r["gen_ppl"] for r in rows]
+    psi, _ = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "genppl", "--judge", setup["ar"],
+                      "--steps", "3", "--num_samples", 2, "--sampler", "psi", "--psi_kappa", "max_capped",
+                      "--psi_eta", "0.5")
+    assert rows[0]["sampler"] == "ancestral" and psi["results"][0]["sampler"] == "psi max_capped=0.5"
+    assert math.isfinite(psi["results"][0]["gen_ppl"]) and psi["results"][0]["gen_ppl"] != rows[1]["gen_ppl"]
 
 
 @pytest.mark.slow

@@ -502,8 +502,9 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert out["losses"]["duo"]["step_vs_duo"] == 1.0
     assert out["losses"]["duo"]["act_bytes"] > out["losses"]["sddlm"]["act_bytes"]   # the (B, L, V) float32
     assert out["sampler"]["nfe"] == 3 and math.isfinite(out["sampler"]["overhead"])  # 2 steps + the final one
+    assert out["sampler"]["psi_vs_ancestral"] > 0 and math.isfinite(out["sampler"]["psi_overhead"])
     table = bench.markdown(out)
-    assert all(f"| {name} |" in table for name in out["losses"]) and "n/a" in table
+    assert all(f"| {name} |" in table for name in out["losses"]) and "n/a" in table and "(psi, kappa = 0.9)" in table
 
 
 def test_bench_rejects_bad_flags_in_one_line():
