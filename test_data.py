@@ -1,4 +1,5 @@
-"""Tests for data.py: tokenizers, wrapping / padding layout, deterministic resumable batches, errors, detokenizers."""
+"""Tests for data.py and prepare.py: tokenizers, wrapping / padding layout, deterministic resumable batches, errors,
+detokenizers, corpora of every format, parallel preparation, integrity checks."""
 import importlib.util
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import data
+import prepare
 from data import DataError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,14 +26,14 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    train, _ = data.load_corpus("pydoc")
+    train, _ = prepare.load_corpus("pydoc")
     return data.train_sentencepiece(train, str(tmp_path_factory.mktemp("sp") / "tok"), 512)
 
 
 @pytest.fixture(scope="module")
 def owt_style(tmp_path_factory):
     """pydoc, GPT-2, wrapped into blocks of 64."""
-    return data.prepare_dataset("pydoc", "gpt2", str(tmp_path_factory.mktemp("owt")), 64, progress=False)
+    return prepare.prepare_dataset("pydoc", "gpt2", str(tmp_path_factory.mktemp("owt")), 64, progress=False)
 
 
 # --- tokenizers --------------------------------------------------------------
@@ -69,7 +71,7 @@ def test_sentencepiece_round_trips_unseen_text_and_is_deterministic(sp_model, tm
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
-    again = data.get_tokenizer(data.train_sentencepiece(data.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
+    again = data.get_tokenizer(data.train_sentencepiece(prepare.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
     assert all(again.encode(t) == tok.encode(t) for t in TEXTS)
 
 
@@ -81,7 +83,7 @@ def test_wrapped_blocks_are_bos_stream_eos_of_the_concatenated_documents(owt_sty
     rows = np.fromfile(os.path.join(owt_style, "train.bin"), dtype=np.uint16).reshape(-1, L)
     assert rows.shape[0] == meta["train_sequences"] > 0
     assert (rows[:, 0] == 50256).all() and (rows[:, -1] == 50256).all()
-    train_docs, _ = data.load_corpus("pydoc")
+    train_docs, _ = prepare.load_corpus("pydoc")
     stream = [t for doc in train_docs for t in gpt2.encode(doc) + [50256]]  # one document at a time
     n = len(stream) // (L - 2)
     assert rows.shape[0] == n and len(stream) - n * (L - 2) == meta["train_dropped_tokens"] < L - 2
@@ -95,7 +97,7 @@ def test_unwrapped_sequences_are_padded_and_masked(tmp_path, sp_model):
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(paragraphs) + "\n")
     L = 16
-    out = data.prepare_dataset(str(corpus), "sp:" + sp_model, str(tmp_path / "lm1b_style"), L, wrap=False,
+    out = prepare.prepare_dataset(str(corpus), "sp:" + sp_model, str(tmp_path / "lm1b_style"), L, wrap=False,
                                val_fraction=0.2, progress=False)
     tok, meta = data.get_tokenizer("sp:" + sp_model), data.load_meta(out)
     assert (meta["train_sequences"], meta["val_sequences"]) == (4, 1)
@@ -110,16 +112,16 @@ def test_unwrapped_sequences_are_padded_and_masked(tmp_path, sp_model):
 
 def test_prepare_reuses_same_settings_and_refuses_different_ones(owt_style):
     stamp = os.path.getmtime(os.path.join(owt_style, "meta.json"))
-    assert data.prepare_dataset("pydoc", "gpt2", owt_style, 64) == owt_style
+    assert prepare.prepare_dataset("pydoc", "gpt2", owt_style, 64) == owt_style
     assert os.path.getmtime(os.path.join(owt_style, "meta.json")) == stamp
     with pytest.raises(DataError, match="block_size=64"):
-        data.prepare_dataset("pydoc", "gpt2", owt_style, 128)
+        prepare.prepare_dataset("pydoc", "gpt2", owt_style, 128)
     with pytest.raises(DataError, match="tokenizer content"):
-        data.prepare_dataset("pydoc", "sp_train:512", owt_style, 64)
+        prepare.prepare_dataset("pydoc", "sp_train:512", owt_style, 64)
 
 
 def test_sp_train_spec_trains_a_model_next_to_the_data(tmp_path):
-    out = data.prepare_dataset("pydoc", "sp_train:512", str(tmp_path / "d"), 32, progress=False)
+    out = prepare.prepare_dataset("pydoc", "sp_train:512", str(tmp_path / "d"), 32, progress=False)
     meta = data.load_meta(out)
     assert meta["tokenizer"] == "sp:" + os.path.join(out, "tokenizer.model") and meta["vocab_size"] == 512
     data.check_tokenizer(meta, meta["tokenizer"])
@@ -183,8 +185,8 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
         data.check_tokenizer(meta, "sp:" + sp_model)
     with pytest.raises(DataError, match="vocab_size 512"):
         data.check_tokenizer(meta, 512)
-    sp_meta = data.load_meta(data.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64, progress=False))
-    other = data.train_sentencepiece(data.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
+    sp_meta = data.load_meta(prepare.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64, progress=False))
+    other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
     with pytest.raises(DataError, match="does not match"):  # same vocab size, different pieces
         data.check_tokenizer(sp_meta, "sp:" + other)
 
@@ -192,12 +194,12 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
 def test_missing_or_empty_inputs_raise_data_error(tmp_path):
     for bad in ["/no/such/corpus.txt", str(tmp_path / "missing_dir" / "x")]:
         with pytest.raises(DataError, match="no such file"):
-            data.load_corpus(bad)
+            prepare.load_corpus(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="empty"):
-        data.load_corpus(str(tmp_path / "empty"))
+        prepare.load_corpus(str(tmp_path / "empty"))
     with pytest.raises(DataError, match="unknown dataset"):
-        data.load_corpus("nonsense")
+        prepare.load_corpus("nonsense")
     with pytest.raises(DataError, match="meta.json missing"):
         data.BatchLoader(str(tmp_path), "train", 4)
     with pytest.raises(DataError, match="not found"):
@@ -207,7 +209,7 @@ def test_missing_or_empty_inputs_raise_data_error(tmp_path):
 
 @pytest.mark.slow
 def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--dataset", "/no/such.txt",
+    run = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", "/no/such.txt",
                           "--data_dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip() == "error: no such file or folder: /no/such.txt"
@@ -217,23 +219,23 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
 
 def test_wikitext_detokenizer():
     raw = 'The tower \'s height is 1 @,@ 000 ft @-@ 3 @.@ 5 m ( approx ) ; see " Notes " .\n = = History = = \n'
-    assert data.wt_detokenizer(raw) == 'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
+    assert prepare.wt_detokenizer(raw) == 'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
 
 
 def test_ptb_detokenizer():
     raw = "the company 's N N shares fell to $ N a share , analysts did n't say 1\\/2 N <unk> ."
-    assert data.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
+    assert prepare.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
 
 
 def test_lm1b_detokenizer():
     raw = 'He said " it \'s fine , really " ( see http : / / example.com / page ) and left .'
-    assert data.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
-    assert data.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
+    assert prepare.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
+    assert prepare.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
 
 
 def test_lambada_and_scientific_papers_detokenizers():
-    assert data.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
-    assert data.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
+    assert prepare.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
+    assert prepare.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
 
 
 # --- optional packages (never installed for tests: faked or absent) --------------------------------
@@ -241,18 +243,23 @@ def test_lambada_and_scientific_papers_detokenizers():
 def test_hf_corpora_are_loaded_with_duo_splits_and_detokenized(monkeypatch, tmp_path):
     calls = []
 
-    def load_dataset(path, name=None, split=None, **kwargs):
-        calls.append((path, name, split))
-        return [{"text": f"{split} doc {i} @-@ x , y"} for i in range(3)]
+    class Split(list):
+        column_names, features = ["text"], None
+
+        def iter(self, batch_size):
+            return ({"text": [row["text"] for row in self[i:i + batch_size]]} for i in range(0, len(self), batch_size))
+
+    def load_dataset(path, data_files=None, split=None, **kwargs):
+        calls.append((path, split))
+        return Split({"text": f"{split} doc {i} @-@ x , y"} for i in range(3))
     monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
     monkeypatch.setattr(sys.modules["datasets"], "load_dataset", load_dataset, raising=False)
-    train, val = data.load_corpus("wikitext2")
+    train, val = prepare.load_corpus("wikitext2")
     assert list(val) == ["validation doc 0-x, y", "validation doc 1-x, y", "validation doc 2-x, y"]
-    assert len(train) == 3 and calls == [("wikitext", "wikitext-2-raw-v1", "train"),
-                                         ("wikitext", "wikitext-2-raw-v1", "validation")]
-    data.load_corpus("openwebtext")
-    assert calls[-2:] == [("openwebtext", None, "train[:-100000]"), ("openwebtext", None, "train[-100000:]")]
-    out = data.prepare_dataset("lambada", "gpt2", str(tmp_path / "lambada"), 8, progress=False)  # eval-only set
+    assert len(list(train)) == 3 and calls == [("Salesforce/wikitext", "train"), ("Salesforce/wikitext", "validation")]
+    prepare.load_corpus("openwebtext")
+    assert calls[-2:] == [("Skylion007/openwebtext", "train[:-100000]"), ("Skylion007/openwebtext", "train[-100000:]")]
+    out = prepare.prepare_dataset("lambada", "gpt2", str(tmp_path / "lambada"), 8, progress=False)  # eval-only set
     meta = data.load_meta(out)
     assert meta["train_sequences"] == 0 and meta["val_documents"] == 3 and meta["val_sequences"] > 0
 
@@ -263,7 +270,7 @@ def test_missing_optional_packages_give_one_line_errors(monkeypatch):
     with pytest.raises(DataError, match="needs the transformers package"):
         data.get_tokenizer("hf:bert-base-uncased")
     with pytest.raises(DataError, match="needs the datasets package"):
-        data.load_corpus("lm1b")
+        prepare.load_corpus("lm1b")
 
 
 # --- prepared data keyed by content, built atomically, verified on reuse --------------------------
@@ -277,24 +284,24 @@ def test_prepared_folder_is_keyed_by_content_not_by_path(tmp_path, sp_model, mon
     monkeypatch.chdir(tmp_path)
     corpus = _small_corpus(tmp_path / "c.txt")
     tok = "sp:" + sp_model
-    here = data.prepared_dir("c.txt", tok, 16)
-    assert here == data.prepared_dir(corpus, tok, 16)             # relative and absolute path: one dataset
-    assert here == data.prepared_dir("c.txt", "sp:" + os.path.relpath(sp_model), 16)     # and one tokenizer
-    assert data.prepare_dataset("c.txt", tok, here, 16, progress=False) == here
+    here = prepare.prepared_dir("c.txt", tok, 16)
+    assert here == prepare.prepared_dir(corpus, tok, 16)             # relative and absolute path: one dataset
+    assert here == prepare.prepared_dir("c.txt", "sp:" + os.path.relpath(sp_model), 16)     # and one tokenizer
+    assert prepare.prepare_dataset("c.txt", tok, here, 16, progress=False) == here
     stamp = os.path.getmtime(os.path.join(here, "meta.json"))
-    assert data.prepare_dataset(corpus, tok, here, 16, progress=False) == here   # reused, not refused
+    assert prepare.prepare_dataset(corpus, tok, here, 16, progress=False) == here   # reused, not refused
     assert os.path.getmtime(os.path.join(here, "meta.json")) == stamp
     _small_corpus(tmp_path / "c.txt", extra="an edited last paragraph.\n")
-    edited = data.prepared_dir("c.txt", tok, 16)
+    edited = prepare.prepared_dir("c.txt", tok, 16)
     assert edited != here and edited.startswith(os.path.join("data", "c-sp_"))  # an edit gets new tokens
     with pytest.raises(DataError, match="different corpus content"):          # a named folder is refused
-        data.prepare_dataset("c.txt", tok, here, 16, progress=False)
-    assert len({data.prepared_dir("c.txt", t, L, wrap=w)
+        prepare.prepare_dataset("c.txt", tok, here, 16, progress=False)
+    assert len({prepare.prepared_dir("c.txt", t, L, wrap=w)
                 for t, L, w in [(tok, 16, False), (tok, 32, True), ("gpt2", 16, True), (tok, 16, True)]}) == 4
 
 
 def test_checksums_in_meta_catch_modified_or_truncated_files(tmp_path, sp_model):
-    out = data.prepare_dataset(_small_corpus(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "d"), 16,
+    out = prepare.prepare_dataset(_small_corpus(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "d"), 16,
                                progress=False)
     meta = data.load_meta(out)
     import hashlib
@@ -307,7 +314,7 @@ def test_checksums_in_meta_catch_modified_or_truncated_files(tmp_path, sp_model)
         f.seek(5)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(DataError, match="does not match the sha256"):
-        data.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, out, 16, progress=False)
+        prepare.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, out, 16, progress=False)
     with open(os.path.join(out, "val.bin"), "r+b") as f:
         f.truncate(10)
     with pytest.raises(DataError, match="has 10 bytes"):
@@ -319,21 +326,21 @@ def test_a_preparation_that_loses_the_race_uses_the_winners_folder(tmp_path, sp_
     by one atomic rename, so the loser discards its own copy and reads the winner's, whole."""
     from contextlib import nullcontext
     corpus, out = _small_corpus(tmp_path / "c.txt"), str(tmp_path / "d")
-    monkeypatch.setattr(data, "_exclusive", lambda *a: nullcontext())
-    real, calls = data._write_split, []
+    monkeypatch.setattr(prepare, "_exclusive", lambda *a: nullcontext())
+    real, calls = prepare._write_split, []
 
     def other_process_finishes_first(*args):
         calls.append(args[3])
         if len(calls) == 1:    # while this one tokenizes, another completes the same folder
-            data.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False)
+            prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False)
         return real(*args)
-    monkeypatch.setattr(data, "_write_split", other_process_finishes_first)
-    assert data.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out
+    monkeypatch.setattr(prepare, "_write_split", other_process_finishes_first)
+    assert prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out
     assert calls == ["train", "train", "val", "val"]
     assert sorted(os.listdir(tmp_path)) == ["c.txt", "d"]                   # no temp folder left
     meta = data.load_meta(out)
     data.verify_prepared(out, meta)
-    single = data.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "single"), 16, progress=False)
+    single = prepare.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "single"), 16, progress=False)
     for name in ("train.bin", "val.bin"):
         with open(os.path.join(out, name), "rb") as a, open(os.path.join(single, name), "rb") as b:
             assert a.read() == b.read()
@@ -344,33 +351,33 @@ def test_failed_preparations_leave_nothing_behind(tmp_path, sp_model, monkeypatc
     monkeypatch.chdir(tmp_path)
     corpus = _small_corpus(tmp_path / "c.txt")
     with pytest.raises(DataError, match="no sequence of block_size"):
-        data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 100_000, progress=False)
+        prepare.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 100_000, progress=False)
 
     def full_disk(docs, tok, out_dir, split, *args):
         with open(os.path.join(out_dir, f"{split}.bin"), "wb") as f:
             f.write(b"partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(out_dir, f"{split}.bin"))
-    monkeypatch.setattr(data, "_write_split", full_disk)
+    monkeypatch.setattr(prepare, "_write_split", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+        prepare.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
     assert sorted(os.listdir(tmp_path)) == ["c.txt"]          # no data/, no data/x, no temp folder or lock
-    stale = tmp_path / "data" / f"x.tmp-{data.socket.gethostname()}-999999999-abc"   # a killed preparation's
+    stale = tmp_path / "data" / f"x.tmp-{prepare.socket.gethostname()}-999999999-abc"   # a killed preparation's
     stale.mkdir(parents=True)
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
-    data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+    prepare.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
     assert sorted(os.listdir(tmp_path / "data")) == ["x"]
 
 
 def test_non_utf8_binary_and_corrupt_inputs_name_the_file_and_byte(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("naïve café\n\nzwei\n".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 0xef at offset 2\)"):
-        data.load_corpus(str(tmp_path / "latin1.txt"))
+        prepare.load_corpus(str(tmp_path / "latin1.txt"))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "a.txt").write_bytes(b"fine text\n")
     (tmp_path / "bin" / "b.txt").write_bytes(b"ELF\x01\x00\x00abc")
     with pytest.raises(DataError, match=r"b.txt: a binary file, not text \(NUL byte at offset 4\)"):
-        data.load_corpus(str(tmp_path / "bin"))
+        prepare.load_corpus(str(tmp_path / "bin"))
     (tmp_path / "crlf.txt").write_bytes("one\r\ntwo\rthree\n".encode())
     assert data.read_text(str(tmp_path / "crlf.txt")) == "one\ntwo\nthree\n"   # as open() reads text
     (tmp_path / "bad.model").write_bytes(b"not a protobuf")
@@ -383,6 +390,6 @@ def test_tokenizer_fingerprint_is_its_content(tmp_path, sp_model):
     shutil.copy(sp_model, tmp_path / "copy.model")
     a, b = data.get_tokenizer("sp:" + sp_model), data.get_tokenizer("sp:" + str(tmp_path / "copy.model"))
     assert a.fingerprint == b.fingerprint == data.file_sha256(sp_model)       # a copy elsewhere matches
-    other = data.train_sentencepiece(data.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
+    other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
     assert data.get_tokenizer("sp:" + other).fingerprint != a.fingerprint     # same name and size, new pieces
     assert data.get_tokenizer("gpt2").fingerprint == data.get_tokenizer("gpt2").fingerprint != ""

@@ -34,7 +34,7 @@ import diffusion
 import losses
 from cli import (OutOfMemory, UsageError, append_jsonl, autocast_for, check_writable, oom_summary, os_error_line,
                  parse_flags, remove_stale_temps, resolve_device, resolve_dtype, run_cli, save_atomic, write_json)
-from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset, prepared_dir
+from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta
 from eval_ppl import nelbo_ppl
 from model import PRESETS, ModelConfig, build_model
 
@@ -340,6 +340,7 @@ def prepare_data(cfg, env):
     data_dir = error = None
     if env.master:
         try:
+            from prepare import prepare_dataset, prepared_dir
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap))
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
