@@ -182,16 +182,16 @@ def _hf_texts(ds, field, name):
     return raw
 
 
-def _load_dataset(name, path, **kwargs):
+def _load_dataset(what, path, **kwargs):
     try:
         import datasets
     except ImportError:
-        raise DataError(f"dataset {name!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
+        raise DataError(f"dataset {what!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise DataError(f"could not load {name} from {path} ({type(e).__name__}: {first}); {OFFLINE}") from None
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first}); {OFFLINE}") from None
 
 
 def _hub_path(repo, revision):
@@ -271,6 +271,9 @@ def _open_binary(path):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+_NEWLINE = re.compile(rb"\r\n|\r|\n")   # what open() reads as a newline
+
+
 def _text_lines(path, start=0):
     """(offset, line) of a text file from byte `start`, decoded as UTF-8 with newlines normalised as open()
     does ("\\r\\n" and "\\r" -> "\\n"), one line at a time. Not UTF-8, or binary (a NUL byte) -> DataError naming
@@ -288,9 +291,13 @@ def _text_lines(path, start=0):
                                     f" convert it, e.g. iconv -f latin1 -t utf-8") from None
             if nul >= 0:
                 raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
-            if "\r" in text:
-                for line in text.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True):
-                    yield offset, line
+            if "\r" in text:   # each of its lines, with the byte offset where it starts
+                start_of = 0
+                for m in _NEWLINE.finditer(raw):
+                    yield offset + start_of, raw[start_of:m.start()].decode("utf-8") + "\n"
+                    start_of = m.end()
+                if start_of < len(raw):
+                    yield offset + start_of, raw[start_of:].decode("utf-8")
             else:
                 yield offset, text
             offset += len(raw)
@@ -303,16 +310,18 @@ def _paragraphs(path, start=0):
     lines, first, begin = [], start == 0, start
     for offset, line in _text_lines(path, start):
         if not first and line.endswith("\n") and not line.strip():
-            if lines:
-                yield begin, "".join(lines).strip("\n")
+            doc = "".join(lines).strip("\n")
+            if doc.strip():
+                yield begin, doc
             lines = []
         else:
             if not lines:
                 begin = offset
             lines.append(line)
         first = False
-    if lines:
-        yield begin, "".join(lines).strip("\n")
+    doc = "".join(lines).strip("\n")
+    if doc.strip():
+        yield begin, doc
 
 
 def _read_whole(path):

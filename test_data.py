@@ -393,3 +393,195 @@ def test_tokenizer_fingerprint_is_its_content(tmp_path, sp_model):
     other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
     assert data.get_tokenizer("sp:" + other).fingerprint != a.fingerprint     # same name and size, new pieces
     assert data.get_tokenizer("gpt2").fingerprint == data.get_tokenizer("gpt2").fingerprint != ""
+
+
+# --- prepare.py: sources, formats, parallel preparation, integrity ------------------------------------
+
+def _bins(folder):
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder)) if n.endswith(".bin")}
+
+
+def test_folders_prepared_before_the_split_keep_their_key_and_bytes(tmp_path, monkeypatch):
+    """Digests and folder names written by data.py before prepare.py existed (measured on that code): the
+    same corpus prepares to the same folder name and the same bytes, so existing folders stay valid."""
+    import hashlib
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.txt").write_text("".join(f"Paragraph {i}: the {'cat' if i % 3 else 'dog'} sat on mat number "
+                                            f"{i * 7 % 13}.\n  Second line {i}.\n\n" for i in range(400)))
+    expected = {True: ("c-gpt2-64-2b6e3ad3bef3", {"train.bin": "60f4fc8088fb5c84", "val.bin": "a346105d12a0c50b"}),
+                False: ("c-gpt2-64-padded-59e170ca469d",
+                        {"train.bin": "5b67dbfa5d5c655d", "train_mask.bin": "bc494d7c163ce4d3",
+                         "val.bin": "c6c2af8e5fad411a", "val_mask.bin": "f07f860e9abc4f82"})}
+    for wrap, (name, shas) in expected.items():
+        out = prepare.prepare_dataset("c.txt", "gpt2", prepare.prepared_dir("c.txt", "gpt2", 64, wrap=wrap), 64,
+                                      wrap=wrap, progress=False, num_proc=2)
+        assert os.path.basename(out) == name
+        assert {n: hashlib.sha256(b).hexdigest()[:16] for n, b in _bins(out).items()} == shas
+
+
+def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
+    import random
+    import re
+    rng = random.Random(0)
+    pieces = ["a", "b c", " ", "\t", "\n", "\n", "\r\n", "\r", "\x0c", "\u2028", "é"]
+    for trial in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        (tmp_path / "t.txt").write_bytes(text.encode())
+        norm = text.replace("\r\n", "\n").replace("\r", "\n")
+        want = [d.strip("\n") for d in re.split(r"\n\s*\n", norm) if d.strip()]
+        got = [d for _, d in prepare._paragraphs(str(tmp_path / "t.txt"))]
+        assert got == want, repr(text)
+        if len(want) >= 2:   # resuming at a paragraph's offset (the val pass) gives the rest
+            offsets = [o for o, _ in prepare._paragraphs(str(tmp_path / "t.txt"))]
+            assert [d for _, d in prepare._paragraphs(str(tmp_path / "t.txt"), offsets[1])] == want[1:]
+
+
+def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
+    import gzip
+    import json
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [f"document {i}: the cat sees the dog {i % 7} times.\nand a second line, naïve {i}." for i in range(200)]
+    (tmp_path / "c.txt").write_text("\n\n".join(docs) + "\n")
+    lines = "".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs))
+    (tmp_path / "c.jsonl").write_text(lines)
+    (tmp_path / "c.json").write_text(json.dumps([{"body": d} for d in docs]))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(((tmp_path / "c.txt").read_bytes())))
+    pq.write_table(pa.table({"body": docs, "n": list(range(200))}), tmp_path / "c.parquet", row_group_size=37)
+    (tmp_path / "parts").mkdir()                      # a folder of them: records in path order
+    pq.write_table(pa.table({"body": docs[:120]}), tmp_path / "parts" / "a.parquet")
+    (tmp_path / "parts" / "b.jsonl").write_text(lines.split("\n", 120)[120])
+    import datasets
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "arrow"))
+    ref = _bins(prepare.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "ref"), 32,
+                                        progress=False))
+    ref_padded = _bins(prepare.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "refp"), 32,
+                                               wrap=False, progress=False))
+    for name in ["c.txt.gz", "c.jsonl", "c.json", "c.jsonl.gz", "c.parquet", "parts", "arrow"]:
+        field = "text" if name.startswith("c.txt") else "body"
+        out = prepare.prepare_dataset(str(tmp_path / name), "sp:" + sp_model, str(tmp_path / ("o_" + name)), 32,
+                                      progress=False, text_field=field)
+        assert _bins(out) == ref, name
+        if name in ("c.parquet", "c.jsonl.gz"):
+            out = prepare.prepare_dataset(str(tmp_path / name), "sp:" + sp_model, str(tmp_path / ("p_" + name)), 32,
+                                          wrap=False, progress=False, text_field=field)
+            assert _bins(out) == ref_padded, name
+    for name in ["c.jsonl", "c.parquet"]:           # the field is named, with the fields that exist
+        with pytest.raises(DataError, match=r"no text field 'text'; (its fields are|it has) .*body"):
+            list(prepare.load_corpus(str(tmp_path / name))[0])
+    (tmp_path / "c.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"c.csv: not a corpus format prepare.py reads; expected .txt, .jsonl"):
+        prepare.load_corpus(str(tmp_path / "c.csv"))
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_any_number_of_workers_writes_the_same_bytes(tmp_path, wrap):
+    (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 50) + "\n\n" for i in range(3000)))
+    outs = [prepare.prepare_dataset(str(tmp_path / "c.txt"), "gpt2", str(tmp_path / f"n{n}"), 32, wrap=wrap,
+                                    progress=False, num_proc=n) for n in (1, 2, 3)]
+    assert _bins(outs[0]) == _bins(outs[1]) == _bins(outs[2])
+    metas = [data.load_meta(o) for o in outs]
+    assert len({m["train_tokens"] for m in metas}) == 1 and metas[0]["train_documents"] + metas[0]["val_documents"] \
+        == 3000
+
+
+def test_start_up_checks_size_and_time_and_hashes_on_request(tmp_path, sp_model):
+    corpus = _small_corpus(tmp_path / "c.txt")
+    out = prepare.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "d"), 16, progress=False)
+    meta = data.load_meta(out)
+    assert set(meta["stat"]) == set(meta["sha256"])
+    path = os.path.join(out, "train.bin")
+    st = os.stat(path)
+    with open(path, "r+b") as f:                        # one flipped byte, size and modification time restored
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out   # O(1): not read
+    with pytest.raises(DataError, match="does not match the sha256"):
+        prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False, verify=True)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))                        # touched: hashed again
+    with pytest.raises(DataError, match="does not match the sha256"):
+        data.verify_prepared(out, data.load_meta(out))
+    good = prepare.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "e"), 16, progress=False)
+    import shutil
+    shutil.copytree(good, tmp_path / "copy")            # a copy gets new times: hashed once, then recorded
+    copy = str(tmp_path / "copy")
+    data.verify_prepared(copy, data.load_meta(copy))
+    assert data.load_meta(copy)["stat"]["train.bin"] == data.file_stat(os.path.join(copy, "train.bin"))
+
+
+def _fake_hub(root, field_rows):
+    """A folder shaped like the hub repositories of HF_CORPORA: each split's files where its glob points."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for name, src in prepare.HF_CORPORA.items():
+        for split, pattern in src.data_files.items():
+            path = root / src.repo / pattern.replace("chunk*", "chunk1").replace("*", "00000-of-00001")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rows = field_rows(name, split)
+            columns = {src.field: rows, "other": [len(r) for r in rows]}
+            if path.name.endswith(".parquet"):
+                pq.write_table(pa.table(columns), path)
+            elif importlib.util.find_spec("zstandard"):   # SlimPajama: JSON lines, zstd-compressed
+                import json
+                import zstandard
+                path.write_bytes(zstandard.ZstdCompressor().compress(
+                    "".join(json.dumps({src.field: r, "meta": {}}) + "\n" for r in rows).encode()))
+
+
+def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path, monkeypatch):
+    """The real datasets.load_dataset path, on a local folder shaped like each source (SDDLM_HF_MIRROR)."""
+    datasets = pytest.importorskip("datasets")
+    try:
+        import zstandard  # noqa: F401
+        names = list(prepare.HF_CORPORA)
+    except ImportError:
+        names = [n for n in prepare.HF_CORPORA if not prepare.HF_CORPORA[n].streaming]
+    rows = lambda name, split: [f"{name} {split} {i} : it 's @-@ ( x ) N"
+                                for i in range(100_003 if name == "openwebtext" else 6)]   # OWT holds out 100k
+    _fake_hub(tmp_path / "hub", lambda name, split: rows(name, split) if name in names else [])
+    monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    calls, real = [], datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: calls.append((path, kw)) or real(path, **kw))
+    for name in names:
+        src = prepare.HF_CORPORA[name]
+        train, val = prepare.load_corpus(name)
+        detok = src.detokenizer or (lambda s: s)
+        if name == "openwebtext":                      # Duo's train[:-100000] / train[-100000:]
+            assert list(train) == rows(name, "train")[:3] and list(val) == rows(name, "train")[3:]
+            continue
+        held_out = next(s for s in src.data_files if s != "train")
+        assert list(val) == [detok(r) for r in rows(name, held_out)], name    # Duo's split, field, detokenizer
+        assert list(train) == ([] if src.train is None else [detok(r) for r in rows(name, "train")]), name
+    for path, kw in calls:                             # data files named, never a loading script
+        assert "trust_remote_code" not in kw and not str(path).endswith(".py")
+        assert all(p.endswith((".parquet", ".jsonl.zst")) for p in kw["data_files"].values())
+    assert not [p for p in (tmp_path / "hub").rglob("*.py")]
+    assert all(len(s.revision) == 40 or s.revision in ("main", "refs/convert/parquet")
+               for s in prepare.HF_CORPORA.values())
+    out = prepare.prepare_dataset("ptb", "gpt2", str(tmp_path / "ptb"), 8, progress=False)
+    assert data.load_meta(out)["source"]["repo"] == "ptb-text-only/ptb_text_only"
+
+
+def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    repo = tmp_path / "hub" / "someone" / "corpus" / "data"
+    repo.mkdir(parents=True)
+    pq.write_table(pa.table({"body": [f"train doc {i}" for i in range(20)]}), repo / "train-00000-of-00001.parquet")
+    monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    train, val = prepare.load_corpus("hf:someone/corpus", val_fraction=0.1, text_field="body")
+    assert list(train) == [f"train doc {i}" for i in range(18)] and list(val) == ["train doc 18", "train doc 19"]
+    with pytest.raises(DataError, match=r"has no text field 'text'; its fields are body \(--text_field\)"):
+        prepare.load_corpus("hf:someone/corpus")
+    with pytest.raises(DataError, match="expected hf:OWNER/NAME"):
+        prepare.load_corpus("hf:corpus")
+    pq.write_table(pa.table({"body": ["held out"] * 3}), repo / "test-00000-of-00001.parquet")
+    assert list(prepare.load_corpus("hf:someone/corpus", text_field="body")[1]) == ["held out"] * 3
+    assert prepare.prepared_dir("hf:someone/corpus", "gpt2", 16, text_field="body").startswith(
+        os.path.join("data", "corpus-gpt2-16-"))
