@@ -185,7 +185,8 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
         data.check_tokenizer(meta, "sp:" + sp_model)
     with pytest.raises(DataError, match="vocab_size 512"):
         data.check_tokenizer(meta, 512)
-    sp_meta = data.load_meta(prepare.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64, progress=False))
+    sp_meta = data.load_meta(prepare.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64,
+                                                     progress=False))
     other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
     with pytest.raises(DataError, match="does not match"):  # same vocab size, different pieces
         data.check_tokenizer(sp_meta, "sp:" + other)
@@ -219,7 +220,8 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
 
 def test_wikitext_detokenizer():
     raw = 'The tower \'s height is 1 @,@ 000 ft @-@ 3 @.@ 5 m ( approx ) ; see " Notes " .\n = = History = = \n'
-    assert prepare.wt_detokenizer(raw) == 'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
+    assert prepare.wt_detokenizer(raw) == \
+        'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
 
 
 def test_ptb_detokenizer():
