@@ -271,61 +271,69 @@ def _open_binary(path):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-_NEWLINE = re.compile(rb"\r\n|\r|\n")   # what open() reads as a newline
+_SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
+_TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
 
 
-def _text_lines(path, start=0):
-    """(offset, line) of a text file from byte `start`, decoded as UTF-8 with newlines normalised as open()
-    does ("\\r\\n" and "\\r" -> "\\n"), one line at a time. Not UTF-8, or binary (a NUL byte) -> DataError naming
-    the file and the byte offset (of the uncompressed bytes for .gz)."""
+def _text_blocks(path, block=1 << 20):
+    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
+    normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
+    naming the file and the byte offset (of the uncompressed bytes for .gz)."""
     with _open_binary(path) as f:
-        f.seek(start)
-        offset = start
-        for raw in f:
-            nul = raw.find(b"\0")
+        pending, offset = b"", 0
+        while True:
+            raw = f.read(block)
+            pending += raw
+            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
+            if raw and not cut:
+                continue
+            piece, pending = pending[:cut], pending[cut:]
+            nul = piece.find(b"\0")
             try:
-                text = raw.decode("utf-8")
+                text = piece.decode("utf-8")
             except UnicodeDecodeError as e:
                 if nul < 0 or nul > e.start:
-                    raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {offset + e.start});"
-                                    f" convert it, e.g. iconv -f latin1 -t utf-8") from None
+                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
+                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
             if nul >= 0:
                 raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
-            if "\r" in text:   # each of its lines, with the byte offset where it starts
-                start_of = 0
-                for m in _NEWLINE.finditer(raw):
-                    yield offset + start_of, raw[start_of:m.start()].decode("utf-8") + "\n"
-                    start_of = m.end()
-                if start_of < len(raw):
-                    yield offset + start_of, raw[start_of:].decode("utf-8")
-            else:
-                yield offset, text
-            offset += len(raw)
+            yield text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+            offset += len(piece)
+            if not raw:
+                return
 
 
-def _paragraphs(path, start=0):
-    """(offset, document) for the paragraphs of a text file: documents are separated by lines holding only
-    whitespace, exactly as re.split(r"\\n\\s*\\n", text) on the whole text (a whitespace line separates only when
-    a newline precedes and ends it), each stripped of newlines; empty ones are dropped."""
-    lines, first, begin = [], start == 0, start
-    for offset, line in _text_lines(path, start):
-        if not first and line.endswith("\n") and not line.strip():
-            doc = "".join(lines).strip("\n")
-            if doc.strip():
-                yield begin, doc
-            lines = []
-        else:
-            if not lines:
-                begin = offset
-            lines.append(line)
-        first = False
-    doc = "".join(lines).strip("\n")
-    if doc.strip():
-        yield begin, doc
+def _paragraphs(path, block=1 << 20):
+    """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
+    of newlines and the empty ones dropped, read a block at a time: a block is split up to the end of its last
+    separator that more text cannot extend (one followed by a non-space on its line); the rest waits."""
+    carry = ""
+    for text in _text_blocks(path, block):
+        text = carry + text
+        end = _last_break(text)
+        yield from _split_paragraphs(text[:end])
+        carry = text[end:]
+    yield from _split_paragraphs(carry)
+
+
+def _split_paragraphs(text):
+    return [doc for doc in (d.strip("\n") for d in _SEPARATOR.split(text)) if doc.strip()]
+
+
+def _last_break(text):
+    """The end of the last separator in text followed by a non-space on its line (0: none). The end of a greedy
+    match does not depend on where the search started, so the text's last 64 KiB is searched first."""
+    for start in (max(0, len(text) - (1 << 16)), 0):
+        end = 0
+        for m in _SEPARATOR.finditer(text, start):
+            if _TEXT_AFTER.match(text, m.end()):
+                end = m.end()
+        if end or start == 0:
+            return end
 
 
 def _read_whole(path):
-    return "".join(line for _, line in _text_lines(path))
+    return "".join(_text_blocks(path))
 
 
 def _records(path, field):
@@ -351,7 +359,8 @@ def _records(path, field):
         rows = json.loads(_read_whole(path))
         lines = ((n, row) for n, row in enumerate(rows, 1))
     else:
-        lines = ((n, line) for n, (_, line) in enumerate(_text_lines(path), 1) if line.strip())
+        lines = ((n, line) for n, line in enumerate((ln for b in _text_blocks(path) for ln in b.split("\n")), 1)
+                 if line.strip())
     for n, row in lines:
         if isinstance(row, str):
             try:
@@ -369,7 +378,7 @@ def _file_docs(path, field, in_folder):
     document; records give one document each."""
     if path.endswith(_TEXT):
         if not in_folder:
-            return (doc for _, doc in _paragraphs(path))
+            return _paragraphs(path)
         text = _read_whole(path)
         return iter([text] if text.strip() else [])
     return (d for d in _records(path, field) if isinstance(d, str) and d.strip())
@@ -390,40 +399,37 @@ def _arrow_docs(folder, field):
 
 
 def _local_docs(name, field):
-    """-> () -> iterator of (position, document): the documents of a local corpus, in order. position is the byte
-    offset of a lone .txt's paragraph (to resume there) and None elsewhere."""
+    """-> () -> iterator of the documents of a local corpus, in order."""
     if _is_arrow_folder(name):
-        return lambda: ((None, d) for d in _arrow_docs(name, field))
+        return lambda: _arrow_docs(name, field)
     if os.path.isdir(name):
         files = _folder_files(name)
         if not files:
             raise DataError(f"corpus {name} is empty: it holds no {LOCAL_FORMATS}")
-        return lambda: ((None, d) for p in files for d in _file_docs(p, field, True))
-    if name.endswith(_TEXT):
-        return lambda: _paragraphs(name)
-    if name.endswith(_RECORDS):
-        return lambda: ((None, d) for d in _file_docs(name, field, False))
+        return lambda: (d for p in files for d in _file_docs(p, field, True))
+    if name.endswith(_TEXT + _RECORDS):
+        return lambda: _file_docs(name, field, False)
     raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
 
 
 def _tail_split(docs, val_fraction, name):
-    """One pass over (position, document): -> (documents, cut, position of document `cut`), where the val split
-    is documents [cut:], the trailing ones holding ~val_fraction of the characters (at least one, and at least
-    one left for train). Memory: the lengths of the trailing documents only, since a document that the tail no
-    longer needs is never needed again (the total, and so the tail wanted, only grows by what follows it)."""
+    """One pass over the documents -> (their number n, cut), where the val split is documents [cut:], the
+    trailing ones holding ~val_fraction of the characters (at least one, and at least one left for train).
+    Memory: the lengths of the trailing documents only, since a document that the tail no longer needs is never
+    needed again (the total, and so the tail wanted, only grows by what follows it)."""
     tail, tail_chars, total, n = collections.deque(), 0, 0, 0
-    for position, doc in docs:
+    for doc in docs:
         n, total = n + 1, total + len(doc)
-        tail.append((len(doc), position))
+        tail.append(len(doc))
         tail_chars += len(doc)
-        while len(tail) > 1 and tail_chars - tail[0][0] >= val_fraction * total:
-            tail_chars -= tail.popleft()[0]
+        while len(tail) > 1 and tail_chars - tail[0] >= val_fraction * total:
+            tail_chars -= tail.popleft()
     if n == 0:
         raise DataError(f"corpus {name} is empty")
     if n < 2:
         raise DataError(f"corpus {name} has {n} document(s); need at least 2 for a train/val split")
     k = min(len(tail), n - 1) if tail_chars >= val_fraction * total else n - 1
-    return n, n - k, tail[-k][1]
+    return n, n - k
 
 
 def load_corpus(name, val_fraction=0.05, text_field="text"):
@@ -435,7 +441,7 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     if name == "pydoc":
         from pydoc_data.topics import topics
         docs = [topics[k] for k in sorted(topics)]
-        n, cut, _ = _tail_split(((None, d) for d in docs), val_fraction, name)
+        n, cut = _tail_split(docs, val_fraction, name)
         return Docs(lambda: iter(docs[:cut]), length=cut), Docs(lambda: iter(docs[cut:]), length=n - cut)
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
@@ -446,15 +452,11 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
                         f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     docs = _local_docs(name, text_field)
-    n, cut, cut_offset = _tail_split(docs(), val_fraction, name)
+    n, cut = _tail_split(docs(), val_fraction, name)
     nbytes = sum(os.path.getsize(p) for p in ([name] if os.path.isfile(name) else _walk(name)))
     share = lambda a: int(nbytes * a / n)     # for the progress bar only
-    train = Docs(lambda: (d for _, d in itertools.islice(docs(), cut)), nbytes=share(cut), length=cut)
-    if cut_offset is not None:                # a lone .txt: the val pass starts at its first paragraph
-        val = Docs(lambda: (d for _, d in _paragraphs(name, cut_offset)), nbytes=share(n - cut), length=n - cut)
-    else:
-        val = Docs(lambda: (d for _, d in itertools.islice(docs(), cut, None)), nbytes=share(n - cut),
-                   length=n - cut)
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut)
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut)
     return train, val
 
 

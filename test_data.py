@@ -422,20 +422,19 @@ def test_folders_prepared_before_the_split_keep_their_key_and_bytes(tmp_path, mo
 
 
 def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
+    """Read a block at a time (here of 1 to 9 bytes, so separators and characters straddle blocks), a .txt gives
+    the paragraphs that re.split on its whole normalised text gives."""
     import random
     import re
     rng = random.Random(0)
-    pieces = ["a", "b c", " ", "\t", "\n", "\n", "\r\n", "\r", "\x0c", "\u2028", "é"]
-    for trial in range(300):
-        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+    pieces = ["a", "b c", " ", "\t", "\n", "\n", "\r\n", "\r", "\x0c", "\x1c", "\u2028", "\xa0", "é", "世"]
+    for trial in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
         (tmp_path / "t.txt").write_bytes(text.encode())
         norm = text.replace("\r\n", "\n").replace("\r", "\n")
         want = [d.strip("\n") for d in re.split(r"\n\s*\n", norm) if d.strip()]
-        got = [d for _, d in prepare._paragraphs(str(tmp_path / "t.txt"))]
-        assert got == want, repr(text)
-        if len(want) >= 2:   # resuming at a paragraph's offset (the val pass) gives the rest
-            offsets = [o for o, _ in prepare._paragraphs(str(tmp_path / "t.txt"))]
-            assert [d for _, d in prepare._paragraphs(str(tmp_path / "t.txt"), offsets[1])] == want[1:]
+        for block in (1, 2, 3, 9, 1 << 20):
+            assert list(prepare._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
 
 
 def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
@@ -587,3 +586,29 @@ def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
     assert list(prepare.load_corpus("hf:someone/corpus", text_field="body")[1]) == ["held out"] * 3
     assert prepare.prepared_dir("hf:someone/corpus", "gpt2", 16, text_field="body").startswith(
         os.path.join("data", "corpus-gpt2-16-"))
+
+
+@pytest.mark.slow
+def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_path):
+    import signal
+    import time
+    (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 90) + "\n\n" for i in range(60000)))
+    args = [sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", str(tmp_path / "c.txt"), "--tokenizer",
+            "gpt2", "--block_size", "64", "--num_proc", "2", "--data_dir", str(tmp_path / "d")]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith("d.tmp-") and any(p.iterdir())
+                                             for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(children) == 2 and not (tmp_path / "d").exists()       # killed while writing: no folder
+    time.sleep(1)
+    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                   for pid in children)                                  # its workers went with it
+    assert subprocess.run(args, cwd=tmp_path, capture_output=True).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "d"]   # the stale temp folder removed
+    single = prepare.prepare_dataset(str(tmp_path / "c.txt"), "gpt2", str(tmp_path / "single"), 64, progress=False,
+                                     num_proc=1)
+    assert _bins(str(tmp_path / "d")) == _bins(single)
