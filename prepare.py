@@ -37,6 +37,8 @@ import signal
 import socket
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -605,11 +607,17 @@ def _in_order(pool, chunks, job, window):
         return
     pending = collections.deque()
     for chunk in chunks:
-        pending.append(pool.apply_async(_encode_chunk, (chunk, *job)))
+        pending.append(pool.submit(_encode_chunk, chunk, *job))
         if len(pending) >= window:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
     while pending:
-        yield pending.popleft().get()
+        yield pending.popleft().result()
+
+
+def _start_method():
+    """fork on Linux: the workers start at once with the tokenizer already loaded. They run only the tokenizer
+    (no torch, CUDA or NCCL), so the threads a torchrun rank 0 holds do not matter to them. spawn elsewhere."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 def default_num_proc():
@@ -804,9 +812,9 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
                               val=src.val, field=src.field)
     if text_field != "text":
         meta["text_field"] = text_field
-    if num_proc > 1:   # fork: the workers start at once with the tokenizer already loaded (spawn elsewhere)
-        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        pool = ctx.Pool(num_proc, initializer=_init_worker, initargs=(encode_spec,))
+    if num_proc > 1:   # a worker that dies (killed, out of memory) fails the preparation: BrokenProcessPool
+        pool = ProcessPoolExecutor(num_proc, multiprocessing.get_context(_start_method()), _init_worker,
+                                   (encode_spec,))
     else:
         pool = None
         _WORKER["tok"] = get_tokenizer(encode_spec, threads=1)
@@ -816,10 +824,11 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
                                                  pool, num_proc)
             meta.update({f"{split}_{k}": v for k, v in counts.items()})
             digests.update(split_digests)
+    except BrokenProcessPool:
+        raise DataError(f"a tokenizing worker of {out_dir} died (killed, or out of memory); lower --num_proc") from None
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(cancel_futures=True)
     meta["sha256"] = digests
     # the one full check: the bytes on disk hash to what was written; their size and time are recorded, which
     # later starts compare instead of hashing
