@@ -334,7 +334,7 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
 
 @pytest.mark.slow
 def test_two_preparations_at_once_make_one_correct_folder(base, tmp_path):
-    """Two data.py runs on the same new dataset, started while a third party holds the folder's lock, so they
+    """Two prepare.py runs on the same new dataset, started while a third party holds the folder's lock, so they
     certainly overlap: both succeed, one folder, its checksums verify, tokens equal a single preparation."""
     import fcntl
     corpus = tmp_path / "new.txt"
