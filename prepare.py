@@ -455,8 +455,10 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
                         f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     docs = _local_docs(name, text_field)
     n, cut = _tail_split(docs(), val_fraction, name)
-    nbytes = sum(os.path.getsize(p) for p in ([name] if os.path.isfile(name) else _walk(name)))
-    share = lambda a: int(nbytes * a / n)     # for the progress bar only
+    paths = [name] if os.path.isfile(name) else list(_walk(name))
+    plain = not any(p.endswith((".gz", ".parquet", ".arrow")) for p in paths)   # else file bytes are not text bytes
+    nbytes = sum(map(os.path.getsize, paths)) if plain else None
+    share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total
     train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut)
     val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut)
     return train, val
