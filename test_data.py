@@ -546,7 +546,7 @@ def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path,
                                 for i in range(100_003 if name == "openwebtext" else 6)]   # OWT holds out 100k
     _fake_hub(tmp_path / "hub", lambda name, split: rows(name, split) if name in names else [])
     monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))   # not the user's cache
     calls, real = [], datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: calls.append((path, kw)) or real(path, **kw))
     for name in names:
@@ -570,14 +570,14 @@ def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path,
 
 
 def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
-    pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets")
     import pyarrow as pa
     import pyarrow.parquet as pq
     repo = tmp_path / "hub" / "someone" / "corpus" / "data"
     repo.mkdir(parents=True)
     pq.write_table(pa.table({"body": [f"train doc {i}" for i in range(20)]}), repo / "train-00000-of-00001.parquet")
     monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     train, val = prepare.load_corpus("hf:someone/corpus", val_fraction=0.1, text_field="body")
     assert list(train) == [f"train doc {i}" for i in range(18)] and list(val) == ["train doc 18", "train doc 19"]
     with pytest.raises(DataError, match=r"has no text field 'text'; its fields are body \(--text_field\)"):
