@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import diffusion
 import losses
 from cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
-from data import BatchLoader, DataError, get_tokenizer, load_meta, prepare_dataset, prepared_dir
+from data import BatchLoader, DataError, get_tokenizer, load_meta
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
@@ -83,7 +83,7 @@ class TrainConfig(OptimConfig):
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
-    data_dir: str = ""               # prepared memmaps; "" = data.prepared_dir(dataset, tokenizer, L, wrap)
+    data_dir: str = ""               # prepared memmaps; "" = prepare.prepared_dir(dataset, tokenizer, L, wrap)
     block_size: int = 128            # sequence length L
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
@@ -235,6 +235,7 @@ def prepare_data(cfg, env):
     rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
     def work():
         try:
+            from prepare import prepare_dataset, prepared_dir
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap))
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)

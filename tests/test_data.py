@@ -1,4 +1,5 @@
-"""Tests for data.py: tokenizers, wrapping / padding layout, deterministic resumable batches, errors, detokenizers."""
+"""Tests for data.py and prepare.py: tokenizers, wrapping / padding layout, deterministic resumable batches, errors,
+detokenizers, corpora of every format, parallel preparation, integrity checks."""
 import importlib.util
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import data
+import prepare
 from data import DataError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
@@ -24,14 +26,14 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    train, _ = data.load_corpus("pydoc")
+    train, _ = prepare.load_corpus("pydoc")
     return data.train_sentencepiece(train, str(tmp_path_factory.mktemp("sp") / "tok"), 512)
 
 
 @pytest.fixture(scope="module")
 def owt_style(tmp_path_factory):
     """pydoc, GPT-2, wrapped into blocks of 64."""
-    return data.prepare_dataset("pydoc", "gpt2", str(tmp_path_factory.mktemp("owt")), 64, progress=False)
+    return prepare.prepare_dataset("pydoc", "gpt2", str(tmp_path_factory.mktemp("owt")), 64, progress=False)
 
 
 # --- tokenizers --------------------------------------------------------------
@@ -69,7 +71,7 @@ def test_sentencepiece_round_trips_unseen_text_and_is_deterministic(sp_model, tm
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
-    again = data.get_tokenizer(data.train_sentencepiece(data.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
+    again = data.get_tokenizer(data.train_sentencepiece(prepare.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
     assert all(again.encode(t) == tok.encode(t) for t in TEXTS)
 
 
@@ -81,7 +83,7 @@ def test_wrapped_blocks_are_bos_stream_eos_of_the_concatenated_documents(owt_sty
     rows = np.fromfile(os.path.join(owt_style, "train.bin"), dtype=np.uint16).reshape(-1, L)
     assert rows.shape[0] == meta["train_sequences"] > 0
     assert (rows[:, 0] == 50256).all() and (rows[:, -1] == 50256).all()
-    train_docs, _ = data.load_corpus("pydoc")
+    train_docs, _ = prepare.load_corpus("pydoc")
     stream = [t for doc in train_docs for t in gpt2.encode(doc) + [50256]]  # one document at a time
     n = len(stream) // (L - 2)
     assert rows.shape[0] == n and len(stream) - n * (L - 2) == meta["train_dropped_tokens"] < L - 2
@@ -95,7 +97,7 @@ def test_unwrapped_sequences_are_padded_and_masked(tmp_path, sp_model):
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(paragraphs) + "\n")
     L = 16
-    out = data.prepare_dataset(str(corpus), "sp:" + sp_model, str(tmp_path / "lm1b_style"), L, wrap=False,
+    out = prepare.prepare_dataset(str(corpus), "sp:" + sp_model, str(tmp_path / "lm1b_style"), L, wrap=False,
                                val_fraction=0.2, progress=False)
     tok, meta = data.get_tokenizer("sp:" + sp_model), data.load_meta(out)
     assert (meta["train_sequences"], meta["val_sequences"]) == (4, 1)
@@ -110,16 +112,16 @@ def test_unwrapped_sequences_are_padded_and_masked(tmp_path, sp_model):
 
 def test_prepare_reuses_same_settings_and_refuses_different_ones(owt_style):
     stamp = os.path.getmtime(os.path.join(owt_style, "meta.json"))
-    assert data.prepare_dataset("pydoc", "gpt2", owt_style, 64) == owt_style
+    assert prepare.prepare_dataset("pydoc", "gpt2", owt_style, 64) == owt_style
     assert os.path.getmtime(os.path.join(owt_style, "meta.json")) == stamp
     with pytest.raises(DataError, match="block_size=64"):
-        data.prepare_dataset("pydoc", "gpt2", owt_style, 128)
+        prepare.prepare_dataset("pydoc", "gpt2", owt_style, 128)
     with pytest.raises(DataError, match="tokenizer content"):
-        data.prepare_dataset("pydoc", "sp_train:512", owt_style, 64)
+        prepare.prepare_dataset("pydoc", "sp_train:512", owt_style, 64)
 
 
 def test_sp_train_spec_trains_a_model_next_to_the_data(tmp_path):
-    out = data.prepare_dataset("pydoc", "sp_train:512", str(tmp_path / "d"), 32, progress=False)
+    out = prepare.prepare_dataset("pydoc", "sp_train:512", str(tmp_path / "d"), 32, progress=False)
     meta = data.load_meta(out)
     assert meta["tokenizer"] == "sp:" + os.path.join(out, "tokenizer.model") and meta["vocab_size"] == 512
     data.check_tokenizer(meta, meta["tokenizer"])
@@ -183,8 +185,9 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
         data.check_tokenizer(meta, "sp:" + sp_model)
     with pytest.raises(DataError, match="vocab_size 512"):
         data.check_tokenizer(meta, 512)
-    sp_meta = data.load_meta(data.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64, progress=False))
-    other = data.train_sentencepiece(data.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
+    sp_meta = data.load_meta(prepare.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64,
+                                                     progress=False))
+    other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
     with pytest.raises(DataError, match="does not match"):  # same vocab size, different pieces
         data.check_tokenizer(sp_meta, "sp:" + other)
 
@@ -192,12 +195,12 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
 def test_missing_or_empty_inputs_raise_data_error(tmp_path):
     for bad in ["/no/such/corpus.txt", str(tmp_path / "missing_dir" / "x")]:
         with pytest.raises(DataError, match="no such file"):
-            data.load_corpus(bad)
+            prepare.load_corpus(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="empty"):
-        data.load_corpus(str(tmp_path / "empty"))
+        prepare.load_corpus(str(tmp_path / "empty"))
     with pytest.raises(DataError, match="unknown dataset"):
-        data.load_corpus("nonsense")
+        prepare.load_corpus("nonsense")
     with pytest.raises(DataError, match="meta.json missing"):
         data.BatchLoader(str(tmp_path), "train", 4)
     with pytest.raises(DataError, match="not found"):
@@ -207,7 +210,7 @@ def test_missing_or_empty_inputs_raise_data_error(tmp_path):
 
 @pytest.mark.slow
 def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--dataset", "/no/such.txt",
+    run = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", "/no/such.txt",
                           "--data_dir", str(tmp_path / "o")], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip() == "error: no such file or folder: /no/such.txt"
@@ -217,23 +220,24 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
 
 def test_wikitext_detokenizer():
     raw = 'The tower \'s height is 1 @,@ 000 ft @-@ 3 @.@ 5 m ( approx ) ; see " Notes " .\n = = History = = \n'
-    assert data.wt_detokenizer(raw) == 'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
+    assert prepare.wt_detokenizer(raw) == \
+        'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
 
 
 def test_ptb_detokenizer():
     raw = "the company 's N N shares fell to $ N a share , analysts did n't say 1\\/2 N <unk> ."
-    assert data.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
+    assert prepare.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
 
 
 def test_lm1b_detokenizer():
     raw = 'He said " it \'s fine , really " ( see http : / / example.com / page ) and left .'
-    assert data.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
-    assert data.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
+    assert prepare.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
+    assert prepare.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
 
 
 def test_lambada_and_scientific_papers_detokenizers():
-    assert data.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
-    assert data.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
+    assert prepare.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
+    assert prepare.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
 
 
 # --- optional packages (never installed for tests: faked or absent) --------------------------------
@@ -241,18 +245,23 @@ def test_lambada_and_scientific_papers_detokenizers():
 def test_hf_corpora_are_loaded_with_duo_splits_and_detokenized(monkeypatch, tmp_path):
     calls = []
 
-    def load_dataset(path, name=None, split=None, **kwargs):
-        calls.append((path, name, split))
-        return [{"text": f"{split} doc {i} @-@ x , y"} for i in range(3)]
+    class Split(list):
+        column_names, features = ["text"], None
+
+        def iter(self, batch_size):
+            return ({"text": [row["text"] for row in self[i:i + batch_size]]} for i in range(0, len(self), batch_size))
+
+    def load_dataset(path, data_files=None, split=None, **kwargs):
+        calls.append((path, split))
+        return Split({"text": f"{split} doc {i} @-@ x , y"} for i in range(3))
     monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
     monkeypatch.setattr(sys.modules["datasets"], "load_dataset", load_dataset, raising=False)
-    train, val = data.load_corpus("wikitext2")
+    train, val = prepare.load_corpus("wikitext2")
     assert list(val) == ["validation doc 0-x, y", "validation doc 1-x, y", "validation doc 2-x, y"]
-    assert len(train) == 3 and calls == [("wikitext", "wikitext-2-raw-v1", "train"),
-                                         ("wikitext", "wikitext-2-raw-v1", "validation")]
-    data.load_corpus("openwebtext")
-    assert calls[-2:] == [("openwebtext", None, "train[:-100000]"), ("openwebtext", None, "train[-100000:]")]
-    out = data.prepare_dataset("lambada", "gpt2", str(tmp_path / "lambada"), 8, progress=False)  # eval-only set
+    assert len(list(train)) == 3 and calls == [("Salesforce/wikitext", "train"), ("Salesforce/wikitext", "validation")]
+    prepare.load_corpus("openwebtext")
+    assert calls[-2:] == [("Skylion007/openwebtext", "train[:-100000]"), ("Skylion007/openwebtext", "train[-100000:]")]
+    out = prepare.prepare_dataset("lambada", "gpt2", str(tmp_path / "lambada"), 8, progress=False)  # eval-only set
     meta = data.load_meta(out)
     assert meta["train_sequences"] == 0 and meta["val_documents"] == 3 and meta["val_sequences"] > 0
 
@@ -263,7 +272,7 @@ def test_missing_optional_packages_give_one_line_errors(monkeypatch):
     with pytest.raises(DataError, match="needs the transformers package"):
         data.get_tokenizer("hf:bert-base-uncased")
     with pytest.raises(DataError, match="needs the datasets package"):
-        data.load_corpus("lm1b")
+        prepare.load_corpus("lm1b")
 
 
 # --- prepared data keyed by content, built atomically, verified on reuse --------------------------
@@ -277,24 +286,24 @@ def test_prepared_folder_is_keyed_by_content_not_by_path(tmp_path, sp_model, mon
     monkeypatch.chdir(tmp_path)
     corpus = _small_corpus(tmp_path / "c.txt")
     tok = "sp:" + sp_model
-    here = data.prepared_dir("c.txt", tok, 16)
-    assert here == data.prepared_dir(corpus, tok, 16)             # relative and absolute path: one dataset
-    assert here == data.prepared_dir("c.txt", "sp:" + os.path.relpath(sp_model), 16)     # and one tokenizer
-    assert data.prepare_dataset("c.txt", tok, here, 16, progress=False) == here
+    here = prepare.prepared_dir("c.txt", tok, 16)
+    assert here == prepare.prepared_dir(corpus, tok, 16)             # relative and absolute path: one dataset
+    assert here == prepare.prepared_dir("c.txt", "sp:" + os.path.relpath(sp_model), 16)     # and one tokenizer
+    assert prepare.prepare_dataset("c.txt", tok, here, 16, progress=False) == here
     stamp = os.path.getmtime(os.path.join(here, "meta.json"))
-    assert data.prepare_dataset(corpus, tok, here, 16, progress=False) == here   # reused, not refused
+    assert prepare.prepare_dataset(corpus, tok, here, 16, progress=False) == here   # reused, not refused
     assert os.path.getmtime(os.path.join(here, "meta.json")) == stamp
     _small_corpus(tmp_path / "c.txt", extra="an edited last paragraph.\n")
-    edited = data.prepared_dir("c.txt", tok, 16)
+    edited = prepare.prepared_dir("c.txt", tok, 16)
     assert edited != here and edited.startswith(os.path.join("data", "c-sp_"))  # an edit gets new tokens
     with pytest.raises(DataError, match="different corpus content"):          # a named folder is refused
-        data.prepare_dataset("c.txt", tok, here, 16, progress=False)
-    assert len({data.prepared_dir("c.txt", t, L, wrap=w)
+        prepare.prepare_dataset("c.txt", tok, here, 16, progress=False)
+    assert len({prepare.prepared_dir("c.txt", t, L, wrap=w)
                 for t, L, w in [(tok, 16, False), (tok, 32, True), ("gpt2", 16, True), (tok, 16, True)]}) == 4
 
 
 def test_checksums_in_meta_catch_modified_or_truncated_files(tmp_path, sp_model):
-    out = data.prepare_dataset(_small_corpus(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "d"), 16,
+    out = prepare.prepare_dataset(_small_corpus(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "d"), 16,
                                progress=False)
     meta = data.load_meta(out)
     import hashlib
@@ -307,7 +316,7 @@ def test_checksums_in_meta_catch_modified_or_truncated_files(tmp_path, sp_model)
         f.seek(5)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(DataError, match="does not match the sha256"):
-        data.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, out, 16, progress=False)
+        prepare.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, out, 16, progress=False)
     with open(os.path.join(out, "val.bin"), "r+b") as f:
         f.truncate(10)
     with pytest.raises(DataError, match="has 10 bytes"):
@@ -319,21 +328,21 @@ def test_a_preparation_that_loses_the_race_uses_the_winners_folder(tmp_path, sp_
     by one atomic rename, so the loser discards its own copy and reads the winner's, whole."""
     from contextlib import nullcontext
     corpus, out = _small_corpus(tmp_path / "c.txt"), str(tmp_path / "d")
-    monkeypatch.setattr(data, "_exclusive", lambda *a: nullcontext())
-    real, calls = data._write_split, []
+    monkeypatch.setattr(prepare, "_exclusive", lambda *a: nullcontext())
+    real, calls = prepare._write_split, []
 
     def other_process_finishes_first(*args):
         calls.append(args[3])
         if len(calls) == 1:    # while this one tokenizes, another completes the same folder
-            data.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False)
+            prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False)
         return real(*args)
-    monkeypatch.setattr(data, "_write_split", other_process_finishes_first)
-    assert data.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out
+    monkeypatch.setattr(prepare, "_write_split", other_process_finishes_first)
+    assert prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out
     assert calls == ["train", "train", "val", "val"]
     assert sorted(os.listdir(tmp_path)) == ["c.txt", "d"]                   # no temp folder left
     meta = data.load_meta(out)
     data.verify_prepared(out, meta)
-    single = data.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "single"), 16, progress=False)
+    single = prepare.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "single"), 16, progress=False)
     for name in ("train.bin", "val.bin"):
         with open(os.path.join(out, name), "rb") as a, open(os.path.join(single, name), "rb") as b:
             assert a.read() == b.read()
@@ -344,33 +353,35 @@ def test_failed_preparations_leave_nothing_behind(tmp_path, sp_model, monkeypatc
     monkeypatch.chdir(tmp_path)
     corpus = _small_corpus(tmp_path / "c.txt")
     with pytest.raises(DataError, match="no sequence of block_size"):
-        data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 100_000, progress=False)
+        prepare.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 100_000, progress=False)
 
     def full_disk(docs, tok, out_dir, split, *args):
         with open(os.path.join(out_dir, f"{split}.bin"), "wb") as f:
             f.write(b"partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(out_dir, f"{split}.bin"))
-    monkeypatch.setattr(data, "_write_split", full_disk)
-    with pytest.raises(OSError, match="No space left"):
-        data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+    monkeypatch.setattr(prepare, "_write_split", full_disk)
+    with pytest.raises(OSError, match="No space left") as full:
+        prepare.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+    assert isinstance(full.value, DataError) and "preparing data/x" in str(full.value)   # names folder and flag
+    assert "--data_dir" in str(full.value)
     assert sorted(os.listdir(tmp_path)) == ["c.txt"]          # no data/, no data/x, no temp folder or lock
-    stale = tmp_path / "data" / f"x.tmp-{data.socket.gethostname()}-999999999-abc"   # a killed preparation's
+    stale = tmp_path / "data" / f"x.tmp-{prepare.socket.gethostname()}-999999999-abc"   # a killed preparation's
     stale.mkdir(parents=True)
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
-    data.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
+    prepare.prepare_dataset(corpus, "sp:" + sp_model, os.path.join("data", "x"), 16, progress=False)
     assert sorted(os.listdir(tmp_path / "data")) == ["x"]
 
 
 def test_non_utf8_binary_and_corrupt_inputs_name_the_file_and_byte(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("naïve café\n\nzwei\n".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 0xef at offset 2\)"):
-        data.load_corpus(str(tmp_path / "latin1.txt"))
+        prepare.load_corpus(str(tmp_path / "latin1.txt"))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "a.txt").write_bytes(b"fine text\n")
     (tmp_path / "bin" / "b.txt").write_bytes(b"ELF\x01\x00\x00abc")
     with pytest.raises(DataError, match=r"b.txt: a binary file, not text \(NUL byte at offset 4\)"):
-        data.load_corpus(str(tmp_path / "bin"))
+        prepare.load_corpus(str(tmp_path / "bin"))
     (tmp_path / "crlf.txt").write_bytes("one\r\ntwo\rthree\n".encode())
     assert data.read_text(str(tmp_path / "crlf.txt")) == "one\ntwo\nthree\n"   # as open() reads text
     (tmp_path / "bad.model").write_bytes(b"not a protobuf")
@@ -383,6 +394,223 @@ def test_tokenizer_fingerprint_is_its_content(tmp_path, sp_model):
     shutil.copy(sp_model, tmp_path / "copy.model")
     a, b = data.get_tokenizer("sp:" + sp_model), data.get_tokenizer("sp:" + str(tmp_path / "copy.model"))
     assert a.fingerprint == b.fingerprint == data.file_sha256(sp_model)       # a copy elsewhere matches
-    other = data.train_sentencepiece(data.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
+    other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
     assert data.get_tokenizer("sp:" + other).fingerprint != a.fingerprint     # same name and size, new pieces
     assert data.get_tokenizer("gpt2").fingerprint == data.get_tokenizer("gpt2").fingerprint != ""
+
+
+# --- prepare.py: sources, formats, parallel preparation, integrity ------------------------------------
+
+def _bins(folder):
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder)) if n.endswith(".bin")}
+
+
+def test_folders_prepared_before_the_split_keep_their_key_and_bytes(tmp_path, monkeypatch):
+    """Digests and folder names written by data.py before prepare.py existed (measured on that code): the
+    same corpus prepares to the same folder name and the same bytes, so existing folders stay valid."""
+    import hashlib
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.txt").write_text("".join(f"Paragraph {i}: the {'cat' if i % 3 else 'dog'} sat on mat number "
+                                            f"{i * 7 % 13}.\n  Second line {i}.\n\n" for i in range(400)))
+    expected = {True: ("c-gpt2-64-2b6e3ad3bef3", {"train.bin": "60f4fc8088fb5c84", "val.bin": "a346105d12a0c50b"}),
+                False: ("c-gpt2-64-padded-59e170ca469d",
+                        {"train.bin": "5b67dbfa5d5c655d", "train_mask.bin": "bc494d7c163ce4d3",
+                         "val.bin": "c6c2af8e5fad411a", "val_mask.bin": "f07f860e9abc4f82"})}
+    for wrap, (name, shas) in expected.items():
+        out = prepare.prepare_dataset("c.txt", "gpt2", prepare.prepared_dir("c.txt", "gpt2", 64, wrap=wrap), 64,
+                                      wrap=wrap, progress=False, num_proc=2)
+        assert os.path.basename(out) == name
+        assert {n: hashlib.sha256(b).hexdigest()[:16] for n, b in _bins(out).items()} == shas
+
+
+def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
+    """Read a block at a time (here of 1 to 9 bytes, so separators and characters straddle blocks), a .txt gives
+    the paragraphs that re.split on its whole normalised text gives."""
+    import random
+    import re
+    rng = random.Random(0)
+    pieces = ["a", "b c", " ", "\t", "\n", "\n", "\r\n", "\r", "\x0c", "\x1c", "\u2028", "\xa0", "é", "世"]
+    for trial in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+        (tmp_path / "t.txt").write_bytes(text.encode())
+        norm = text.replace("\r\n", "\n").replace("\r", "\n")
+        want = [d.strip("\n") for d in re.split(r"\n\s*\n", norm) if d.strip()]
+        for block in (1, 2, 3, 9, 1 << 20):
+            assert list(prepare._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
+
+
+def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
+    import gzip
+    import json
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [f"document {i}: the cat sees the dog {i % 7} times.\nand a second line, naïve {i}." for i in range(200)]
+    (tmp_path / "c.txt").write_text("\n\n".join(docs) + "\n")
+    lines = "".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs))
+    (tmp_path / "c.jsonl").write_text(lines)
+    (tmp_path / "c.json").write_text(json.dumps([{"body": d} for d in docs]))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(((tmp_path / "c.txt").read_bytes())))
+    pq.write_table(pa.table({"body": docs, "n": list(range(200))}), tmp_path / "c.parquet", row_group_size=37)
+    (tmp_path / "parts").mkdir()                      # a folder of them: records in path order
+    pq.write_table(pa.table({"body": docs[:120]}), tmp_path / "parts" / "a.parquet")
+    (tmp_path / "parts" / "b.jsonl").write_text(lines.split("\n", 120)[120])
+    import datasets
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "arrow"))
+    ref = _bins(prepare.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "ref"), 32,
+                                        progress=False))
+    ref_padded = _bins(prepare.prepare_dataset(str(tmp_path / "c.txt"), "sp:" + sp_model, str(tmp_path / "refp"), 32,
+                                               wrap=False, progress=False))
+    for name in ["c.txt.gz", "c.jsonl", "c.json", "c.jsonl.gz", "c.parquet", "parts", "arrow"]:
+        field = "text" if name.startswith("c.txt") else "body"
+        out = prepare.prepare_dataset(str(tmp_path / name), "sp:" + sp_model, str(tmp_path / ("o_" + name)), 32,
+                                      progress=False, text_field=field)
+        assert _bins(out) == ref, name
+        if name in ("c.parquet", "c.jsonl.gz"):
+            out = prepare.prepare_dataset(str(tmp_path / name), "sp:" + sp_model, str(tmp_path / ("p_" + name)), 32,
+                                          wrap=False, progress=False, text_field=field)
+            assert _bins(out) == ref_padded, name
+    for name in ["c.jsonl", "c.parquet"]:           # the field is named, with the fields that exist
+        with pytest.raises(DataError, match=r"no text field 'text'; (its fields are|it has) .*body"):
+            list(prepare.load_corpus(str(tmp_path / name))[0])
+    (tmp_path / "c.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"c.csv: not a corpus format prepare.py reads; expected .txt, .jsonl"):
+        prepare.load_corpus(str(tmp_path / "c.csv"))
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_any_number_of_workers_writes_the_same_bytes(tmp_path, wrap):
+    (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 50) + "\n\n" for i in range(3000)))
+    outs = [prepare.prepare_dataset(str(tmp_path / "c.txt"), "gpt2", str(tmp_path / f"n{n}"), 32, wrap=wrap,
+                                    progress=False, num_proc=n) for n in (1, 2, 3)]
+    assert _bins(outs[0]) == _bins(outs[1]) == _bins(outs[2])
+    metas = [data.load_meta(o) for o in outs]
+    assert len({m["train_tokens"] for m in metas}) == 1 and metas[0]["train_documents"] + metas[0]["val_documents"] \
+        == 3000
+
+
+def test_start_up_checks_size_and_time_and_hashes_on_request(tmp_path, sp_model):
+    corpus = _small_corpus(tmp_path / "c.txt")
+    out = prepare.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "d"), 16, progress=False)
+    meta = data.load_meta(out)
+    assert set(meta["stat"]) == set(meta["sha256"])
+    path = os.path.join(out, "train.bin")
+    st = os.stat(path)
+    with open(path, "r+b") as f:                        # one flipped byte, size and modification time restored
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False) == out   # O(1): not read
+    with pytest.raises(DataError, match="does not match the sha256"):
+        prepare.prepare_dataset(corpus, "sp:" + sp_model, out, 16, progress=False, verify=True)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))                        # touched: hashed again
+    with pytest.raises(DataError, match="does not match the sha256"):
+        data.verify_prepared(out, data.load_meta(out))
+    good = prepare.prepare_dataset(corpus, "sp:" + sp_model, str(tmp_path / "e"), 16, progress=False)
+    import shutil
+    shutil.copytree(good, tmp_path / "copy")            # a copy gets new times: hashed once, then recorded
+    copy = str(tmp_path / "copy")
+    data.verify_prepared(copy, data.load_meta(copy))
+    assert data.load_meta(copy)["stat"]["train.bin"] == data.file_stat(os.path.join(copy, "train.bin"))
+
+
+def _fake_hub(root, field_rows):
+    """A folder shaped like the hub repositories of HF_CORPORA: each split's files where its glob points."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for name, src in prepare.HF_CORPORA.items():
+        for split, pattern in src.data_files.items():
+            path = root / src.repo / pattern.replace("chunk*", "chunk1").replace("*", "00000-of-00001")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rows = field_rows(name, split)
+            columns = {src.field: rows, "other": [len(r) for r in rows]}
+            if path.name.endswith(".parquet"):
+                pq.write_table(pa.table(columns), path)
+            elif importlib.util.find_spec("zstandard"):   # SlimPajama: JSON lines, zstd-compressed
+                import json
+                import zstandard
+                path.write_bytes(zstandard.ZstdCompressor().compress(
+                    "".join(json.dumps({src.field: r, "meta": {}}) + "\n" for r in rows).encode()))
+
+
+def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path, monkeypatch):
+    """The real datasets.load_dataset path, on a local folder shaped like each source (SDDLM_HF_MIRROR)."""
+    datasets = pytest.importorskip("datasets")
+    try:
+        import zstandard  # noqa: F401
+        names = list(prepare.HF_CORPORA)
+    except ImportError:
+        names = [n for n in prepare.HF_CORPORA if not prepare.HF_CORPORA[n].streaming]
+    rows = lambda name, split: [f"{name} {split} {i} : it 's @-@ ( x ) N"
+                                for i in range(100_003 if name == "openwebtext" else 6)]   # OWT holds out 100k
+    _fake_hub(tmp_path / "hub", lambda name, split: rows(name, split) if name in names else [])
+    monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))   # not the user's cache
+    calls, real = [], datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: calls.append((path, kw)) or real(path, **kw))
+    for name in names:
+        src = prepare.HF_CORPORA[name]
+        train, val = prepare.load_corpus(name)
+        detok = src.detokenizer or (lambda s: s)
+        if name == "openwebtext":                      # Duo's train[:-100000] / train[-100000:]
+            assert list(train) == rows(name, "train")[:3] and list(val) == rows(name, "train")[3:]
+            continue
+        held_out = next(s for s in src.data_files if s != "train")
+        assert list(val) == [detok(r) for r in rows(name, held_out)], name    # Duo's split, field, detokenizer
+        assert list(train) == ([] if src.train is None else [detok(r) for r in rows(name, "train")]), name
+    for path, kw in calls:                             # data files named, never a loading script
+        assert "trust_remote_code" not in kw and not str(path).endswith(".py")
+        assert all(p.endswith((".parquet", ".jsonl.zst")) for p in kw["data_files"].values())
+    assert not [p for p in (tmp_path / "hub").rglob("*.py")]
+    assert all(len(s.revision) == 40 or s.revision in ("main", "refs/convert/parquet")
+               for s in prepare.HF_CORPORA.values())
+    out = prepare.prepare_dataset("ptb", "gpt2", str(tmp_path / "ptb"), 8, progress=False)
+    assert data.load_meta(out)["source"]["repo"] == "ptb-text-only/ptb_text_only"
+
+
+def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    repo = tmp_path / "hub" / "someone" / "corpus" / "data"
+    repo.mkdir(parents=True)
+    pq.write_table(pa.table({"body": [f"train doc {i}" for i in range(20)]}), repo / "train-00000-of-00001.parquet")
+    monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    train, val = prepare.load_corpus("hf:someone/corpus", val_fraction=0.1, text_field="body")
+    assert list(train) == [f"train doc {i}" for i in range(18)] and list(val) == ["train doc 18", "train doc 19"]
+    with pytest.raises(DataError, match=r"has no text field 'text'; its fields are body \(--text_field\)"):
+        prepare.load_corpus("hf:someone/corpus")
+    with pytest.raises(DataError, match="expected hf:OWNER/NAME"):
+        prepare.load_corpus("hf:corpus")
+    pq.write_table(pa.table({"body": ["held out"] * 3}), repo / "test-00000-of-00001.parquet")
+    assert list(prepare.load_corpus("hf:someone/corpus", text_field="body")[1]) == ["held out"] * 3
+    assert prepare.prepared_dir("hf:someone/corpus", "gpt2", 16, text_field="body").startswith(
+        os.path.join("data", "corpus-gpt2-16-"))
+
+
+@pytest.mark.slow
+def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_path):
+    import signal
+    import time
+    (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 90) + "\n\n" for i in range(60000)))
+    args = [sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", str(tmp_path / "c.txt"), "--tokenizer",
+            "gpt2", "--block_size", "64", "--num_proc", "2", "--data_dir", str(tmp_path / "d")]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith("d.tmp-") and any(p.iterdir())
+                                             for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(children) == 2 and not (tmp_path / "d").exists()       # killed while writing: no folder
+    time.sleep(1)
+    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                   for pid in children)                                  # its workers went with it
+    assert subprocess.run(args, cwd=tmp_path, capture_output=True).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "d"]   # the stale temp folder removed
+    single = prepare.prepare_dataset(str(tmp_path / "c.txt"), "gpt2", str(tmp_path / "single"), 64, progress=False,
+                                     num_proc=1)
+    assert _bins(str(tmp_path / "d")) == _bins(single)

@@ -219,7 +219,8 @@ def test_zero_shot_blocks_join_documents_without_eos_and_frame_each_block():
 def setup(tmp_path_factory):
     """A prepared corpus, a diffusion checkpoint and an AR judge checkpoint on its tokenizer (train.py's format)."""
     from pydoc_data.topics import topics
-    from data import load_meta, prepare_dataset
+    from data import load_meta
+    from prepare import prepare_dataset
     tmp = tmp_path_factory.mktemp("eval")
     text = tmp / "corpus.txt"
     text.write_text("\n\n".join(topics[k] for k in sorted(topics)[:20]))

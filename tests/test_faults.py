@@ -21,6 +21,7 @@ import torch
 import cli
 from plumbing import files
 import data
+import prepare
 import train
 from test_train import TINY, _corpus
 
@@ -207,7 +208,7 @@ def test_bad_flags_fail_at_start_and_create_nothing(base, tmp_path):
         flags.append((["--device", "cuda"], "no CUDA device is available"))
     cases = [case("train.py", *base.train, "--out_dir", out, *args, cwd=tmp_path, expect=words)
              for args, words in flags]
-    cases += [case("data.py", "--dataset", base.corpus, "--block", "16", cwd=tmp_path, expect="unrecognized"),
+    cases += [case("prepare.py", "--dataset", base.corpus, "--block", "16", cwd=tmp_path, expect="unrecognized"),
               case("sample.py", "--ckpt", base.ckpt, "--num_sample", "2", cwd=tmp_path, expect="unrecognized"),
               *[case("eval_ppl.py", "--ckpt", base.ckpt, "--t_min", t_min, cwd=tmp_path,
                      expect="--t_min must be in (0, 1)") for t_min in ("0", "2")],
@@ -283,7 +284,7 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
     edited = t / "edited.txt"
     shutil.copy(base.corpus, edited)
     prepared = t / "prepared"
-    data.prepare_dataset(str(edited), "sp:" + data.load_meta(base.data_dir)["tokenizer"][3:], str(prepared), 32,
+    prepare.prepare_dataset(str(edited), "sp:" + data.load_meta(base.data_dir)["tokenizer"][3:], str(prepared), 32,
                          progress=False)
     with open(edited, "a") as f:
         f.write("\nan edit after preparation.\n")
@@ -300,11 +301,11 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
              cwd=t / "w1", expect="bad.model is not a SentencePiece model"),
         case("train.py", *tr, "--dataset", t / "latin1.txt", "--out_dir", t / "o3", cwd=t / "w2",
              expect="latin1.txt: not UTF-8 text (byte 0xe7 at offset 18)"),
-        case("data.py", "--dataset", t / "binary.txt", cwd=t / "w3", expect="binary.txt: a binary file, not text (NUL "
+        case("prepare.py", "--dataset", t / "binary.txt", cwd=t / "w3", expect="binary.txt: a binary file, not text (NUL "
              "byte at offset 0)"),
-        case("data.py", "--dataset", base.corpus, "--tokenizer", "sp_train:320", "--block_size", "100000",
+        case("prepare.py", "--dataset", base.corpus, "--tokenizer", "sp_train:320", "--block_size", "100000",
              cwd=t / "w4", expect="gives no sequence of block_size 100000"),
-        case("data.py", "--dataset", edited, "--tokenizer", "sp:" + data.load_meta(base.data_dir)["tokenizer"][3:],
+        case("prepare.py", "--dataset", edited, "--tokenizer", "sp:" + data.load_meta(base.data_dir)["tokenizer"][3:],
              "--block_size", "32", "--data_dir", prepared, cwd=t / "w5", expect="different corpus content"),
         case("sample.py", "--ckpt", base.ckpt, "--out", t / "folder", "--steps", "100000", cwd=t,
              expect="--out " + str(t / "folder") + " is a folder"),
@@ -334,18 +335,18 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
 
 @pytest.mark.slow
 def test_two_preparations_at_once_make_one_correct_folder(base, tmp_path):
-    """Two data.py runs on the same new dataset, started while a third party holds the folder's lock, so they
+    """Two prepare.py runs on the same new dataset, started while a third party holds the folder's lock, so they
     certainly overlap: both succeed, one folder, its checksums verify, tokens equal a single preparation."""
     import fcntl
     corpus = tmp_path / "new.txt"
     shutil.copy(base.corpus, corpus)
     args = ["--dataset", str(corpus), "--tokenizer", "sp_train:320", "--block_size", "32"]
-    folder = data.prepared_dir(str(corpus), "sp_train:320", 32)
+    folder = prepare.prepared_dir(str(corpus), "sp_train:320", 32)
     (tmp_path / "data").mkdir()
     held = os.open(tmp_path / (folder + ".lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
     errs = [tmp_path / f"err{i}" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "data.py"), *args], cwd=tmp_path, env=ENV,
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "prepare.py"), *args], cwd=tmp_path, env=ENV,
                               stdout=subprocess.DEVNULL, stderr=open(err, "w")) for err in errs]
     deadline = time.time() + 120
     while time.time() < deadline and not all("waiting for another process" in err.read_text() for err in errs):
@@ -356,7 +357,7 @@ def test_two_preparations_at_once_make_one_correct_folder(base, tmp_path):
     out = tmp_path / folder
     meta = data.load_meta(str(out))
     data.verify_prepared(str(out), meta)
-    single = data.prepare_dataset(str(corpus), "sp_train:320", str(tmp_path / "single"), 32, progress=False)
+    single = prepare.prepare_dataset(str(corpus), "sp_train:320", str(tmp_path / "single"), 32, progress=False)
     single_meta = data.load_meta(single)
     for k in ("train_tokens", "train_sequences", "val_tokens", "val_sequences", "sha256"):
         assert meta[k] == single_meta[k], k

@@ -1,0 +1,887 @@
+"""
+Prepare a corpus for sddlm once: documents -> token memmaps that training reads (layout: data.py).
+
+    python prepare.py --dataset openwebtext --tokenizer gpt2 --block_size 1024     # then torchrun ... train.py
+    python prepare.py --dataset pydoc --tokenizer sp_train:2048 --block_size 128   # built in, offline
+    python prepare.py --dataset my_corpus.jsonl --text_field body --tokenizer gpt2 --num_proc 16
+
+train.py runs the same preparation itself when the folder is missing; running it beforehand (once, with every
+core of the node) keeps it out of a multi-GPU job. Where prepared data lives (prepared_dir):
+    data/<dataset name>-<tokenizer>-<block_size>[-padded]-<key>     unless --data_dir names another folder
+where <key> is a digest of everything that determines the tokens (data_key): the corpus content, the tokenizer
+content, L, wrap, EOS insertion, the validation share. An edited corpus gets a new folder, never stale tokens.
+
+Corpora (load_corpus): "pydoc" (Python's help topics); a local file or folder (LOCAL_FORMATS); a name in
+HF_CORPORA (Duo's corpora, from parquet repositories pinned by revision); or "hf:REPO[:CONFIG][@REVISION]",
+any parquet dataset on the Hugging Face hub (its train split and its validation or test split, or the last
+--val_fraction of train). SDDLM_HF_MIRROR=/folder reads REPO from /folder/REPO (a downloaded snapshot) instead.
+
+Documents are read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB and written in
+order, so the bytes written do not depend on --num_proc and memory does not grow with the corpus. The folder
+is built in a temp folder beside it and renamed into place when complete, under an exclusive lock: concurrent
+preparations wait for one another, a reader sees no folder or a finished one, and a killed preparation leaves
+only a temp folder that the next run deletes. Every file is hashed once after writing (data.verify_prepared).
+"""
+
+import collections
+import errno
+import gzip
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
+                  train_sentencepiece, verify_prepared, wrap_blocks)
+
+# -----------------------------------------------------------------------------
+# Detokenizers (Duo applies them to raw text before tokenizing). Rules: (regex, replacement), in order.
+
+
+def _apply(rules, text):
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+_WT_RULES = [
+    (r"s ' ", "s' "),
+    *[(rf" @{re.escape(c)}@ ", c) for c in "-,."],               # "1 @,@ 000" -> "1,000"
+    *[(rf" {re.escape(p)} ", f"{p} ") for p in ":;.!?,"],         # one pass per mark, as Duo does
+    *[(rf"{re.escape(a)}\s*([^{re.escape(b)}]*?)\s*{re.escape(b)}", rf"{a}\1{b}")
+      for a, b in ["()", "[]", "{}", '""', "''"]],                # "( x )" -> "(x)"
+    (r"= = = =", "===="), (r"= = =", "==="), (r"= =", "=="),     # "= = Heading = =" -> "== Heading =="
+    (" \u00b0 ", "\u00b0"), (r" \n", "\n"), (r"\n ", "\n"),
+    (r" N ", " 1 "), (r" 's", "'s"),
+]
+_PTB_RULES = [(r" 's", "'s"), (r"s ' ", "s' "), (r" n't", "n't"), (r" \n ", "\n"), (r"\\/", "/"),
+              (r" N(?= )", " 1"),                                 # every " N " (also in runs "N N N") -> " 1 "
+              (r"\$ 1", "$1"), (r"# 1", "#1"), (r"<unk>", "?")]
+_LM1B_RULES = [
+    (r"http : / / ", "http://"), (r"https : / / ", "https://"),
+    (r" '(\w+)", r"'\1"), (r" (\w+) \. ", r" \1. "), (r" (\w+) \.$", r" \1."),
+    (r" \? ", "? "), (r" \?$", "?"), (r" ! ", "! "), (r" !$", "!"),
+    (r" , ", ", "), (r" : ", ": "), (r" ; ", "; "), (r" / ", "/"),
+    (r'" ([^"]+) "', r'"\1"'), (r"' ([^']+) '", r"'\1'"),
+    (r"\( ([^()]+) \)", r"(\1)"), (r"\[ ([^\[\]]+) \]", r"[\1]"),
+    (r"\$ ", "$"), ("\u00a3 ", "\u00a3"),
+]
+
+
+def wt_detokenizer(text):
+    return _apply(_WT_RULES, text)
+
+
+def ptb_detokenizer(text):
+    return _apply(_PTB_RULES, text)
+
+
+def lm1b_detokenizer(text):
+    return _apply(_LM1B_RULES, text)
+
+
+def lambada_detokenizer(text):
+    return "\n" + text.replace("\u201c", '"').replace("\u201d", '"').strip()
+
+
+def scientific_papers_detokenizer(text):
+    return lm1b_detokenizer(wt_detokenizer(text))
+
+
+# -----------------------------------------------------------------------------
+# Named corpora: Duo's splits, fields and detokenizers, read from parquet files (no loading script, which
+# `datasets` >= 4 refuses). README, "Corpora", says how each repository and revision was checked.
+
+@dataclass(frozen=True)
+class HFSource:
+    repo: str                 # hub dataset repository
+    revision: str             # a commit where known, else the branch holding the parquet files
+    data_files: dict          # split name -> glob of its files inside the repository
+    train: str | None         # Duo's train split expression (None: an evaluation-only set)
+    val: str
+    field: str                # the text column
+    detokenizer: Callable | None = None
+    streaming: bool = False   # read without a local Arrow copy (SlimPajama's 627B tokens)
+
+
+HF_CORPORA = {
+    "openwebtext": HFSource("Skylion007/openwebtext", "79d93d786212f7344586290adb811d4ae6a1762c",
+                            {"train": "plain_text/train-*.parquet"}, "train[:-100000]", "train[-100000:]", "text"),
+    "lm1b": HFSource("billion-word-benchmark/lm1b", "refs/convert/parquet",
+                     {"train": "plain_text/train/*.parquet", "test": "plain_text/test/*.parquet"}, "train", "test",
+                     "text", lm1b_detokenizer),
+    "wikitext2": HFSource("Salesforce/wikitext", "b08601e04326c79dfdd32d625aee71d232d685c3",
+                          {"train": "wikitext-2-raw-v1/train-*.parquet",
+                           "validation": "wikitext-2-raw-v1/validation-*.parquet"}, "train", "validation", "text",
+                          wt_detokenizer),
+    "wikitext103": HFSource("Salesforce/wikitext", "b08601e04326c79dfdd32d625aee71d232d685c3",
+                            {"train": "wikitext-103-raw-v1/train-*.parquet",
+                             "validation": "wikitext-103-raw-v1/validation-*.parquet"}, "train", "validation", "text",
+                            wt_detokenizer),
+    "ptb": HFSource("ptb-text-only/ptb_text_only", "6003d540889b95fc8c8403a3f04619f3b943fc8d",
+                    {"train": "penn_treebank/train/*.parquet", "validation": "penn_treebank/validation/*.parquet"},
+                    "train", "validation", "sentence", ptb_detokenizer),
+    "lambada": HFSource("EleutherAI/lambada_openai", "761609c75432cf25d076cd41b8182b7f3ceaae6e",
+                        {"test": "default/test/*.parquet"},
+                        None, "test", "text", lambada_detokenizer),
+    "ag_news": HFSource("fancyzhx/ag_news", "main",
+                        {"train": "data/train-*.parquet", "test": "data/test-*.parquet"}, "train", "test", "text"),
+    "arxiv": HFSource("ccdv/arxiv-summarization", "240aaf1a969b3f8cd0ade6986bfad0cd730ee288",
+                      {"train": "document/train-*.parquet", "validation": "document/validation-*.parquet"},
+                      "train", "validation", "article", scientific_papers_detokenizer),
+    "pubmed": HFSource("ccdv/pubmed-summarization", "6b30a2cae59b11ed77cb19959bffccbbd18e1106",
+                       {"train": "document/train-*.parquet", "validation": "document/validation-*.parquet"},
+                       "train", "validation", "article", scientific_papers_detokenizer),
+    "slimpajama": HFSource("cerebras/SlimPajama-627B", "main",
+                           {"train": "train/chunk*/*.jsonl.zst", "validation": "validation/chunk*/*.jsonl.zst"},
+                           "train", "validation", "text", streaming=True),
+}
+OFFLINE = ("offline: a local corpus (LOCAL_FORMATS in prepare.py), or SDDLM_HF_MIRROR=/folder holding the "
+           "repository's files as on the hub")
+
+
+class Docs:
+    """The documents of one split, read lazily (the corpus itself stays on disk): iterating gives them as
+    training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply."""
+
+    def __init__(self, raw, detokenizer=None, nbytes=None, length=None):
+        self.raw, self.detokenizer, self.nbytes, self.length = raw, detokenizer, nbytes, length  # raw: () -> iter
+
+    def __len__(self):
+        if self.length is None:
+            raise TypeError("a streamed split has no length")
+        return self.length
+
+    def __iter__(self):
+        return map(self.detokenizer, self.raw()) if self.detokenizer else self.raw()
+
+
+def _hf_texts(ds, field, name):
+    """Docs over a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
+    columns = ds.column_names or (list(ds.features) if ds.features else None)
+    if columns is None:                      # a streaming json split: columns are known from the first row
+        columns = list(next(iter(ds), {}))
+    if field not in columns:
+        raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
+
+    def raw():
+        for batch in ds.iter(batch_size=1000):
+            yield from batch[field]
+    return raw
+
+
+def _load_dataset(what, path, **kwargs):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"dataset {what!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
+    try:
+        return datasets.load_dataset(path, **kwargs)
+    except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first}); {OFFLINE}") from None
+
+
+def _hub_path(repo, revision):
+    """-> (path for load_dataset, its revision kwargs): the hub, or the local mirror named by SDDLM_HF_MIRROR."""
+    mirror = os.environ.get("SDDLM_HF_MIRROR")
+    if mirror:
+        return os.path.join(mirror, repo), {}
+    return repo, dict(revision=revision)
+
+
+def load_hf_split(name, which, text_field=None, val_fraction=0.05):
+    """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers) or of
+    "hf:REPO[:CONFIG][@REVISION]"; [] where the set has no such split. Needs `datasets` (and the network, its
+    cache, or SDDLM_HF_MIRROR)."""
+    if name.startswith("hf:"):
+        return _load_hub_split(name, which, text_field or "text", val_fraction)
+    src = HF_CORPORA[name]
+    split = src.train if which == "train" else src.val
+    if split is None:
+        return []
+    path, rev = _hub_path(src.repo, src.revision)
+    ds = _load_dataset(name, path, data_files=src.data_files, split=split, streaming=src.streaming, **rev)
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds))
+
+
+def _parse_hub_name(name):
+    """ "hf:REPO[:CONFIG][@REVISION]" -> (repo, config or None, revision)."""
+    spec, _, revision = name[3:].partition("@")
+    repo, _, config = spec.partition(":")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise DataError(f"--dataset {name!r}: expected hf:OWNER/NAME[:CONFIG][@REVISION], e.g. hf:Salesforce/wikitext:"
+                        f"wikitext-2-raw-v1")
+    return repo, config or None, revision or "main"
+
+
+def _load_hub_split(name, which, text_field, val_fraction):
+    """A hub dataset's train split and its validation (or test) split; without either, the last val_fraction
+    of train's rows is held out."""
+    repo, config, revision = _parse_hub_name(name)
+    path, rev = _hub_path(repo, revision)
+    splits = _load_dataset(name, path, name=config, **rev)
+    if "train" not in splits:
+        raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
+    held_out = next((s for s in ("validation", "test") if s in splits), None)
+    if held_out:
+        ds = splits["train" if which == "train" else held_out]
+    else:
+        n = len(splits["train"])
+        cut = n - max(1, round(val_fraction * n))
+        ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
+    return Docs(_hf_texts(ds, text_field, name), length=len(ds))
+
+
+# -----------------------------------------------------------------------------
+# Local corpora
+
+LOCAL_FORMATS = ".txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, an Arrow save_to_disk folder, or a folder of these"
+_TEXT = (".txt", ".txt.gz")
+_RECORDS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
+
+
+def _is_arrow_folder(path):
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("state.json", "dataset_dict.json"))
+
+
+def _walk(folder):
+    return (os.path.join(root, f) for root, _, files in os.walk(folder) for f in files)
+
+
+def _folder_files(folder):
+    """The corpus files of a folder, sorted by path (the order of its documents)."""
+    return sorted(p for p in _walk(folder) if p.endswith(_TEXT + _RECORDS))
+
+
+def _open_binary(path):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+_SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
+_TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
+
+
+def _text_blocks(path, block=1 << 20):
+    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
+    normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
+    naming the file and the byte offset (of the uncompressed bytes for .gz)."""
+    with _open_binary(path) as f:
+        pending, offset = b"", 0
+        while True:
+            raw = f.read(block)
+            pending += raw
+            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
+            if raw and not cut:
+                continue
+            piece, pending = pending[:cut], pending[cut:]
+            nul = piece.find(b"\0")
+            try:
+                text = piece.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if nul < 0 or nul > e.start:
+                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
+                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+            if nul >= 0:
+                raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
+            yield text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+            offset += len(piece)
+            if not raw:
+                return
+
+
+def _paragraphs(path, block=1 << 20):
+    """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
+    of newlines and the empty ones dropped, read a block at a time: a block is split up to the end of its last
+    separator that more text cannot extend (one followed by a non-space on its line); the rest waits."""
+    carry = ""
+    for text in _text_blocks(path, block):
+        text = carry + text
+        end = _last_break(text)
+        yield from _split_paragraphs(text[:end])
+        carry = text[end:]
+    yield from _split_paragraphs(carry)
+
+
+def _split_paragraphs(text):
+    return [doc for doc in (d.strip("\n") for d in _SEPARATOR.split(text)) if doc.strip()]
+
+
+def _last_break(text):
+    """The end of the last separator in text followed by a non-space on its line (0: none). The end of a greedy
+    match does not depend on where the search started, so the text's last 64 KiB is searched first."""
+    for start in (max(0, len(text) - (1 << 16)), 0):
+        end = 0
+        for m in _SEPARATOR.finditer(text, start):
+            if _TEXT_AFTER.match(text, m.end()):
+                end = m.end()
+        if end or start == 0:
+            return end
+
+
+def _read_whole(path):
+    return "".join(_text_blocks(path))
+
+
+def _records(path, field):
+    """The `field` of each record of a .jsonl/.json(.gz) or .parquet file, in order."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs the pyarrow package (pip install pyarrow)") from None
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise DataError(f"{path}: not a parquet file ({type(e).__name__})") from None
+        if field not in pf.schema_arrow.names:
+            raise DataError(f"{path} has no text field {field!r}; its fields are {', '.join(pf.schema_arrow.names)} "
+                            f"(--text_field)")
+        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+            yield from batch.column(0).to_pylist()
+        return
+    with _open_binary(path) as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"["):            # a JSON array of records: read whole (JSON lines stream)
+        rows = json.loads(_read_whole(path))
+        lines = ((n, row) for n, row in enumerate(rows, 1))
+    else:
+        lines = ((n, line) for n, line in enumerate((ln for b in _text_blocks(path) for ln in b.split("\n")), 1)
+                 if line.strip())
+    for n, row in lines:
+        if isinstance(row, str):
+            try:
+                row = json.loads(row)
+            except ValueError as e:
+                raise DataError(f"{path} line {n}: not JSON ({e})") from None
+        if not isinstance(row, dict) or field not in row:
+            fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise DataError(f"{path} record {n} has no text field {field!r}; it has {fields} (--text_field)")
+        yield row[field]
+
+
+def _file_docs(path, field, in_folder):
+    """The documents of one local file: a .txt alone is split into paragraphs, a .txt in a folder is one
+    document; records give one document each."""
+    if path.endswith(_TEXT):
+        if not in_folder:
+            return _paragraphs(path)
+        text = _read_whole(path)
+        return iter([text] if text.strip() else [])
+    return (d for d in _records(path, field) if isinstance(d, str) and d.strip())
+
+
+def _arrow_docs(folder, field):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{folder} is an Arrow save_to_disk folder: reading it needs the datasets package") from None
+    ds = datasets.load_from_disk(folder)
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{folder} holds the splits {', '.join(ds)}, no train split")
+        ds = datasets.concatenate_datasets([ds[s] for s in ("train", "validation", "test") if s in ds])
+    raw = _hf_texts(ds, field, folder)
+    return (d for d in raw() if isinstance(d, str) and d.strip())
+
+
+def _local_docs(name, field):
+    """-> () -> iterator of the documents of a local corpus, in order."""
+    if _is_arrow_folder(name):
+        return lambda: _arrow_docs(name, field)
+    if os.path.isdir(name):
+        files = _folder_files(name)
+        if not files:
+            raise DataError(f"corpus {name} is empty: it holds no {LOCAL_FORMATS}")
+        return lambda: (d for p in files for d in _file_docs(p, field, True))
+    if name.endswith(_TEXT + _RECORDS):
+        return lambda: _file_docs(name, field, False)
+    raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
+
+
+def _tail_split(docs, val_fraction, name):
+    """One pass over the documents -> (their number n, cut), where the val split is documents [cut:], the
+    trailing ones holding ~val_fraction of the characters (at least one, and at least one left for train).
+    Memory: the lengths of the trailing documents only, since a document that the tail no longer needs is never
+    needed again (the total, and so the tail wanted, only grows by what follows it)."""
+    tail, tail_chars, total, n = collections.deque(), 0, 0, 0
+    for doc in docs:
+        n, total = n + 1, total + len(doc)
+        tail.append(len(doc))
+        tail_chars += len(doc)
+        while len(tail) > 1 and tail_chars - tail[0] >= val_fraction * total:
+            tail_chars -= tail.popleft()
+    if n == 0:
+        raise DataError(f"corpus {name} is empty")
+    if n < 2:
+        raise DataError(f"corpus {name} has {n} document(s); need at least 2 for a train/val split")
+    k = min(len(tail), n - 1) if tail_chars >= val_fraction * total else n - 1
+    return n, n - k
+
+
+def load_corpus(name, val_fraction=0.05, text_field="text"):
+    """-> (train Docs, val Docs). name: "pydoc" (built-in: Python's help topics), a local corpus (LOCAL_FORMATS:
+    a lone .txt is split into paragraphs on blank lines, a .txt in a folder is one document, records are one
+    document each, in path order; the val split is the trailing documents holding ~val_fraction of the
+    characters), a name in HF_CORPORA, or "hf:REPO[:CONFIG][@REVISION]". A local corpus is read once here (its
+    text checked, its split found) and again, streaming, when the Docs are iterated."""
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        docs = [topics[k] for k in sorted(topics)]
+        n, cut = _tail_split(docs, val_fraction, name)
+        return Docs(lambda: iter(docs[:cut]), length=cut), Docs(lambda: iter(docs[cut:]), length=n - cut)
+    if name in HF_CORPORA or name.startswith("hf:"):
+        return (load_hf_split(name, "train", text_field, val_fraction),
+                load_hf_split(name, "val", text_field, val_fraction))
+    if not os.path.exists(name):
+        if name.endswith(_TEXT + _RECORDS) or os.sep in name:
+            raise DataError(f"no such file or folder: {name}")
+        raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
+                        f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
+    docs = _local_docs(name, text_field)
+    n, cut = _tail_split(docs(), val_fraction, name)
+    paths = [name] if os.path.isfile(name) else list(_walk(name))
+    plain = not any(p.endswith((".gz", ".parquet", ".arrow")) for p in paths)   # else file bytes are not text bytes
+    nbytes = sum(map(os.path.getsize, paths)) if plain else None
+    share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut)
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut)
+    return train, val
+
+
+# -----------------------------------------------------------------------------
+# Content keys: what identifies prepared data
+
+PREP_VERSION = 2   # bump when preparation changes the tokens it writes
+
+
+def corpus_fingerprint(name, text_field="text"):
+    """sha256 of what load_corpus reads: a file's bytes; a folder's corpus files (relative paths and bytes);
+    pydoc's topics. For a Hugging Face source, its repository, revision, files, splits, field and detokenizer
+    (the hub's content is not hashed: the revision pins it)."""
+    h = hashlib.sha256()
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        h.update(json.dumps(topics, sort_keys=True).encode())
+    elif name in HF_CORPORA:
+        s = HF_CORPORA[name]
+        h.update(f"hf:{s.repo}@{s.revision}:{sorted(s.data_files.items())}:{s.train}:{s.val}:{s.field}:"
+                 f"{s.detokenizer and s.detokenizer.__name__}".encode())
+    elif name.startswith("hf:"):
+        repo, config, revision = _parse_hub_name(name)
+        h.update(f"hf:{repo}:{config}@{revision}:{text_field}".encode())
+    elif os.path.isdir(name):
+        files = sorted(_walk(name)) if _is_arrow_folder(name) else _folder_files(name)
+        for path in files:
+            h.update(f"{os.path.relpath(path, name)}\0{file_sha256(path)}\0".encode())
+    elif os.path.isfile(name):
+        return file_sha256(name)
+    else:
+        load_corpus(name)   # raises its DataError for a missing file or an unknown name
+    return h.hexdigest()
+
+
+def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05, text_field="text"):
+    """Everything that determines the prepared tokens, as a dict (stored in meta.json; its digest names the
+    default folder). The tokenizer enters by content; sp_train:N is trained on the corpus, which is in the key."""
+    if tokenizer_spec.startswith("sp_train:"):
+        if not tokenizer_spec.removeprefix("sp_train:").isdigit():
+            raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
+        tokenizer = tokenizer_spec
+    else:
+        tokenizer = get_tokenizer(tokenizer_spec).fingerprint
+    key = dict(version=PREP_VERSION, corpus=corpus_fingerprint(dataset, text_field), tokenizer=tokenizer,
+               block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
+    if text_field != "text":     # only then: keys of data prepared before --text_field existed stay the same
+        key["text_field"] = text_field
+    return key
+
+
+def _digest(key):
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05,
+                 text_field="text"):
+    """The default folder of a prepared dataset: data/<dataset name>-<tokenizer>-<L>[-padded]-<digest of data_key>.
+    Reads the corpus and the tokenizer (to fingerprint them); a missing one -> DataError."""
+    key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)
+    name = os.path.basename(os.path.normpath(dataset.split("@")[0] if dataset.startswith("hf:") else dataset))
+    for suffix in (".gz", ".txt", ".jsonl", ".json", ".parquet"):
+        name = name.removesuffix(suffix)
+    name = name.replace(":", "-")
+    tok = tokenizer_spec.replace(":", "").replace("/", "_")
+    if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
+        tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
+    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded") + f"-{_digest(key)}")
+
+
+def _check_reusable(data_dir, key, verify=False):
+    """A finished folder -> data_dir when it was prepared from the same data_key and its files verify."""
+    old = load_meta(data_dir)
+    if old.get("data_key") is None:
+        raise DataError(f"{data_dir} was prepared by an older version of data.py (no data_key in meta.json); "
+                        f"delete it or use another --data_dir")
+    short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
+    names = dict(corpus="corpus content", tokenizer="tokenizer content")
+    old_key = {"text_field": "text", **old["data_key"]}
+    diff = [f"{names[k]} ({short(old_key.get(k))}, now {short(v)})" if k in names else
+            f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in {"text_field": "text", **key}.items()
+            if old_key.get(k) != v]
+    if diff:
+        raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; use another --data_dir or "
+                        f"delete it")
+    verify_prepared(data_dir, old, full=verify)
+    return data_dir
+
+
+# -----------------------------------------------------------------------------
+# Tokenizing: worker processes encode chunks of documents; the main process writes their results in order
+
+_WORKER = {}    # the tokenizer of this worker process (set once by _init_worker)
+
+
+def _init_worker(tokenizer_spec):
+    if sys.platform.startswith("linux"):    # a killed preparation takes its workers with it (PR_SET_PDEATHSIG)
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+    _WORKER["tok"] = get_tokenizer(tokenizer_spec, threads=1)
+
+
+def _encode_chunk(texts, detokenizer, wrap, insert_eos, block_size, dtype):
+    """Documents -> dict(rows or stream, mask, counts): the work of one chunk, the same in any process.
+    wrap: the chunk's token stream (each document's ids + EOS); else its rows [BOS] + ids[:L-2] + [EOS] + PAD."""
+    tok = _WORKER["tok"]
+    if detokenizer is not None:
+        texts = [detokenizer(t) for t in texts]
+    ids = tok.encode_batch(texts)
+    out = dict(documents=len(texts), tokens=sum(map(len, ids)), bytes=sum(len(t.encode()) for t in texts))
+    if wrap:
+        eos = [tok.eos_id] if insert_eos else []
+        out["stream"] = np.fromiter(itertools.chain.from_iterable(x + eos for x in ids), dtype,
+                                    count=out["tokens"] + len(eos) * len(ids))
+        return out
+    L = block_size
+    rows, mask = np.full((len(ids), L), tok.pad_id, dtype), np.zeros((len(ids), L), np.uint8)
+    for r, x in enumerate(ids):
+        seq = [tok.bos_id, *x[:L - 2], tok.eos_id]  # truncation keeps the closing EOS
+        rows[r, :len(seq)], mask[r, :len(seq)] = seq, 1
+    out.update(rows=rows, mask=mask, dropped_tokens=sum(max(0, len(x) - (L - 2)) for x in ids))
+    return out
+
+
+def _chunks(texts, max_chars=1 << 20, max_docs=1024):
+    """Consecutive documents in lists of ~1 MB (or 1024 documents): a worker's unit of work."""
+    chunk, chars = [], 0
+    for t in texts:
+        chunk.append(t)
+        chars += len(t)
+        if chars >= max_chars or len(chunk) >= max_docs:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _in_order(pool, chunks, job, window):
+    """Results of _encode_chunk over `chunks`, in their order, with at most `window` chunks in flight (memory
+    stays bounded however fast the corpus reads)."""
+    if pool is None:
+        yield from (_encode_chunk(c, *job) for c in chunks)
+        return
+    pending = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.submit(_encode_chunk, chunk, *job))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _start_method():
+    """fork on Linux: the workers start at once with the tokenizer already loaded. They run only the tokenizer
+    (no torch, CUDA or NCCL), so the threads a torchrun rank 0 holds do not matter to them. spawn elsewhere."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def default_num_proc():
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress, pool=None, num_proc=1):
+    """Tokenize docs and stream rows of length L = block_size to out_dir/{split}.bin (and {split}_mask.bin when
+    un-wrapped) -> (counts, {file name: sha256}). out_dir is the private temp folder of one preparation, so the
+    files are written in place."""
+    L = block_size
+    names = [f"{split}.bin"] + ([] if wrap else [f"{split}_mask.bin"])
+    digests = {name: hashlib.sha256() for name in names}
+    counts = dict(documents=0, tokens=0, sequences=0, dropped_tokens=0)  # tokens: of the text, without specials
+    carry = np.zeros(0, dtype=dtype)  # wrapped: stream tokens not yet in a full block
+    raw = docs.raw() if isinstance(docs, Docs) else iter(docs)
+    detok = docs.detokenizer if isinstance(docs, Docs) else None
+    total = docs.nbytes if isinstance(docs, Docs) else None
+    bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, disable=not progress or bool(total and
+               total < 1 << 20), dynamic_ncols=True)
+    files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
+
+    def write(name, array):
+        data = array.tobytes()
+        files[name].write(data)
+        digests[name].update(data)
+    try:
+        job = (detok, wrap, insert_eos, block_size, np.dtype(dtype).name)
+        for out in _in_order(pool, _chunks(raw), job, window=2 * num_proc):
+            if wrap:
+                rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), L, tok.bos_id, tok.eos_id)
+            else:
+                rows = out["rows"]
+                write(f"{split}_mask.bin", out["mask"])
+                counts["dropped_tokens"] += out["dropped_tokens"]
+            write(f"{split}.bin", rows)
+            counts["documents"] += out["documents"]
+            counts["tokens"] += out["tokens"]
+            counts["sequences"] += len(rows)
+            bar.update(out["bytes"])
+            bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"], refresh=False)
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
+    bar.close()
+    counts["dropped_tokens"] += len(carry)  # wrapped: the final remainder (Duo drops one per 1000-document batch)
+    if counts["sequences"] == 0 and counts["documents"] > 0:
+        raise DataError(f"the {split} split gives no sequence of block_size {block_size}; use a smaller one")
+    return counts, {name: d.hexdigest() for name, d in digests.items()}
+
+
+# -----------------------------------------------------------------------------
+# Preparation: one folder, built aside and renamed into place under a lock
+
+@contextmanager
+def _exclusive(lock_path, what):
+    """Hold an exclusive lock on lock_path (a file beside the folder, removed afterwards). It spares a second
+    process the same work; correctness does not rest on it (the folder appears by an atomic rename)."""
+    try:
+        import fcntl
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):   # no flock here (or an unwritable folder, which fails just below)
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process preparing {what} ...", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass                     # a file system without flock: both prepare, the first rename wins
+        yield
+    finally:
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(lock_path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _remove_stale_temps(out_dir):
+    """Temp folders of preparations on this host whose process is gone (killed): left behind, never reused."""
+    if os.name != "posix":         # os.kill(pid, 0) probes a process only on POSIX
+        return
+    prefix = f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    for name in os.listdir(parent):
+        pid = name.removeprefix(prefix).split("-")[0]
+        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, insert_eos=True,
+                    val_fraction=0.05, progress=True, num_proc=None, text_field="text", verify=False):
+    """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
+    get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
+    out_dir/tokenizer.model. num_proc: tokenizing processes (None: the usable cores); the bytes do not depend
+    on it. An out_dir prepared from the same data_key is reused (its files checked by size and time, or hashed
+    when verify); a different one -> DataError. Safe to run concurrently: the folder is built in a temp folder
+    beside it and renamed into place when complete; a failed preparation leaves nothing behind."""
+    if block_size < 3:
+        raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
+    key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # fails early
+    out_dir = os.path.normpath(out_dir)
+    if os.path.isfile(os.path.join(out_dir, "meta.json")):
+        return _check_reusable(out_dir, key, verify)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--data_dir {out_dir} is a file, not a folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise DataError(f"{out_dir} exists but holds no prepared dataset (no meta.json); delete it or use another "
+                        f"--data_dir")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    made_parent = not os.path.isdir(parent)
+    os.makedirs(parent, exist_ok=True)
+    try:
+        with _exclusive(out_dir + ".lock", out_dir):
+            if os.path.isfile(os.path.join(out_dir, "meta.json")):   # finished by the process we waited for
+                return _check_reusable(out_dir, key, verify)
+            _remove_stale_temps(out_dir)
+            tmp = None
+            try:
+                tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-",
+                                       dir=parent)
+                _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
+                              val_fraction, progress, num_proc or default_num_proc(), text_field)
+                try:
+                    os.rename(tmp, out_dir)     # atomic: readers see no folder or a finished one
+                except OSError:
+                    if not os.path.isfile(os.path.join(out_dir, "meta.json")):
+                        raise
+                    shutil.rmtree(tmp)         # another process (without a working lock) finished first
+                    return _check_reusable(out_dir, key, verify)
+            except BaseException:
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        made_parent = False
+        return out_dir
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(f"No space left on device while preparing {out_dir}; free space there or choose "
+                                f"another --data_dir") from None
+        raise
+    finally:
+        if made_parent:                        # a failed preparation leaves no empty data/ folder either
+            try:
+                os.rmdir(parent)
+            except OSError:
+                pass
+
+
+def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction,
+                  progress, num_proc=1, text_field="text"):
+    """The preparation itself, into the private (empty) folder tmp, renamed to out_dir afterwards."""
+    sp_vocab = tokenizer_spec.removeprefix("sp_train:") if tokenizer_spec.startswith("sp_train:") else None
+    tok = None if sp_vocab else get_tokenizer(tokenizer_spec)
+    train_docs, val_docs = load_corpus(dataset, val_fraction, text_field)
+    digests, encode_spec = {}, tokenizer_spec
+    if sp_vocab:
+        model = train_sentencepiece(train_docs, os.path.join(tmp, "tokenizer"), int(sp_vocab))
+        tok, encode_spec = get_tokenizer("sp:" + model), "sp:" + model
+        tok.spec = "sp:" + os.path.join(out_dir, "tokenizer.model")   # where it will be (load_meta resolves it)
+        digests["tokenizer.model"] = tok.fingerprint
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    meta = dict(dataset=dataset, tokenizer_request=tokenizer_spec, block_size=block_size, wrap=wrap,
+                insert_eos=insert_eos, val_fraction=val_fraction, data_key=key,
+                tokenizer=tok.spec, tokenizer_file="tokenizer.model" if sp_vocab else None,
+                tokenizer_sha256=tok.fingerprint, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                pad_id=tok.pad_id, dtype=np.dtype(dtype).name, probe_ids=tok.encode(PROBE),
+                layout="row-major (sequences, block_size)")
+    if dataset in HF_CORPORA:
+        src = HF_CORPORA[dataset]
+        meta["source"] = dict(repo=src.repo, revision=src.revision, data_files=src.data_files, train=src.train,
+                              val=src.val, field=src.field)
+    if text_field != "text":
+        meta["text_field"] = text_field
+    if num_proc > 1:   # a worker that dies (killed, out of memory) fails the preparation: BrokenProcessPool
+        pool = ProcessPoolExecutor(num_proc, multiprocessing.get_context(_start_method()), _init_worker,
+                                   (encode_spec,))
+    else:
+        pool = None
+        _WORKER["tok"] = get_tokenizer(encode_spec, threads=1)
+    try:
+        for split, docs in [("train", train_docs), ("val", val_docs)]:
+            counts, split_digests = _write_split(docs, tok, tmp, split, block_size, wrap, insert_eos, dtype, progress,
+                                                 pool, num_proc)
+            meta.update({f"{split}_{k}": v for k, v in counts.items()})
+            digests.update(split_digests)
+    except BrokenProcessPool:
+        raise DataError(f"a tokenizing worker of {out_dir} died (killed, or out of memory); lower --num_proc") from None
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    meta["sha256"] = digests
+    # the one full check: the bytes on disk hash to what was written; their size and time are recorded, which
+    # later starts compare instead of hashing
+    for name, digest in digests.items():
+        if file_sha256(os.path.join(tmp, name), cached=False) != digest:
+            raise DataError(f"{os.path.join(tmp, name)} reads back other bytes than were written (a disk fault?); "
+                            f"prepare again, or choose another --data_dir")
+    meta["stat"] = {name: file_stat(os.path.join(tmp, name)) for name in digests}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:   # written last: its presence marks a finished folder
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -----------------------------------------------------------------------------
+
+@dataclass
+class PrepareConfig:
+    dataset: str = "pydoc"           # pydoc (built in) | a local corpus (LOCAL_FORMATS) | a name in HF_CORPORA |
+                                     # hf:REPO[:CONFIG][@REVISION]
+    tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
+    data_dir: str = ""               # "" = prepared_dir(dataset, tokenizer, block_size, ...), as train.py
+    block_size: int = 128
+    wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
+    insert_eos: bool = True          # EOS between wrapped documents
+    val_fraction: float = 0.05       # local corpora: share of the characters held out for validation
+    text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO)
+    num_proc: int = 0                # tokenizing processes; 0 = the usable cores (the bytes are the same for any)
+    verify: bool = False             # hash every file of an existing folder (a start checks size and time only)
+
+
+def main(argv=None):
+    from cli import parse_flags
+    cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
+    if cfg.num_proc < 0:
+        raise DataError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
+    settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
+                    text_field=cfg.text_field)
+    out = prepare_dataset(cfg.dataset, cfg.tokenizer,
+                          cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings),
+                          cfg.block_size, num_proc=cfg.num_proc or None, verify=cfg.verify, **settings)
+    meta = load_meta(out)
+    print(f"{out}: tokenizer {meta['tokenizer']} (K={meta['vocab_size']}, {meta['dtype']}), block_size "
+          f"{meta['block_size']}, wrap={meta['wrap']}")
+    for split in ("train", "val"):
+        print(f"  {split}: {meta[f'{split}_documents']} documents -> {meta[f'{split}_tokens']} tokens -> "
+              f"{meta[f'{split}_sequences']} sequences")
+    return 0
+
+
+if __name__ == "__main__":
+    from cli import run_cli
+    run_cli(main, DataError, ImportError)
