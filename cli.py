@@ -163,11 +163,15 @@ def autocast_for(device, dtype):
 
 def load_model(path, device, use_ema=True):
     """model.load_checkpoint (or, for "duo:PATH_OR_HUB_NAME", model.load_duo_checkpoint: one of Duo's released
-    checkpoints) with its errors as UsageError (one line) -> (model in eval mode, checkpoint)."""
+    checkpoints; for a folder, pretrained.load_folder: a model folder) with its errors as UsageError (one line)
+    -> (model in eval mode, checkpoint)."""
     from model import load_checkpoint, load_duo_checkpoint
     try:
         if path.startswith("duo:"):
             return load_duo_checkpoint(path[len("duo:"):], device=device, use_ema=use_ema)
+        if os.path.isdir(path):                    # a model folder (pretrained.py): safetensors + config.json
+            from pretrained import load_folder
+            return load_folder(path, device=device, use_ema=use_ema)
         return load_checkpoint(path, device=device, use_ema=use_ema)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None

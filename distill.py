@@ -43,6 +43,7 @@ from cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli, w
 from data import DataError, check_tokenizer, eval_batches, get_tokenizer, load_meta
 from eval_ppl import nelbo_ppl
 from model import ModelConfig
+from pretrained import export
 
 
 @dataclass
@@ -245,7 +246,7 @@ def load_init(cfg):
     if not os.path.isfile(cfg.init):
         raise UsageError(f"--init {cfg.init}: no such checkpoint")
     try:
-        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=False)
+        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
@@ -461,6 +462,8 @@ def distill(cfg, env):
                           + ("(distillation finished)" if last else "(continue with --resume 1)"))
                 return 130
         log.close()
+        if env.master:                                 # the shareable model: out_dir/model (pretrained.py)
+            export(os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "model"))
         try:
             with train.interruptible(stop):
                 if env.master and cfg.num_samples > 0:

@@ -345,11 +345,12 @@ def build_model(config):
 
 def load_checkpoint(path, device="cpu", use_ema=True):
     """Checkpoint written by train.py -> (model in eval mode, checkpoint dict). Uses the EMA weights when
-    use_ema and the checkpoint has them. Only load trusted files (full unpickling)."""
+    use_ema and the checkpoint has them. Read with weights_only=True: a checkpoint holds tensors, dicts, lists
+    and numbers only (RNG states are tensors), so loading one runs no code."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=False)
+        ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise ValueError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:

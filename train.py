@@ -37,6 +37,7 @@ from cli import (OutOfMemory, UsageError, append_jsonl, autocast_for, check_writ
 from data import BatchLoader, DataError, eval_batches, get_tokenizer, load_meta, prepare_dataset, prepared_dir
 from eval_ppl import nelbo_ppl
 from model import PRESETS, ModelConfig, build_model
+from pretrained import export
 
 
 @dataclass
@@ -374,7 +375,7 @@ def load_resume_checkpoint(cfg):
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: {first})"
@@ -975,6 +976,8 @@ def train(cfg, env):
                           + ("(training finished)" if last else "(continue with --resume 1)"))
                 return 130
         log.close()
+        if env.master:                                 # the shareable model: out_dir/model (pretrained.py)
+            export(os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "model"))
         try:
             with interruptible(stop):                  # also a signal during the final save
                 if env.master and cfg.num_samples > 0:
