@@ -151,8 +151,8 @@ def eval_rows(paths):
                                                              for r in rows):
             raise UsageError(f"{path}: 'results' is not a list of {e['metric']} rows with {', '.join(needed)}, as "
                              f"eval_ppl.py --out writes")
-        ckpt = e.get("ckpt") or ""
-        cfg = e.get("config", {})
+        ckpt = e.get("ckpt") if isinstance(e.get("ckpt"), str) else ""
+        cfg = e.get("config") if isinstance(e.get("config"), dict) else {}
         label = label_of(run_config(os.path.dirname(ckpt)) if ckpt and not ckpt.startswith("duo:") else {}, ckpt or path)
         if e["metric"] == "nelbo":
             nelbo[ckpt] = e["results"][0]

@@ -156,8 +156,9 @@ def test_torn_and_garbage_log_lines_are_skipped_and_counted(tmp_path):
     log = os.path.join(runs[0], "log.jsonl")
     good = open(log, "rb").read()
     lines = good.split(b"\n")
-    torn = b"\n".join(lines[:3] + [b"not json at all", b'[1, 2]', b'{"step": "7", "val_ppl": 1.0}',
-                                   b'{"step": 80, "gen_ppl": 5.0}', b"\xff\xfe"] + lines[3:]) + b'{"step": 1' + b"\0" * 40
+    garbage = [b"not json at all", b'[1, 2]', b'{"step": "7", "val_ppl": 1.0}', b'{"step": 80, "gen_ppl": 5.0}',
+               b"\xff\xfe"]
+    torn = b"\n".join(lines[:3] + garbage + lines[3:]) + b'{"step": 1' + b"\0" * 40
     open(log, "wb").write(torn)
     records, skipped = plot.read_log(log)
     assert skipped == [4, 5, 6, 7, 8, 16]                 # the 5 garbage lines and the NUL-torn last one
