@@ -209,6 +209,11 @@ def _style(i):
     return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4)
 
 
+def _legend(ax):
+    """The legend beside the axes, where it hides no point."""
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), borderaxespad=0)
+
+
 def _save(fig, out_dir, name, dpi):
     path = os.path.join(out_dir, name)
     fig.tight_layout()
@@ -226,8 +231,8 @@ def plot_training(curves, cfg):
         how = "; ".join(f"{n} samples, {'AR' if s is None else f'{s} steps'}, seed {seed}"
                         for n, s, seed, _ in sorted(settings, key=str))
         for key, index, ylabel, name, log in (("Gen PPL", 1, "Gen PPL (lower is better)", "training_gen_ppl.png", True),
-                                              ("entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
-            fig, ax = plt.subplots(figsize=(6.4, 4.2))
+                                              ("Sample entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
+            fig, ax = plt.subplots(figsize=(8.4, 4.2))
             for i, c in enumerate(with_gen):
                 ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], label=c["label"], **_style(i))
             ax.set_xlabel("training step")
@@ -236,7 +241,7 @@ def plot_training(curves, cfg):
                 ax.set_yscale("log")
             ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights", fontsize=9)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            _legend(ax)
             written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
             plt.close(fig)
     else:
@@ -244,7 +249,7 @@ def plot_training(curves, cfg):
               "training_entropy.png skipped")
     with_val = [c for c in curves if c["val"]]
     if with_val:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, ax = plt.subplots(figsize=(8.4, 4.2))
         for i, c in enumerate(with_val):
             ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], label=c["label"] + (" (exact PPL)" if
                     c["label"] == "ar" else ""), **_style(i))
@@ -254,7 +259,7 @@ def plot_training(curves, cfg):
         ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights",
                      fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
         written.append(_save(fig, cfg.out_dir, "training_val_ppl.png", cfg.dpi))
         plt.close(fig)
     return written
@@ -269,11 +274,12 @@ def plot_gen_ppl_vs_steps(gen, cfg):
         return None
     plt = _pyplot()
     judge = one_judge({r["judge"] for r in rows}, "Gen PPL vs sampling steps")
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, label in enumerate(dict.fromkeys(r["label"] for r in rows)):
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
+    for i, label in enumerate(sorted({r["label"] for r in rows})):       # a model's ε variants right after it
         mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["steps"])
         only = f", at {mine[0]['steps']} steps only" if len({r["steps"] for r in mine}) == 1 else ""
-        ax.plot([r["steps"] for r in mine], [r["gen_ppl"] for r in mine], label=label + only, **_style(i))
+        style = {**_style(i), **(dict(ms=9, zorder=3) if only else {})}   # a lone point drawn over the lines
+        ax.plot([r["steps"] for r in mine], [r["gen_ppl"] for r in mine], label=label + only, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sampling steps")
@@ -282,7 +288,7 @@ def plot_gen_ppl_vs_steps(gen, cfg):
                   for r in rows})
     ax.set_title(f"Gen PPL vs sampling steps (judge: {judge})\neach point: {'; '.join(how)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    _legend(ax)
     path = _save(fig, cfg.out_dir, "gen_ppl_vs_steps.png", cfg.dpi)
     plt.close(fig)
     return path
