@@ -184,9 +184,10 @@ def snapshot(repo_id, revision=None):
         raise ValueError(f"{repo_id} is not a local folder or file, and loading it from the Hugging Face hub "
                          f"needs huggingface_hub (pip install huggingface_hub)") from None
     try:
-        return snapshot_download(repo_id, revision=revision)
+        return snapshot_download(repo_id, revision=revision, allow_patterns=[WEIGHTS, CONFIG, TOKENIZER])
     except Exception as e:
-        raise ValueError(f"{repo_id}: could not download it ({type(e).__name__}: "
+        raise ValueError(f"{repo_id} is not a local folder or checkpoint, and not a hub repository that could be "
+                         f"downloaded ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
 
 

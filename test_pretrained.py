@@ -171,7 +171,8 @@ def fake_hub(monkeypatch, root):
                 shutil.copyfile(os.path.join(folder_path, f), os.path.join(hub[repo_id], f))
             return "commit"
     monkeypatch.setitem(sys.modules, "huggingface_hub",
-                        SimpleNamespace(HfApi=HfApi, snapshot_download=lambda repo_id, revision=None: hub[repo_id]))
+                        SimpleNamespace(HfApi=HfApi, snapshot_download=lambda repo_id, revision=None, allow_patterns=None:
+                                        hub[repo_id]))
     return hub, calls
 
 
