@@ -96,7 +96,7 @@ def save_folder(folder, state, config):
         tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=tok.get("sha256") or _sha256(source))
     folder = os.path.normpath(folder)
     tmp, old = f"{folder}.tmp{os.getpid()}", f"{folder}.old{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_folders(folder)
     os.makedirs(tmp)
     try:
         # safetensors refuses shared storage and wants contiguous tensors
@@ -115,6 +115,27 @@ def save_folder(folder, state, config):
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def remove_stale_folders(folder):
+    """Remove save_folder's temp folders of `folder` (folder.tmp<pid>, folder.old<pid>) left by processes that no
+    longer run (killed while writing), and this process's own."""
+    parent, name = os.path.dirname(folder) or ".", os.path.basename(folder)
+    if not os.path.isdir(parent):
+        return
+    for entry in os.listdir(parent):
+        pid = entry.removeprefix(name + ".tmp").removeprefix(name + ".old")
+        if entry == name or not pid.isdigit() or not entry.startswith(name + "."):
+            continue
+        if int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue                                   # its writer still runs
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def export(ckpt, out, weights="ema"):

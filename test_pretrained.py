@@ -206,7 +206,11 @@ def test_export_command_errors_are_one_line(tmp_path, tok_path, capsys):
             cli.run_cli(lambda: pretrained.main(argv), ValueError)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for left in (f"model.tmp{dead.stdout.strip()}", f"model.old{dead.stdout.strip()}", f"model.tmp{os.getppid()}"):
+        os.makedirs(tmp_path / left / "x")                       # a killed export's leftovers; a live writer's folder
     assert pretrained.main(["--ckpt", ckpt_path]) == 0           # default: model/ beside the checkpoint
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "model", f"model.tmp{os.getppid()}", "run"]
     assert "wrote " + str(tmp_path / "model") in capsys.readouterr().out
     assert pretrained.is_model_folder(tmp_path / "model")
 
