@@ -235,7 +235,7 @@ def load_init(cfg):
     if not os.path.isfile(cfg.init):
         raise UsageError(f"--init {cfg.init}: no such checkpoint")
     try:
-        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=False)
+        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:

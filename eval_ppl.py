@@ -50,6 +50,7 @@ from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, generate, generate_ar, psi_from_flags
+from pretrained import is_model_folder
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -211,10 +212,10 @@ def entropy(samples):
 
 
 def load_judge(spec, device):
-    """An AR checkpoint of this repo (a path: a file, or a name ending in .pt; or duo:PATH, Duo's released AR
-    baseline) or a Hugging Face causal LM (hub name or local folder, needs transformers). Never falls back to
-    another judge."""
-    if spec.endswith(".pt") or spec.startswith("duo:") or os.path.isfile(spec):
+    """An AR checkpoint of this repo (a path: a file, a name ending in .pt or a model folder; or duo:PATH, Duo's
+    released AR baseline) or a Hugging Face causal LM (hub name or local folder, needs transformers). Never falls
+    back to another judge."""
+    if spec.endswith(".pt") or spec.startswith("duo:") or os.path.isfile(spec) or is_model_folder(spec):
         model, ckpt = load_model(spec, device, use_ema=True)
         if not model.config.causal:
             raise UsageError(f"--judge {spec} is a diffusion checkpoint; a judge must be autoregressive "

@@ -12,14 +12,19 @@ Figures (PNG; matplotlib, an optional dependency, is imported only to draw them)
   gen_ppl_vs_steps.png   Gen PPL vs sampling steps, one line per model   (Fig. steps; eval_ppl.py --metric genppl)
   time_memory.png        training step time and memory per objective     (Fig. time; bench.py)
 A figure whose data are absent is skipped (and said so). A line is named by its run's objective (config.json next
-to the run's log or checkpoint), with ε when it is not the default. Every Gen PPL figure names its judge in the
-title; data scored by different judges are never drawn in one figure.
+to the run's log or checkpoint), with ε when it is not the default, and has its own marker and dashes (curves that
+coincide stay visible); a model evaluated at one step count only says so in the legend. Every Gen PPL figure names
+its judge in the title by a short label (an AR checkpoint's folder and step, a hub name); data scored by different
+judges are never drawn in one figure. A log.jsonl line that is not a whole record (torn by a crash, garbage) is
+skipped and counted; an input file of the wrong shape is refused in one line.
 --table writes the rows of Table main_results_metrics (Gen PPL and entropy at --table_steps sampling steps, with
 the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given), each naming its
 checkpoint, step, judge, sampler settings and seed; models that differ only in ε also form an ε-sweep table.
 """
 import json
 import os
+import re
+import sys
 from dataclasses import dataclass
 
 import losses
@@ -58,10 +63,13 @@ def run_config(folder):
     """train_config of the run in `folder` (its config.json, else its ckpt.pt), or {} when it has neither."""
     path = os.path.join(folder, "config.json")
     if os.path.isfile(path):
-        return _read_json(path).get("train_config", {})
+        config = _read_json(path)
+        if not isinstance(config, dict) or not isinstance(config.get("train_config", {}), dict):
+            raise UsageError(f"{path}: not a train.py config.json (expected an object with 'train_config')")
+        return config.get("train_config", {})
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
         import torch
-        return torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=False).get(
+        return torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu", weights_only=True).get(
             "train_config", {})
     return {}
 
@@ -83,18 +91,47 @@ def training_curves(folder):
         raise UsageError(f"--runs {folder}: no log.jsonl there")
     curves = dict(label=label_of(run_config(folder), os.path.basename(os.path.normpath(folder))), val=[], gen=[],
                   judges=set(), gen_settings=set())
-    with open(path) as f:
-        for line in f:
+    records, skipped = read_log(path)
+    for r in records:
+        if "val_ppl" in r:
+            curves["val"].append((r["step"], r["val_ppl"]))
+        if "gen_ppl" in r:
+            curves["gen"].append((r["step"], r["gen_ppl"], r["gen_entropy"]))
+            curves["judges"].add(r["gen_judge"])
+            curves["gen_settings"].add((r["gen_samples"], r["gen_steps"], r["gen_seed"], r["gen_sampler"]))
+    if skipped:
+        shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        print(f"plot.py: {path}: skipped {len(skipped)} unreadable line(s) (torn by a crash, or not a log record): "
+              f"line {shown}", file=sys.stderr)
+    return curves
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def read_log(path):
+    """log.jsonl -> (records, numbers of the lines skipped). A line that is not a whole log record (a power cut
+    leaves NUL bytes; a crash a half-written line; anything else that is not a JSON object with an integer step
+    and numeric metrics) is skipped rather than fatal: the rest of the run's curves are still good."""
+    records, skipped = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            r = json.loads(line)
-            if "val_ppl" in r:
-                curves["val"].append((r["step"], r["val_ppl"]))
-            if "gen_ppl" in r:
-                curves["gen"].append((r["step"], r["gen_ppl"], r["gen_entropy"]))
-                curves["judges"].add(r["gen_judge"])
-                curves["gen_settings"].add((r["gen_samples"], r["gen_steps"], r["gen_seed"], r["gen_sampler"]))
-    return curves
+            try:
+                r = json.loads(line)
+            except ValueError:
+                r = None
+            ok = isinstance(r, dict) and isinstance(r.get("step"), int) and \
+                all(_is_number(r[k]) for k in ("val_ppl", "gen_ppl") if k in r) and \
+                ("gen_ppl" not in r or (_is_number(r.get("gen_entropy")) and isinstance(r.get("gen_judge"), str) and
+                                        all(k in r for k in ("gen_samples", "gen_steps", "gen_seed", "gen_sampler"))))
+            if ok:
+                records.append(r)
+            else:
+                skipped.append(n)
+    return records, skipped
 
 
 def eval_rows(paths):
@@ -103,10 +140,19 @@ def eval_rows(paths):
     gen, nelbo = [], {}
     for path in paths:
         e = _read_json(path)
+        if not isinstance(e, dict):
+            raise UsageError(f"{path}: not an eval_ppl.py result (a JSON {type(e).__name__}; expected an object with "
+                             f"'metric' and 'results', as eval_ppl.py --out writes)")
         if e.get("metric") not in ("genppl", "nelbo"):
             raise UsageError(f"{path}: not an eval_ppl.py genppl or nelbo result (metric {e.get('metric')!r})")
-        ckpt = e.get("ckpt") or ""
-        cfg = e.get("config", {})
+        needed = ("steps", "samples", "gen_ppl", "entropy", "judge") if e["metric"] == "genppl" else ("ppl",)
+        rows = e.get("results")
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in needed)
+                                                             for r in rows):
+            raise UsageError(f"{path}: 'results' is not a list of {e['metric']} rows with {', '.join(needed)}, as "
+                             f"eval_ppl.py --out writes")
+        ckpt = e.get("ckpt") if isinstance(e.get("ckpt"), str) else ""
+        cfg = e.get("config") if isinstance(e.get("config"), dict) else {}
         label = label_of(run_config(os.path.dirname(ckpt)) if ckpt and not ckpt.startswith("duo:") else {}, ckpt or path)
         if e["metric"] == "nelbo":
             nelbo[ckpt] = e["results"][0]
@@ -118,11 +164,24 @@ def eval_rows(paths):
 
 
 def one_judge(judges, what):
-    """The single judge of a figure; data scored by several judges are refused, never drawn together."""
+    """The single judge of a figure, by its short label; data scored by several judges are refused, never drawn
+    together."""
     judges = sorted(judges)
     if len(judges) > 1:
         raise UsageError(f"{what}: the data were scored by different judges ({', '.join(judges)}); plot them apart")
-    return judges[0] if judges else "?"
+    return judge_label(judges[0]) if judges else "?"
+
+
+def judge_label(name):
+    """A judge as a figure names it: an AR checkpoint of this repo by its folder, file and step
+    ("ar:/work/runs/tiny/ar/ckpt.pt@step1000" -> "AR ar/ckpt.pt, step 1000"; a model folder "AR out-ar/model, step
+    1000"), a Hugging Face model by its hub name ("hf:gpt2-large" -> "gpt2-large"). Never a whole local path."""
+    m = re.fullmatch(r"ar:(duo:)?(.*?)(?:@step(\w+))?", name)
+    if m is None:
+        return name.removeprefix("hf:")
+    parts = os.path.normpath(m.group(2)).split(os.sep)
+    step = f", step {m.group(3)}" if m.group(3) not in (None, "None") else ""
+    return f"AR {m.group(1) or ''}{'/'.join(parts[-2:])}{step}"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -137,6 +196,22 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+# one (marker, line style) per curve, so that curves lying on top of each other (duo and sddlm at this scale)
+# stay distinguishable: open markers of different shapes, different dashes
+STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1, 1, 1))), ("P", (0, (8, 2))),
+          ("X", (0, (1, 1))), ("*", (0, (3, 1, 1, 1, 1, 1)))]
+
+
+def _style(i):
+    marker, dash = STYLES[i % len(STYLES)]
+    return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4)
+
+
+def _legend(ax):
+    """The legend beside the axes, where it hides no point."""
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), borderaxespad=0)
 
 
 def _save(fig, out_dir, name, dpi):
@@ -156,17 +231,17 @@ def plot_training(curves, cfg):
         how = "; ".join(f"{n} samples, {'AR' if s is None else f'{s} steps'}, seed {seed}"
                         for n, s, seed, _ in sorted(settings, key=str))
         for key, index, ylabel, name, log in (("Gen PPL", 1, "Gen PPL (lower is better)", "training_gen_ppl.png", True),
-                                              ("entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
-            fig, ax = plt.subplots(figsize=(6.4, 4.2))
-            for c in with_gen:
-                ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], marker="o", ms=3, label=c["label"])
+                                              ("Sample entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
+            fig, ax = plt.subplots(figsize=(8.4, 4.2))
+            for i, c in enumerate(with_gen):
+                ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], label=c["label"], **_style(i))
             ax.set_xlabel("training step")
             ax.set_ylabel(ylabel)
             if log:
                 ax.set_yscale("log")
-            ax.set_title(f"{key} over training (judge {judge})\n{how}", fontsize=9)
+            ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights", fontsize=9)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            _legend(ax)
             written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
             plt.close(fig)
     else:
@@ -174,15 +249,17 @@ def plot_training(curves, cfg):
               "training_entropy.png skipped")
     with_val = [c for c in curves if c["val"]]
     if with_val:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for c in with_val:
-            ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], marker="o", ms=3, label=c["label"])
+        fig, ax = plt.subplots(figsize=(8.4, 4.2))
+        for i, c in enumerate(with_val):
+            ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], label=c["label"] + (" (exact PPL)" if
+                    c["label"] == "ar" else ""), **_style(i))
         ax.set_xlabel("training step")
         ax.set_ylabel("validation NELBO PPL (upper bound; AR: exact)")
         ax.set_yscale("log")
-        ax.set_title("Validation perplexity over training (EMA weights)", fontsize=9)
+        ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights",
+                     fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
         written.append(_save(fig, cfg.out_dir, "training_val_ppl.png", cfg.dpi))
         plt.close(fig)
     return written
@@ -197,19 +274,21 @@ def plot_gen_ppl_vs_steps(gen, cfg):
         return None
     plt = _pyplot()
     judge = one_judge({r["judge"] for r in rows}, "Gen PPL vs sampling steps")
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label in dict.fromkeys(r["label"] for r in rows):
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
+    for i, label in enumerate(sorted({r["label"] for r in rows})):       # a model's ε variants right after it
         mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["steps"])
-        ax.plot([r["steps"] for r in mine], [r["gen_ppl"] for r in mine], marker="o", ms=4, label=label)
+        only = f", at {mine[0]['steps']} steps only" if len({r["steps"] for r in mine}) == 1 else ""
+        style = {**_style(i), **(dict(ms=9, zorder=3) if only else {})}   # a lone point drawn over the lines
+        ax.plot([r["steps"] for r in mine], [r["gen_ppl"] for r in mine], label=label + only, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sampling steps")
     ax.set_ylabel("Gen PPL (lower is better)")
     how = sorted({f"{r['samples']} samples, final step {r['final_step']}, top-p {r['top_p']}, seed {r['seed']}"
                   for r in rows})
-    ax.set_title(f"Gen PPL vs sampling steps (judge {judge})\n{'; '.join(how)}", fontsize=9)
+    ax.set_title(f"Gen PPL vs sampling steps (judge: {judge})\neach point: {'; '.join(how)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    _legend(ax)
     path = _save(fig, cfg.out_dir, "gen_ppl_vs_steps.png", cfg.dpi)
     plt.close(fig)
     return path
@@ -293,7 +372,7 @@ def main(argv=None):
     gen, nelbo = eval_rows(_split(cfg.evals))
     curves = [training_curves(folder) for folder in _split(cfg.runs)]
     bench = _read_json(cfg.bench) if cfg.bench else None
-    if bench is not None and "losses" not in bench:
+    if bench is not None and not (isinstance(bench, dict) and isinstance(bench.get("losses"), dict)):
         raise UsageError(f"--bench {cfg.bench}: not a bench.py --json 1 output")
     written = []
     if curves or gen or bench:

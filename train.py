@@ -40,6 +40,7 @@ from plumbing.distributed import Env, agree, any_rank, on_rank0, run_distributed
 from plumbing.files import os_error_line, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, truncate_log  # noqa: F401
+from pretrained import export
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -444,6 +445,9 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                           f"to {ckpt_path} " + (f"({what} finished)" if last else "(continue with --resume 1)"))
                 return 130
         log.close()
+        if env.master:                                 # the shareable model: out_dir/model (pretrained.py)
+            folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
+            print(f"{what} finished: checkpoint {ckpt_path}, model folder {folder}")
         try:
             with interruptible(stop):                  # also a signal during the final save
                 if env.master and cfg.num_samples > 0:

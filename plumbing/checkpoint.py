@@ -109,7 +109,7 @@ def load_resume_checkpoint(cfg):
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: "
                           f"{first_line(e)})") from None
@@ -188,11 +188,12 @@ def ema_weights(run):
 
 def load_checkpoint(path, device="cpu", use_ema=True):
     """Checkpoint written by train.py -> (model in eval mode, checkpoint dict). Uses the EMA weights when
-    use_ema and the checkpoint has them. Only load trusted files (full unpickling)."""
+    use_ema and the checkpoint has them. Read with weights_only=True: a checkpoint holds tensors, dicts, lists
+    and numbers only (RNG states are tensors), so loading one runs no code."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=False)
+        ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise ValueError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
@@ -209,11 +210,15 @@ def load_checkpoint(path, device="cpu", use_ema=True):
 
 def load_model(path, device, use_ema=True):
     """load_checkpoint (or, for "duo:PATH_OR_HUB_NAME", plumbing.duo.load_duo_checkpoint: one of Duo's released
-    checkpoints) with its errors as UsageError (one line) -> (model in eval mode, checkpoint)."""
+    checkpoints; a folder: plumbing.folder.load_folder, a model folder) with its errors as UsageError (one line)
+    -> (model in eval mode, checkpoint)."""
     from plumbing.duo import load_duo_checkpoint
+    from plumbing.folder import load_folder
     try:
         if path.startswith("duo:"):
             return load_duo_checkpoint(path[len("duo:"):], device=device, use_ema=use_ema)
+        if os.path.isdir(path):                    # a model folder (pretrained.py): safetensors + config.json
+            return load_folder(path, device=device, use_ema=use_ema)
         return load_checkpoint(path, device=device, use_ema=use_ema)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -5,6 +5,7 @@ closed form), the fused KL against float64 autograd; a distillation run on a toy
 few-step sampler closer to it while independent noise at the two levels does not; resume is exact; the
 checkpoints load in sample.py and eval_ppl.py."""
 import itertools
+import json
 import math
 import os
 import signal
@@ -366,6 +367,11 @@ def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path)
     ck, base = load(out / "ckpt.pt"), load(init)
     assert ck["train_config"]["loss"] == "duo" and ck["distill_config"]["T"] == 16
     assert ck["distilled_from"]["ckpt"] == str(init) and set(ck["model"]) == set(base["model"])
+    from safetensors.torch import load_file           # the model folder: the student's EMA and the sampler it needs
+    folder = json.loads((out / "model" / "config.json").read_text())
+    assert (folder["objective"], folder["final_step"], folder["distilled_from"]["ckpt"]) == ("duo", "greedy", str(init))
+    weights = load_file(out / "model" / "model.safetensors")
+    assert weights.keys() == ck["ema"].keys() and all(torch.equal(weights[k], ck["ema"][k]) for k in weights)
     r = subprocess.run([sys.executable, "sample.py", "--ckpt", str(out / "ckpt.pt"), "--steps", "4", "--num_samples",
                         "2", "--out", str(tmp_path / "s.jsonl")], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

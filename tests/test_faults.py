@@ -393,7 +393,7 @@ def test_sigkill_then_resume_gives_a_log_that_matches_the_checkpoint(base, tmp_p
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, saved + 7))     # each step once, none lost
     assert [r["step"] for r in rows if "val_loss" in r] == [saved + 6]
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "log.jsonl"]
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "log.jsonl", "model"]
 
 
 @pytest.mark.slow

@@ -89,6 +89,7 @@ def test_every_figure_is_drawn_with_labelled_axes_and_the_judge_in_the_title(tmp
 
     def spy(fig, out_dir, name, dpi):
         captured[name] = [(ax.get_xlabel(), ax.get_ylabel(), ax.get_title(), ax.get_legend()) for ax in fig.axes]
+        captured[name + ":styles"] = [(line.get_marker(), str(line.get_linestyle())) for line in fig.axes[0].lines]
         captured[name + ":suptitle"] = fig._suptitle.get_text() if fig._suptitle else ""
         return real_save(fig, out_dir, name, dpi)
     plot._save = spy
@@ -108,7 +109,10 @@ def test_every_figure_is_drawn_with_labelled_axes_and_the_judge_in_the_title(tmp
         (xlabel, ylabel, title, legend), = captured[name]
         assert xlabel and ylabel and legend is not None, name
     for name in ("training_gen_ppl.png", "training_entropy.png", "gen_ppl_vs_steps.png"):
-        assert JUDGE in captured[name][0][2], name
+        assert "judge: AR out-ar/ckpt.pt, step 1000" in captured[name][0][2], name
+    for name in names[:4]:                    # every curve its own marker and dashes: coinciding curves stay visible
+        styles = captured[name + ":styles"]
+        assert len(styles) == 3 and len(set(m for m, _ in styles)) == len(set(d for _, d in styles)) == 3, name
     assert [lab.get_text() for lab in captured["gen_ppl_vs_steps.png"][0][3].get_texts()] == \
         ["sddlm", "sddlm_v1", "sddlm_v1 (ε=0.001)"]
     assert "(ms)" in captured["time_memory.png"][0][1] and "(MiB)" in captured["time_memory.png"][1][1]
@@ -121,3 +125,77 @@ def test_runs_scored_by_different_judges_are_never_drawn_together(tmp_path):
     other, _, _ = fabricate(tmp_path / "b", judge="hf:gpt2-large")
     with pytest.raises(UsageError, match="different judges"):
         plot.main(["--runs", f"{runs[0]},{other[1]}", "--out_dir", str(tmp_path / "figs")])
+
+
+def test_judges_are_named_by_folder_and_step_never_by_a_whole_path():
+    assert plot.judge_label("ar:/work/runs/issue10/tiny/ar/ckpt.pt@step1000") == "AR ar/ckpt.pt, step 1000"
+    assert plot.judge_label("ar:/home/me/out-ar/model@step20") == "AR out-ar/model, step 20"
+    assert plot.judge_label("hf:gpt2-large") == "gpt2-large"
+
+
+def test_a_model_evaluated_at_one_step_count_says_so_in_the_legend(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, evals, _ = fabricate(tmp_path)
+    e = json.loads(open(evals[4]).read())
+    e["results"] = [r for r in e["results"] if r["steps"] == 128]      # the ε sweep is evaluated at 128 steps only
+    open(evals[4], "w").write(json.dumps(e))
+    gen, _ = plot.eval_rows(evals[::2])
+    captured = {}
+    real_save = plot._save
+    plot._save = lambda fig, out_dir, name, dpi: captured.setdefault(
+        "labels", [t.get_text() for t in fig.axes[0].get_legend().get_texts()])
+    try:
+        plot.plot_gen_ppl_vs_steps(gen, plot.PlotConfig(out_dir=str(tmp_path)))
+    finally:
+        plot._save = real_save
+    assert captured["labels"] == ["sddlm", "sddlm_v1", "sddlm_v1 (ε=0.001), at 128 steps only"]
+
+
+def test_torn_and_garbage_log_lines_are_skipped_and_counted(tmp_path):
+    runs, _, _ = fabricate(tmp_path)
+    log = os.path.join(runs[0], "log.jsonl")
+    good = open(log, "rb").read()
+    lines = good.split(b"\n")
+    garbage = [b"not json at all", b'[1, 2]', b'{"step": "7", "val_ppl": 1.0}', b'{"step": 80, "gen_ppl": 5.0}',
+               b"\xff\xfe"]
+    torn = b"\n".join(lines[:3] + garbage + lines[3:]) + b'{"step": 1' + b"\0" * 40
+    open(log, "wb").write(torn)
+    records, skipped = plot.read_log(log)
+    assert skipped == [4, 5, 6, 7, 8, 16]                 # the 5 garbage lines and the NUL-torn last one
+    open(log, "wb").write(good)
+    assert records == plot.read_log(log)[0] and plot.read_log(log)[1] == []
+
+
+@pytest.mark.slow
+def test_plot_script_on_real_world_logs_and_wrong_schemas(tmp_path):
+    """Through the real script: a torn log is drawn with one line counting what was skipped (exit 0); an input
+    file of the wrong shape is one error line, exit 2."""
+    import subprocess
+    import sys
+    pytest.importorskip("matplotlib")
+    runs, evals, bench = fabricate(tmp_path)
+    with open(os.path.join(runs[0], "log.jsonl"), "ab") as f:
+        f.write(b"garbage\n" + b'{"step": 30, "loss"' + b"\0" * 64)
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def plot_py(*argv):
+        p = subprocess.run([sys.executable, os.path.join(here, "plot.py"), *argv, "--out_dir", str(tmp_path / "f")],
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return p.returncode, p.stderr.strip().splitlines()
+    code, err = plot_py("--runs", ",".join(runs))
+    assert code == 0 and len(err) == 1 and "skipped 2 unreadable line(s)" in err[0] and "line 11, 12" in err[0], err
+    assert os.path.getsize(tmp_path / "f" / "training_val_ppl.png") > 8000
+    wrong = {"list.json": [], "results.json": {"metric": "genppl", "results": {}},
+             "rows.json": {"metric": "genppl", "results": [{"steps": 8}]}}
+    for name, content in wrong.items():
+        (tmp_path / name).write_text(json.dumps(content))
+        code, err = plot_py("--evals", str(tmp_path / name))
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {tmp_path / name}: "), (name, err)
+    (tmp_path / "bench_list.json").write_text("[]")
+    (tmp_path / "run_bad").mkdir()
+    (tmp_path / "run_bad" / "config.json").write_text("[]")
+    (tmp_path / "run_bad" / "log.jsonl").write_text("")
+    for argv, words in [(("--bench", str(tmp_path / "bench_list.json")), "not a bench.py --json 1 output"),
+                        (("--runs", str(tmp_path / "run_bad")), "not a train.py config.json")]:
+        code, err = plot_py(*argv)
+        assert code == 2 and len(err) == 1 and words in err[0], (argv, err)

@@ -1,0 +1,245 @@
+"""Model folders (pretrained.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
+checkpoint's logits and samples, carries its own tokenizer and refuses another one, samples with the schedule
+and final step its config names, scores text with the NELBO (exact NLL for the AR baseline, checked by brute
+force), uploads offline to a stand-in hub and loads back from it; every script's --ckpt reads it."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cli
+import diffusion
+import losses
+import pretrained
+import sample
+from model import ModelConfig, build_model, load_checkpoint
+from pretrained import SDDLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = "the cat sees the dog . the bird likes the fish ."
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    from data import train_sentencepiece
+    d = tmp_path_factory.mktemp("tok")
+    return train_sentencepiece([TEXT * 3, "a tree finds a house .\n" * 20], str(d / "tokenizer"), 300)
+
+
+def sha256(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def fake_checkpoint(path, tok_path, loss="sddlm", schedule="loglinear", causal=False):
+    """A checkpoint as train.py saves it (weights, a different EMA, optimizer and RNG state), of a random model
+    whose every weight is non-zero (the DiT's head is zero-initialised)."""
+    from data import get_tokenizer
+    tok = get_tokenizer("sp:" + tok_path)
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32, cond_dim=16,
+                     time_cond=not causal, causal=causal)
+    model = build_model(mc)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ema = {k: v.detach() + 0.05 * torch.randn_like(v) for k, v in model.named_parameters()}
+    meta = dict(tokenizer="sp:" + tok_path, tokenizer_sha256=tok.fingerprint, vocab_size=tok.vocab_size,
+                bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    torch.save({"model": model.state_dict(), "ema": ema, "optimizer": {"state": {}, "param_groups": []},
+                "model_config": asdict(mc), "train_config": {"loss": loss, "noise_schedule": schedule},
+                "meta": meta, "step": 7, "n_ema": 7, "rng": {"torch": torch.get_rng_state()}}, path)
+    return str(path)
+
+
+def logits_of(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    with torch.no_grad():
+        return model(x) if model.config.causal else model(x, torch.full((2,), 0.7))
+
+
+def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path, tok_path):
+    from safetensors.torch import load_file
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
+    folder, used = pretrained.export(ckpt_path, tmp_path / "model")
+    saved = torch.load(ckpt_path, weights_only=True)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    assert used == "ema" and tensors.keys() == saved["ema"].keys()
+    assert all(torch.equal(tensors[k], saved["ema"][k]) for k in tensors)
+    model_f, info = cli.load_model(folder, "cpu")
+    model_c, _ = load_checkpoint(ckpt_path, use_ema=True)
+    assert torch.equal(logits_of(model_f), logits_of(model_c))
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert (config["objective"], config["noise_schedule"], config["final_step"], config["weights"]) == \
+        ("duo", "cosine", "greedy", "ema")     # Duo's greedy tail for a NELBO model (sample.default_final_step)
+    assert config["tokenizer"]["sha256"] == sha256(tok_path) == sha256(os.path.join(folder, "tokenizer.model"))
+    assert info["step"] == 7 and info["train_config"]["loss"] == "duo" and info["ema"] is not None
+    # the live weights on request, and the folder is what a reader of weights needs only (no optimizer, no RNG)
+    raw, used = pretrained.export(ckpt_path, tmp_path / "raw", weights="raw")
+    assert used == "raw" and torch.equal(logits_of(cli.load_model(raw, "cpu", use_ema=False)[0]),
+                                         logits_of(load_checkpoint(ckpt_path, use_ema=False)[0]))
+    assert not torch.equal(logits_of(cli.load_model(raw, "cpu")[0]), logits_of(model_c))
+    with pytest.raises(cli.UsageError, match="holds EMA weights only"):
+        cli.load_model(folder, "cpu", use_ema=False)
+
+
+def test_folder_carries_its_own_tokenizer_and_refuses_another(tmp_path, tok_path):
+    import shutil
+    own = tmp_path / "own" / "tokenizer.model"
+    own.parent.mkdir()
+    shutil.copyfile(tok_path, own)
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", str(own))
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    os.remove(own)                         # the training data's tokenizer is gone: the folder has its own
+    lm = SDDLM.from_pretrained(folder)
+    assert lm.tokenizer.spec == "sp:" + os.path.join(os.path.abspath(folder), "tokenizer.model")
+    assert lm.tokenizer.decode(lm.tokenizer.encode(TEXT)) == TEXT
+    with open(os.path.join(folder, "tokenizer.model"), "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(cli.UsageError, match="is not the tokenizer recorded"):
+        cli.load_model(folder, "cpu")
+    shutil.copyfile(os.path.join(folder, "tokenizer.model"), own)   # another file at the checkpoint's tokenizer path
+    with pytest.raises(cli.UsageError, match="is not the tokenizer this model was trained with"):
+        pretrained.export(ckpt_path, tmp_path / "again")
+    assert not os.path.exists(tmp_path / "again")
+
+
+def test_generate_uses_the_schedule_and_final_step_of_the_config(tmp_path, tok_path):
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    texts = SDDLM.from_pretrained(folder).generate(3, steps=4, seq_len=16, seed=5)
+    model, _ = load_checkpoint(ckpt_path)
+    from data import get_tokenizer
+    tok = get_tokenizer("sp:" + tok_path)
+
+    def by_hand(schedule, final_step):
+        ids = sample.generate(model, 3, 16, model.config.vocab_size, 4, alpha_schedule=schedule,
+                              final_step=final_step, generator=torch.Generator().manual_seed(5), show_progress=False)
+        return [tok.decode(row) for row in ids.tolist()]
+    assert texts == by_hand("cosine", "greedy")
+    assert texts != by_hand("loglinear", "greedy") and texts != by_hand("cosine", "ancestral")  # the test can fail
+
+
+def test_score_is_the_exact_nll_of_an_ar_model_and_the_nelbo_of_a_diffusion_model(tmp_path, tok_path):
+    ar = SDDLM.from_pretrained(fake_checkpoint(tmp_path / "ar.pt", tok_path, loss="ar", causal=True))
+    ids = torch.tensor([ar.tokenizer.encode(TEXT)])
+    with torch.no_grad():
+        log_p = torch.log_softmax(ar.model(ids).double(), -1)[0, :-1].gather(-1, ids[0, 1:, None])
+    [r] = ar.score([TEXT])
+    assert r["tokens"] == ids.shape[1] and r["nll"] == pytest.approx(-log_p.mean().item(), rel=1e-5)
+
+    lm = SDDLM.from_pretrained(pretrained.export(fake_checkpoint(tmp_path / "d.pt", tok_path), tmp_path / "m")[0])
+    [r] = lm.score(TEXT, mc_draws=8, seed=3)
+    # the same draws by hand: t stratified over 8 copies, x_t from Eq. (discrete_marginal), Eq. (usdm) in float64
+    g = torch.Generator().manual_seed(3)
+    x0 = ids.expand(8, -1)
+    t = diffusion.sample_t(8, g, t_min=1e-3)
+    alpha_t, dalpha_t = (a[:, None] for a in diffusion.log_linear_schedule(t))
+    xt = diffusion.sample_xt(x0, alpha_t, lm.model.config.vocab_size, g)
+    with torch.no_grad():
+        logits = lm.model(xt, diffusion.sigma_from_alpha(alpha_t[:, 0])).double()
+    nelbo = losses.usdm_nelbo_loss(logits, x0, xt, alpha_t.double(), dalpha_t.double()).mean().item()
+    assert r["nll"] == pytest.approx(nelbo, rel=1e-5) and r["tokens"] == ids.shape[1]
+
+
+def fake_hub(monkeypatch, root):
+    """huggingface_hub as a stand-in that records what would be uploaded and serves it back (no network)."""
+    import fnmatch
+    import shutil
+    hub, calls = {}, []
+
+    class HfApi:
+        def __init__(self, token=None):
+            self.token = token
+
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            calls.append(("create_repo", repo_id, private, exist_ok))
+
+        def upload_folder(self, folder_path, repo_id, commit_message="", allow_patterns=None):
+            files = sorted(f for f in os.listdir(folder_path) if any(fnmatch.fnmatch(f, p) for p in allow_patterns))
+            calls.append(("upload_folder", repo_id, files))
+            hub[repo_id] = os.path.join(str(root), repo_id.replace("/", "--"))
+            os.makedirs(hub[repo_id])
+            for f in files:
+                shutil.copyfile(os.path.join(folder_path, f), os.path.join(hub[repo_id], f))
+            return "commit"
+    monkeypatch.setitem(sys.modules, "huggingface_hub",
+                        SimpleNamespace(HfApi=HfApi, snapshot_download=lambda repo_id, revision=None, allow_patterns=None:
+                                        hub[repo_id]))
+    return hub, calls
+
+
+def test_push_to_hub_uploads_the_folder_and_from_pretrained_loads_it_back(tmp_path, tok_path, monkeypatch):
+    folder, _ = pretrained.export(fake_checkpoint(tmp_path / "ckpt.pt", tok_path), tmp_path / "model")
+    open(os.path.join(folder, "notes.txt"), "w").write("not part of the model")
+    hub, calls = fake_hub(monkeypatch, tmp_path / "hub")
+    assert pretrained.push_to_hub(folder, "me/tiny", private=True) == "commit"
+    assert calls == [("create_repo", "me/tiny", True, True),
+                     ("upload_folder", "me/tiny", ["config.json", "model.safetensors", "tokenizer.model"])]
+    lm = SDDLM.from_pretrained(folder)
+    assert SDDLM.from_pretrained("me/tiny").generate(2, steps=3, seq_len=12) == lm.generate(2, steps=3, seq_len=12)
+    lm.push_to_hub("me/again")                             # from a loaded model: save_pretrained, then upload
+    assert calls[-1] == ("upload_folder", "me/again", ["config.json", "model.safetensors", "tokenizer.model"])
+    assert SDDLM.from_pretrained("me/again").score(TEXT, seed=1) == lm.score(TEXT, seed=1)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)      # not installed
+    with pytest.raises(ValueError, match="needs huggingface_hub"):
+        pretrained.push_to_hub(folder, "me/tiny")
+    with pytest.raises(ValueError, match="needs huggingface_hub"):
+        SDDLM.from_pretrained("me/elsewhere")
+
+
+def test_export_command_errors_are_one_line(tmp_path, tok_path, capsys):
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
+    (tmp_path / "run").mkdir()
+    for argv, words in [(["--ckpt", str(tmp_path / "missing.pt")], "checkpoint not found"),
+                        (["--ckpt", ckpt_path, "--weights", "half"], "--weights must be ema or raw"),
+                        (["--ckpt", str(tmp_path / "run")], "is a folder but not a model folder"),
+                        (["--ckpt", ckpt_path, "--out", ckpt_path], "is the checkpoint itself")]:
+        with pytest.raises(SystemExit) as e:
+            cli.run_cli(lambda: pretrained.main(argv), ValueError)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for left in (f"model.tmp{dead.stdout.strip()}", f"model.old{dead.stdout.strip()}", f"model.tmp{os.getppid()}"):
+        os.makedirs(tmp_path / left / "x")                       # a killed export's leftovers; a live writer's folder
+    assert pretrained.main(["--ckpt", ckpt_path]) == 0           # default: model/ beside the checkpoint
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "model", f"model.tmp{os.getppid()}", "run"]
+    assert "wrote " + str(tmp_path / "model") in capsys.readouterr().out
+    assert pretrained.is_model_folder(tmp_path / "model")
+
+
+@pytest.mark.slow
+def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
+    """A real train.py run: out_dir/model next to a full-state ckpt.pt (read with weights_only=True), and
+    sample.py, eval_ppl.py and the lm-eval model give the same results from the folder as from the checkpoint."""
+    import eval_ppl
+    import train
+    from test_train import TINY, _corpus
+    _corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "out"
+    assert train.main(TINY + ["--dataset", str(tmp_path / "corpus.txt"), "--data_dir", str(tmp_path / "data"),
+                              "--out_dir", str(out), "--max_iters", "4", "--eval_interval", "4"]) == 0
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    assert {"optimizer", "rng", "data_state", "ema"} <= set(ckpt)
+    assert sorted(os.listdir(out / "model")) == ["config.json", "model.safetensors", "tokenizer.model"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(c), "--num_samples", "2", "--steps", "3",
+                             "--out", str(tmp_path / f"s{i}.jsonl")], cwd=HERE, env=env, capture_output=True,
+                            text=True) for i, c in enumerate((out / "model", out / "ckpt.pt"))]
+    assert all(p.returncode == 0 for p in texts), texts[0].stderr[-2000:]
+    assert texts[0].stdout == texts[1].stdout and "--- sample 1 ---" in texts[0].stdout
+    nelbo = [eval_ppl.run_nelbo(SimpleNamespace(data_dir="", split="val", batch_size=4, max_batches=0, seed=0,
+                                                mc_draws=1, t_min=1e-3), *cli.load_model(str(c), "cpu"), "cpu", None)
+             for c in (out / "model", out / "ckpt.pt")]
+    assert nelbo[0] == nelbo[1]
+    lm_eval_sddlm = pytest.importorskip("lm_eval_sddlm")
+    scores = [lm_eval_sddlm.SDDLMHarness(ckpt=str(c), mc_draws=2, device="cpu").scorer.loglikelihood(
+        [("the cat", " sees the dog")]) for c in (out / "model", out / "ckpt.pt")]
+    assert scores[0] == scores[1]
