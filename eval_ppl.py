@@ -50,7 +50,7 @@ from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, generate, generate_ar, psi_from_flags
-from pretrained import is_model_folder
+from plumbing.folder import is_model_folder
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 

@@ -9,12 +9,13 @@ import torch
 
 from conftest import bayes_posterior, transition_matrix
 import diffusion
+import gumbel
 from diffusion import (SCHEDULES, T_MIN, TOP_K_MAX_TAU, SoftTokens, alpha_table, ancestral_step,
-                       ancestral_step_from_logits, block_logsumexp,
-                       corrector_weights, cosine_schedule, curriculum_input,
-                       curriculum_sample, gamma_to_alpha, gaussian_latent, gumbel_argmax, gumbel_noise,
-                       log_linear_schedule, rank_slice, reverse_posterior, sample_categorical, sample_t, sample_xt,
-                       sigma_from_alpha, soft_input, tau_schedule, top_k_latent)
+                       ancestral_step_from_logits, corrector_weights, cosine_schedule, curriculum_input,
+                       curriculum_sample, gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice,
+                       reverse_posterior, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule,
+                       top_k_latent)
+from gumbel import block_logsumexp, gumbel_argmax, gumbel_noise, sample_categorical
 
 
 def chi2_quantile(df, z=4.5):
@@ -351,7 +352,7 @@ def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype, b
     logits) draws Eq. (reverse) with x_theta = softmax(logits): chi-square against Bayes' rule, also with a token
     that x_theta excludes (logit -inf, as outside a nucleus) and on the final step; K = 6 in one block, and in
     blocks of 4 (a ragged last one)."""
-    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", block)
+    monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", block)
     K, N = 6, 20000
     logits = (1.5 * torch.randn(5, K, generator=torch.Generator().manual_seed(4), dtype=torch.float64)).to(dtype)
     logits[1, 3] = float("-inf")
@@ -368,7 +369,7 @@ def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype, b
 def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_step(monkeypatch):
     """Stay / uniform / x_theta are decided by the same draws as ancestral_step on softmax(logits): every token
     that does not draw from x_theta lands on the same value."""
-    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", 5)
+    monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", 5)
     g = torch.Generator().manual_seed(3)
     B, L, K = 6, 400, 13
     logits = 3 * torch.randn(B, L, K, generator=g)
@@ -427,7 +428,7 @@ def test_psi_corrector_is_the_posterior_to_level_zero_renoised_to_s():
 def test_gumbel_argmax_is_an_exact_draw_from_the_softmax(block, monkeypatch):
     """Two-stage Gumbel-max ~ softmax(logits): chi-square per row, bf16 and float32 logits, an excluded token, the
     whole row in one block and in blocks of 3 (3 + 3 + 1), on all rows and on a subset of rows."""
-    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", block)
+    monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", block)
     K, N = 7, 30000
     logits = 2 * torch.randn(3, K, generator=torch.Generator().manual_seed(6))
     logits[2, 4] = float("-inf")

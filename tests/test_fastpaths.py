@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import diffusion
+import gumbel
 import losses
 import objective
 from model import ModelConfig, build_model
@@ -372,7 +373,7 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
 def test_sampler_builds_no_float64_vocabulary_tensor_with_cfg_and_top_p(monkeypatch):
     """Every tensor any op of sample.generate returns is watched: float64 appears only for per-token values,
     never (B, L, V) nor (B, L, blocks of V); with CFG and nucleus filtering too."""
-    monkeypatch.setattr(diffusion, "GUMBEL_BLOCK", 8)        # V = 61 in 8 blocks
+    monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", 8)        # V = 61 in 8 blocks
     from torch.utils._python_dispatch import TorchDispatchMode
     from sample import generate
 

@@ -19,10 +19,11 @@ import diffusion
 import losses
 import pretrained
 import sample
-from model import ModelConfig, build_model, load_checkpoint
+from model import ModelConfig, build_model
+from plumbing.checkpoint import load_checkpoint, load_model
 from pretrained import SDDLM
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXT = "the cat sees the dog . the bird likes the fish ."
 
 
@@ -73,7 +74,7 @@ def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path,
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     assert used == "ema" and tensors.keys() == saved["ema"].keys()
     assert all(torch.equal(tensors[k], saved["ema"][k]) for k in tensors)
-    model_f, info = cli.load_model(folder, "cpu")
+    model_f, info = load_model(folder, "cpu")
     model_c, _ = load_checkpoint(ckpt_path, use_ema=True)
     assert torch.equal(logits_of(model_f), logits_of(model_c))
     config = json.load(open(os.path.join(folder, "config.json")))
@@ -83,11 +84,11 @@ def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path,
     assert info["step"] == 7 and info["train_config"]["loss"] == "duo" and info["ema"] is not None
     # the live weights on request, and the folder is what a reader of weights needs only (no optimizer, no RNG)
     raw, used = pretrained.export(ckpt_path, tmp_path / "raw", weights="raw")
-    assert used == "raw" and torch.equal(logits_of(cli.load_model(raw, "cpu", use_ema=False)[0]),
+    assert used == "raw" and torch.equal(logits_of(load_model(raw, "cpu", use_ema=False)[0]),
                                          logits_of(load_checkpoint(ckpt_path, use_ema=False)[0]))
-    assert not torch.equal(logits_of(cli.load_model(raw, "cpu")[0]), logits_of(model_c))
+    assert not torch.equal(logits_of(load_model(raw, "cpu")[0]), logits_of(model_c))
     with pytest.raises(cli.UsageError, match="holds EMA weights only"):
-        cli.load_model(folder, "cpu", use_ema=False)
+        load_model(folder, "cpu", use_ema=False)
 
 
 def test_folder_carries_its_own_tokenizer_and_refuses_another(tmp_path, tok_path):
@@ -104,7 +105,7 @@ def test_folder_carries_its_own_tokenizer_and_refuses_another(tmp_path, tok_path
     with open(os.path.join(folder, "tokenizer.model"), "ab") as f:
         f.write(b"\0")
     with pytest.raises(cli.UsageError, match="is not the tokenizer recorded"):
-        cli.load_model(folder, "cpu")
+        load_model(folder, "cpu")
     shutil.copyfile(os.path.join(folder, "tokenizer.model"), own)   # another file at the checkpoint's tokenizer path
     with pytest.raises(cli.UsageError, match="is not the tokenizer this model was trained with"):
         pretrained.export(ckpt_path, tmp_path / "again")
@@ -236,7 +237,7 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
     assert all(p.returncode == 0 for p in texts), texts[0].stderr[-2000:]
     assert texts[0].stdout == texts[1].stdout and "--- sample 1 ---" in texts[0].stdout
     nelbo = [eval_ppl.run_nelbo(SimpleNamespace(data_dir="", split="val", batch_size=4, max_batches=0, seed=0,
-                                                mc_draws=1, t_min=1e-3), *cli.load_model(str(c), "cpu"), "cpu", None)
+                                                mc_draws=1, t_min=1e-3), *load_model(str(c), "cpu"), "cpu", None)
              for c in (out / "model", out / "ckpt.pt")]
     assert nelbo[0] == nelbo[1]
     lm_eval_sddlm = pytest.importorskip("lm_eval_sddlm")
