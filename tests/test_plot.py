@@ -176,7 +176,7 @@ def test_plot_script_on_real_world_logs_and_wrong_schemas(tmp_path):
     runs, evals, bench = fabricate(tmp_path)
     with open(os.path.join(runs[0], "log.jsonl"), "ab") as f:
         f.write(b"garbage\n" + b'{"step": 30, "loss"' + b"\0" * 64)
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
     def plot_py(*argv):
         p = subprocess.run([sys.executable, os.path.join(here, "plot.py"), *argv, "--out_dir", str(tmp_path / "f")],
