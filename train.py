@@ -15,7 +15,6 @@ One training step (paper Algorithm 1, objective.py): x0 ~ data, t ~ stratified U
 The file reads top to bottom: the config; the step; evaluation; the run and its loop (guarded_loop, shared
 with distill.py), where ranks, signals, checkpoints, the memory probe and the log are one call each (plumbing/).
 """
-import json
 import math
 import os
 import signal
@@ -383,15 +382,17 @@ def train(cfg, env):
         restore(run, ckpt, env)
     fit_micro_batch(run, cfg, env)
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
-    log = Log(cfg, env, run.it)
-    if env.master:
-        print(json.dumps({"train_config": asdict(cfg), "model_config": asdict(mcfg)}, indent=1))
+    if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
+        print(f"--preset {cfg.preset} --loss {cfg.loss} on {cfg.dataset} ({cfg.tokenizer}, L = {cfg.block_size}), "
+              f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
+              f"{os.path.join(cfg.out_dir, 'config.json')}")
         print(f"model: {run.raw_model.num_params() / 1e6:.2f}M parameters "
               f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); world {env.world_size} x "
               f"micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
               f"{cfg.batch_size} sequences/step")
+    log = Log(cfg, env, run.it)
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
               lambda sums: val_metrics(sums, cfg, data_dir))]
     if quality is not None:
