@@ -46,6 +46,7 @@ from objective import unwrap
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, restore, save
 from plumbing.distributed import run_distributed
 from plumbing.files import write_json
+from plumbing.tracking import require_trackers
 from plumbing.runlog import Log
 
 
@@ -199,6 +200,7 @@ def parse_config(argv=None):
 
 
 def validate(cfg, world_size):
+    require_trackers(cfg)
     if cfg.divergence not in DIVERGENCES:
         raise UsageError(f"unknown --divergence {cfg.divergence!r}; choose from {', '.join(DIVERGENCES)}")
     if cfg.teacher not in ("live", "ema"):
@@ -388,7 +390,9 @@ def distill(cfg, env):
     teacher_fn = torch.compile(teacher) if cfg.compile else teacher
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
     log = Log(SimpleNamespace(out_dir=cfg.out_dir, batch_size=cfg.batch_size, block_size=mcfg.block_size,
-                                    loss=f"dcd {base_loss}", max_iters=cfg.max_iters, resume=cfg.resume), env, run.it)
+                              loss=f"dcd {base_loss}", max_iters=cfg.max_iters, resume=cfg.resume, wandb=cfg.wandb,
+                              wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard), env, run.it,
+              config={"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     if env.master:
         K, table = mcfg.vocab_size, (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
         a_lo, a_hi = (float(diffusion.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
@@ -407,7 +411,7 @@ def distill(cfg, env):
         [(cfg.eval_interval, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
           lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
         save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
-        samples=lambda: print_samples(run, cfg, init_ckpt, meta, env), what="distillation",
+        samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, meta, env)), what="distillation",
         nonfinite=lambda it: f"non-finite DCD loss by step {it}; the last good checkpoint in {cfg.out_dir} is kept. "
                              f"Lower --lr.")
 
@@ -424,9 +428,11 @@ def print_samples(run, cfg, init_ckpt, meta, env):
         ids = generate(model, cfg.num_samples, model.config.block_size, model.config.vocab_size, cfg.sample_steps,
                        alpha_schedule=schedule, final_step=final_step, generator=gen, device=env.device)
         model.train()
-    for i, row in enumerate(ids.tolist()):
-        print(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{tok.decode(row)}")
+    texts = [tok.decode(row) for row in ids.tolist()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{text}")
     sys.stdout.flush()
+    return texts
 
 
 if __name__ == "__main__":

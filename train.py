@@ -40,6 +40,7 @@ from plumbing.files import os_error_line, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, truncate_log  # noqa: F401
 from pretrained import export
+from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -73,6 +74,9 @@ class OptimConfig:
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False
+    wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
+    wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
+    tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
 
 
 @dataclass
@@ -157,6 +161,7 @@ def flagship_launch(argv, cfg):
 
 
 def validate(cfg, world_size):
+    require_trackers(cfg)
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
@@ -382,6 +387,7 @@ def train(cfg, env):
         restore(run, ckpt, env)
     fit_micro_batch(run, cfg, env)
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
+    log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
@@ -392,7 +398,6 @@ def train(cfg, env):
               f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); world {env.world_size} x "
               f"micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
               f"{cfg.batch_size} sequences/step")
-    log = Log(cfg, env, run.it)
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
               lambda sums: val_metrics(sums, cfg, data_dir))]
     if quality is not None:
@@ -404,7 +409,7 @@ def train(cfg, env):
             keep_checkpoint(run, cfg, mcfg, meta)
     return guarded_loop(run, cfg, env, log, lambda *batch: train_step(run, cfg, env, *batch), evals,
                         save=lambda: save(run, cfg, mcfg, meta, env), keep=keep,
-                        samples=lambda: print_samples(run, cfg, meta, env), what="training",
+                        samples=lambda: log.samples(run.it, print_samples(run, cfg, meta, env)), what="training",
                         nonfinite=lambda it: f"non-finite loss by step {it} (lr {lr_at(it - 1, cfg):.2e}); the last "
                                              f"good checkpoint in {cfg.out_dir} is kept. Lower --lr or check the data.")
 
@@ -474,8 +479,10 @@ def print_samples(run, cfg, meta, env):
             ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
                            alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device)
         model.train()
-    for i, row in enumerate(ids.tolist()):
-        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{tok.decode(row)}")
+    texts = [tok.decode(row) for row in ids.tolist()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
+    return texts
 
 
 if __name__ == "__main__":

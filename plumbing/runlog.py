@@ -5,24 +5,34 @@ import os
 import time
 
 from plumbing.files import append_jsonl, save_atomic
+from plumbing.tracking import open_trackers
 
 
 class Log:
-    """Rank 0's progress bar and out_dir/log.jsonl: training loss and tokens/s at log steps, validation metrics."""
+    """Rank 0's progress bar and out_dir/log.jsonl: training loss and tokens/s at log steps, validation metrics;
+    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict)."""
 
-    def __init__(self, cfg, env, step):
+    def __init__(self, cfg, env, step, config=None):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
         self.tokens_per_step, self.loss_name = cfg.batch_size * cfg.block_size, cfg.loss
         self.t_last, self.step_last = time.time(), step
-        self.pbar = None
+        self.pbar, self.trackers = None, []
         if self.master:
             if cfg.resume:
                 truncate_log(self.path, step)
             from tqdm import tqdm
             self.pbar = tqdm(total=cfg.max_iters, initial=step, desc=f"train {cfg.loss}", dynamic_ncols=True)
+            self.trackers = open_trackers(cfg, step, config or {})
 
     def _write(self, record):
         append_jsonl(self.path, [record])
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def samples(self, step, texts):
+        """The end-of-run samples (texts) to the trackers; log.jsonl keeps only numbers."""
+        for tracker in self.trackers:
+            tracker.samples(step, texts)
 
     def progress(self, step, loss_sum, lr):
         steps, dt = step - self.step_last, time.time() - self.t_last
@@ -52,6 +62,9 @@ class Log:
     def __exit__(self, *exc):   # an error ends the bar's line, so its one-line message starts a line of its own
         if self.master:
             self.pbar.close()
+            for tracker in self.trackers:   # after close(): the samples come after the bar ends
+                tracker.close()
+            self.trackers = []
 
 
 def truncate_log(path, step):
