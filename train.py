@@ -48,32 +48,33 @@ from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped,
 class OptimConfig:
     """The optimisation, evaluation and system fields train.py and distill.py share (same flags, same meaning;
     distill.py changes some defaults)."""
-    max_iters: int = 1000
+    # optimisation
+    max_iters: int = 1000            # optimizer steps of the whole run (a resumed run trains up to this step)
     batch_size: int = 32             # GLOBAL batch in sequences (all ranks x accumulation steps)
-    grad_accum: int = 1
-    lr: float = 1e-3
+    grad_accum: int = 1              # micro-batches per optimizer step (micro-batch = batch_size / (ranks x this))
+    lr: float = 1e-3                 # peak AdamW learning rate, reached after warmup_iters
     lr_schedule: str = "linear"      # constant | linear | cosine (after warm-up)
-    min_lr: float = 0.0
-    warmup_iters: int = 100
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    min_lr: float = 0.0              # the learning rate that linear / cosine decay reaches at max_iters
+    warmup_iters: int = 100          # steps of linear warm-up from lr / warmup_iters to lr
+    beta1: float = 0.9               # AdamW beta1
+    beta2: float = 0.999             # AdamW beta2
+    weight_decay: float = 0.0        # AdamW weight decay, on weight matrices only (not biases, norms)
+    grad_clip: float = 1.0           # clip the global gradient norm to this (0 = off)
     ema: float = 0.999               # EMA decay (0 = off); Duo warms it up as min(ema, (1+n)/(10+n))
     # evaluation, logging, checkpoints
-    eval_interval: int = 250
+    eval_interval: int = 250         # validation NELBO (EMA weights) every N steps and at the end -> log.jsonl
     eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
-    log_interval: int = 10
-    ckpt_interval: int = 250
-    num_samples: int = 4             # printed at the end of training
-    sample_steps: int = 128
-    out_dir: str = "out"
-    resume: bool = False
-    # system
-    seed: int = 1
+    log_interval: int = 10           # training loss, lr and tokens/s every N steps (progress bar, log.jsonl)
+    ckpt_interval: int = 250         # write out_dir/ckpt.pt every N steps (and at the end, and on Ctrl-C)
+    num_samples: int = 4             # samples printed at the end of training (EMA weights; 0 = none)
+    sample_steps: int = 128          # reverse steps of the samples printed at the end
+    out_dir: str = "out"             # the run's folder: ckpt.pt, config.json, log.jsonl, model/
+    resume: bool = False             # continue out_dir/ckpt.pt exactly where it stopped (same data, RNG, optimizer)
+    # runtime
+    seed: int = 1                    # seeds the weights, the data order and every noise draw
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
-    compile: bool = False
+    compile: bool = False            # torch.compile the model (slower start, faster steps on GPU)
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
@@ -81,6 +82,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig(OptimConfig):
+    # preset and objective
     preset: str = "tiny"             # tiny | owt (= small) | lm1b | medium | large (model + recipe), TRAIN_PRESETS
     loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
@@ -92,26 +94,32 @@ class TrainConfig(OptimConfig):
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
-    # model (0 = take from the model preset)
-    n_layer: int = 0
-    n_head: int = 0
-    n_embd: int = 0
-    dropout: float = 0.0
+    # model
+    # 0 = the model preset's (model.PRESETS[preset])
+    n_layer: int = 0                 # Transformer blocks
+    n_head: int = 0                  # attention heads (n_embd must be divisible by it)
+    n_embd: int = 0                  # hidden width
+    dropout: float = 0.0             # dropout in the blocks during training (the paper's DiT-small: 0.1)
+    # runtime
     auto_accum: bool = True          # CUDA: if the micro-batch does not fit, raise grad_accum until it does (0: stop)
-    noise_schedule: str = "loglinear"
-    # Duo's Gaussian-guided curriculum (0 steps = off)
-    curriculum_iters: int = 0
-    gamma_min: float = -3.55
-    gamma_max: float = -1.85
-    log10_tau_start: float = -3.0
-    log10_tau_end: float = -3.0
+    # diffusion
+    noise_schedule: str = "loglinear"  # alpha_t of the forward process: loglinear (1 - (1 - 1e-3) t) | cosine
+    # Duo's Gaussian-guided curriculum
+    # the first curriculum_iters steps corrupt through a Gaussian latent (diffusion.curriculum_sample); 0 steps = off
+    curriculum_iters: int = 0        # steps of curriculum at the start of training (the paper's recipe: 500K)
+    gamma_min: float = -3.55         # the Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min): at t = 0
+    gamma_max: float = -1.85         # ... and at t = 1
+    log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
+    log10_tau_end: float = -3.0      # ... at the last curriculum step (log-linear in between)
+    # evaluation, logging, checkpoints
     keep_every: int = 0              # N > 0: also keep out_dir/ckpt_<step>.pt (weights + EMA, for evaluation) every N steps
-    # sample quality during training (paper Figs. ppl_curve_lm1b, entropy_curve_lm1b): every gen_interval steps
-    # and at the end, Gen PPL and entropy of gen_num_samples EMA samples -> log.jsonl. 0 = off
-    gen_interval: int = 0
+    # sample quality during training
+    # paper Figs. ppl_curve_lm1b, entropy_curve_lm1b: every gen_interval steps and at the end, Gen PPL and entropy
+    # of gen_num_samples EMA samples -> log.jsonl
+    gen_interval: int = 0            # steps between two measurements of sample quality (0 = off)
     gen_num_samples: int = 64        # split over ranks: rank r draws its share with seed gen_seed + r, every time
     gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
-    gen_seed: int = 0
+    gen_seed: int = 0                # the samples' seed, the same at every measurement (curves compare like with like)
     judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo
 
 
@@ -144,7 +152,9 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 # config
 
 def parse_config(argv=None):
-    return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS)
+    return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
+                       preset_note=lambda name: f"its model (model.PRESETS; --n_layer etc. of 0 take these): "
+                                                f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
 
 
 FLAGSHIP_PRESET = "small"
