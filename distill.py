@@ -54,14 +54,15 @@ from plumbing.runlog import Log
 class DistillConfig(train.OptimConfig):
     """train.OptimConfig's optimisation, evaluation and system flags (train.py's names and meaning), with DCD's
     defaults, and the DCD settings."""
+    # the model to distil
     preset: str = "tiny"             # tiny (CPU schedule) | small (Duo's distil_owt.sh), see DISTILL_PRESETS
-    init: str = "out/ckpt.pt"        # the checkpoint to distil: train.py's, or distill.py's for more rounds
+    init: str = "out/ckpt.pt"        # the model to distil: ckpt.pt or model folder of train.py (distill.py: more rounds)
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
     # DCD
     round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round
     T: int = 64                      # dt = 2^round / T (Duo: T = 512, rounds of 10K steps, 5 rounds)
-    gamma_min: float = -4.0          # Gaussian log-SNR range of t in [0, 1] (Duo's distillation: [-4, -1])
-    gamma_max: float = -1.0
+    gamma_min: float = -4.0          # Gaussian log-SNR range of t in [0, 1] (Duo's distillation: [-4, -1]): t = 0
+    gamma_max: float = -1.0          # ... and t = 1 (gamma_t = gamma_min + t (gamma_max - gamma_min))
     divergence: str = "kl_bwd"       # kl_bwd: KL(student || teacher) (Duo's default) | kl_fwd: KL(teacher || student)
     teacher: str = "live"            # the teacher of a round: the student's live weights (Duo) | its ema weights
     data_dir: str = ""               # prepared data ("" = the one recorded in --init)
@@ -70,11 +71,11 @@ class DistillConfig(train.OptimConfig):
     lr: float = 1e-4
     lr_schedule: str = "constant"
     warmup_iters: int = 10
-    ema: float = 0.99                # with Duo's warm-up
-    eval_interval: int = 100
+    ema: float = 0.99
+    eval_interval: int = 100         # validation DCD loss and NELBO (EMA weights) every N steps and at the end
     eval_iters: int = 4
     ckpt_interval: int = 100
-    sample_steps: int = 8            # few-step samples printed at the end
+    sample_steps: int = 8            # reverse steps of the few-step samples printed at the end
     out_dir: str = "out-dcd"
 
 
@@ -233,18 +234,27 @@ def validate(cfg, world_size):
 
 
 def load_init(cfg):
-    """The checkpoint to distil -> (its weights, the checkpoint). Refuses the AR baseline."""
-    if not os.path.isfile(cfg.init):
-        raise UsageError(f"--init {cfg.init}: no such checkpoint")
-    try:
-        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
+    """The model to distil -> (its weights, a checkpoint dict): a train.py / distill.py checkpoint, or a model
+    folder (pretrained.py; read as a checkpoint by plumbing.folder.load_folder). Refuses the AR baseline."""
+    if os.path.isdir(cfg.init):
+        from plumbing.folder import load_folder
+        try:
+            model, ckpt = load_folder(cfg.init, use_ema=cfg.init_ema)
+        except ValueError as e:
+            raise UsageError(f"--init {first_line(e)}") from None
+        weights = model.state_dict()
+    else:
+        if not os.path.isfile(cfg.init):
+            raise UsageError(f"--init {cfg.init}: no such checkpoint")
+        try:
+            ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+            raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
+        weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
     if ckpt["model_config"].get("causal"):
         raise UsageError(f"--init {cfg.init} is the autoregressive baseline; DCD distils diffusion models")
-    weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
     return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}, ckpt
 
 

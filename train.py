@@ -66,12 +66,12 @@ class OptimConfig:
     eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
     log_interval: int = 10           # training loss, lr and tokens/s every N steps (progress bar, log.jsonl)
     ckpt_interval: int = 250         # write out_dir/ckpt.pt every N steps (and at the end, and on Ctrl-C)
-    num_samples: int = 4             # samples printed at the end of training (EMA weights; 0 = none)
+    num_samples: int = 4             # samples printed at the end of the run (EMA weights; 0 = none)
     sample_steps: int = 128          # reverse steps of the samples printed at the end
     out_dir: str = "out"             # the run's folder: ckpt.pt, config.json, log.jsonl, model/
     resume: bool = False             # continue out_dir/ckpt.pt exactly where it stopped (same data, RNG, optimizer)
     # runtime
-    seed: int = 1                    # seeds the weights, the data order and every noise draw
+    seed: int = 1                    # seeds the data order, every noise draw and (train.py) the initial weights
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False            # torch.compile the model (slower start, faster steps on GPU)
