@@ -595,12 +595,19 @@ def run_lm_eval(task, lm, limit, include_path=""):
 
 @dataclass
 class EvalConfig:
-    ckpt: str = "out/ckpt.pt"
+    # model
+    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, a model folder, or duo:PATH
+    use_ema: bool = True             # evaluate the EMA weights (the live ones when the checkpoint has no EMA)
+    add_bos: bool = True             # BOS before the context (training blocks start with BOS)
+    # tasks
     tasks: str = ""                  # lm-eval task names, comma-separated; "paper" = the paper's eight
     jsonl: str = ""                  # local JSONL files, comma-separated (task name = file stem): built-in runner
     data_dir: str = "data/downstream"  # without lm-eval (or with --builtin 1), --tasks NAME reads DATA_DIR/NAME.jsonl
     builtin: bool = False            # use the built-in runner for --tasks even when lm-eval is installed
     include_path: str = ""           # extra lm-eval task YAML folder (offline tasks over local files)
+    limit: int = 0                   # first N items per task (0 = all)
+    out: str = ""                    # results JSON (and the table as .md next to it), rewritten after every task
+    # scoring
     mc_draws: int = 128              # Monte Carlo draws per request (SMDM 1024, LLaDA 128)
     cfg: str = "off"                 # off | on | both (one row each, as the paper's Tables)
     cfg_w: float = PAPER_CFG_W       # guidance weight w when CFG is on (paper: 1.1)
@@ -611,14 +618,11 @@ class EvalConfig:
     final_step: str = "auto"         # lm-eval generate_until: ancestral | greedy | none | auto (by objective)
     top_p: float = 1.0               # lm-eval generate_until: nucleus on x_theta
     rolling_context: int = 1         # lm-eval loglikelihood_rolling: clean tokens before each window's piece
-    seed: int = 1234
+    # runtime
+    seed: int = 1234                 # every request's times, noise and null contexts are drawn from this seed
     batch_size: int = 16             # MC draws per forward (2 x rows with CFG)
-    limit: int = 0                   # first N items per task (0 = all)
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
-    use_ema: bool = True
-    add_bos: bool = True             # BOS before the context (training blocks start with BOS)
-    out: str = ""                    # results JSON (and the table as .md next to it), rewritten after every task
 
 
 DEFINITIONS = {

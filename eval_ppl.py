@@ -261,36 +261,38 @@ def judge_shares_tokenizer(judge, tok):
 
 @dataclass
 class EvalConfig:
+    # model and metric
     ckpt: str = "out/ckpt.pt"        # the model to evaluate (genppl with --samples does not need it)
     metric: str = "nelbo"            # nelbo | zeroshot | genppl
-    use_ema: bool = True
-    seed: int = 0
+    use_ema: bool = True             # evaluate the EMA weights (the live ones when the checkpoint has no EMA)
+    out: str = ""                    # also write the JSON result here
+    # runtime
+    seed: int = 0                    # seeds the times and noise of the NELBO and the samples of genppl
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     batch_size: int = 16             # sequences per forward
-    out: str = ""                    # also write the JSON result here
     # nelbo / zeroshot
     data_dir: str = ""               # nelbo: prepared data folder ("" = the checkpoint's train_config.data_dir)
-    split: str = "val"
-    max_batches: int = 0             # 0 = the whole split / text
-    mc_draws: int = 1                # (t, xt) draws per sequence
-    t_min: float = 1e-3
+    split: str = "val"               # nelbo: the prepared split to score, val | train
+    max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
+    mc_draws: int = 1                # (t, xt) draws per sequence, averaged
+    t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
     seq_len: int = 0                 # zeroshot block length (0 = the model's block_size; paper: 1024)
     # genppl
     judge: str = "gpt2-large"        # HF causal LM (needs transformers) or an AR checkpoint .pt of this repo
     samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
     steps: str = "128"               # comma list: one row of the "Gen PPL vs sampling steps" table each
-    num_samples: int = 16
+    num_samples: int = 16            # samples generated and scored per row
     final_step: str = "auto"         # ancestral | greedy | none | auto (sample.default_final_step)
-    top_p: float = 1.0
+    top_p: float = 1.0               # nucleus on x_theta (1 = off), as sample.py --top_p
     sampler: str = "ancestral"       # ancestral | psi: the --sampler and --psi_* flags of sample.py
-    psi_kappa: str = "eta"
-    psi_eta: str = "0.9"
-    psi_profile: str = "linear"
-    psi_loop_t: float = 0.1
-    psi_fracs: str = "0.45,0.5,0.05"
-    judge_batch_size: int = 8
+    psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant, as sample.py
+    psi_eta: str = "0.9"             # psi: eta of each mode, 1 or 3 values, as sample.py
+    psi_profile: str = "linear"      # psi: time profile, linear | loop, as sample.py
+    psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase, as sample.py
+    psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
+    judge_batch_size: int = 8        # samples per forward of the judge
     save_samples: str = ""           # append the generated samples (JSONL) here
 
 

@@ -39,7 +39,7 @@ class PlotConfig:
     out_dir: str = "figures"         # where the PNG files go
     table: str = ""                  # also write the markdown tables here ("-" = print only)
     table_steps: int = 0             # sampling steps of the table's Gen PPL (0 = the most steps evaluated)
-    dpi: int = 110
+    dpi: int = 110                   # resolution of the PNG files
 
 
 # -----------------------------------------------------------------------------------------------

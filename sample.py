@@ -385,8 +385,11 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 
 @dataclass
 class SampleConfig:
-    ckpt: str = "out/ckpt.pt"
-    num_samples: int = 4
+    # model
+    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, a model folder, or duo:PATH (Duo's release)
+    use_ema: bool = True             # sample from the EMA weights (the live ones when the checkpoint has no EMA)
+    # sampler
+    num_samples: int = 4             # sequences to draw
     batch_size: int = 0              # sequences per sampler call (0 = num_samples)
     seq_len: int = 0                 # 0 = the model's block_size
     steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
@@ -401,11 +404,12 @@ class SampleConfig:
     psi_profile: str = "linear"      # psi: time profile, linear | loop (high, middle held at psi_loop_t, low)
     psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase
     psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
+    # prompt
     prompt: str = ""                 # text held fixed at the start of every sample
     prompt_ids: str = ""             # or token ids "1,2,3" (used verbatim, no BOS added)
     add_bos: bool = True             # prepend the tokenizer's BOS to --prompt (training blocks start with BOS)
-    seed: int = 0
-    use_ema: bool = True
+    # runtime
+    seed: int = 0                    # seeds the sampler's noise (the same seed gives the same samples)
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     out: str = "samples.jsonl"       # appended to; "" = print only
