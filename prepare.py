@@ -853,7 +853,7 @@ class PrepareConfig:
     dataset: str = "pydoc"           # pydoc (built in) | a local corpus (LOCAL_FORMATS) | a name in HF_CORPORA |
                                      # hf:REPO[:CONFIG][@REVISION]
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
-    data_dir: str = ""               # the folder to write; "" = prepared_dir(dataset, tokenizer, block_size, ...), as train.py
+    data_dir: str = ""               # output folder; "" = prepared_dir(dataset, tokenizer, block_size, ...) as train.py
     block_size: int = 128            # tokens per sequence L (as train.py --block_size)
     wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
     insert_eos: bool = True          # EOS between wrapped documents
