@@ -397,7 +397,6 @@ def train(cfg, env):
         restore(run, ckpt, env)
     fit_micro_batch(run, cfg, env)
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
-    log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
@@ -408,6 +407,7 @@ def train(cfg, env):
               f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); world {env.world_size} x "
               f"micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
               f"{cfg.batch_size} sequences/step")
+    log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
               lambda sums: val_metrics(sums, cfg, data_dir))]
     if quality is not None:
@@ -463,7 +463,6 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (pretrained.py)
             folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
-            print(f"{what} finished: checkpoint {ckpt_path}, model folder {folder}")
         try:
             with interruptible(stop):                  # also a signal during the final save
                 if env.master and cfg.num_samples > 0:
@@ -473,7 +472,23 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                 print(f"stopped by signal {stop['signal']} after {what}; checkpoint of step {run.it} saved to "
                       f"{ckpt_path}")
             return 130
+    if env.master:                                     # last, after the trackers have closed
+        print(finish_lines(cfg, what, run.it, ckpt_path, folder))
     return 0
+
+
+def finish_lines(cfg, what, step, ckpt_path, folder):
+    """The last lines of a finished run: where its checkpoint, its model folder and its samples went."""
+    if cfg.num_samples > 0:
+        samples = f"the {cfg.num_samples} printed above (EMA weights, {cfg.sample_steps} steps)"
+        samples += ", also in the wandb run" if cfg.wandb else ""
+        samples += f", also in {os.path.join(cfg.out_dir, 'tensorboard')}" if cfg.tensorboard else ""
+    else:
+        samples = "none (--num_samples 0)"
+    return (f"{what} finished at step {step}; log: {os.path.join(cfg.out_dir, 'log.jsonl')}\n"
+            f"  checkpoint:   {ckpt_path} (--resume 1 with a higher --max_iters continues it)\n"
+            f"  model folder: {folder} (python sample.py --ckpt {folder}; pretrained.SDDLM.from_pretrained)\n"
+            f"  samples:      {samples}")
 
 
 def print_samples(run, cfg, meta, env):
