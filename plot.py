@@ -14,7 +14,7 @@ Figures (PNG; matplotlib, an optional dependency, is imported only to draw them)
 A figure whose data are absent is skipped (and said so). A line is named by its run's objective (config.json next
 to the run's log or checkpoint), with ε when it is not the default, and has its own marker and dashes (curves that
 coincide stay visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated
-at one step count (an ε sweep) get a panel of their own beside gen_ppl_vs_steps.png: Gen PPL against ε, with the
+at one step count (an ε sweep) get a panel of their own in gen_ppl_vs_steps.png: Gen PPL against ε, with the
 same objective at its default ε, on the same Gen PPL axis. Every Gen PPL figure names
 its judge in the title by a short label (an AR checkpoint's folder and step, a hub name); data scored by different
 judges are never drawn in one figure. A log.jsonl line that is not a whole record (torn by a crash, garbage) is
