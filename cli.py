@@ -107,7 +107,7 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
             parents[group].add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="0|1",
                                         help=help_text)
         else:
-            kind = f.type if callable(f.type) else {"int": int, "float": float, "str": str}[f.type]
+            kind = f.type if callable(f.type) else {"int": int, "float": float}.get(f.type, str)
             parents[group].add_argument(f"--{f.name}", type=kind, metavar=f.name.upper(), help=help_text)
 
     def error(message):
@@ -212,29 +212,26 @@ def _class_comments(klass):
     if not code_cols:
         return out
     body_col = code_cols[0]
-    title, last, previous = None, None, None      # the open group, the last field, what the previous row was
+    title, last, previous, prev_row = None, None, None, None   # the open group, the last field, the row before
     for r, ts in body:
-        first = ts[0]
-        if first.start[1] < body_col and first.type != tokenize.COMMENT:
-            break                                 # the class has ended
+        first, follows = ts[0], prev_row is not None and r == prev_row + 1
         if first.type == tokenize.COMMENT:
             text = first.string.lstrip("#").strip()
-            if first.start[1] > body_col and last is not None and previous in ("field", "more") and r == prev_row + 1:
-                name = last
-                desc, group = out["fields"][name]
-                out["fields"][name] = ((desc + " " + text).strip(), group)
-                previous = "more"
-            elif first.start[1] <= body_col:
-                if previous == "group" and r == prev_row + 1:
+            if first.start[1] <= body_col:                        # a group line
+                if previous == "group" and follows:               # ... describing the group it follows
                     t, d = out["groups"][-1]
-                    out["groups"][-1] = (t, (d + " " + text).strip() if d else text)
+                    out["groups"][-1] = (t, f"{d} {text}" if d else text)
                 else:
                     title = text
                     out["groups"].append((title, None))
                 previous = "group"
-            prev_row = r
-            continue
-        if (first.start[1] == body_col and first.type == tokenize.NAME and len(ts) > 1 and ts[1].string == ":"):
+            elif previous in ("field", "more") and follows:       # continues the description of the field above
+                desc, group = out["fields"][last]
+                out["fields"][last] = (f"{desc} {text}".strip(), group)
+                previous = "more"
+        elif first.start[1] < body_col:
+            break                                                 # the class has ended
+        elif first.start[1] == body_col and first.type == tokenize.NAME and len(ts) > 1 and ts[1].string == ":":
             comments = [t.string.lstrip("#").strip() for t in ts if t.type == tokenize.COMMENT]
             out["fields"][first.string] = (" ".join(comments), title)
             last, previous = first.string, "field"
