@@ -58,11 +58,11 @@ class OptimConfig:
     warmup_iters: int = 100          # steps of linear warm-up from lr / warmup_iters to lr
     beta1: float = 0.9               # AdamW beta1
     beta2: float = 0.999             # AdamW beta2
-    weight_decay: float = 0.0        # AdamW weight decay, on weight matrices only (not biases, norms)
+    weight_decay: float = 0.0        # AdamW weight decay of the matrices and embeddings (not of biases and norms)
     grad_clip: float = 1.0           # clip the global gradient norm to this (0 = off)
     ema: float = 0.999               # EMA decay (0 = off); Duo warms it up as min(ema, (1+n)/(10+n))
     # evaluation, logging, checkpoints
-    eval_interval: int = 250         # validation NELBO (EMA weights) every N steps and at the end -> log.jsonl
+    eval_interval: int = 250         # validation loss and NELBO PPL (EMA weights) every N steps and at the end
     eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
     log_interval: int = 10           # training loss, lr and tokens/s every N steps (progress bar, log.jsonl)
     ckpt_interval: int = 250         # write out_dir/ckpt.pt every N steps (and at the end, and on Ctrl-C)

@@ -117,7 +117,7 @@ def test_train_help_describes_and_groups_its_flags():
     assert "a key of OBJECTIVES: sddlm | sddlm_v1" in groups["preset and objective"].split("--loss LOSS")[1]
     assert "--block_size BLOCK_SIZE sequence length L (default 128)" in groups["data"]
     assert "--lr LR peak AdamW learning rate" in groups["optimisation"]
-    assert "--eval_interval EVAL_INTERVAL validation NELBO" in groups["evaluation, logging, checkpoints"]
+    assert "--eval_interval EVAL_INTERVAL validation loss and NELBO PPL" in groups["evaluation, logging, checkpoints"]
     assert "--keep_every" in groups["evaluation, logging, checkpoints"]        # a TrainConfig field, a base's group
     assert "--device DEVICE auto | cpu | cuda (default auto)" in groups["runtime"]
     assert "--curriculum_iters" in groups["Duo's Gaussian-guided curriculum"]
