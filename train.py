@@ -6,10 +6,10 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
-Every field of TrainConfig is a CLI flag; --preset applies a dict of overrides first (TRAIN_PRESETS),
-explicit flags win. Without --preset, a torchrun launch on CUDA trains the paper's recipe (FLAGSHIP_PRESET);
-`python train.py` on one process trains the tiny offline demo. The run's full config is printed at start and
-saved next to the checkpoint. On CUDA, plumbing.memory.fit_micro_batch checks at start that the micro-batch fits.
+Every field of TrainConfig is a CLI flag (`--help` describes them: the comment on each field's line); --preset
+applies a dict of overrides first (TRAIN_PRESETS), explicit flags win. Without --preset, a torchrun launch on CUDA
+trains the paper's recipe (FLAGSHIP_PRESET); `python train.py` on one process trains the tiny offline demo. A short
+summary is printed at start, the full config saved next to the checkpoint (config.json). On CUDA, plumbing.memory.fit_micro_batch checks at start that the micro-batch fits.
 One training step (paper Algorithm 1, objective.py): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
 The file reads top to bottom: the config; the step; evaluation; the run and its loop (guarded_loop, shared
