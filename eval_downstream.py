@@ -473,7 +473,7 @@ class _Harness:
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
         model, ckpt_dict = load_model(str(ckpt), device, use_ema)
-        tokenizer, why = load_tokenizer(ckpt_dict)
+        tokenizer, why = load_tokenizer(ckpt_dict, str(ckpt))
         if tokenizer is None:
             raise EvalError(f"{ckpt}: {why}")
         return Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
@@ -742,7 +742,7 @@ def main(argv=None):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
-    tokenizer, why = load_tokenizer(ckpt)
+    tokenizer, why = load_tokenizer(ckpt, cfg.ckpt)
     if tokenizer is None:
         raise EvalError(f"{cfg.ckpt}: {why}")
     if cfg.rolling_context >= model.config.block_size:
