@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from cli import first_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
                   train_sentencepiece, verify_prepared, wrap_blocks)
 
@@ -193,8 +194,7 @@ def _load_dataset(what, path, **kwargs):
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first}); {OFFLINE}") from None
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
 
 
 def _hub_path(repo, revision):
