@@ -412,8 +412,7 @@ def distill(cfg, env):
           lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
         save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
         samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, meta, env)), what="distillation",
-        nonfinite=lambda it: f"non-finite DCD loss by step {it}; the last good checkpoint in {cfg.out_dir} is kept. "
-                             f"Lower --lr.")
+        nonfinite=lambda it, why: f"{why.replace(' loss', ' DCD loss', 1)} by step {it}; {train.kept(cfg)}. Lower --lr.")
 
 
 def print_samples(run, cfg, init_ckpt, meta, env):

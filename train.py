@@ -42,6 +42,7 @@ from plumbing.runlog import Log, truncate_log  # noqa: F401
 from pretrained import export
 from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
+from plumbing.integrity import DivergenceRule
 
 
 @dataclass
@@ -77,6 +78,7 @@ class OptimConfig:
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
+    diverge_margin: float = 0.0      # stop when a logged loss exceeds the median of the last 20 by this (nats/token; 0 = log V)
 
 
 @dataclass
@@ -410,37 +412,52 @@ def train(cfg, env):
     return guarded_loop(run, cfg, env, log, lambda *batch: train_step(run, cfg, env, *batch), evals,
                         save=lambda: save(run, cfg, mcfg, meta, env), keep=keep,
                         samples=lambda: log.samples(run.it, print_samples(run, cfg, meta, env)), what="training",
-                        nonfinite=lambda it: f"non-finite loss by step {it} (lr {lr_at(it - 1, cfg):.2e}); the last "
-                                             f"good checkpoint in {cfg.out_dir} is kept. Lower --lr or check the data.")
+                        nonfinite=lambda it, why: f"{why} by step {it} (lr {lr_at(it - 1, cfg):.2e}); {kept(cfg)}. "
+                                                  f"Lower --lr or check the data.")
+
+
+def kept(cfg):
+    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"
 
 
 def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite, keep=None):
     """The loop of train.py and distill.py: step(*batch) until max_iters; the loss is checked and logged every
     log_interval steps (one host sync shared by the ranks, agree); each of evals (interval, work, metrics) runs at
     its interval and at the end; a checkpoint every ckpt_interval steps, at the end and on a stop signal (SIGINT /
-    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step) -> the message of a
-    non-finite loss, raised before any checkpoint is written, so the last one on disk is good. -> exit code."""
+    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step, why) -> the message of a
+    non-finite or diverged loss (plumbing.integrity.DivergenceRule), raised before any checkpoint of those weights
+    is written, so the last one on disk is sound. -> exit code."""
     bad = torch.zeros((), device=env.device, dtype=torch.bool)   # a non-finite loss since the last check
     loss_sum = torch.zeros((), device=env.device)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    rule, first = DivergenceRule(cfg.diverge_margin, math.log(run.raw_model.config.vocab_size)), run.it + 1
     with stop_signals() as stop, log:
         while run.it < cfg.max_iters:
             loss = step(*run.loader.next_batch())
             loss_sum += loss
             bad |= ~torch.isfinite(loss)
+            if run.it == first:              # the loss of sound weights (initial, or a checked checkpoint)
+                rule.start(agree(env, loss.detach().clone(), bad, False)[0])
             last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
             stopping = False
             if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
                 mean, is_bad, stopping = agree(env, loss_sum, bad, stop["signal"] is not None)
-                if is_bad:
-                    raise FloatingPointError(nonfinite(run.it))
+                diverged = "non-finite loss" if is_bad else rule.check(mean / max(1, run.it - log.step_last))
+                if diverged:                 # before any checkpoint of these weights is written
+                    raise FloatingPointError(nonfinite(run.it, diverged))
                 log.progress(run.it, mean, lr_at(run.it - 1, cfg))
                 loss_sum.zero_()
             for interval, work, metrics in evals:
                 if (run.it % interval == 0 or last) and not stopping:
                     sums = reduced_unless_stopped(stop, env, 4, work)
                     if sums is not None:
-                        log.metrics(run.it, metrics(sums))
+                        values = metrics(sums)
+                        log.metrics(run.it, values)
+                        diverged = rule.check_metrics(values)
+                        if diverged:
+                            raise FloatingPointError(nonfinite(run.it, diverged))
                     stopping = any_rank(env, stop["signal"] is not None)
             if save_now or last or stopping:
                 save()

@@ -143,21 +143,23 @@ def check_tokenizer_identity(tok, ckpt, path):
 # divergence
 
 class DivergenceRule:
-    """When a training loss counts as diverged. The loss of the first step of a process is that of sound weights
-    (the initialisation, or a checkpoint that passed check_finite_weights); it starts a history of the last
-    `window` logged losses (each the mean over --log_interval steps). A logged loss diverges when it is not finite,
-    or when it exceeds the median of that history by more than `margin` nats per token.
+    """When training counts as diverged. The loss of the first step of a process is that of sound weights (the
+    initialisation, or a checkpoint that passed check_finite_weights); it starts a history of the last `window`
+    logged losses (each the mean over --log_interval steps). A logged loss diverges when it is not finite, or when
+    it exceeds the median of that history by more than `margin` nats per token. A validation NELBO (the bound every
+    objective is evaluated by) diverges when it is not finite or exceeds log V + margin.
 
-    The default margin is log V (V the vocabulary): the loss of a model that knows nothing, a uniform guess, is
-    about log V per token for every NLL-type objective (naive, sddlm, duo's NELBO, ar), so a rise of log V above
-    the recent level means predictions became worse than knowing nothing, by as much again. Healthy training,
-    however noisy, moves its logged mean by a fraction of that (the token mean over a batch, stratified t); an
-    optimiser blow-up (--lr 1e30: 1e30 nats) passes it at its first logged step. The median, not the mean, keeps
-    one spike in the history from raising the bar. The SDDLM-V1/V2 losses are bounded by |log eps| (~13.8) per
-    token, so a blow-up of theirs can stay below the bar; their NELBO at each evaluation shows it."""
+    The default margin is log V (V the vocabulary): a model that knows nothing, a uniform guess, scores about
+    log V per token on every NLL-type objective (naive, sddlm, duo's NELBO, ar) and on the NELBO, so a rise of
+    log V above the recent level means predictions became worse than knowing nothing, by as much again. Healthy
+    training, however noisy, moves its logged mean by a fraction of that (a token mean over the batch, stratified
+    t); an optimiser blow-up (--lr 1e30: a loss of 1e30 nats) passes it at its first logged step. The median, not
+    the mean, keeps one spike in the history from raising the bar. The SDDLM-V1/V2 training losses are bounded by
+    |log eps| (~13.8) per token, so their blow-up can stay under the loss bar; the NELBO bar sees it at the next
+    evaluation."""
 
-    def __init__(self, margin, window=20):
-        self.margin, self.history = margin, deque(maxlen=window)
+    def __init__(self, margin, log_v, window=20):
+        self.margin, self.log_v, self.history = margin or log_v, log_v, deque(maxlen=window)
 
     def start(self, loss):
         """The first step's loss of this process (sound weights)."""
@@ -165,13 +167,25 @@ class DivergenceRule:
             self.history.append(loss)
 
     def check(self, loss):
-        """A logged loss -> None when sound (and it joins the history), else the reason, in words."""
+        """A logged loss -> None when sound (it joins the history), else the reason, in words."""
         if not math.isfinite(loss):
             return "non-finite loss"
         if self.history:
             median = statistics.median(self.history)
             if loss > median + self.margin:
-                return (f"diverged loss {loss:.4g} (more than {self.margin:.3g} nats above the median {median:.4g} of "
-                        f"the last {len(self.history)} logged; --diverge_margin)")
+                return (f"diverged loss {loss:.4g} (more than {self.margin:.3g} nats above {median:.4g}, the median "
+                        f"of the {len(self.history)} before it; --diverge_margin)")
         self.history.append(loss)
+        return None
+
+    def check_metrics(self, metrics):
+        """An evaluation's metrics -> None when its val_nelbo (if any) is sound, else the reason."""
+        nelbo = metrics.get("val_nelbo")
+        if nelbo is None:
+            return None
+        if not math.isfinite(nelbo):
+            return "non-finite validation NELBO"
+        if nelbo > self.log_v + self.margin:
+            return (f"diverged validation NELBO {nelbo:.4g} (more than {self.margin:.3g} nats above log V = "
+                    f"{self.log_v:.3g}, a uniform guess; --diverge_margin)")
         return None
