@@ -33,8 +33,8 @@ from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
-from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights, keep_checkpoint,  # noqa: F401
-                                 load_resume_checkpoint, open_out_dir, restore, save)
+from plumbing.checkpoint import (RESUME_KEYS, check_resume, check_resume_data, ema_weights,  # noqa: F401
+                                 keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
 from plumbing.distributed import Env, agree, any_rank, on_rank0, run_distributed, setup_distributed  # noqa: F401
 from plumbing.files import os_error_line, write_json
 from plumbing.memory import fit_micro_batch
@@ -164,6 +164,8 @@ def flagship_launch(argv, cfg):
 
 def validate(cfg, world_size):
     require_trackers(cfg)
+    if not cfg.out_dir.strip():
+        raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
@@ -242,14 +244,15 @@ def prepare_data(cfg, env):
     rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
     def work():
         try:
-            from prepare import prepare_dataset, prepared_dir
+            from prepare import data_key, prepare_dataset, prepared_dir
+            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap))
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap))
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
         return data_dir
-    data_dir = on_rank0(env, work, DataError)
+    data_dir = on_rank0(env, work, DataError, ConfigError)
     return data_dir, load_meta(data_dir)
 
 

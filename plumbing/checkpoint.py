@@ -119,6 +119,30 @@ def load_resume_checkpoint(cfg):
     return ckpt
 
 
+def check_resume_data(cfg, key):
+    """Before any data preparation: a resume asks for the data its checkpoint was trained on (key: prepare.data_key
+    of this run's flags, against the checkpoint's meta['data_key']), so a changed --block_size, --tokenizer,
+    --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
+    weights are read); one that cannot be read this way is left to the full check after preparation."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if not cfg.resume or not os.path.isfile(path):
+        return
+    try:
+        old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["meta"]["data_key"]
+        old = {"text_field": "text", **old}
+    except Exception:
+        return
+    flags = {"block_size": "--block_size", "wrap": "--wrap"}
+    changed = [f"{flags[k]} was {old.get(k)!r}, now {v!r}" if k in flags else
+               f"--tokenizer {cfg.tokenizer!r} is not the tokenizer it was trained with (by content)" if k == "tokenizer"
+               else f"--dataset {cfg.dataset!r} is not the corpus it was trained on (by content)" if k == "corpus"
+               else f"{k} was {old.get(k)!r}, now {v!r}"
+               for k, v in {"text_field": "text", **key}.items() if old.get(k) != v]
+    if changed:
+        raise ConfigError(f"cannot resume from {path}: {'; '.join(changed)}; resume with the flags it was trained with "
+                          f"(its config.json) or start a new run in another --out_dir")
+
+
 def open_out_dir(cfg, mcfg, meta=None):
     """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
     mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
