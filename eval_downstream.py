@@ -469,6 +469,8 @@ class _Harness:
         if batch_size == 1 and mc_draws > 1:
             note_once("batch", f"--batch_size 1 (lm-eval's default) runs one of the {mc_draws} Monte Carlo draws "
                                f"per forward; --batch_size 16 or more is much faster")
+        if not str(ckpt).startswith("duo:") and not os.path.exists(str(ckpt)):   # the file first, then the device
+            raise EvalError(f"checkpoint not found: {ckpt} (--model_args ckpt=PATH)")
         name = str(device or "auto")
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"

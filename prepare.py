@@ -529,7 +529,18 @@ def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True
     tok = tokenizer_spec.replace(":", "").replace("/", "_")
     if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
         tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
-    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded") + f"-{_digest(key)}")
+    return os.path.join("data", f"{_short(name)}-{_short(tok)}-{block_size}" + ("" if wrap else "-padded") +
+                        f"-{_digest(key)}")
+
+
+def _short(part, limit=64):
+    """A part of a folder name within `limit` UTF-8 bytes: a longer one keeps its start and gains a digest of the
+    whole, so that the folder's name, with the temp folder's suffix, stays within a file name's 255 bytes (the
+    data_key digest at the end keeps folders of different data apart either way)."""
+    raw = part.encode()
+    if len(raw) <= limit:
+        return part
+    return raw[:limit - 9].decode(errors="ignore") + "~" + hashlib.sha256(raw).hexdigest()[:8]
 
 
 def _check_reusable(data_dir, key, verify=False):

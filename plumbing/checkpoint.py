@@ -132,15 +132,14 @@ def check_resume_data(cfg, key):
         old = {"text_field": "text", **old}
     except Exception:
         return
-    flags = {"block_size": "--block_size", "wrap": "--wrap"}
-    changed = [f"{flags[k]} was {old.get(k)!r}, now {v!r}" if k in flags else
-               f"--tokenizer {cfg.tokenizer!r} is not the tokenizer it was trained with (by content)" if k == "tokenizer"
-               else f"--dataset {cfg.dataset!r} is not the corpus it was trained on (by content)" if k == "corpus"
-               else f"{k} was {old.get(k)!r}, now {v!r}"
-               for k, v in {"text_field": "text", **key}.items() if old.get(k) != v]
+    flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
+    changed = [k for k, v in {"text_field": "text", **key}.items() if old.get(k) != v]
+    detail = [f"{flags[k]} {getattr(cfg, flags[k][2:])!r} is another by content" if k in ("corpus", "tokenizer") else
+              f"{flags.get(k, k)} was {old.get(k)!r}, now {key.get(k, 'text')!r}" for k in changed]
     if changed:
-        raise ConfigError(f"cannot resume from {path}: {'; '.join(changed)}; resume with the flags it was trained with "
-                          f"(its config.json) or start a new run in another --out_dir")
+        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
+                          f"({', '.join(changed)} changed): {'; '.join(detail)}; resume with the flags it was trained "
+                          f"with (its config.json) or start a new run in another --out_dir")
 
 
 def open_out_dir(cfg, mcfg, meta=None):
