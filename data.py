@@ -307,7 +307,8 @@ def check_meta_fields(meta, path):
             raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not {kind}; {fix}")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: field 'dtype' is {meta['dtype']!r}, not uint16 or uint32; {fix}")
-    needed = [f"{split}{part}.bin" for split in ("train", "val") for part in ("", *(() if meta["wrap"] else ("_mask",)))]
+    parts = ("",) if meta["wrap"] else ("", "_mask")
+    needed = [f"{split}{part}.bin" for split in ("train", "val") for part in parts]
     needed += ["tokenizer.model"] if meta.get("tokenizer_file") else []
     unlisted = [n for n in needed if not isinstance((meta.get("sha256") or {}).get(n), str)]
     if unlisted:

@@ -222,6 +222,8 @@ def validate(cfg, world_size):
         raise UsageError(f"--lr must be finite and > 0 (got {cfg.lr}), --min_lr in [0, lr], --warmup_iters >= 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.weight_decay >= 0 and cfg.grad_clip >= 0):
         raise UsageError("--beta1 and --beta2 must be in [0, 1), --weight_decay and --grad_clip >= 0")
+    if not 0 <= cfg.diverge_margin < math.inf:
+        raise UsageError(f"--diverge_margin must be in [0, inf) (0 = log V), got {cfg.diverge_margin}")
     if not cfg.gamma_min < cfg.gamma_max:
         raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max})")
     if step_size(cfg.max_iters - 1, cfg) >= 1:
@@ -429,7 +431,8 @@ def distill(cfg, env):
           lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
         save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
         samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, tok, env)), what="distillation",
-        nonfinite=lambda it, why: f"{why.replace(' loss', ' DCD loss', 1)} by step {it}; {train.kept(cfg)}. Lower --lr.")
+        nonfinite=lambda it, why: f"{why.replace(' loss', ' DCD loss', 1)} by step {it}; {train.kept(cfg)}. "
+                                  f"Lower --lr.")
 
 
 def print_samples(run, cfg, init_ckpt, tok, env):

@@ -78,7 +78,7 @@ class OptimConfig:
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
-    diverge_margin: float = 0.0      # stop when a logged loss exceeds the median of the last 20 by this (nats/token; 0 = log V)
+    diverge_margin: float = 0.0      # nats/token a logged loss may rise above its recent median (0 = log V)
 
 
 @dataclass
@@ -193,6 +193,7 @@ def validate(cfg, world_size):
     for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
                                     ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
                                     ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
+                                    ("diverge_margin", 0, math.inf, True),
                                     ("grad_clip", 0, math.inf, True)]:
         v = getattr(cfg, name)
         if not (low <= v if closed else low < v) or not v < high:

@@ -66,7 +66,8 @@ TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str"
 def check_checkpoint_fields(ckpt, path, error=ConfigError):
     """A checkpoint dict (train.py / distill.py) has its fields in the types save() writes: model (and ema, teacher)
     dicts of tensors, model_config a dict whose known fields have ModelConfig's types, train_config a dict (the fields
-    readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the tokenizer a string), step and n_ema ints >= 0.
+    readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the tokenizer a
+    string), step and n_ema ints >= 0.
     Otherwise `error` (a UsageError: one line naming the field)."""
     from model import ModelConfig
     _expect(isinstance(ckpt, dict), path, "(the whole file)", ckpt, "a dict", error)
