@@ -3,6 +3,8 @@ restoring it, the checks before a resume, and loading a model with its tokenizer
 A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
 (the last two per rank), plus a script's own entries (distill.py: distill_config, distilled_from, teacher)."""
 import os
+import warnings
+import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -125,10 +127,12 @@ def check_resume_data(cfg, key):
     --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
     weights are read); one that cannot be read this way is left to the full check after preparation."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if not cfg.resume or not os.path.isfile(path):
+    if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
         return
     try:
-        old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["meta"]["data_key"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["meta"]["data_key"]
         old = {"text_field": "text", **old}
     except Exception:
         return
