@@ -39,12 +39,13 @@ import torch
 import diffusion
 import train
 from cli import UsageError, first_line, parse_flags, resolve_dtype, run_cli
-from data import DataError, check_tokenizer, get_tokenizer, load_meta
+from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_sums
 from model import ModelConfig
 from objective import unwrap
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, restore, save
 from plumbing.distributed import run_distributed
+from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
 from plumbing.files import write_json
 from plumbing.tracking import require_trackers
 from plumbing.runlog import Log
@@ -202,6 +203,8 @@ def parse_config(argv=None):
 
 def validate(cfg, world_size):
     require_trackers(cfg)
+    if not cfg.out_dir.strip():
+        raise UsageError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out-dcd")
     if cfg.divergence not in DIVERGENCES:
         raise UsageError(f"unknown --divergence {cfg.divergence!r}; choose from {', '.join(DIVERGENCES)}")
     if cfg.teacher not in ("live", "ema"):
@@ -220,6 +223,8 @@ def validate(cfg, world_size):
         raise UsageError(f"--lr must be finite and > 0 (got {cfg.lr}), --min_lr in [0, lr], --warmup_iters >= 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.weight_decay >= 0 and cfg.grad_clip >= 0):
         raise UsageError("--beta1 and --beta2 must be in [0, 1), --weight_decay and --grad_clip >= 0")
+    if not 0 <= cfg.diverge_margin < math.inf:
+        raise UsageError(f"--diverge_margin must be in [0, inf) (0 = log V), got {cfg.diverge_margin}")
     if not cfg.gamma_min < cfg.gamma_max:
         raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max})")
     if step_size(cfg.max_iters - 1, cfg) >= 1:
@@ -252,20 +257,35 @@ def load_init(cfg):
             raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
+        check_checkpoint_fields(ckpt, cfg.init)
         weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
     if ckpt["model_config"].get("causal"):
         raise UsageError(f"--init {cfg.init} is the autoregressive baseline; DCD distils diffusion models")
     return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}, ckpt
 
 
-def data_for(cfg, init_ckpt, vocab_size):
-    """The prepared data folder (--data_dir, else the one recorded in --init) and its meta, checked against K."""
+def data_for(cfg, init_ckpt, record, vocab_size):
+    """The prepared data folder (--data_dir, else the one recorded in --init), its meta (files verified) and its
+    tokenizer, checked against K and against the tokenizer `record` (the checkpoint distilled or resumed) was
+    trained with. -> (data_dir, meta, tokenizer)."""
     data_dir = cfg.data_dir or (init_ckpt.get("train_config") or {}).get("data_dir")
     if not data_dir:
         raise UsageError(f"--init {cfg.init} records no data folder; pass --data_dir")
     meta = load_meta(data_dir)
     check_tokenizer(meta, vocab_size)
-    return os.path.abspath(data_dir), meta
+    verify_prepared(data_dir, meta)
+    tok = get_tokenizer(meta["tokenizer"])
+    check_tokenizer_identity(tok, record, cfg.init)
+    return os.path.abspath(data_dir), meta, tok
+
+
+def base_of(cfg, init_ckpt, record):
+    """The model config of the checkpoint distilled and its data (data_for) -> (mcfg, data_dir, meta, tokenizer)."""
+    try:
+        mcfg = ModelConfig(**init_ckpt["model_config"])
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
+    return (mcfg, *data_for(cfg, init_ckpt, record, mcfg.vocab_size))
 
 
 def open_out_dir(cfg):
@@ -375,15 +395,14 @@ def main(argv=None):
 
 def distill(cfg, env):
     validate(cfg, env.world_size)
+    if not cfg.resume:                   # every fault of --init and its data is found before out_dir is made
+        weights, init_ckpt = load_init(cfg)
+        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, init_ckpt)
     ckpt = open_out_dir(cfg)
-    weights, init_ckpt = load_init(cfg) if ckpt is None else (None, saved_init(ckpt))
     if ckpt is not None:
+        weights, init_ckpt = None, saved_init(ckpt)
         cfg.init = init_ckpt["path"] or cfg.init
-    try:
-        mcfg = ModelConfig(**init_ckpt["model_config"])
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
-    data_dir, meta = data_for(cfg, init_ckpt, mcfg.vocab_size)
+        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt)
     if ckpt is not None and ckpt["step"] == cfg.max_iters:
         if env.master:
             print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
@@ -421,16 +440,15 @@ def distill(cfg, env):
         [(cfg.eval_interval, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
           lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
         save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
-        samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, meta, env)), what="distillation",
-        nonfinite=lambda it: f"non-finite DCD loss by step {it}; the last good checkpoint in {cfg.out_dir} is kept. "
-                             f"Lower --lr.")
+        samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, tok, env)), what="distillation",
+        nonfinite=lambda it, why: f"{why.replace(' loss', ' DCD loss', 1)} by step {it}; {train.kept(cfg)}. "
+                                  f"Lower --lr.")
 
 
-def print_samples(run, cfg, init_ckpt, meta, env):
+def print_samples(run, cfg, init_ckpt, tok, env):
     """A few few-step samples from the EMA weights, with the final step --final_step auto picks."""
     from sample import default_final_step, generate
     final_step = default_final_step({**init_ckpt, "distill_config": asdict(cfg)})
-    tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     schedule = (init_ckpt.get("train_config") or {}).get("noise_schedule", "loglinear")
     with ema_weights(run) as model:

@@ -469,11 +469,13 @@ class _Harness:
         if batch_size == 1 and mc_draws > 1:
             note_once("batch", f"--batch_size 1 (lm-eval's default) runs one of the {mc_draws} Monte Carlo draws "
                                f"per forward; --batch_size 16 or more is much faster")
+        if not str(ckpt).startswith("duo:") and not os.path.exists(str(ckpt)):   # the file first, then the device
+            raise EvalError(f"checkpoint not found: {ckpt} (--model_args ckpt=PATH)")
         name = str(device or "auto")
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
         model, ckpt_dict = load_model(str(ckpt), device, use_ema)
-        tokenizer, why = load_tokenizer(ckpt_dict)
+        tokenizer, why = load_tokenizer(ckpt_dict, str(ckpt))
         if tokenizer is None:
             raise EvalError(f"{ckpt}: {why}")
         return Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
@@ -746,7 +748,7 @@ def main(argv=None):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
-    tokenizer, why = load_tokenizer(ckpt)
+    tokenizer, why = load_tokenizer(ckpt, cfg.ckpt)
     if tokenizer is None:
         raise EvalError(f"{cfg.ckpt}: {why}")
     if cfg.rolling_context >= model.config.block_size:

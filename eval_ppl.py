@@ -220,7 +220,7 @@ def load_judge(spec, device):
         if not model.config.causal:
             raise UsageError(f"--judge {spec} is a diffusion checkpoint; a judge must be autoregressive "
                              f"(train one with train.py --loss ar)")
-        tok, why = load_tokenizer(ckpt)
+        tok, why = load_tokenizer(ckpt, spec)
         if tok is None:
             raise UsageError(f"--judge {spec}: {why}")
         return Judge(name=f"ar:{spec}@step{ckpt.get('step')}", logits=lambda ids, attn: model(ids),
@@ -346,7 +346,7 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
 def run_zeroshot(cfg, model, ckpt, device, dtype):
     if not cfg.dataset:
         raise UsageError("--metric zeroshot needs --dataset (a .txt file or one of " + ", ".join(ZERO_SHOT_SETS) + ")")
-    tok, why = load_tokenizer(ckpt)
+    tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None:
         raise UsageError(f"zeroshot needs the checkpoint's tokenizer: {why}")
     seq_len = cfg.seq_len or model.config.block_size
@@ -383,7 +383,7 @@ def run_genppl(cfg, device, dtype):
                                       steps=settings.get("steps")))
         return rows
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
-    tok, why = load_tokenizer(ckpt)
+    tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None:
         raise UsageError(f"genppl needs the checkpoint's tokenizer to decode samples: {why}")
     mc = model.config

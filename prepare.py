@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from cli import first_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
                   train_sentencepiece, verify_prepared, wrap_blocks)
 
@@ -193,8 +194,7 @@ def _load_dataset(what, path, **kwargs):
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first}); {OFFLINE}") from None
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
 
 
 def _hub_path(repo, revision):
@@ -529,7 +529,18 @@ def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True
     tok = tokenizer_spec.replace(":", "").replace("/", "_")
     if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
         tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
-    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded") + f"-{_digest(key)}")
+    return os.path.join("data", f"{_short(name)}-{_short(tok)}-{block_size}" + ("" if wrap else "-padded") +
+                        f"-{_digest(key)}")
+
+
+def _short(part, limit=64):
+    """A part of a folder name within `limit` UTF-8 bytes: a longer one keeps its start and gains a digest of the
+    whole, so that the folder's name, with the temp folder's suffix, stays within a file name's 255 bytes (the
+    data_key digest at the end keeps folders of different data apart either way)."""
+    raw = part.encode()
+    if len(raw) <= limit:
+        return part
+    return raw[:limit - 9].decode(errors="ignore") + "~" + hashlib.sha256(raw).hexdigest()[:8]
 
 
 def _check_reusable(data_dir, key, verify=False):

@@ -178,7 +178,7 @@ class SDDLM:
         if not os.path.exists(name) and not name.startswith("duo:"):
             name = snapshot(name)
         model, ckpt = load_model(name, device, use_ema)
-        tok, why = load_tokenizer(ckpt)
+        tok, why = load_tokenizer(ckpt, name)
         if tok is None:
             raise ValueError(f"{name}: {why}")
         return cls(model, ckpt, tok)

@@ -448,7 +448,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
     mc = model.config
-    tok, why = load_tokenizer(ckpt)
+    tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None and not cfg.prompt:
         print(f"warning: {why}; writing ids only (text is null)", file=sys.stderr)
     seq_len = cfg.seq_len or mc.block_size

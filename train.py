@@ -33,8 +33,8 @@ from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
-from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights, keep_checkpoint,  # noqa: F401
-                                 load_resume_checkpoint, open_out_dir, restore, save)
+from plumbing.checkpoint import (RESUME_KEYS, check_resume, check_resume_data, ema_weights,  # noqa: F401
+                                 keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
 from plumbing.distributed import Env, agree, any_rank, on_rank0, run_distributed, setup_distributed  # noqa: F401
 from plumbing.files import os_error_line, write_json
 from plumbing.memory import fit_micro_batch
@@ -42,6 +42,7 @@ from plumbing.runlog import Log, truncate_log  # noqa: F401
 from pretrained import export
 from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
+from plumbing.integrity import DivergenceRule
 
 
 @dataclass
@@ -61,6 +62,7 @@ class OptimConfig:
     weight_decay: float = 0.0        # AdamW weight decay of the matrices and embeddings (not of biases and norms)
     grad_clip: float = 1.0           # clip the global gradient norm to this (0 = off)
     ema: float = 0.999               # EMA decay (0 = off); Duo warms it up as min(ema, (1+n)/(10+n))
+    diverge_margin: float = 0.0      # nats/token a logged loss may rise above its recent median (0 = log V)
     # evaluation, logging, checkpoints
     eval_interval: int = 250         # validation loss and NELBO PPL (EMA weights) every N steps and at the end
     eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
@@ -172,6 +174,8 @@ def flagship_launch(argv, cfg):
 
 def validate(cfg, world_size):
     require_trackers(cfg)
+    if not cfg.out_dir.strip():
+        raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
@@ -199,6 +203,7 @@ def validate(cfg, world_size):
     for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
                                     ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
                                     ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
+                                    ("diverge_margin", 0, math.inf, True),
                                     ("grad_clip", 0, math.inf, True)]:
         v = getattr(cfg, name)
         if not (low <= v if closed else low < v) or not v < high:
@@ -250,14 +255,15 @@ def prepare_data(cfg, env):
     rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
     def work():
         try:
-            from prepare import prepare_dataset, prepared_dir
+            from prepare import data_key, prepare_dataset, prepared_dir
+            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap))
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap))
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
         return data_dir
-    data_dir = on_rank0(env, work, DataError)
+    data_dir = on_rank0(env, work, DataError, ConfigError)
     return data_dir, load_meta(data_dir)
 
 
@@ -420,37 +426,52 @@ def train(cfg, env):
     return guarded_loop(run, cfg, env, log, lambda *batch: train_step(run, cfg, env, *batch), evals,
                         save=lambda: save(run, cfg, mcfg, meta, env), keep=keep,
                         samples=lambda: log.samples(run.it, print_samples(run, cfg, meta, env)), what="training",
-                        nonfinite=lambda it: f"non-finite loss by step {it} (lr {lr_at(it - 1, cfg):.2e}); the last "
-                                             f"good checkpoint in {cfg.out_dir} is kept. Lower --lr or check the data.")
+                        nonfinite=lambda it, why: f"{why} by step {it} (lr {lr_at(it - 1, cfg):.2e}); {kept(cfg)}. "
+                                                  f"Lower --lr or check the data.")
+
+
+def kept(cfg):
+    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"
 
 
 def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite, keep=None):
     """The loop of train.py and distill.py: step(*batch) until max_iters; the loss is checked and logged every
     log_interval steps (one host sync shared by the ranks, agree); each of evals (interval, work, metrics) runs at
     its interval and at the end; a checkpoint every ckpt_interval steps, at the end and on a stop signal (SIGINT /
-    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step) -> the message of a
-    non-finite loss, raised before any checkpoint is written, so the last one on disk is good. -> exit code."""
+    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step, why) -> the message of a
+    non-finite or diverged loss (plumbing.integrity.DivergenceRule), raised before any checkpoint of those weights
+    is written, so the last one on disk is sound. -> exit code."""
     bad = torch.zeros((), device=env.device, dtype=torch.bool)   # a non-finite loss since the last check
     loss_sum = torch.zeros((), device=env.device)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    rule, first = DivergenceRule(cfg.diverge_margin, math.log(run.raw_model.config.vocab_size)), run.it + 1
     with stop_signals() as stop, log:
         while run.it < cfg.max_iters:
             loss = step(*run.loader.next_batch())
             loss_sum += loss
             bad |= ~torch.isfinite(loss)
+            if run.it == first:              # the loss of sound weights (initial, or a checked checkpoint)
+                rule.start(agree(env, loss.detach().clone(), bad, False)[0])
             last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
             stopping = False
             if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
                 mean, is_bad, stopping = agree(env, loss_sum, bad, stop["signal"] is not None)
-                if is_bad:
-                    raise FloatingPointError(nonfinite(run.it))
+                diverged = "non-finite loss" if is_bad else rule.check(mean / max(1, run.it - log.step_last))
+                if diverged:                 # before any checkpoint of these weights is written
+                    raise FloatingPointError(nonfinite(run.it, diverged))
                 log.progress(run.it, mean, lr_at(run.it - 1, cfg))
                 loss_sum.zero_()
             for interval, work, metrics in evals:
                 if (run.it % interval == 0 or last) and not stopping:
                     sums = reduced_unless_stopped(stop, env, 4, work)
                     if sums is not None:
-                        log.metrics(run.it, metrics(sums))
+                        values = metrics(sums)
+                        log.metrics(run.it, values)
+                        diverged = rule.check_metrics(values)
+                        if diverged:
+                            raise FloatingPointError(nonfinite(run.it, diverged))
                     stopping = any_rank(env, stop["signal"] is not None)
             if save_now or last or stopping:
                 save()
