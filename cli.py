@@ -107,10 +107,10 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
     signal (plumbing.signals.STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
-    from plumbing.signals import EXIT_CODE, install, signal_name
+    from plumbing.signals import EXIT_CODE, exiting, install, signal_name
     install()
     try:
-        sys.exit(main())
+        code = main()
     except OutOfMemory as e:
         _fail(str(e), any_rank=True)
     except RuntimeError as e:
@@ -124,11 +124,15 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", None)
         _fail("interrupted" + (f" by {signal_name(signum)}" if signum else ""), code=EXIT_CODE)
+    exiting()
+    sys.exit(code)
 
 
 def _fail(message, code=2, any_rank=False):
     """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
+    from plumbing.signals import exiting
+    exiting()
     rank = os.environ.get("RANK", "0")
     if rank == "0" or any_rank:
         from tqdm import tqdm

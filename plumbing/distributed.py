@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from cli import OutOfMemory, UsageError, oom_summary, resolve_device
 from plumbing.lock import acquire_folder
+from plumbing.signals import deferred_signals
 
 
 @dataclass
@@ -84,9 +85,13 @@ def run_distributed(cfg, work):
     distill.py."""
     env = setup_distributed(cfg)
     held = []
+
+    def lock():
+        with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
+            held.append(acquire_folder(cfg.out_dir))
     try:
         # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
-        on_rank0(env, lambda: held.append(acquire_folder(cfg.out_dir)), UsageError)
+        on_rank0(env, lock, UsageError)
         return work(env)
     except torch.OutOfMemoryError as e:
         micro = cfg.batch_size // (env.world_size * cfg.grad_accum)

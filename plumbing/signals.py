@@ -4,7 +4,9 @@ raises Interrupted wherever the process is, so the way out removes temp folders 
 with one line and exit code 130. The training loop (stop_signals) turns them into a flag instead: the run saves
 at the next step and exits 130. Evaluation and sampling are abandoned at once (interruptible), and a swap of
 weights is never interrupted half-way (deferred_signals)."""
+import os
 import signal
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -53,6 +55,22 @@ def install():
     prints one line and exits 130. A signal inside a long C++ call (SentencePiece training) takes effect when it
     returns."""
     _set(_raise)
+
+
+def _exit_now(signum, frame):
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(EXIT_CODE)
+
+
+def exiting():
+    """The script's outcome is decided (its result, or its one error line): a stop signal from now on ends the
+    process at once with exit code 130, instead of raising inside the interpreter's shutdown (atexit, finalizers),
+    where it would print a traceback."""
+    _set(_exit_now)
 
 
 def ignore_stop_signals():
