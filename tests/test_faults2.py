@@ -23,7 +23,7 @@ import distill
 from plumbing import files
 from plumbing.checkpoint import refuse_other_script
 from plumbing.lock import LOCK, acquire_folder
-from plumbing.signals import STOP_SIGNALS
+from plumbing.signals import STOP_SIGNALS, stop_signals
 from test_train import TINY
 from test_faults import ENV, HERE, base, case, check, md5s, run_batches  # noqa: F401  (base: the shared run)
 
@@ -148,6 +148,10 @@ def test_every_stop_signal_ends_a_script_with_one_line_and_exit_130(capsys):
             cli.run_cli(main)
         assert e.value.code == 130 and time.time() - t0 < 10 and left == ["cleaned up"]
         assert capsys.readouterr().err.splitlines() == [f"error: interrupted by {signal.Signals(sig).name}"]
+        with stop_signals() as stop:               # the training loop: a flag, the run saves at the next step
+            os.kill(os.getpid(), sig)
+            time.sleep(0.01)
+            assert stop["signal"] == sig
 
 
 def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
@@ -261,11 +265,11 @@ def test_a_second_run_into_a_running_out_dir_stops_at_once_and_a_dead_runs_lock_
 
 
 @pytest.mark.slow
-def test_every_stop_signal_during_preparation_leaves_no_temp_folder_lock_or_empty_folder(base, tmp_path):
-    corpus = big_corpus(tmp_path / "big.txt", 6)
+def test_stop_signals_during_preparation_leave_no_temp_folder_lock_or_empty_folder(base, tmp_path):
+    corpus = big_corpus(tmp_path / "big.txt", 4)
     tokenizer = data.load_meta(base.data_dir)["tokenizer"]
     runs = []
-    for sig in STOP_SIGNALS:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):   # all of them: the fast tests
         cwd = tmp_path / signal.Signals(sig).name
         cwd.mkdir()
         args = ["--dataset", corpus, "--tokenizer", tokenizer, "--block_size", "32",
@@ -299,9 +303,9 @@ def test_every_stop_signal_during_preparation_leaves_no_temp_folder_lock_or_empt
 
 
 @pytest.mark.slow
-def test_every_stop_signal_during_training_saves_and_exits_130(base, tmp_path):
+def test_stop_signals_of_schedulers_and_terminals_during_training_save_and_exit_130(base, tmp_path):
     runs = []
-    for sig in [s for s in STOP_SIGNALS if s not in (signal.SIGINT, signal.SIGTERM)]:   # those two: test_faults.py
+    for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGXCPU):     # SIGINT, SIGTERM: test_faults.py
         out = tmp_path / signal.Signals(sig).name
         runs.append((sig, out, *start("train.py", *base.train, "--out_dir", out, "--max_iters", "100000",
                                       "--log_interval", "1", "--ckpt_interval", "1000", "--eval_interval", "100000",
