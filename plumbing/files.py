@@ -61,8 +61,7 @@ def save_atomic(path, write):
 def remove_stale_temps(path):
     """Remove the temp files and folders of `path` left by writers that no longer run (killed half-way): save_atomic's
     <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (pretrained.save_folder) and a preparation's
-    <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). This process's own are leftovers too: it calls this
-    before it writes `path`."""
+    <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). A living writer's (this process's included) are kept."""
     folder, name = os.path.dirname(path) or ".", os.path.basename(os.path.normpath(path))
     if os.name != "posix" or not os.path.isdir(folder):      # os.kill(pid, 0) probes a process only on POSIX
         return
@@ -72,7 +71,7 @@ def remove_stale_temps(path):
         pid = rest.removeprefix(".tmp").removeprefix(".old") if rest[:4] in (".tmp", ".old") else ""
         if pid.startswith(f"-{host}-"):                        # a preparation's folder of this host
             pid = pid[len(host) + 2:].split("-")[0]
-        if not pid.isdigit() or (int(pid) != os.getpid() and pid_alive(int(pid))):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         target = os.path.join(folder, entry)
         if os.path.isdir(target) and not os.path.islink(target):

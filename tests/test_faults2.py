@@ -158,10 +158,9 @@ def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     live, host = os.getppid(), socket.gethostname()
-    stale = [f"ckpt.pt.tmp{dead}", f"model.tmp{dead}", f"model.old{dead}", f"model.tmp{os.getpid()}",
-             f"data.tmp-{host}-{dead}-x1y2"]
-    kept = ["ckpt.pt", f"ckpt.pt.tmp{live}", f"model.old{live}", f"data.tmp-{host}-{live}-ab", f"data.tmp-other-{dead}-a",
-            f"ckpt_4.pt.tmpx{dead}", "model", "data"]
+    stale = [f"ckpt.pt.tmp{dead}", f"model.tmp{dead}", f"model.old{dead}", f"data.tmp-{host}-{dead}-x1y2"]
+    kept = ["ckpt.pt", f"ckpt.pt.tmp{live}", f"model.old{live}", f"model.tmp{os.getpid()}", f"data.tmp-{host}-{live}-ab",
+            f"data.tmp-other-{dead}-a", f"ckpt_4.pt.tmpx{dead}", "model", "data"]
     for name in stale + kept:
         (tmp_path / name).mkdir() if name.startswith(("model", "data")) else (tmp_path / name).write_bytes(b"")
     for path in ("ckpt.pt", "model", "data"):
