@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from plumbing.files import remove_stale_temps
+from plumbing.signals import deferred_signals
 from plumbing.folder import CONFIG, FORMAT, TOKENIZER, WEIGHTS, _sha256, is_model_folder, load_folder  # noqa: F401
 
 
@@ -84,9 +85,10 @@ def save_folder(folder, state, config):
             f.write("\n")
         if source is not None:
             shutil.copyfile(source, os.path.join(tmp, TOKENIZER))
-        if os.path.exists(folder):
-            os.replace(folder, old)
-        os.replace(tmp, folder)
+        with deferred_signals():      # a stop signal between the two renames would leave no folder at all
+            if os.path.exists(folder):
+                os.replace(folder, old)
+            os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
