@@ -852,7 +852,9 @@ def main(argv=None):
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field)
     data_dir = cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings)
-    refuse_overwrite({"--data_dir": data_dir}, {"--dataset": cfg.dataset, "--tokenizer": cfg.tokenizer})
+    written = not os.path.isfile(os.path.join(data_dir, "meta.json"))     # a prepared folder is reused, not rewritten
+    refuse_overwrite({"--data_dir": data_dir if written else ""},
+                     {"--dataset": cfg.dataset, "--tokenizer": cfg.tokenizer})
     out = prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, cfg.block_size, num_proc=cfg.num_proc or None,
                           verify=cfg.verify, **settings)
     meta = load_meta(out)

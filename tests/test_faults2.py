@@ -159,8 +159,8 @@ def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
                               text=True).stdout)
     live, host = os.getppid(), socket.gethostname()
     stale = [f"ckpt.pt.tmp{dead}", f"model.tmp{dead}", f"model.old{dead}", f"data.tmp-{host}-{dead}-x1y2"]
-    kept = ["ckpt.pt", f"ckpt.pt.tmp{live}", f"model.old{live}", f"model.tmp{os.getpid()}", f"data.tmp-{host}-{live}-ab",
-            f"data.tmp-other-{dead}-a", f"ckpt_4.pt.tmpx{dead}", "model", "data"]
+    kept = ["ckpt.pt", f"ckpt.pt.tmp{live}", f"model.old{live}", f"model.tmp{os.getpid()}",
+            f"data.tmp-{host}-{live}-ab", f"data.tmp-other-{dead}-a", f"ckpt_4.pt.tmpx{dead}", "model", "data"]
     for name in stale + kept:
         (tmp_path / name).mkdir() if name.startswith(("model", "data")) else (tmp_path / name).write_bytes(b"")
     for path in ("ckpt.pt", "model", "data"):
