@@ -1,4 +1,4 @@
-"""Output that is never half-written, and the leftovers of writers that were killed."""
+"""Output that is never half-written, never written over an input, and the leftovers of writers that were killed."""
 import errno
 import fnmatch
 import json
