@@ -8,26 +8,28 @@ import shutil
 import socket
 
 from cli import UsageError, first_line, os_error_line
+from plumbing.signals import deferred_signals
 
 
 def append_jsonl(path, records):
     """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
     touched, and concurrent writers do not interleave inside one batch of lines. A failed write (a full disk)
-    is cut back, so no partial line is left."""
+    is cut back, so no partial line is left; a stop signal waits until the lines are whole."""
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    size = os.fstat(fd).st_size
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    except OSError:
-        os.ftruncate(fd, size)
-        raise
-    finally:
-        os.close(fd)
+    with deferred_signals():
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+        finally:
+            os.close(fd)
 
 
 def save_atomic(path, write):
