@@ -83,9 +83,8 @@ def acquire_folder(out_dir):
             raise _in_use(out_dir, holder, path) from None
         except OSError:                        # no flock on this file system: the recorded pid decides
             holder = _holder(fd)
-            same_host = holder.get("host") == socket.gethostname()
-            if holder.get("pid") not in (None, os.getpid()) and \
-                    (not same_host or pid_alive(int(holder["pid"]))):
+            pid, same_host = holder.get("pid"), holder.get("host") == socket.gethostname()
+            if isinstance(pid, int) and pid != os.getpid() and (not same_host or pid_alive(pid)):
                 os.close(fd)
                 raise _in_use(out_dir, holder, path) from None
         try:
