@@ -131,6 +131,30 @@ def test_a_held_out_dir_is_refused_naming_its_holder_and_a_dead_holders_lock_is_
     assert sorted(os.listdir(out)) == ["ckpt.pt"]    # a folder the run wrote into stays, its lock goes
 
 
+def test_without_flock_the_recorded_pid_and_host_decide(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):                  # a file system without locks (some network mounts)
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    host = socket.gethostname()
+    for record, held in [({"pid": os.getppid(), "host": host}, True), ({"pid": dead, "host": "elsewhere"}, True),
+                         ({"pid": dead, "host": host}, False), ({"pid": "garbled"}, False), ({}, False)]:
+        out = tmp_path / str(len(os.listdir(tmp_path)))
+        out.mkdir()
+        (out / LOCK).write_text(json.dumps(record))
+        if held:
+            with pytest.raises(cli.UsageError, match=f"pid {record['pid']} on host {record['host']}"):
+                acquire_folder(str(out))
+            assert json.loads((out / LOCK).read_text()) == record
+        else:
+            acquire_folder(str(out)).release()
+            assert os.listdir(out) == []
+
+
 def test_every_stop_signal_ends_a_script_with_one_line_and_exit_130(capsys):
     assert {signal.Signals(s).name for s in STOP_SIGNALS} >= {"SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2",
                                                               "SIGQUIT", "SIGXCPU"}
