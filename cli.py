@@ -7,7 +7,7 @@ The command-line plumbing every script shares, so that each script is only its o
                   trailing `# comment` is its description, a comment line at the fields' indentation opens a
                   group named by its text); `--preset NAME --help` shows the values NAME sets
   run_cli         the entry point: bad input and resource faults become ONE line on stderr, exit code 2
-                  (Ctrl-C: one line, exit code 130)
+                  (a stop signal, Ctrl-C included: one line, exit code 130; plumbing/signals.py)
   resolve_device, resolve_dtype, autocast_for      where and in which precision the network runs
   UsageError, ConfigError, OutOfMemory, first_line  the one-line failures a user can act on
 Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer, plumbing/checkpoint.py.
@@ -244,9 +244,12 @@ def _class_comments(klass):
 def run_cli(main, *errors, oom_hint="lower --batch_size"):
     """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
     rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
-    change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback."""
+    change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
+    signal (plumbing.signals.STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
+    from plumbing.signals import EXIT_CODE, exiting, install, signal_name
+    install()
     try:
-        sys.exit(main())
+        code = main()
     except OutOfMemory as e:
         _fail(str(e), any_rank=True)
     except RuntimeError as e:
@@ -257,19 +260,27 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
         _fail(str(e))
     except OSError as e:
         _fail(os_error_line(e))
-    except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", None)
+        _fail("interrupted" + (f" by {signal_name(signum)}" if signum else ""), code=EXIT_CODE)
+    exiting()
+    sys.exit(code)
 
 
 def _fail(message, code=2, any_rank=False):
     """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
+    from plumbing.signals import exiting
+    exiting()
     rank = os.environ.get("RANK", "0")
     if rank == "0" or any_rank:
         from tqdm import tqdm
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
             bar.close()
-        print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
+        try:
+            print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
+        except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
+            pass
     sys.exit(code)
 
 

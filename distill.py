@@ -43,10 +43,11 @@ from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_pr
 from eval_ppl import validation_sums
 from model import ModelConfig
 from objective import unwrap
-from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, restore, save
+from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script,
+                                 restore, save)
 from plumbing.distributed import run_distributed
 from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
-from plumbing.files import write_json
+from plumbing.files import refuse_overwrite, run_outputs, write_json
 from plumbing.tracking import require_trackers
 from plumbing.runlog import Log
 
@@ -296,6 +297,7 @@ def open_out_dir(cfg):
     if ckpt is None:
         return None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
+    refuse_other_script(ckpt, cfg.out_dir, "distill.py")
     saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
     if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
         raise UsageError(f"cannot resume from {path}: not a distill.py checkpoint")
@@ -390,6 +392,8 @@ def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
 
 def main(argv=None):
     cfg = parse_config(argv)
+    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
+                     {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
     return run_distributed(cfg, lambda env: distill(cfg, env))
 
 

@@ -62,7 +62,7 @@ import losses
 from data import DataError
 from cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
-from plumbing.files import save_atomic, write_json
+from plumbing.files import refuse_overwrite, save_atomic, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens, parse_psi
 
@@ -737,6 +737,8 @@ def write_results(path, result):
 
 def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
+    refuse_overwrite({"--out": [cfg.out, os.path.splitext(cfg.out)[0] + ".md"] if cfg.out else ""},
+                     {"--ckpt": cfg.ckpt, "--jsonl": cfg.jsonl.split(",")})
     validate(cfg)
     plan = plan_tasks(cfg)
     if any(runner == "lm-eval" for _, runner, _ in plan):

@@ -47,7 +47,7 @@ import losses
 from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
 from objective import loss_terms, token_mean
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_writable, write_json
+from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, generate, generate_ar, psi_from_flags
 from plumbing.folder import is_model_folder
@@ -557,6 +557,9 @@ def gen_metrics(sums, cfg, judge):
 
 def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    refuse_overwrite({"--out": cfg.out, "--save_samples": cfg.save_samples},
+                     {"--ckpt": "" if cfg.metric == "genppl" and cfg.samples else cfg.ckpt, "--data_dir": cfg.data_dir,
+                      "--dataset": cfg.dataset.split(","), "--judge": cfg.judge, "--samples": cfg.samples})
     if cfg.metric not in ("nelbo", "zeroshot", "genppl"):
         raise UsageError(f"--metric must be nelbo, zeroshot or genppl, got {cfg.metric!r}")
     if cfg.batch_size < 1 or cfg.judge_batch_size < 1 or cfg.mc_draws < 1 or cfg.num_samples < 1:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import losses
 from cli import UsageError, parse_flags, run_cli
+from plumbing.files import refuse_overwrite
 
 
 @dataclass
@@ -414,6 +415,9 @@ def tables(gen, nelbo, steps):
 
 def main(argv=None):
     cfg = parse_flags(PlotConfig, argv, description=__doc__.split("\n\n")[0])
+    refuse_overwrite({"--out_dir": os.path.join(cfg.out_dir, "*.png"), "--table": cfg.table.removeprefix("-")},
+                     {"--runs": [os.path.join(r, f) for r in _split(cfg.runs) for f in ("log.jsonl", "config.json")],
+                      "--evals": _split(cfg.evals), "--bench": cfg.bench})
     if not (cfg.runs or cfg.evals or cfg.bench):
         raise UsageError("nothing to plot: give --runs, --evals and/or --bench")
     gen, nelbo = eval_rows(_split(cfg.evals))

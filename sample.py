@@ -48,7 +48,7 @@ from tqdm import tqdm
 import diffusion
 from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_writable
+from plumbing.files import append_jsonl, check_writable, refuse_overwrite
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes
@@ -438,6 +438,7 @@ def parse_prompt(cfg, tok, vocab_size):
 
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
+    refuse_overwrite({"--out": cfg.out}, {"--ckpt": cfg.ckpt})
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
     psi = psi_from_flags(cfg, cfg.steps)
     if cfg.num_samples < 1 or cfg.batch_size < 0:

@@ -36,7 +36,7 @@ from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, 
 from plumbing.checkpoint import (RESUME_KEYS, check_resume, check_resume_data, ema_weights,  # noqa: F401
                                  keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
 from plumbing.distributed import Env, agree, any_rank, on_rank0, run_distributed, setup_distributed  # noqa: F401
-from plumbing.files import os_error_line, write_json
+from plumbing.files import os_error_line, refuse_overwrite, run_outputs, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, truncate_log  # noqa: F401
 from pretrained import export
@@ -378,6 +378,8 @@ def main(argv=None):
     flagship = flagship_launch(argv, cfg)
     if flagship:
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
+    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
+                                                               "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
 
     def work(env):
         if flagship and env.master:

@@ -155,10 +155,34 @@ def open_out_dir(cfg, mcfg, meta=None):
     return None if ckpt is None else check_resume(ckpt, cfg, mcfg, meta)
 
 
+def written_by(ckpt):
+    """The script whose run wrote a checkpoint, as its content records it: "distill.py" (it holds distill_config,
+    and the teacher that a resumed round needs), "train.py" (a model and train_config without it), else None."""
+    if not isinstance(ckpt, dict):
+        return None
+    if "distill_config" in ckpt:
+        return "distill.py"
+    return "train.py" if "model" in ckpt and "train_config" in ckpt else None
+
+
+def refuse_other_script(ckpt, out_dir, script):
+    """--resume continues a folder only with the script that wrote it (train.py would drop a distillation's teacher
+    and settings; distill.py would train a base model with DCD): else one line naming the command that does."""
+    writer = written_by(ckpt)
+    if writer is None or writer == script:
+        return
+    path = os.path.join(out_dir, "ckpt.pt")
+    also = (f", or distil it into a new folder: python distill.py --init {path} --out_dir NEW"
+            if writer == "train.py" else "")
+    raise ConfigError(f"cannot resume from {path} with {script}: it was written by {writer}; continue it with "
+                      f"python {writer} --out_dir {out_dir} --resume 1{also}")
+
+
 def check_resume(ckpt, cfg, mcfg, meta=None):
     """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
     tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
+    refuse_other_script(ckpt, cfg.out_dir, "train.py")
     missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
