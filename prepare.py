@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
                   train_sentencepiece, verify_prepared, wrap_blocks)
+from data import key_digest
 
 # -----------------------------------------------------------------------------
 # Detokenizers (Duo applies them to raw text before tokenizing). Rules: (regex, replacement), in order.
@@ -514,7 +515,7 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
 
 
 def _digest(key):
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return key_digest(key)
 
 
 def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05,

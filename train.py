@@ -28,14 +28,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import diffusion
 import losses
 from cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
-from data import BatchLoader, DataError, get_tokenizer, load_meta
+from data import BatchLoader, DataError, data_identity, get_tokenizer, load_meta, same_data_on_every_node
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
 from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights, keep_checkpoint,  # noqa: F401
                                  load_resume_checkpoint, open_out_dir, restore, save)
-from plumbing.distributed import Env, agree, any_rank, on_rank0, run_distributed, setup_distributed  # noqa: F401
+from plumbing.distributed import (Env, agree, any_rank, on_each_node, on_rank0, run_distributed,  # noqa: F401
+                                  setup_distributed)
 from plumbing.files import os_error_line, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, truncate_log  # noqa: F401
@@ -62,7 +63,7 @@ class OptimConfig:
     ema: float = 0.999               # EMA decay (0 = off); Duo warms it up as min(ema, (1+n)/(10+n))
     # evaluation, logging, checkpoints
     eval_interval: int = 250
-    eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
+    eval_iters: int = 8              # validation batches of --batch_size sequences (same for any world size); 0 = all
     log_interval: int = 10
     ckpt_interval: int = 250
     num_samples: int = 4             # printed at the end of training
@@ -74,6 +75,7 @@ class OptimConfig:
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False
+    threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS, else cores / processes per node
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
@@ -92,6 +94,9 @@ class TrainConfig(OptimConfig):
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
+    text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO), as prepare.py
+    num_proc: int = 0                # processes tokenizing the corpus; 0 = the usable cores (same bytes for any)
+    verify: bool = False             # hash every file of the prepared data at start (else size and time only)
     # model (0 = take from the model preset)
     n_layer: int = 0
     n_head: int = 0
@@ -236,18 +241,24 @@ def lr_at(it, cfg):
 # the parts of a run
 
 def prepare_data(cfg, env):
-    """Tokenize the corpus once (rank 0) into token memmaps -> (absolute data_dir, meta). Under torchrun every
-    rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
+    """Tokenize the corpus once per node (its first process) into token memmaps in that node's data folder, or
+    find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
+    (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
+    if cfg.num_proc < 0:
+        raise ConfigError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
+
     def work():
         try:
             from prepare import prepare_dataset, prepared_dir
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
-                                                                    cfg.wrap))
-            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
+                                                                    cfg.wrap, text_field=cfg.text_field))
+            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
+                            num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
-        return data_dir
-    data_dir = on_rank0(env, work, DataError)
+        return data_identity(data_dir, load_meta(data_dir))
+    (data_dir, _, _), nodes = on_each_node(env, work, DataError)
+    same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
 
 
@@ -395,8 +406,8 @@ def train(cfg, env):
               f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
               f"{os.path.join(cfg.out_dir, 'config.json')}")
         print(f"model: {run.raw_model.num_params() / 1e6:.2f}M parameters "
-              f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); world {env.world_size} x "
-              f"micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
+              f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; "
+              f"world {env.world_size} x micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
               f"{cfg.batch_size} sequences/step")
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
               lambda sums: val_metrics(sums, cfg, data_dir))]
