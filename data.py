@@ -434,3 +434,19 @@ def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_si
     for i, start in enumerate(itertools.islice(starts, max_batches)):
         if i % world_size == rank:
             yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
+
+
+def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, piece=None, device="cpu"):
+    """The evaluation set of training, the same for any world size: the first max_batches (None: all) global
+    batches of batch_size sequences in stored order, the last possibly smaller. Rank r takes the r-th of
+    world_size contiguous, near-equal shares of every global batch, in pieces of at most `piece` rows (the
+    micro-batch that fits). Yields (j, n, lo, hi, x0 (hi - lo, L), mask or None): rows lo:hi of global batch j
+    of n sequences, so draws made for the whole global batch can be sliced to them (train.py's evaluation)."""
+    meta = load_meta(data_dir)
+    tokens, mask = _open_split(data_dir, split, meta)
+    for j, start in enumerate(itertools.islice(range(0, len(tokens), batch_size), max_batches)):
+        n = min(batch_size, len(tokens) - start)
+        first, end = n * rank // world_size, n * (rank + 1) // world_size    # this rank's share: rows first:end
+        for lo in range(first, end, piece or n):
+            hi = min(lo + (piece or n), end)
+            yield (j, n, lo, hi, *_to_tensors(tokens, mask, np.arange(start + lo, start + hi), device))
