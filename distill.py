@@ -400,7 +400,7 @@ def distill(cfg, env):
                        f"{'EMA' if cfg.init_ema else 'live'} weights): {rounds} rounds of {cfg.round_iters} steps, "
                        f"dt = 1/{cfg.T} ... {step_size(cfg.max_iters - 1, cfg):.4g}, gamma in [{cfg.gamma_min}, "
                        f"{cfg.gamma_max}] -> alpha in [{a_lo:.4f}, {a_hi:.4f}], {cfg.divergence}, "
-                       f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.world_size} rank(s)")
+                       f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.describe()}")
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
                     "train_config": init_ckpt.get("train_config")})

@@ -75,7 +75,7 @@ class OptimConfig:
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False
-    threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS, else cores / processes per node
+    threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS, else idle cores / processes per node
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
@@ -114,7 +114,7 @@ class TrainConfig(OptimConfig):
     # sample quality during training (paper Figs. ppl_curve_lm1b, entropy_curve_lm1b): every gen_interval steps
     # and at the end, Gen PPL and entropy of gen_num_samples EMA samples -> log.jsonl. 0 = off
     gen_interval: int = 0
-    gen_num_samples: int = 64        # split over ranks: rank r draws its share with seed gen_seed + r, every time
+    gen_num_samples: int = 64        # in 8 groups seeded by group (eval_ppl.sample_groups): the same for any world size
     gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
     gen_seed: int = 0
     judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo

@@ -2,6 +2,7 @@
 threads), the one host sync of the training loop (agree), any_rank, a decision taken on rank 0 that every rank
 then shares, and work done once per node (on_each_node: data, where nodes share no storage)."""
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,23 +41,43 @@ class Env:
 def usable_cores():
     """The cores this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def idle_cores(cores, seconds=0.1):
+    """How many of `cores` (ids) sat idle over the next `seconds`, from the kernel's counters (/proc/stat:
+    idle + iowait over all time of each core), or None where they cannot be read (not Linux)."""
+    def counters():
+        with open("/proc/stat") as f:
+            return {row[0]: [int(v) for v in row[1:9]] for row in map(str.split, f) if row[0].startswith("cpu")}
+    try:
+        before = counters()
+        time.sleep(seconds)
+        after = counters()
+        spent = [[b - a for a, b in zip(before[f"cpu{c}"], after[f"cpu{c}"])] for c in cores]
+    except (OSError, ValueError, KeyError):
+        return None
+    return sum((d[3] + d[4]) / sum(d) if sum(d) else 1.0 for d in spent)
 
 
 def cpu_threads(threads, local_world_size):
     """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins; else OMP_NUM_THREADS when set
-    (by the user, or by torchrun, which sets 1 for several processes per node); else the usable cores shared
-    evenly by this node's processes, at least one each: more threads than cores only wait on each other, the
-    more so on a machine that other work also loads (measured in RESULTS.md)."""
+    (by the user, or by torchrun, which sets 1 for several processes per node); else the usable cores that are
+    idle at start (rounded, all of them where unknown), shared evenly by this node's processes, at least one
+    each. A thread beyond the free cores only waits: on this 2-core machine with other work running, two threads
+    made the tiny demo several times slower than one, and idle they made it faster (RESULTS.md, CPU threads)."""
     if threads > 0:
         return threads, "--threads"
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if omp.isdigit() and int(omp) > 0:
         return int(omp), "OMP_NUM_THREADS"
     cores = usable_cores()
-    return max(1, cores // local_world_size), f"{cores} usable cores / {local_world_size} per node"
+    idle = idle_cores(cores)
+    free = len(cores) if idle is None else min(len(cores), max(1, round(idle)))
+    why = f"{len(cores)} usable cores" + ("" if idle is None else f", {idle:.1f} idle at start")
+    return max(1, free // local_world_size), f"{why}, {local_world_size} per node"
 
 
 def setup_distributed(cfg):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import data
-from plumbing.distributed import Env, cpu_threads, on_each_node, usable_cores
+import plumbing.distributed
+from plumbing.distributed import Env, cpu_threads, idle_cores, on_each_node, usable_cores
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
@@ -122,15 +123,42 @@ def test_on_each_node_in_one_process_is_the_work_and_its_error():
         on_each_node(first, lambda: (_ for _ in ()).throw(data.DataError("bad")), data.DataError)
 
 
-def test_threads_flag_then_omp_num_threads_then_cores_per_process(monkeypatch):
+def test_threads_flag_then_omp_num_threads_then_idle_cores_per_process(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(5, 1) == (5, "--threads")
     assert cpu_threads(0, 1) == (3, "OMP_NUM_THREADS")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    cores = len(os.sched_getaffinity(0))
-    assert usable_cores() == cores
-    assert cpu_threads(0, 1)[0] == cores and cpu_threads(0, 2 * cores)[0] == 1
-    assert cpu_threads(0, 2)[0] == max(1, cores // 2)
+    assert usable_cores() == sorted(os.sched_getaffinity(0))
+    monkeypatch.setattr(plumbing.distributed, "usable_cores", lambda: list(range(8)))
+    for idle, local, threads in [(8.0, 1, 8), (7.6, 2, 4), (2.4, 1, 2), (0.2, 1, 1), (0.0, 4, 1), (None, 2, 4),
+                                 (None, 16, 1)]:
+        monkeypatch.setattr(plumbing.distributed, "idle_cores", lambda cores, idle=idle: idle)
+        assert cpu_threads(0, local)[0] == threads, (idle, local)
+    monkeypatch.setattr(plumbing.distributed, "idle_cores", lambda cores: 2.4)
+    assert cpu_threads(0, 1) == (2, "8 usable cores, 2.4 idle at start, 1 per node")
+
+
+def test_idle_cores_counts_a_busy_core_as_busy():
+    """A core kept busy by another process while idle_cores watches is not counted idle (the kernel's counters)."""
+    import multiprocessing
+    cores = usable_cores()
+    busy = multiprocessing.get_context("spawn").Process(target=_spin, args=(cores[0], 3.0))
+    busy.start()
+    try:
+        import time
+        time.sleep(1.0)                                     # the child has started spinning
+        idle = idle_cores(cores[:1], seconds=0.5)
+    finally:
+        busy.join()
+    assert idle is not None and idle < 0.5
+
+
+def _spin(core, seconds):
+    import time
+    os.sched_setaffinity(0, {core})
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
 
 
 def test_train_prepares_with_prepares_text_field_num_proc_and_verify(tmp_path, monkeypatch):
