@@ -71,9 +71,9 @@ class BenchConfig:
     block_size: int = 0             # sequence length L (0 = the preset's)
     batch_size: int = 8             # sequences per step
     vocab_size: int = 0             # 0 = the preset's (e.g. 50258 on tiny shows the vocabulary cost)
-    n_layer: int = 0                # 0 = the preset's
-    n_head: int = 0
-    n_embd: int = 0
+    n_layer: int = 0                # Transformer blocks (0 = the preset's)
+    n_head: int = 0                 # attention heads (0 = the preset's)
+    n_embd: int = 0                 # hidden width (0 = the preset's)
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False           # torch.compile the model (warm-up rounds absorb the compilation)
@@ -84,7 +84,7 @@ class BenchConfig:
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
-    seed: int = 1
+    seed: int = 1                   # seeds the weights and the random tokens, times and noise of every row
     json: bool = False              # print one JSON object instead of the markdown tables
 
 

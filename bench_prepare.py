@@ -33,11 +33,11 @@ CHILD = ("import resource, sys, prepare; code = prepare.main(sys.argv[1:]); "
 @dataclass
 class BenchPrepareConfig:
     corpus: str = ""         # a corpus to prepare; "" = a generated .txt of --mb megabytes
-    mb: int = 100
-    tokenizer: str = "gpt2"
-    block_size: int = 1024
+    mb: int = 100            # size of the generated corpus in MB (shuffled pydoc text)
+    tokenizer: str = "gpt2"  # as prepare.py --tokenizer
+    block_size: int = 1024   # as prepare.py --block_size
     num_procs: str = "1,2"   # worker counts, compared side by side
-    rounds: int = 1
+    rounds: int = 1          # runs per worker count; the fastest is reported
     work_dir: str = ""       # where corpus and folders go; "" = a temp folder, removed afterwards
 
 

@@ -2,9 +2,12 @@
 The command-line plumbing every script shares, so that each script is only its own concern.
 
   parse_flags     one --flag per field of a script's dataclass (booleans as 0/1, a bare --flag means 1),
-                  optional presets (dicts of overrides; explicit flags win), no prefix abbreviations
+                  optional presets (dicts of overrides; explicit flags win), no prefix abbreviations; --help
+                  describes and groups every flag from the dataclass's source comments (field_help: a field's
+                  trailing `# comment` is its description, a comment line at the fields' indentation opens a
+                  group named by its text); `--preset NAME --help` shows the values NAME sets
   run_cli         the entry point: bad input and resource faults become ONE line on stderr, exit code 2
-                  (Ctrl-C: one line, exit code 130)
+                  (a stop signal, Ctrl-C included: one line, exit code 130; plumbing/signals.py)
   resolve_device, resolve_dtype, autocast_for      where and in which precision the network runs
   UsageError, ConfigError, OutOfMemory, first_line  the one-line failures a user can act on
 Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer, plumbing/checkpoint.py.
@@ -78,17 +81,34 @@ def parse_bool(s):
     raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
 
 
-def parse_flags(cls, argv=None, description=None, presets=None):
-    """One --flag per field of the dataclass `cls`; argparse errors become UsageError.
-    presets: {name: {field: value}}; the field `preset` picks one, and only flags given explicitly override it."""
-    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None):
+    """One --flag per field of the dataclass `cls`, described and grouped in --help from its source comments
+    (field_help); argparse errors become UsageError. presets: {name: {field: value}}; the field `preset` picks one,
+    and only flags given explicitly override it. `--preset NAME --help` shows the defaults NAME sets, marked;
+    preset_note(name) -> more lines about what NAME sets beyond the flags (train.py: its model's shape)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = _preset_in(argv) if presets is not None else None
+    overrides = presets.get(chosen, {}) if chosen is not None else {}
+    docs, groups = field_help(cls)
+    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                                usage="%(prog)s [--FLAG VALUE ...]", epilog=_preset_epilog(presets, chosen, overrides,
+                                                                                           preset_note))
+    parents = {None: p}
+    for title, text in groups:
+        parents[title] = p.add_argument_group(title, text)
     for f in dataclasses.fields(cls):
+        text, group = docs.get(f.name, ("", None))
+        default = _default_of(f)
+        shown = f"default {_show(default)}"
+        if f.name in overrides:
+            shown = f"--preset {chosen}: {_show(overrides[f.name])}; default {_show(default)}"
+        help_text = (f"{text} ({shown})" if text else shown).replace("%", "%%")
         if f.type in (bool, "bool"):
-            p.add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="0|1",
-                           help=f"default {int(f.default)}")
+            parents[group].add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="0|1",
+                                        help=help_text)
         else:
-            p.add_argument(f"--{f.name}", type=f.type,
-                           metavar=f.name.upper(), help=f"default {f.default!r}")
+            kind = f.type if callable(f.type) else {"int": int, "float": float}.get(f.type, str)
+            parents[group].add_argument(f"--{f.name}", type=kind, metavar=f.name.upper(), help=help_text)
 
     def error(message):
         raise UsageError(message)
@@ -102,12 +122,134 @@ def parse_flags(cls, argv=None, description=None, presets=None):
     return cls(**{**presets[preset], **given})
 
 
+def _default_of(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _show(v):
+    """A default as --help shows it: booleans as 0/1 (as they are given), strings quoted only when empty."""
+    if isinstance(v, bool):
+        return str(int(v))
+    return '""' if v == "" else str(v)
+
+
+def _preset_in(argv):
+    """The value of --preset in argv (the last one, as argparse takes it), or None."""
+    chosen = None
+    for i, a in enumerate(argv):
+        if a == "--preset" and i + 1 < len(argv):
+            chosen = argv[i + 1]
+        elif a.startswith("--preset="):
+            chosen = a.split("=", 1)[1]
+    return chosen
+
+
+def _preset_epilog(presets, chosen, overrides, preset_note):
+    if not presets:
+        return None
+    lines = [f"presets: {', '.join(presets)}; --preset NAME --help shows the values NAME sets (explicit flags win)"]
+    if chosen is not None and chosen in presets:
+        sets = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items()) or "no flag (the defaults)"
+        lines = [f"--preset {chosen} sets: {sets}"]
+        if preset_note is not None:
+            lines += [preset_note(chosen)]
+    return "; ".join(lines)
+
+
+def field_help(cls):
+    """The --help text of a config dataclass, read from its source (and its bases'): -> ({field: (description,
+    group title or None)}, [(group title, group description or None)] in display order).
+
+    The convention every script's config follows (nanoGPT's look, one place for a flag's meaning):
+      - a field's description is the trailing `# comment` on its line; comment-only lines indented deeper than
+        the fields continue it;
+      - a comment line at the fields' own indentation opens a group: its text is the group's title (keep it
+        short: model, data, optimisation, diffusion, evaluation, runtime, ...), further comment lines right
+        below it describe the group; every field below belongs to it until the next such line;
+      - fields under equal titles share one group, also across a base class and its subclass;
+      - a subclass that redefines a field (another default) keeps the field's group and description unless its
+        own line has a comment, which then replaces the description.
+    Groups show the subclass's own first, then its bases'; fields above any group line show ungrouped, first."""
+    docs, order = {}, []
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):   # bases first
+        own = _class_comments(klass)
+        new_titles = []
+        for name, (text, title) in own["fields"].items():
+            if name in docs:
+                docs[name] = (text or docs[name][0], docs[name][1])
+            else:
+                docs[name] = (text, title)
+        for title, text in own["groups"]:
+            if title not in [t for t, _ in order] + [t for t, _ in new_titles]:
+                new_titles.append((title, text))
+        order = new_titles + order            # a subclass's own groups first
+    used = {title for _, title in docs.values()}
+    return docs, [(t, d) for t, d in order if t in used]
+
+
+def _class_comments(klass):
+    """The field lines and group lines of one class's own source (see field_help): {"fields": {name:
+    (description, group title)}, "groups": [(title, description)]}; empty where the source is not available."""
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+    out = {"fields": {}, "groups": []}
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):
+        return out
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+              if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    rows = {}
+    for t in tokens:
+        rows.setdefault(t.start[0], []).append(t)
+    class_row = next(r for r, ts in sorted(rows.items()) if any(t.string == "class" for t in ts))
+    body = [(r, ts) for r, ts in sorted(rows.items()) if r > class_row]
+    code_cols = [ts[0].start[1] for _, ts in body if ts[0].type != tokenize.COMMENT]
+    if not code_cols:
+        return out
+    body_col = code_cols[0]
+    title, last, previous, prev_row = None, None, None, None   # the open group, the last field, the row before
+    for r, ts in body:
+        first, follows = ts[0], prev_row is not None and r == prev_row + 1
+        if first.type == tokenize.COMMENT:
+            text = first.string.lstrip("#").strip()
+            if first.start[1] <= body_col:                        # a group line
+                if previous == "group" and follows:               # ... describing the group it follows
+                    t, d = out["groups"][-1]
+                    out["groups"][-1] = (t, f"{d} {text}" if d else text)
+                else:
+                    title = text
+                    out["groups"].append((title, None))
+                previous = "group"
+            elif previous in ("field", "more") and follows:       # continues the description of the field above
+                desc, group = out["fields"][last]
+                out["fields"][last] = (f"{desc} {text}".strip(), group)
+                previous = "more"
+        elif first.start[1] < body_col:
+            break                                                 # the class has ended
+        elif first.start[1] == body_col and first.type == tokenize.NAME and len(ts) > 1 and ts[1].string == ":":
+            comments = [t.string.lstrip("#").strip() for t in ts if t.type == tokenize.COMMENT]
+            out["fields"][first.string] = (" ".join(comments), title)
+            last, previous = first.string, "field"
+        else:
+            previous = "code"
+        prev_row = r
+    return out
+
+
 def run_cli(main, *errors, oom_hint="lower --batch_size"):
     """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
     rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
-    change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback."""
+    change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
+    signal (plumbing.signals.STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
+    from plumbing.signals import EXIT_CODE, exiting, install, signal_name
+    install()
     try:
-        sys.exit(main())
+        code = main()
     except OutOfMemory as e:
         _fail(str(e), any_rank=True)
     except RuntimeError as e:
@@ -118,19 +260,27 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
         _fail(str(e))
     except OSError as e:
         _fail(os_error_line(e))
-    except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", None)
+        _fail("interrupted" + (f" by {signal_name(signum)}" if signum else ""), code=EXIT_CODE)
+    exiting()
+    sys.exit(code)
 
 
 def _fail(message, code=2, any_rank=False):
     """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
+    from plumbing.signals import exiting
+    exiting()
     rank = os.environ.get("RANK", "0")
     if rank == "0" or any_rank:
         from tqdm import tqdm
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
             bar.close()
-        print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
+        try:
+            print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
+        except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
+            pass
     sys.exit(code)
 
 

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cli import first_line
+
 
 class DataError(ValueError):
     """Bad dataset / tokenizer input; the message is one line naming the culprit."""
@@ -119,8 +121,7 @@ def _sentencepiece_tokenizer(path, threads=None):
     try:
         sp = spm.SentencePieceProcessor(model_file=path)
     except (RuntimeError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path} is not a SentencePiece model ({first})") from None
+        raise DataError(f"{path} is not a SentencePiece model ({first_line(e) or type(e).__name__})") from None
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
     if min(sp.bos_id(), sp.eos_id()) < 0:
         raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
@@ -176,9 +177,9 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
             user_defined_symbols=["\n"],  # lines are the training units, so "\n" gets its own piece
             unk_id=0, bos_id=1, eos_id=2, pad_id=3, input_sentence_size=0, shuffle_input_sentence=False,
             max_sentence_length=1 << 16, num_threads=1, minloglevel=2)
-    except RuntimeError as e:  # e.g. a vocab_size larger than the text supports
-        reason = str(e).strip().splitlines()[-1]
-        raise DataError(f"SentencePiece training of {out_prefix}.model failed: {reason}") from None
+    except RuntimeError as e:
+        raise DataError(f"SentencePiece training of a {vocab_size}-piece tokenizer failed: "
+                        f"{sentencepiece_failure(str(e), vocab_size)}") from None
     tmp = f"{out_prefix}.model.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -190,6 +191,23 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     return out_prefix + ".model"
 
 
+
+
+def sentencepiece_failure(message, vocab_size):
+    """SentencePiece's training error -> the reason and the fix in this repository's flags (its own hints name
+    options of its command line, e.g. --character_coverage, that no script here has)."""
+    import re
+    low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+    high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
+    if low:
+        return (f"the corpus needs at least {low.group(1)} pieces (its characters, 256 bytes and the specials); "
+                f"use --tokenizer sp_train:N with N >= {low.group(1)}")
+    if high:
+        return (f"the corpus supports at most {high.group(1)} pieces; use --tokenizer sp_train:N with N <= "
+                f"{high.group(1)}, or a larger corpus")
+    reason = message.strip().splitlines()[-1] if message.strip() else "unknown error"
+    kept = [sentence for sentence in re.split(r"(?<=\.)\s+", reason) if "--" not in sentence]
+    return " ".join(kept) + f" (--tokenizer sp_train:{vocab_size})"
 
 
 def read_text(path):
@@ -256,9 +274,46 @@ def load_meta(data_dir):
             meta = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON ({e}); delete {data_dir} to prepare it again") from None
+    check_meta_fields(meta, path)
     if meta.get("tokenizer_file"):  # a model stored next to the data: resolve relative to where the data is now
         meta["tokenizer"] = "sp:" + os.path.join(data_dir, meta["tokenizer_file"])
     return meta
+
+
+# what prepare.py writes in meta.json, and what readers rely on: field -> (type name, required)
+META_FIELDS = {"tokenizer": ("str", True), "vocab_size": ("int", True), "bos_id": ("int", True),
+               "eos_id": ("int", True), "pad_id": ("int", True), "block_size": ("int", True), "wrap": ("bool", True),
+               "dtype": ("str", True), "train_sequences": ("int", True), "val_sequences": ("int", True),
+               "probe_ids": ("list", True), "sha256": ("dict", False), "stat": ("dict", False),
+               "data_key": ("dict", False), "tokenizer_sha256": ("str", False), "tokenizer_file": ("str", False)}
+
+
+def check_meta_fields(meta, path):
+    """meta.json holds every field readers use, each of its type, and a sha256 for every file of the folder (a
+    folder that lists none cannot be verified, so it is never trusted) -> else DataError naming the field and
+    the fix."""
+    folder = os.path.dirname(path) or "."
+    fix = f"delete {folder} to prepare it again"
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} holds {type(meta).__name__}, not the object prepare.py writes; {fix}")
+    kinds = {"str": str, "int": int, "bool": bool, "list": list, "dict": dict}
+    for name, (kind, required) in META_FIELDS.items():
+        value = meta.get(name)
+        if value is None:
+            if required:
+                raise DataError(f"{path} has no field {name!r}; {fix}")
+            continue
+        if not isinstance(value, kinds[kind]) or (kind == "int" and isinstance(value, bool)):
+            raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not {kind}; {fix}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{path}: field 'dtype' is {meta['dtype']!r}, not uint16 or uint32; {fix}")
+    parts = ("",) if meta["wrap"] else ("", "_mask")
+    needed = [f"{split}{part}.bin" for split in ("train", "val") for part in parts]
+    needed += ["tokenizer.model"] if meta.get("tokenizer_file") else []
+    unlisted = [n for n in needed if not isinstance((meta.get("sha256") or {}).get(n), str)]
+    if unlisted:
+        raise DataError(f"{path} lists no sha256 for {', '.join(unlisted)}, so the prepared files cannot be verified; "
+                        f"{fix}")
 
 
 def file_stat(path):

@@ -39,13 +39,15 @@ import torch
 import diffusion
 import train
 from cli import UsageError, first_line, parse_flags, resolve_dtype, run_cli
-from data import DataError, check_tokenizer, get_tokenizer, load_meta
+from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_sums
 from model import ModelConfig
 from objective import unwrap
-from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, restore, save
+from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script,
+                                 restore, save)
 from plumbing.distributed import run_distributed
-from plumbing.files import write_json
+from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
+from plumbing.files import refuse_overwrite, run_outputs, write_json
 from plumbing.tracking import require_trackers
 from plumbing.runlog import Log
 
@@ -54,14 +56,15 @@ from plumbing.runlog import Log
 class DistillConfig(train.OptimConfig):
     """train.OptimConfig's optimisation, evaluation and system flags (train.py's names and meaning), with DCD's
     defaults, and the DCD settings."""
+    # the model to distil
     preset: str = "tiny"             # tiny (CPU schedule) | small (Duo's distil_owt.sh), see DISTILL_PRESETS
-    init: str = "out/ckpt.pt"        # the checkpoint to distil: train.py's, or distill.py's for more rounds
+    init: str = "out/ckpt.pt"        # the model to distil: ckpt.pt or model folder of train.py (distill.py: more rounds)
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
     # DCD
     round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round
     T: int = 64                      # dt = 2^round / T (Duo: T = 512, rounds of 10K steps, 5 rounds)
-    gamma_min: float = -4.0          # Gaussian log-SNR range of t in [0, 1] (Duo's distillation: [-4, -1])
-    gamma_max: float = -1.0
+    gamma_min: float = -4.0          # Gaussian log-SNR range of t in [0, 1] (Duo's distillation: [-4, -1]): t = 0
+    gamma_max: float = -1.0          # ... and t = 1 (gamma_t = gamma_min + t (gamma_max - gamma_min))
     divergence: str = "kl_bwd"       # kl_bwd: KL(student || teacher) (Duo's default) | kl_fwd: KL(teacher || student)
     teacher: str = "live"            # the teacher of a round: the student's live weights (Duo) | its ema weights
     data_dir: str = ""               # prepared data ("" = the one recorded in --init)
@@ -70,11 +73,11 @@ class DistillConfig(train.OptimConfig):
     lr: float = 1e-4
     lr_schedule: str = "constant"
     warmup_iters: int = 10
-    ema: float = 0.99                # with Duo's warm-up
-    eval_interval: int = 100
+    ema: float = 0.99
+    eval_interval: int = 100         # validation DCD loss and NELBO (EMA weights) every N steps and at the end
     eval_iters: int = 4
     ckpt_interval: int = 100
-    sample_steps: int = 8            # few-step samples printed at the end
+    sample_steps: int = 8            # reverse steps of the few-step samples printed at the end
     out_dir: str = "out-dcd"
 
 
@@ -201,6 +204,8 @@ def parse_config(argv=None):
 
 def validate(cfg, world_size):
     require_trackers(cfg)
+    if not cfg.out_dir.strip():
+        raise UsageError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out-dcd")
     if cfg.divergence not in DIVERGENCES:
         raise UsageError(f"unknown --divergence {cfg.divergence!r}; choose from {', '.join(DIVERGENCES)}")
     if cfg.teacher not in ("live", "ema"):
@@ -219,6 +224,8 @@ def validate(cfg, world_size):
         raise UsageError(f"--lr must be finite and > 0 (got {cfg.lr}), --min_lr in [0, lr], --warmup_iters >= 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.weight_decay >= 0 and cfg.grad_clip >= 0):
         raise UsageError("--beta1 and --beta2 must be in [0, 1), --weight_decay and --grad_clip >= 0")
+    if not 0 <= cfg.diverge_margin < math.inf:
+        raise UsageError(f"--diverge_margin must be in [0, inf) (0 = log V), got {cfg.diverge_margin}")
     if not cfg.gamma_min < cfg.gamma_max:
         raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max})")
     if step_size(cfg.max_iters - 1, cfg) >= 1:
@@ -233,29 +240,53 @@ def validate(cfg, world_size):
 
 
 def load_init(cfg):
-    """The checkpoint to distil -> (its weights, the checkpoint). Refuses the AR baseline."""
-    if not os.path.isfile(cfg.init):
-        raise UsageError(f"--init {cfg.init}: no such checkpoint")
-    try:
-        ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
+    """The model to distil -> (its weights, a checkpoint dict): a train.py / distill.py checkpoint, or a model
+    folder (pretrained.py; read as a checkpoint by plumbing.folder.load_folder). Refuses the AR baseline."""
+    if os.path.isdir(cfg.init):
+        from plumbing.folder import load_folder
+        try:
+            model, ckpt = load_folder(cfg.init, use_ema=cfg.init_ema)
+        except ValueError as e:
+            raise UsageError(f"--init {first_line(e)}") from None
+        weights = model.state_dict()
+    else:
+        if not os.path.isfile(cfg.init):
+            raise UsageError(f"--init {cfg.init}: no such checkpoint")
+        try:
+            ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+            raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
+        check_checkpoint_fields(ckpt, cfg.init)
+        weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
     if ckpt["model_config"].get("causal"):
         raise UsageError(f"--init {cfg.init} is the autoregressive baseline; DCD distils diffusion models")
-    weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
     return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}, ckpt
 
 
-def data_for(cfg, init_ckpt, vocab_size):
-    """The prepared data folder (--data_dir, else the one recorded in --init) and its meta, checked against K."""
+def data_for(cfg, init_ckpt, record, vocab_size):
+    """The prepared data folder (--data_dir, else the one recorded in --init), its meta (files verified) and its
+    tokenizer, checked against K and against the tokenizer `record` (the checkpoint distilled or resumed) was
+    trained with. -> (data_dir, meta, tokenizer)."""
     data_dir = cfg.data_dir or (init_ckpt.get("train_config") or {}).get("data_dir")
     if not data_dir:
         raise UsageError(f"--init {cfg.init} records no data folder; pass --data_dir")
     meta = load_meta(data_dir)
     check_tokenizer(meta, vocab_size)
-    return os.path.abspath(data_dir), meta
+    verify_prepared(data_dir, meta)
+    tok = get_tokenizer(meta["tokenizer"])
+    check_tokenizer_identity(tok, record, cfg.init)
+    return os.path.abspath(data_dir), meta, tok
+
+
+def base_of(cfg, init_ckpt, record):
+    """The model config of the checkpoint distilled and its data (data_for) -> (mcfg, data_dir, meta, tokenizer)."""
+    try:
+        mcfg = ModelConfig(**init_ckpt["model_config"])
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
+    return (mcfg, *data_for(cfg, init_ckpt, record, mcfg.vocab_size))
 
 
 def open_out_dir(cfg):
@@ -266,6 +297,7 @@ def open_out_dir(cfg):
     if ckpt is None:
         return None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
+    refuse_other_script(ckpt, cfg.out_dir, "distill.py")
     saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
     if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
         raise UsageError(f"cannot resume from {path}: not a distill.py checkpoint")
@@ -358,20 +390,21 @@ def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
 
 def main(argv=None):
     cfg = parse_config(argv)
+    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
+                     {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
     return run_distributed(cfg, lambda env: distill(cfg, env))
 
 
 def distill(cfg, env):
     validate(cfg, env.world_size)
+    if not cfg.resume:                   # every fault of --init and its data is found before out_dir is made
+        weights, init_ckpt = load_init(cfg)
+        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, init_ckpt)
     ckpt = open_out_dir(cfg)
-    weights, init_ckpt = load_init(cfg) if ckpt is None else (None, saved_init(ckpt))
     if ckpt is not None:
+        weights, init_ckpt = None, saved_init(ckpt)
         cfg.init = init_ckpt["path"] or cfg.init
-    try:
-        mcfg = ModelConfig(**init_ckpt["model_config"])
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
-    data_dir, meta = data_for(cfg, init_ckpt, mcfg.vocab_size)
+        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt)
     if ckpt is not None and ckpt["step"] == cfg.max_iters:
         if env.master:
             print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
@@ -409,16 +442,15 @@ def distill(cfg, env):
         [(cfg.eval_interval, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
           lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
         save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
-        samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, meta, env)), what="distillation",
-        nonfinite=lambda it: f"non-finite DCD loss by step {it}; the last good checkpoint in {cfg.out_dir} is kept. "
-                             f"Lower --lr.")
+        samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, tok, env)), what="distillation",
+        nonfinite=lambda it, why: f"{why.replace(' loss', ' DCD loss', 1)} by step {it}; {train.kept(cfg)}. "
+                                  f"Lower --lr.")
 
 
-def print_samples(run, cfg, init_ckpt, meta, env):
+def print_samples(run, cfg, init_ckpt, tok, env):
     """A few few-step samples from the EMA weights, with the final step --final_step auto picks."""
     from sample import default_final_step, generate
     final_step = default_final_step({**init_ckpt, "distill_config": asdict(cfg)})
-    tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     schedule = (init_ckpt.get("train_config") or {}).get("noise_schedule", "loglinear")
     with ema_weights(run) as model:

@@ -62,7 +62,7 @@ import losses
 from data import DataError
 from cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
-from plumbing.files import save_atomic, write_json
+from plumbing.files import refuse_overwrite, save_atomic, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, denoiser_log_probs, generate, null_tokens, parse_psi
 
@@ -469,11 +469,13 @@ class _Harness:
         if batch_size == 1 and mc_draws > 1:
             note_once("batch", f"--batch_size 1 (lm-eval's default) runs one of the {mc_draws} Monte Carlo draws "
                                f"per forward; --batch_size 16 or more is much faster")
+        if not str(ckpt).startswith("duo:") and not os.path.exists(str(ckpt)):   # the file first, then the device
+            raise EvalError(f"checkpoint not found: {ckpt} (--model_args ckpt=PATH)")
         name = str(device or "auto")
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
         model, ckpt_dict = load_model(str(ckpt), device, use_ema)
-        tokenizer, why = load_tokenizer(ckpt_dict)
+        tokenizer, why = load_tokenizer(ckpt_dict, str(ckpt))
         if tokenizer is None:
             raise EvalError(f"{ckpt}: {why}")
         return Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
@@ -595,12 +597,19 @@ def run_lm_eval(task, lm, limit, include_path=""):
 
 @dataclass
 class EvalConfig:
-    ckpt: str = "out/ckpt.pt"
+    # model
+    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, a model folder, or duo:PATH
+    use_ema: bool = True             # evaluate the EMA weights (the live ones when the checkpoint has no EMA)
+    add_bos: bool = True             # BOS before the context (training blocks start with BOS)
+    # tasks
     tasks: str = ""                  # lm-eval task names, comma-separated; "paper" = the paper's eight
     jsonl: str = ""                  # local JSONL files, comma-separated (task name = file stem): built-in runner
     data_dir: str = "data/downstream"  # without lm-eval (or with --builtin 1), --tasks NAME reads DATA_DIR/NAME.jsonl
     builtin: bool = False            # use the built-in runner for --tasks even when lm-eval is installed
     include_path: str = ""           # extra lm-eval task YAML folder (offline tasks over local files)
+    limit: int = 0                   # first N items per task (0 = all)
+    out: str = ""                    # results JSON (and the table as .md next to it), rewritten after every task
+    # scoring
     mc_draws: int = 128              # Monte Carlo draws per request (SMDM 1024, LLaDA 128)
     cfg: str = "off"                 # off | on | both (one row each, as the paper's Tables)
     cfg_w: float = PAPER_CFG_W       # guidance weight w when CFG is on (paper: 1.1)
@@ -611,14 +620,11 @@ class EvalConfig:
     final_step: str = "auto"         # lm-eval generate_until: ancestral | greedy | none | auto (by objective)
     top_p: float = 1.0               # lm-eval generate_until: nucleus on x_theta
     rolling_context: int = 1         # lm-eval loglikelihood_rolling: clean tokens before each window's piece
-    seed: int = 1234
+    # runtime
+    seed: int = 1234                 # every request's times, noise and null contexts are drawn from this seed
     batch_size: int = 16             # MC draws per forward (2 x rows with CFG)
-    limit: int = 0                   # first N items per task (0 = all)
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
-    use_ema: bool = True
-    add_bos: bool = True             # BOS before the context (training blocks start with BOS)
-    out: str = ""                    # results JSON (and the table as .md next to it), rewritten after every task
 
 
 DEFINITIONS = {
@@ -731,6 +737,8 @@ def write_results(path, result):
 
 def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
+    refuse_overwrite({"--out": [cfg.out, os.path.splitext(cfg.out)[0] + ".md"] if cfg.out else ""},
+                     {"--ckpt": cfg.ckpt, "--jsonl": cfg.jsonl.split(",")})
     validate(cfg)
     plan = plan_tasks(cfg)
     if any(runner == "lm-eval" for _, runner, _ in plan):
@@ -742,7 +750,7 @@ def main(argv=None):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
-    tokenizer, why = load_tokenizer(ckpt)
+    tokenizer, why = load_tokenizer(ckpt, cfg.ckpt)
     if tokenizer is None:
         raise EvalError(f"{cfg.ckpt}: {why}")
     if cfg.rolling_context >= model.config.block_size:

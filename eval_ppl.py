@@ -47,7 +47,7 @@ import losses
 from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
 from objective import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_writable, write_json
+from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, default_final_step, generate, generate_ar, psi_from_flags
 from plumbing.folder import is_model_folder
@@ -218,7 +218,7 @@ def load_judge(spec, device):
         if not model.config.causal:
             raise UsageError(f"--judge {spec} is a diffusion checkpoint; a judge must be autoregressive "
                              f"(train one with train.py --loss ar)")
-        tok, why = load_tokenizer(ckpt)
+        tok, why = load_tokenizer(ckpt, spec)
         if tok is None:
             raise UsageError(f"--judge {spec}: {why}")
         return Judge(name=f"ar:{spec}@step{ckpt.get('step')}", logits=lambda ids, attn: model(ids),
@@ -259,36 +259,38 @@ def judge_shares_tokenizer(judge, tok):
 
 @dataclass
 class EvalConfig:
+    # model and metric
     ckpt: str = "out/ckpt.pt"        # the model to evaluate (genppl with --samples does not need it)
     metric: str = "nelbo"            # nelbo | zeroshot | genppl
-    use_ema: bool = True
-    seed: int = 0
+    use_ema: bool = True             # evaluate the EMA weights (the live ones when the checkpoint has no EMA)
+    out: str = ""                    # also write the JSON result here
+    # runtime
+    seed: int = 0                    # seeds the times and noise of the NELBO and the samples of genppl
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     batch_size: int = 16             # sequences per forward
-    out: str = ""                    # also write the JSON result here
     # nelbo / zeroshot
     data_dir: str = ""               # nelbo: prepared data folder ("" = the checkpoint's train_config.data_dir)
-    split: str = "val"
-    max_batches: int = 0             # 0 = the whole split / text
-    mc_draws: int = 1                # (t, xt) draws per sequence
-    t_min: float = 1e-3
+    split: str = "val"               # nelbo: the prepared split to score, val | train
+    max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
+    mc_draws: int = 1                # (t, xt) draws per sequence, averaged
+    t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
     seq_len: int = 0                 # zeroshot block length (0 = the model's block_size; paper: 1024)
     # genppl
     judge: str = "gpt2-large"        # HF causal LM (needs transformers) or an AR checkpoint .pt of this repo
     samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
     steps: str = "128"               # comma list: one row of the "Gen PPL vs sampling steps" table each
-    num_samples: int = 16
+    num_samples: int = 16            # samples generated and scored per row
     final_step: str = "auto"         # ancestral | greedy | none | auto (sample.default_final_step)
-    top_p: float = 1.0
+    top_p: float = 1.0               # nucleus on x_theta (1 = off), as sample.py --top_p
     sampler: str = "ancestral"       # ancestral | psi: the --sampler and --psi_* flags of sample.py
-    psi_kappa: str = "eta"
-    psi_eta: str = "0.9"
-    psi_profile: str = "linear"
-    psi_loop_t: float = 0.1
-    psi_fracs: str = "0.45,0.5,0.05"
-    judge_batch_size: int = 8
+    psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant, as sample.py
+    psi_eta: str = "0.9"             # psi: eta of each mode, 1 or 3 values, as sample.py
+    psi_profile: str = "linear"      # psi: time profile, linear | loop, as sample.py
+    psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase, as sample.py
+    psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
+    judge_batch_size: int = 8        # samples per forward of the judge
     save_samples: str = ""           # append the generated samples (JSONL) here
 
 
@@ -342,7 +344,7 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
 def run_zeroshot(cfg, model, ckpt, device, dtype):
     if not cfg.dataset:
         raise UsageError("--metric zeroshot needs --dataset (a .txt file or one of " + ", ".join(ZERO_SHOT_SETS) + ")")
-    tok, why = load_tokenizer(ckpt)
+    tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None:
         raise UsageError(f"zeroshot needs the checkpoint's tokenizer: {why}")
     seq_len = cfg.seq_len or model.config.block_size
@@ -379,7 +381,7 @@ def run_genppl(cfg, device, dtype):
                                       steps=settings.get("steps")))
         return rows
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
-    tok, why = load_tokenizer(ckpt)
+    tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None:
         raise UsageError(f"genppl needs the checkpoint's tokenizer to decode samples: {why}")
     mc = model.config
@@ -589,6 +591,9 @@ def gen_metrics(sums, cfg, judge):
 
 def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.split("\n\n")[0])
+    refuse_overwrite({"--out": cfg.out, "--save_samples": cfg.save_samples},
+                     {"--ckpt": "" if cfg.metric == "genppl" and cfg.samples else cfg.ckpt, "--data_dir": cfg.data_dir,
+                      "--dataset": cfg.dataset.split(","), "--judge": cfg.judge, "--samples": cfg.samples})
     if cfg.metric not in ("nelbo", "zeroshot", "genppl"):
         raise UsageError(f"--metric must be nelbo, zeroshot or genppl, got {cfg.metric!r}")
     if cfg.batch_size < 1 or cfg.judge_batch_size < 1 or cfg.mc_draws < 1 or cfg.num_samples < 1:

@@ -13,7 +13,9 @@ Figures (PNG; matplotlib, an optional dependency, is imported only to draw them)
   time_memory.png        training step time and memory per objective     (Fig. time; bench.py)
 A figure whose data are absent is skipped (and said so). A line is named by its run's objective (config.json next
 to the run's log or checkpoint), with ε when it is not the default, and has its own marker and dashes (curves that
-coincide stay visible); a model evaluated at one step count only says so in the legend. Every Gen PPL figure names
+coincide stay visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated
+at one step count (an ε sweep) get a panel of their own in gen_ppl_vs_steps.png: Gen PPL against ε, with the
+same objective at its default ε, on the same Gen PPL axis. Every Gen PPL figure names
 its judge in the title by a short label (an AR checkpoint's folder and step, a hub name); data scored by different
 judges are never drawn in one figure. A log.jsonl line that is not a whole record (torn by a crash, garbage) is
 skipped and counted; an input file of the wrong shape is refused in one line.
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import losses
 from cli import UsageError, parse_flags, run_cli
+from plumbing.files import refuse_overwrite
 
 
 @dataclass
@@ -39,7 +42,7 @@ class PlotConfig:
     out_dir: str = "figures"         # where the PNG files go
     table: str = ""                  # also write the markdown tables here ("-" = print only)
     table_steps: int = 0             # sampling steps of the table's Gen PPL (0 = the most steps evaluated)
-    dpi: int = 110
+    dpi: int = 110                   # resolution of the PNG files
 
 
 # -----------------------------------------------------------------------------------------------
@@ -153,13 +156,15 @@ def eval_rows(paths):
                              f"eval_ppl.py --out writes")
         ckpt = e.get("ckpt") if isinstance(e.get("ckpt"), str) else ""
         cfg = e.get("config") if isinstance(e.get("config"), dict) else {}
-        label = label_of(run_config(os.path.dirname(ckpt)) if ckpt and not ckpt.startswith("duo:") else {}, ckpt or path)
+        train_config = run_config(os.path.dirname(ckpt)) if ckpt and not ckpt.startswith("duo:") else {}
+        label = label_of(train_config, ckpt or path)
         if e["metric"] == "nelbo":
             nelbo[ckpt] = e["results"][0]
             continue
         for r in e["results"]:
             gen.append(dict(r, label=label, ckpt=ckpt, ckpt_step=r.get("ckpt_step", e.get("ckpt_step")), seed=cfg.get("seed"),
-                            final_step=cfg.get("final_step"), top_p=cfg.get("top_p"), file=path))
+                            final_step=cfg.get("final_step"), top_p=cfg.get("top_p"), file=path,
+                            loss=train_config.get("loss"), eps=train_config.get("eps", losses.EPS)))
     return gen, nelbo
 
 
@@ -204,9 +209,14 @@ STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1, 1, 
           ("X", (0, (1, 1))), ("*", (0, (3, 1, 1, 1, 1, 1)))]
 
 
+def _ticker():
+    import matplotlib.ticker
+    return matplotlib.ticker
+
+
 def _style(i):
     marker, dash = STYLES[i % len(STYLES)]
-    return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4)
+    return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{i % 10}")
 
 
 def _legend(ax):
@@ -266,7 +276,9 @@ def plot_training(curves, cfg):
 
 
 def plot_gen_ppl_vs_steps(gen, cfg):
-    """Fig. steps: Gen PPL against the number of sampling steps, one line per model -> written path or None."""
+    """Fig. steps: Gen PPL against the number of sampling steps, one line per model -> written path or None.
+    V1/V2 models evaluated at one step count only (an ε sweep) go to a panel of their own beside it: Gen PPL
+    against ε at that step count, with the same objective at its default ε, on the same Gen PPL axis."""
     rows = [r for r in gen if isinstance(r["steps"], int)]
     if not rows:
         print("plot.py: no diffusion Gen PPL evaluations (eval_ppl.py --metric genppl --out): gen_ppl_vs_steps.png "
@@ -274,13 +286,33 @@ def plot_gen_ppl_vs_steps(gen, cfg):
         return None
     plt = _pyplot()
     judge = one_judge({r["judge"] for r in rows}, "Gen PPL vs sampling steps")
-    fig, ax = plt.subplots(figsize=(8.4, 4.2))
-    for i, label in enumerate(sorted({r["label"] for r in rows})):       # a model's ε variants right after it
-        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["steps"])
-        only = f", at {mine[0]['steps']} steps only" if len({r["steps"] for r in mine}) == 1 else ""
-        style = {**_style(i), **(dict(ms=9, zorder=3) if only else {})}   # a lone point drawn over the lines
-        ax.plot([r["steps"] for r in mine], [r["gen_ppl"] for r in mine], label=label + only, **style)
+    labels = sorted({r["label"] for r in rows})                  # a model's ε variants right after it
+    mine = {label: sorted((r for r in rows if r["label"] == label), key=lambda r: r["steps"]) for label in labels}
+    lone = [label for label in labels if len({r["steps"] for r in mine[label]}) == 1]
+    sweeps = {}                                                   # (objective, steps) -> its rows, one per ε
+    for label in lone:
+        r = mine[label][0]
+        if r.get("loss") in ("sddlm_v1", "sddlm_v2"):
+            sweeps.setdefault((r["loss"], r["steps"]), []).append(r)
+    for (loss, steps), members in sweeps.items():                 # the same objective at its other ε, same steps
+        members += [r for label in labels if label not in lone for r in mine[label]
+                    if r.get("loss") == loss and r["steps"] == steps]
+    in_sweep = {r["label"] for members in sweeps.values() for r in members if r["label"] in lone}
+    if sweeps:
+        fig, (ax, ax_eps) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, gridspec_kw=dict(width_ratios=[2, 1]))
+    else:
+        fig, ax = plt.subplots(figsize=(8.4, 4.2))
+    for i, label in enumerate(labels):
+        if label in in_sweep:
+            continue
+        only = f", at {mine[label][0]['steps']} steps only" if label in lone else ""
+        # a lone point: a larger marker drawn over the lines, and no line in its legend entry (it has none)
+        style = {**_style(i), **(dict(ms=9, zorder=3, linestyle="none") if only else {})}
+        ax.plot([r["steps"] for r in mine[label]], [r["gen_ppl"] for r in mine[label]], label=label + only, **style)
     ax.set_xscale("log", base=2)
+    steps = sorted({r["steps"] for label in labels if label not in in_sweep for r in mine[label]})
+    ax.set_xticks(steps, [str(s) for s in steps])            # the step counts evaluated, as numbers
+    ax.xaxis.set_minor_locator(_ticker().NullLocator())
     ax.set_yscale("log")
     ax.set_xlabel("sampling steps")
     ax.set_ylabel("Gen PPL (lower is better)")
@@ -288,7 +320,23 @@ def plot_gen_ppl_vs_steps(gen, cfg):
                   for r in rows})
     ax.set_title(f"Gen PPL vs sampling steps (judge: {judge})\neach point: {'; '.join(how)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    _legend(ax)
+    if not sweeps:
+        _legend(ax)
+    else:
+        ax.legend(fontsize=8)
+        for (loss, n_steps), members in sorted(sweeps.items()):
+            members = sorted(members, key=lambda r: r["eps"])
+            ax_eps.plot([r["eps"] for r in members], [r["gen_ppl"] for r in members],
+                        label=f"{loss}, {n_steps} steps", **_style(labels.index(loss) if loss in labels else 0))
+        eps = sorted({r["eps"] for members in sweeps.values() for r in members})
+        ax_eps.set_xscale("log")
+        ax_eps.set_xticks(eps, [f"{e:g}" + (" (default)" if e == losses.EPS else "") for e in eps], fontsize=8)
+        ax_eps.xaxis.set_minor_locator(_ticker().NullLocator())
+        ax_eps.set_xlabel("ε of log(p + ε) in training")
+        ax_eps.set_title(f"ε sweep at {', '.join(sorted({str(s) for _, s in sweeps}))} sampling steps\n"
+                         f"each point: a model trained with that ε", fontsize=9)
+        ax_eps.grid(alpha=0.3, which="both")
+        ax_eps.legend(fontsize=8)
     path = _save(fig, cfg.out_dir, "gen_ppl_vs_steps.png", cfg.dpi)
     plt.close(fig)
     return path
@@ -367,6 +415,9 @@ def tables(gen, nelbo, steps):
 
 def main(argv=None):
     cfg = parse_flags(PlotConfig, argv, description=__doc__.split("\n\n")[0])
+    refuse_overwrite({"--out_dir": os.path.join(cfg.out_dir, "*.png"), "--table": cfg.table.removeprefix("-")},
+                     {"--runs": [os.path.join(r, f) for r in _split(cfg.runs) for f in ("log.jsonl", "config.json")],
+                      "--evals": _split(cfg.evals), "--bench": cfg.bench})
     if not (cfg.runs or cfg.evals or cfg.bench):
         raise UsageError("nothing to plot: give --runs, --evals and/or --bench")
     gen, nelbo = eval_rows(_split(cfg.evals))

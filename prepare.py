@@ -46,9 +46,12 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from cli import first_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
                   train_sentencepiece, verify_prepared, wrap_blocks)
 from data import key_digest
+from plumbing.files import refuse_overwrite, remove_stale_temps
+from plumbing.signals import ignore_stop_signals
 
 # -----------------------------------------------------------------------------
 # Detokenizers (Duo applies them to raw text before tokenizing). Rules: (regex, replacement), in order.
@@ -194,8 +197,7 @@ def _load_dataset(what, path, **kwargs):
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first}); {OFFLINE}") from None
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
 
 
 def _hub_path(repo, revision):
@@ -530,7 +532,18 @@ def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True
     tok = tokenizer_spec.replace(":", "").replace("/", "_")
     if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
         tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
-    return os.path.join("data", f"{name}-{tok}-{block_size}" + ("" if wrap else "-padded") + f"-{_digest(key)}")
+    return os.path.join("data", f"{_short(name)}-{_short(tok)}-{block_size}" + ("" if wrap else "-padded") +
+                        f"-{_digest(key)}")
+
+
+def _short(part, limit=64):
+    """A part of a folder name within `limit` UTF-8 bytes: a longer one keeps its start and gains a digest of the
+    whole, so that the folder's name, with the temp folder's suffix, stays within a file name's 255 bytes (the
+    data_key digest at the end keeps folders of different data apart either way)."""
+    raw = part.encode()
+    if len(raw) <= limit:
+        return part
+    return raw[:limit - 9].decode(errors="ignore") + "~" + hashlib.sha256(raw).hexdigest()[:8]
 
 
 def _check_reusable(data_dir, key, verify=False):
@@ -559,10 +572,11 @@ _WORKER = {}    # the tokenizer of this worker process (set once by _init_worker
 
 
 def _init_worker(tokenizer_spec):
+    ignore_stop_signals()                   # the parent stops the pool and removes the temp folder
     if sys.platform.startswith("linux"):    # a killed preparation takes its workers with it (PR_SET_PDEATHSIG)
         try:
             import ctypes
-            ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
     _WORKER["tok"] = get_tokenizer(tokenizer_spec, threads=1)
@@ -710,28 +724,6 @@ def _exclusive(lock_path, what):
         os.close(fd)
 
 
-def _remove_stale_temps(out_dir):
-    """Temp folders of preparations on this host whose process is gone (killed): left behind, never reused."""
-    if os.name != "posix":         # os.kill(pid, 0) probes a process only on POSIX
-        return
-    prefix = f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    for name in os.listdir(parent):
-        pid = name.removeprefix(prefix).split("-")[0]
-        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, insert_eos=True,
                     val_fraction=0.05, progress=True, num_proc=None, text_field="text", verify=False):
     """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
@@ -758,7 +750,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
         with _exclusive(out_dir + ".lock", out_dir):
             if os.path.isfile(os.path.join(out_dir, "meta.json")):   # finished by the process we waited for
                 return _check_reusable(out_dir, key, verify)
-            _remove_stale_temps(out_dir)
+            remove_stale_temps(out_dir)    # a killed preparation's temp folder (this host's)
             tmp = None
             try:
                 tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-",
@@ -854,8 +846,8 @@ class PrepareConfig:
     dataset: str = "pydoc"           # pydoc (built in) | a local corpus (LOCAL_FORMATS) | a name in HF_CORPORA |
                                      # hf:REPO[:CONFIG][@REVISION]
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
-    data_dir: str = ""               # "" = prepared_dir(dataset, tokenizer, block_size, ...), as train.py
-    block_size: int = 128
+    data_dir: str = ""               # output folder; "" = prepared_dir(dataset, tokenizer, block_size, ...) as train.py
+    block_size: int = 128            # tokens per sequence L (as train.py --block_size)
     wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
     insert_eos: bool = True          # EOS between wrapped documents
     val_fraction: float = 0.05       # local corpora: share of the characters held out for validation
@@ -871,9 +863,12 @@ def main(argv=None):
         raise DataError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field)
-    out = prepare_dataset(cfg.dataset, cfg.tokenizer,
-                          cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings),
-                          cfg.block_size, num_proc=cfg.num_proc or None, verify=cfg.verify, **settings)
+    data_dir = cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings)
+    written = not os.path.isfile(os.path.join(data_dir, "meta.json"))     # a prepared folder is reused, not rewritten
+    refuse_overwrite({"--data_dir": data_dir if written else ""},
+                     {"--dataset": cfg.dataset, "--tokenizer": cfg.tokenizer})
+    out = prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, cfg.block_size, num_proc=cfg.num_proc or None,
+                          verify=cfg.verify, **settings)
     meta = load_meta(out)
     print(f"{out}: tokenizer {meta['tokenizer']} (K={meta['vocab_size']}, {meta['dtype']}), block_size "
           f"{meta['block_size']}, wrap={meta['wrap']}")

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from plumbing.files import remove_stale_temps
+from plumbing.signals import deferred_signals
 from plumbing.folder import CONFIG, FORMAT, TOKENIZER, WEIGHTS, _sha256, is_model_folder, load_folder  # noqa: F401
 
 
@@ -71,7 +73,7 @@ def save_folder(folder, state, config):
         tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=tok.get("sha256") or _sha256(source))
     folder = os.path.normpath(folder)
     tmp, old = f"{folder}.tmp{os.getpid()}", f"{folder}.old{os.getpid()}"
-    remove_stale_folders(folder)
+    remove_stale_temps(folder)
     os.makedirs(tmp)
     try:
         # safetensors refuses shared storage and wants contiguous tensors
@@ -83,34 +85,14 @@ def save_folder(folder, state, config):
             f.write("\n")
         if source is not None:
             shutil.copyfile(source, os.path.join(tmp, TOKENIZER))
-        if os.path.exists(folder):
-            os.replace(folder, old)
-        os.replace(tmp, folder)
+        with deferred_signals():      # a stop signal between the two renames would leave no folder at all
+            if os.path.exists(folder):
+                os.replace(folder, old)
+            os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
     return folder
-
-
-def remove_stale_folders(folder):
-    """Remove save_folder's temp folders of `folder` (folder.tmp<pid>, folder.old<pid>) left by processes that no
-    longer run (killed while writing), and this process's own."""
-    parent, name = os.path.dirname(folder) or ".", os.path.basename(folder)
-    if not os.path.isdir(parent):
-        return
-    for entry in os.listdir(parent):
-        pid = entry.removeprefix(name + ".tmp").removeprefix(name + ".old")
-        if entry == name or not pid.isdigit() or not entry.startswith(name + "."):
-            continue
-        if int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-                continue                                   # its writer still runs
-            except ProcessLookupError:
-                pass
-            except OSError:
-                continue
-        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def export(ckpt, out, weights="ema"):
@@ -178,7 +160,7 @@ class SDDLM:
         if not os.path.exists(name) and not name.startswith("duo:"):
             name = snapshot(name)
         model, ckpt = load_model(name, device, use_ema)
-        tok, why = load_tokenizer(ckpt)
+        tok, why = load_tokenizer(ckpt, name)
         if tok is None:
             raise ValueError(f"{name}: {why}")
         return cls(model, ckpt, tok)
@@ -246,12 +228,11 @@ class ExportConfig:
 
 
 def main(argv=None):
-    from cli import UsageError, parse_flags
-    from plumbing.files import check_writable
+    from cli import parse_flags
+    from plumbing.files import check_writable, refuse_overwrite
     cfg = parse_flags(ExportConfig, argv, description="Export a checkpoint as a model folder (safetensors).")
     out = cfg.out or os.path.join(os.path.dirname(os.path.abspath(cfg.ckpt)), "model")
-    if os.path.abspath(out) == os.path.abspath(cfg.ckpt):
-        raise UsageError(f"--out {out} is the checkpoint itself; give another folder")
+    refuse_overwrite({"--out": out}, {"--ckpt": cfg.ckpt})
     check_writable(out, "--out", folder=True)
     folder, used = export(cfg.ckpt, out, cfg.weights)
     note = " (the checkpoint has no EMA)" if used != cfg.weights else ""

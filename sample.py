@@ -48,7 +48,7 @@ from tqdm import tqdm
 import diffusion
 from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_writable
+from plumbing.files import append_jsonl, check_writable, refuse_overwrite
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes
@@ -385,8 +385,11 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 
 @dataclass
 class SampleConfig:
-    ckpt: str = "out/ckpt.pt"
-    num_samples: int = 4
+    # model
+    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, a model folder, or duo:PATH (Duo's release)
+    use_ema: bool = True             # sample from the EMA weights (the live ones when the checkpoint has no EMA)
+    # sampler
+    num_samples: int = 4             # sequences to draw
     batch_size: int = 0              # sequences per sampler call (0 = num_samples)
     seq_len: int = 0                 # 0 = the model's block_size
     steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
@@ -401,11 +404,12 @@ class SampleConfig:
     psi_profile: str = "linear"      # psi: time profile, linear | loop (high, middle held at psi_loop_t, low)
     psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase
     psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
+    # prompt
     prompt: str = ""                 # text held fixed at the start of every sample
     prompt_ids: str = ""             # or token ids "1,2,3" (used verbatim, no BOS added)
     add_bos: bool = True             # prepend the tokenizer's BOS to --prompt (training blocks start with BOS)
-    seed: int = 0
-    use_ema: bool = True
+    # runtime
+    seed: int = 0                    # seeds the sampler's noise (the same seed gives the same samples)
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     out: str = "samples.jsonl"       # appended to; "" = print only
@@ -434,6 +438,7 @@ def parse_prompt(cfg, tok, vocab_size):
 
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
+    refuse_overwrite({"--out": cfg.out}, {"--ckpt": cfg.ckpt})
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
     psi = psi_from_flags(cfg, cfg.steps)
     if cfg.num_samples < 1 or cfg.batch_size < 0:
@@ -444,7 +449,7 @@ def main(argv=None):
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
     mc = model.config
-    tok, why = load_tokenizer(ckpt)
+    tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None and not cfg.prompt:
         print(f"warning: {why}; writing ids only (text is null)", file=sys.stderr)
     seq_len = cfg.seq_len or mc.block_size

@@ -6,10 +6,10 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
-Every field of TrainConfig is a CLI flag; --preset applies a dict of overrides first (TRAIN_PRESETS),
-explicit flags win. Without --preset, a torchrun launch on CUDA trains the paper's recipe (FLAGSHIP_PRESET);
-`python train.py` on one process trains the tiny offline demo. The run's full config is printed at start and
-saved next to the checkpoint. On CUDA, plumbing.memory.fit_micro_batch checks at start that the micro-batch fits.
+Every field of TrainConfig is a CLI flag (`--help` describes them: the comment on each field's line); --preset
+applies a dict of overrides first (TRAIN_PRESETS), explicit flags win. Without --preset, a torchrun launch on CUDA
+trains the paper's recipe (FLAGSHIP_PRESET); `python train.py` on one process trains the tiny offline demo. A short
+summary is printed at start, the full config saved next to the checkpoint (config.json). On CUDA, plumbing.memory.fit_micro_batch checks at start that the micro-batch fits.
 One training step (paper Algorithm 1, objective.py): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
 The file reads top to bottom: the config; the step; evaluation; the run and its loop (guarded_loop, shared
@@ -33,49 +33,52 @@ from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
-from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights, keep_checkpoint,  # noqa: F401
-                                 load_resume_checkpoint, open_out_dir, restore, save)
+from plumbing.checkpoint import (RESUME_KEYS, check_resume, check_resume_data, ema_weights,  # noqa: F401
+                                 keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
 from plumbing.distributed import (Env, agree, any_rank, on_each_node, on_rank0, run_distributed,  # noqa: F401
                                   setup_distributed)
-from plumbing.files import os_error_line, write_json
+from plumbing.files import os_error_line, refuse_overwrite, run_outputs, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, truncate_log  # noqa: F401
 from pretrained import export
 from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
+from plumbing.integrity import DivergenceRule
 
 
 @dataclass
 class OptimConfig:
     """The optimisation, evaluation and system fields train.py and distill.py share (same flags, same meaning;
     distill.py changes some defaults)."""
-    max_iters: int = 1000
+    # optimisation
+    max_iters: int = 1000            # optimizer steps of the whole run (a resumed run trains up to this step)
     batch_size: int = 32             # GLOBAL batch in sequences (all ranks x accumulation steps)
-    grad_accum: int = 1
-    lr: float = 1e-3
+    grad_accum: int = 1              # micro-batches per optimizer step (micro-batch = batch_size / (ranks x this))
+    lr: float = 1e-3                 # peak AdamW learning rate, reached after warmup_iters
     lr_schedule: str = "linear"      # constant | linear | cosine (after warm-up)
-    min_lr: float = 0.0
-    warmup_iters: int = 100
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    min_lr: float = 0.0              # the learning rate that linear / cosine decay reaches at max_iters
+    warmup_iters: int = 100          # steps of linear warm-up from lr / warmup_iters to lr
+    beta1: float = 0.9               # AdamW beta1
+    beta2: float = 0.999             # AdamW beta2
+    weight_decay: float = 0.0        # AdamW weight decay of the matrices and embeddings (not of biases and norms)
+    grad_clip: float = 1.0           # clip the global gradient norm to this (0 = off)
     ema: float = 0.999               # EMA decay (0 = off); Duo warms it up as min(ema, (1+n)/(10+n))
+    diverge_margin: float = 0.0      # nats/token a logged loss may rise above its recent median (0 = log V)
     # evaluation, logging, checkpoints
-    eval_interval: int = 250
+    eval_interval: int = 250         # validation loss and NELBO PPL (EMA weights) every N steps and at the end
     eval_iters: int = 8              # validation batches of --batch_size sequences (same for any world size); 0 = all
-    log_interval: int = 10
-    ckpt_interval: int = 250
-    num_samples: int = 4             # printed at the end of training
-    sample_steps: int = 128
-    out_dir: str = "out"
-    resume: bool = False
-    # system
-    seed: int = 1
+    log_interval: int = 10           # training loss, lr and tokens/s every N steps (progress bar, log.jsonl)
+    ckpt_interval: int = 250         # write out_dir/ckpt.pt every N steps (and at the end, and on Ctrl-C)
+    num_samples: int = 4             # samples printed at the end of the run (EMA weights; 0 = none)
+    sample_steps: int = 128          # reverse steps of the samples printed at the end
+    out_dir: str = "out"             # the run's folder: ckpt.pt, config.json, log.jsonl, model/
+    resume: bool = False             # continue out_dir/ckpt.pt exactly where it stopped (same data, RNG, optimizer)
+    # runtime
+    seed: int = 1                    # seeds the data order, every noise draw and (train.py) the initial weights
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
-    compile: bool = False
-    threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS, else idle cores / processes per node
+    compile: bool = False            # torch.compile the model (slower start, faster steps on GPU)
+    threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS or idle cores / local procs
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
@@ -83,6 +86,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig(OptimConfig):
+    # preset and objective
     preset: str = "tiny"             # tiny | owt (= small) | lm1b | medium | large (model + recipe), TRAIN_PRESETS
     loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
@@ -97,26 +101,32 @@ class TrainConfig(OptimConfig):
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO), as prepare.py
     num_proc: int = 0                # processes tokenizing the corpus; 0 = the usable cores (same bytes for any)
     verify: bool = False             # hash every file of the prepared data at start (else size and time only)
-    # model (0 = take from the model preset)
-    n_layer: int = 0
-    n_head: int = 0
-    n_embd: int = 0
-    dropout: float = 0.0
+    # model
+    # 0 = the model preset's (model.PRESETS[preset])
+    n_layer: int = 0                 # Transformer blocks
+    n_head: int = 0                  # attention heads (n_embd must be divisible by it)
+    n_embd: int = 0                  # hidden width
+    dropout: float = 0.0             # dropout in the blocks during training (the paper's DiT-small: 0.1)
+    # runtime
     auto_accum: bool = True          # CUDA: if the micro-batch does not fit, raise grad_accum until it does (0: stop)
-    noise_schedule: str = "loglinear"
-    # Duo's Gaussian-guided curriculum (0 steps = off)
-    curriculum_iters: int = 0
-    gamma_min: float = -3.55
-    gamma_max: float = -1.85
-    log10_tau_start: float = -3.0
-    log10_tau_end: float = -3.0
+    # diffusion
+    noise_schedule: str = "loglinear"  # alpha_t of the forward process: loglinear (1 - (1 - 1e-3) t) | cosine
+    # Duo's Gaussian-guided curriculum
+    # the first curriculum_iters steps corrupt through a Gaussian latent (diffusion.curriculum_sample); 0 steps = off
+    curriculum_iters: int = 0        # steps of curriculum at the start of training (the paper's recipe: 500K)
+    gamma_min: float = -3.55         # the Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min): at t = 0
+    gamma_max: float = -1.85         # ... and at t = 1
+    log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
+    log10_tau_end: float = -3.0      # ... at the last curriculum step (log-linear in between)
+    # evaluation, logging, checkpoints
     keep_every: int = 0              # N > 0: also keep out_dir/ckpt_<step>.pt (weights + EMA, for evaluation) every N steps
-    # sample quality during training (paper Figs. ppl_curve_lm1b, entropy_curve_lm1b): every gen_interval steps
-    # and at the end, Gen PPL and entropy of gen_num_samples EMA samples -> log.jsonl. 0 = off
-    gen_interval: int = 0
+    # sample quality during training
+    # paper Figs. ppl_curve_lm1b, entropy_curve_lm1b: every gen_interval steps and at the end, Gen PPL and entropy
+    # of gen_num_samples EMA samples -> log.jsonl
+    gen_interval: int = 0            # steps between two measurements of sample quality (0 = off)
     gen_num_samples: int = 64        # in 8 groups seeded by group (eval_ppl.sample_groups): the same for any world size
     gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
-    gen_seed: int = 0
+    gen_seed: int = 0                # the samples' seed, the same at every measurement (curves compare like with like)
     judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo
 
 
@@ -149,7 +159,9 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 # config
 
 def parse_config(argv=None):
-    return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS)
+    return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
+                       preset_note=lambda name: f"its model (model.PRESETS; --n_layer etc. of 0 take these): "
+                                                f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
 
 
 FLAGSHIP_PRESET = "small"
@@ -167,6 +179,8 @@ def flagship_launch(argv, cfg):
 
 def validate(cfg, world_size):
     require_trackers(cfg)
+    if not cfg.out_dir.strip():
+        raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
@@ -194,6 +208,7 @@ def validate(cfg, world_size):
     for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
                                     ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
                                     ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
+                                    ("diverge_margin", 0, math.inf, True),
                                     ("grad_clip", 0, math.inf, True)]:
         v = getattr(cfg, name)
         if not (low <= v if closed else low < v) or not v < high:
@@ -249,7 +264,9 @@ def prepare_data(cfg, env):
 
     def work():
         try:
-            from prepare import prepare_dataset, prepared_dir
+            from prepare import data_key, prepare_dataset, prepared_dir
+            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap,
+                                            text_field=cfg.text_field))
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
@@ -257,7 +274,7 @@ def prepare_data(cfg, env):
         except OSError as e:
             raise DataError(os_error_line(e)) from None
         return data_identity(data_dir, load_meta(data_dir))
-    (data_dir, _, _), nodes = on_each_node(env, work, DataError)
+    (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
     same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
 
@@ -373,6 +390,8 @@ def main(argv=None):
     flagship = flagship_launch(argv, cfg)
     if flagship:
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
+    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
+                                                               "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
 
     def work(env):
         if flagship and env.master:
@@ -398,7 +417,6 @@ def train(cfg, env):
         restore(run, ckpt, env)
     fit_micro_batch(run, cfg, env)
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
-    log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
@@ -409,6 +427,7 @@ def train(cfg, env):
               f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; "
               f"world {env.world_size} x micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
               f"{cfg.batch_size} sequences/step")
+    log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
               lambda sums: val_metrics(sums, cfg, data_dir))]
     if quality is not None:
@@ -421,37 +440,52 @@ def train(cfg, env):
     return guarded_loop(run, cfg, env, log, lambda *batch: train_step(run, cfg, env, *batch), evals,
                         save=lambda: save(run, cfg, mcfg, meta, env), keep=keep,
                         samples=lambda: log.samples(run.it, print_samples(run, cfg, meta, env)), what="training",
-                        nonfinite=lambda it: f"non-finite loss by step {it} (lr {lr_at(it - 1, cfg):.2e}); the last "
-                                             f"good checkpoint in {cfg.out_dir} is kept. Lower --lr or check the data.")
+                        nonfinite=lambda it, why: f"{why} by step {it} (lr {lr_at(it - 1, cfg):.2e}); {kept(cfg)}. "
+                                                  f"Lower --lr or check the data.")
+
+
+def kept(cfg):
+    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"
 
 
 def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite, keep=None):
     """The loop of train.py and distill.py: step(*batch) until max_iters; the loss is checked and logged every
     log_interval steps (one host sync shared by the ranks, agree); each of evals (interval, work, metrics) runs at
     its interval and at the end; a checkpoint every ckpt_interval steps, at the end and on a stop signal (SIGINT /
-    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step) -> the message of a
-    non-finite loss, raised before any checkpoint is written, so the last one on disk is good. -> exit code."""
+    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step, why) -> the message of a
+    non-finite or diverged loss (plumbing.integrity.DivergenceRule), raised before any checkpoint of those weights
+    is written, so the last one on disk is sound. -> exit code."""
     bad = torch.zeros((), device=env.device, dtype=torch.bool)   # a non-finite loss since the last check
     loss_sum = torch.zeros((), device=env.device)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    rule, first = DivergenceRule(cfg.diverge_margin, math.log(run.raw_model.config.vocab_size)), run.it + 1
     with stop_signals() as stop, log:
         while run.it < cfg.max_iters:
             loss = step(*run.loader.next_batch())
             loss_sum += loss
             bad |= ~torch.isfinite(loss)
+            if run.it == first:              # the loss of sound weights (initial, or a checked checkpoint)
+                rule.start(agree(env, loss.detach().clone(), bad, False)[0])
             last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
             stopping = False
             if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
                 mean, is_bad, stopping = agree(env, loss_sum, bad, stop["signal"] is not None)
-                if is_bad:
-                    raise FloatingPointError(nonfinite(run.it))
+                diverged = "non-finite loss" if is_bad else rule.check(mean / max(1, run.it - log.step_last))
+                if diverged:                 # before any checkpoint of these weights is written
+                    raise FloatingPointError(nonfinite(run.it, diverged))
                 log.progress(run.it, mean, lr_at(run.it - 1, cfg))
                 loss_sum.zero_()
             for interval, work, metrics in evals:
                 if (run.it % interval == 0 or last) and not stopping:
                     sums = reduced_unless_stopped(stop, env, 4, work)
                     if sums is not None:
-                        log.metrics(run.it, metrics(sums))
+                        values = metrics(sums)
+                        log.metrics(run.it, values)
+                        diverged = rule.check_metrics(values)
+                        if diverged:
+                            raise FloatingPointError(nonfinite(run.it, diverged))
                     stopping = any_rank(env, stop["signal"] is not None)
             if save_now or last or stopping:
                 save()
@@ -464,7 +498,6 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (pretrained.py)
             folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
-            print(f"{what} finished: checkpoint {ckpt_path}, model folder {folder}")
         try:
             with interruptible(stop):                  # also a signal during the final save
                 if env.master and cfg.num_samples > 0:
@@ -474,7 +507,23 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                 print(f"stopped by signal {stop['signal']} after {what}; checkpoint of step {run.it} saved to "
                       f"{ckpt_path}")
             return 130
+    if env.master:                                     # last, after the trackers have closed
+        print(finish_lines(cfg, what, run.it, ckpt_path, folder))
     return 0
+
+
+def finish_lines(cfg, what, step, ckpt_path, folder):
+    """The last lines of a finished run: where its checkpoint, its model folder and its samples went."""
+    if cfg.num_samples > 0:
+        samples = f"the {cfg.num_samples} printed above (EMA weights, {cfg.sample_steps} steps)"
+        samples += ", also in the wandb run" if cfg.wandb else ""
+        samples += f", also in {os.path.join(cfg.out_dir, 'tensorboard')}" if cfg.tensorboard else ""
+    else:
+        samples = "none (--num_samples 0)"
+    return (f"{what} finished at step {step}; log: {os.path.join(cfg.out_dir, 'log.jsonl')}\n"
+            f"  checkpoint:   {ckpt_path} (--resume 1 with a higher --max_iters continues it)\n"
+            f"  model folder: {folder} (python sample.py --ckpt {folder}; pretrained.SDDLM.from_pretrained)\n"
+            f"  samples:      {samples}")
 
 
 def print_samples(run, cfg, meta, env):

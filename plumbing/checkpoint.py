@@ -3,6 +3,8 @@ restoring it, the checks before a resume, and loading a model with its tokenizer
 A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
 (the last two per rank), plus a script's own entries (distill.py: distill_config, distilled_from, teacher)."""
 import os
+import warnings
+import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -13,6 +15,7 @@ from data import DataError, get_tokenizer
 from model import ModelConfig, build_model
 from cli import ConfigError, UsageError, first_line
 from plumbing.files import check_writable, remove_stale_temps, save_atomic
+from plumbing.integrity import check_checkpoint_fields, check_finite_weights, check_tokenizer_identity
 from plumbing.signals import deferred_signals
 
 # what a resumed run requires of its checkpoint (save writes them)
@@ -109,10 +112,38 @@ def load_resume_checkpoint(cfg):
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: "
                           f"{first_line(e)})") from None
+    check_checkpoint_fields(ckpt, path)
+    check_finite_weights(ckpt, path)      # one saved after a divergence is no place to continue from
+    return ckpt
+
+
+def check_resume_data(cfg, key):
+    """Before any data preparation: a resume asks for the data its checkpoint was trained on (key: prepare.data_key
+    of this run's flags, against the checkpoint's meta['data_key']), so a changed --block_size, --tokenizer,
+    --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
+    weights are read); one that cannot be read this way is left to the full check after preparation."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["meta"]["data_key"]
+        old = {"text_field": "text", **old}
+    except Exception:
+        return
+    flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
+    changed = [k for k, v in {"text_field": "text", **key}.items() if old.get(k) != v]
+    detail = [f"{flags[k]} {getattr(cfg, flags[k][2:])!r} is another by content" if k in ("corpus", "tokenizer") else
+              f"{flags.get(k, k)} was {old.get(k)!r}, now {key.get(k, 'text')!r}" for k in changed]
+    if changed:
+        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
+                          f"({', '.join(changed)} changed): {'; '.join(detail)}; resume with the flags it was trained "
+                          f"with (its config.json) or start a new run in another --out_dir")
 
 
 def open_out_dir(cfg, mcfg, meta=None):
@@ -124,10 +155,34 @@ def open_out_dir(cfg, mcfg, meta=None):
     return None if ckpt is None else check_resume(ckpt, cfg, mcfg, meta)
 
 
+def written_by(ckpt):
+    """The script whose run wrote a checkpoint, as its content records it: "distill.py" (it holds distill_config,
+    and the teacher that a resumed round needs), "train.py" (a model and train_config without it), else None."""
+    if not isinstance(ckpt, dict):
+        return None
+    if "distill_config" in ckpt:
+        return "distill.py"
+    return "train.py" if "model" in ckpt and "train_config" in ckpt else None
+
+
+def refuse_other_script(ckpt, out_dir, script):
+    """--resume continues a folder only with the script that wrote it (train.py would drop a distillation's teacher
+    and settings; distill.py would train a base model with DCD): else one line naming the command that does."""
+    writer = written_by(ckpt)
+    if writer is None or writer == script:
+        return
+    path = os.path.join(out_dir, "ckpt.pt")
+    also = (f", or distil it into a new folder: python distill.py --init {path} --out_dir NEW"
+            if writer == "train.py" else "")
+    raise ConfigError(f"cannot resume from {path} with {script}: it was written by {writer}; continue it with "
+                      f"python {writer} --out_dir {out_dir} --resume 1{also}")
+
+
 def check_resume(ckpt, cfg, mcfg, meta=None):
     """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
     tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
+    refuse_other_script(ckpt, cfg.out_dir, "train.py")
     missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
@@ -198,6 +253,7 @@ def load_checkpoint(path, device="cpu", use_ema=True):
         raise ValueError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
+    check_checkpoint_fields(ckpt, path)
     model = build_model(ckpt["model_config"])
     state = ckpt["ema"] if use_ema and ckpt.get("ema") is not None else ckpt["model"]
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
@@ -226,12 +282,16 @@ def load_model(path, device, use_ema=True):
         raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
 
 
-def load_tokenizer(ckpt):
-    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason."""
+def load_tokenizer(ckpt, path=None):
+    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason. One that loads
+    but is not the tokenizer the checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the
+    file; path: the checkpoint's, for that message."""
     spec = (ckpt.get("meta") or {}).get("tokenizer")
     if spec is None:
         return None, "the checkpoint has no meta['tokenizer']"
     try:
-        return get_tokenizer(spec), None
+        tok = get_tokenizer(spec)
     except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
         return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {first_line(e)})"
+    check_tokenizer_identity(tok, ckpt, path or "the checkpoint")
+    return tok, None

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cli import resolve_device
-from cli import OutOfMemory, oom_summary
+from cli import OutOfMemory, UsageError, oom_summary, resolve_device
+from plumbing.lock import acquire_folder
+from plumbing.signals import deferred_signals
 
 
 @dataclass
@@ -165,11 +166,19 @@ def on_each_node(env, work, *errors):
 
 
 def run_distributed(cfg, work):
-    """work(env) in this process's place of a torchrun job (setup_distributed), the process group torn down
-    after it. Out of memory -> one line naming the micro-batch and the flag that halves it; the checkpoint on
-    disk is kept. Shared by train.py and distill.py."""
+    """work(env) in this process's place of a torchrun job (setup_distributed), holding the lock on cfg.out_dir
+    (plumbing.lock: one run per folder), the process group torn down after it. Out of memory -> one line naming
+    the micro-batch and the flag that halves it; the checkpoint on disk is kept. Shared by train.py and
+    distill.py."""
     env = setup_distributed(cfg)
+    held = []
+
+    def lock():
+        with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
+            held.append(acquire_folder(cfg.out_dir))
     try:
+        # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
+        on_rank0(env, lock, UsageError)
         return work(env)
     except torch.OutOfMemoryError as e:
         micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
@@ -180,5 +189,7 @@ def run_distributed(cfg, work):
                           f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; {fix}; the last checkpoint "
                           f"in {cfg.out_dir} is kept") from None
     finally:
+        for lock in held:
+            lock.release()
         if env.ddp and dist.is_initialized():
             dist.destroy_process_group()

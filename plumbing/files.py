@@ -1,31 +1,35 @@
-"""Output that is never half-written, and the leftovers of writers that were killed."""
+"""Output that is never half-written, never written over an input, and the leftovers of writers that were killed."""
 import errno
+import fnmatch
 import json
 import os
 import re
 import shutil
+import socket
 
 from cli import UsageError, first_line, os_error_line
+from plumbing.signals import deferred_signals
 
 
 def append_jsonl(path, records):
     """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
     touched, and concurrent writers do not interleave inside one batch of lines. A failed write (a full disk)
-    is cut back, so no partial line is left."""
+    is cut back, so no partial line is left; a stop signal waits until the lines are whole."""
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    size = os.fstat(fd).st_size
-    try:
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    except OSError:
-        os.ftruncate(fd, size)
-        raise
-    finally:
-        os.close(fd)
+    with deferred_signals():
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+        finally:
+            os.close(fd)
 
 
 def save_atomic(path, write):
@@ -57,19 +61,90 @@ def save_atomic(path, write):
 
 
 def remove_stale_temps(path):
-    """Remove save_atomic's temp files of `path` left by processes that no longer run (killed during a save)."""
-    folder, prefix = os.path.dirname(path) or ".", os.path.basename(path) + ".tmp"
-    if os.name != "posix":         # os.kill(pid, 0) probes a process only on POSIX
+    """Remove the temp files and folders of `path` left by writers that no longer run (killed half-way): save_atomic's
+    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (pretrained.save_folder) and a preparation's
+    <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). A living writer's (this process's included) are kept."""
+    folder, name = os.path.dirname(path) or ".", os.path.basename(os.path.normpath(path))
+    if os.name != "posix" or not os.path.isdir(folder):      # os.kill(pid, 0) probes a process only on POSIX
         return
-    for name in os.listdir(folder):
-        pid = name.removeprefix(prefix)
-        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid():
+    host = socket.gethostname()
+    for entry in os.listdir(folder):
+        rest = entry[len(name):] if entry.startswith(name + ".") else ""
+        pid = rest.removeprefix(".tmp").removeprefix(".old") if rest[:4] in (".tmp", ".old") else ""
+        if pid.startswith(f"-{host}-"):                        # a preparation's folder of this host
+            pid = pid[len(host) + 2:].split("-")[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        target = os.path.join(folder, entry)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target, ignore_errors=True)
+        else:
             try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                os.remove(os.path.join(folder, name))
+                os.remove(target)
             except OSError:
                 pass
+
+
+def pid_alive(pid):
+    """Whether process `pid` runs on this host (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+# what a train.py / distill.py run writes into its out_dir (runlog, checkpoint, pretrained.export, tracking)
+RUN_OUTPUTS = ("ckpt.pt", "ckpt_*.pt", "config.json", "log.jsonl", "model", "tensorboard", "wandb_run_id", "wandb",
+               ".lock")
+
+
+def run_outputs(out_dir):
+    """The paths a run writes into out_dir (a glob for the kept checkpoints), for refuse_overwrite."""
+    return [os.path.join(out_dir, name) for name in RUN_OUTPUTS] if out_dir else []
+
+
+def refuse_overwrite(outputs, inputs):
+    """Before any work: no output of a script is one of its inputs. outputs, inputs: {flag: path or list of paths}
+    ('' and None are skipped; an input spec's "sp:" / "duo:" prefix is dropped, and an input not on disk, e.g. a
+    hub name, cannot be overwritten). Paths are compared resolved (os.path.realpath, and the same file under two
+    names); an output may end in a glob (out_dir/ckpt_*.pt). One line (UsageError) when an output IS an input,
+    when an input lies inside an output (a folder written whole), or when an output would land inside an input
+    folder (a corpus folder would read it as a document)."""
+    def paths(spec, input_side):
+        for p in ([spec] if isinstance(spec, str) else list(spec or ())):
+            p = str(p or "").strip()
+            if input_side:
+                p = p.removeprefix("sp:").removeprefix("duo:")
+                if not p or not os.path.exists(p):
+                    continue
+            if p:
+                yield p, os.path.realpath(p)
+
+    def inside(child, parent):
+        return child.startswith(parent.rstrip(os.sep) + os.sep)
+    for in_flag, in_spec in inputs.items():
+        for inp, in_real in paths(in_spec, True):
+            for out_flag, out_spec in outputs.items():
+                for out, out_real in paths(out_spec, False):
+                    if any(c in os.path.basename(out_real) for c in "*?["):
+                        same = (os.path.dirname(out_real) == os.path.dirname(in_real)
+                                and fnmatch.fnmatchcase(os.path.basename(in_real), os.path.basename(out_real)))
+                    else:
+                        same = out_real == in_real or (os.path.exists(out) and os.path.samefile(out, inp))
+                    if same:
+                        what = (f"{out_flag} writes {out}, which is" if out_flag.endswith("_dir") else
+                                f"{out_flag} {out} is")
+                        raise UsageError(f"{what} the input {in_flag} {inp} itself; writing it would destroy it: "
+                                         f"choose another {out_flag}")
+                    if inside(in_real, out_real):
+                        raise UsageError(f"{out_flag} {out} would be written over the input {in_flag} {inp}, which "
+                                         f"lies inside it; choose another {out_flag}")
+                    if inside(out_real, in_real) and os.path.isdir(in_real):
+                        raise UsageError(f"{out_flag} {out} lies inside the input folder {in_flag} {inp}, which "
+                                         f"would then read it; choose an {out_flag} outside it")
 
 
 def check_writable(path, flag, folder=False):

@@ -39,8 +39,12 @@ class Log:
         self.t_last, self.step_last = time.time(), step
         if self.master:
             tok_s = self.tokens_per_step * steps / dt
-            self.pbar.update(steps)
-            self.pbar.set_postfix(loss=f"{loss_sum / max(1, steps):.4f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:,.0f}")
+            # the new loss first, then the step count: tqdm's update() draws the bar with the postfix it holds,
+            # so the other order shows each update twice, the first time with the previous interval's loss
+            self.pbar.set_postfix(loss=f"{loss_sum / max(1, steps):.4f}", lr=f"{lr:.1e}", tok_s=f"{tok_s:,.0f}",
+                                  refresh=False)
+            if not self.pbar.update(steps):    # within tqdm's mininterval it does not draw: draw once here
+                self.pbar.refresh()
             self._write({"step": step, "loss": loss_sum / max(1, steps), "lr": lr, "tokens_per_s": tok_s})
 
     def metrics(self, step, metrics):

@@ -1,7 +1,22 @@
-"""Shared by the tests: the one-thread fixture, and the explicit-matrix oracles of the uniform-state process
+"""Shared by the tests: the one-thread fixture, the test process's own signal handlers kept (a script's run_cli
+called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
 (Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices)."""
+import signal
+
 import pytest
 import torch
+
+from plumbing.signals import STOP_SIGNALS
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """Each test starts and ends with pytest's handlers: cli.run_cli, called in-process, replaces them."""
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, h in old.items():
+        if h is not None:
+            signal.signal(s, h)
 
 
 @pytest.fixture(scope="module")

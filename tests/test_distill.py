@@ -360,10 +360,14 @@ def test_resume_continues_bit_identically_across_a_teacher_refresh(base_ckpts, t
 
 
 @pytest.mark.slow
-def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path):
+def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path, capsys):
     out = tmp_path / "dcd"
     init = base_ckpts / "duo" / "ckpt.pt"
     assert distill.main(["--init", str(init), "--out_dir", str(out), "--max_iters", "6"] + DCD) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-4:]      # where the checkpoint and the model folder went
+    assert last[0] == f"distillation finished at step 6; log: {out / 'log.jsonl'}"
+    assert last[1].startswith(f"  checkpoint:   {out / 'ckpt.pt'} ")
+    assert last[2].startswith(f"  model folder: {out / 'model'} ")
     ck, base = load(out / "ckpt.pt"), load(init)
     assert ck["train_config"]["loss"] == "duo" and ck["distill_config"]["T"] == 16
     assert ck["distilled_from"]["ckpt"] == str(init) and set(ck["model"]) == set(base["model"])
@@ -383,6 +387,25 @@ def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path)
     r = subprocess.run([sys.executable, "eval_ppl.py", "--ckpt", str(out / "ckpt.pt"), "--metric", "nelbo"],
                        cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_init_from_a_model_folder_distils_exactly_as_from_its_checkpoint(base_ckpts, tmp_path):
+    """--init takes the model folder train.py wrote at the end of the run (out_dir/model: the EMA weights as
+    safetensors, config.json) as it takes the checkpoint: the same student, EMA and teacher, bit for bit."""
+    from cli import UsageError
+    args = DCD + ["--max_iters", "4", "--eval_interval", "100"]
+    folder = base_ckpts / "duo" / "model"
+    assert distill.main(["--init", str(base_ckpts / "duo" / "ckpt.pt"), "--out_dir", str(tmp_path / "a")] + args) == 0
+    assert distill.main(["--init", str(folder), "--out_dir", str(tmp_path / "b")] + args) == 0
+    a, b = load(tmp_path / "a" / "ckpt.pt"), load(tmp_path / "b" / "ckpt.pt")
+    for key in ("model", "ema", "teacher"):
+        assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
+    assert b["distilled_from"]["ckpt"] == os.path.abspath(folder) and b["train_config"]["loss"] == "duo"
+    with pytest.raises(UsageError, match="EMA weights only"):       # the folder has no live weights to start from
+        distill.main(["--init", str(folder), "--init_ema", "0", "--out_dir", str(tmp_path / "c")] + args)
+    with pytest.raises(UsageError, match="not a model folder"):     # a run's folder names what to give instead
+        distill.main(["--init", str(base_ckpts / "duo"), "--out_dir", str(tmp_path / "d")] + args)
 
 
 @pytest.mark.slow

@@ -133,22 +133,45 @@ def test_judges_are_named_by_folder_and_step_never_by_a_whole_path():
     assert plot.judge_label("hf:gpt2-large") == "gpt2-large"
 
 
-def test_a_model_evaluated_at_one_step_count_says_so_in_the_legend(tmp_path):
-    pytest.importorskip("matplotlib")
-    _, evals, _ = fabricate(tmp_path)
-    e = json.loads(open(evals[4]).read())
-    e["results"] = [r for r in e["results"] if r["steps"] == 128]      # the ε sweep is evaluated at 128 steps only
-    open(evals[4], "w").write(json.dumps(e))
+def draw_gen_ppl_vs_steps(evals, tmp_path, only_128):
+    """plot_gen_ppl_vs_steps on the fabricated evaluations, those of `only_128` (indices) cut to 128 steps ->
+    its axes, as (legend labels, lines' (x, y, linestyle), title, x tick labels) each."""
+    for i in only_128:
+        e = json.loads(open(evals[i]).read())
+        e["results"] = [r for r in e["results"] if r["steps"] == 128]
+        open(evals[i], "w").write(json.dumps(e))
     gen, _ = plot.eval_rows(evals[::2])
-    captured = {}
-    real_save = plot._save
-    plot._save = lambda fig, out_dir, name, dpi: captured.setdefault(
-        "labels", [t.get_text() for t in fig.axes[0].get_legend().get_texts()])
+    captured, real_save = [], plot._save
+    plot._save = lambda fig, out_dir, name, dpi: captured.extend(
+        ([t.get_text() for t in ax.get_legend().get_texts()],
+         [(list(line.get_xdata()), list(line.get_ydata()), line.get_linestyle()) for line in ax.lines],
+         ax.get_title(), [t.get_text() for t in ax.get_xticklabels()]) for ax in fig.axes)
     try:
         plot.plot_gen_ppl_vs_steps(gen, plot.PlotConfig(out_dir=str(tmp_path)))
     finally:
         plot._save = real_save
-    assert captured["labels"] == ["sddlm", "sddlm_v1", "sddlm_v1 (ε=0.001), at 128 steps only"]
+    return captured
+
+
+def test_a_model_evaluated_at_one_step_count_says_so_in_the_legend(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, evals, _ = fabricate(tmp_path)
+    (labels, lines, _, ticks), = draw_gen_ppl_vs_steps(evals, tmp_path, only_128=[0])
+    assert labels == ["sddlm, at 128 steps only", "sddlm_v1", "sddlm_v1 (ε=0.001)"]
+    assert lines[0] == ([128], [1000 / 128], "None")          # a lone point, with no line in its legend entry
+    assert ticks == ["8", "32", "128"]
+
+
+def test_an_eps_sweep_at_one_step_count_gets_its_own_panel_against_eps(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, evals, _ = fabricate(tmp_path)
+    steps_panel, eps_panel = draw_gen_ppl_vs_steps(evals, tmp_path, only_128=[4])   # V1 at ε = 1e-3: 128 only
+    assert steps_panel[0] == ["sddlm", "sddlm_v1"]
+    labels, lines, title, ticks = eps_panel
+    # V1 at its default ε (run 1) and at ε = 1e-3 (run 2), both at 128 steps: fabricate's 1000 / steps + run
+    v1_style = steps_panel[1][1][2]                            # drawn as V1 is in the steps panel
+    assert labels == ["sddlm_v1, 128 steps"] and lines == [([1e-6, 1e-3], [1000 / 128 + 1, 1000 / 128 + 2], v1_style)]
+    assert "at 128 sampling steps" in title and ticks == ["1e-06 (default)", "0.001"]
 
 
 def test_torn_and_garbage_log_lines_are_skipped_and_counted(tmp_path):

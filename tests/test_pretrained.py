@@ -202,7 +202,7 @@ def test_export_command_errors_are_one_line(tmp_path, tok_path, capsys):
     for argv, words in [(["--ckpt", str(tmp_path / "missing.pt")], "checkpoint not found"),
                         (["--ckpt", ckpt_path, "--weights", "half"], "--weights must be ema or raw"),
                         (["--ckpt", str(tmp_path / "run")], "is a folder but not a model folder"),
-                        (["--ckpt", ckpt_path, "--out", ckpt_path], "is the checkpoint itself")]:
+                        (["--ckpt", ckpt_path, "--out", ckpt_path], "is the input --ckpt")]:
         with pytest.raises(SystemExit) as e:
             cli.run_cli(lambda: pretrained.main(argv), ValueError)
         err = capsys.readouterr().err.strip().splitlines()

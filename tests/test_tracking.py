@@ -167,6 +167,8 @@ def test_real_wandb_offline_run_files_hold_log_jsonl_scalars_across_a_resume(cor
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert run(["--max_iters", "10", "--wandb"], tmp_path, corpus) == 0
     assert run(["--max_iters", "20", "--wandb", "--resume", "1", "--num_samples", "2"], tmp_path, corpus) == 0
+    import wandb
+    wandb.teardown()   # in-process runs: the service finishes writing the run files when it shuts down (a script's exit)
     with open(os.path.join(tmp_path, tracking.WANDB_ID_FILE)) as f:
         run_id = f.read().strip()
     files = sorted(os.path.join(d, f"run-{run_id}.wandb") for d in os.scandir(os.path.join(tmp_path, "wandb"))

@@ -93,6 +93,20 @@ MUTATIONS = [
     M(name="resume_forgets_gen_shared", file="plumbing/checkpoint.py",
       old='run.gen_shared.set_state(r["gen_shared"])', new="pass",
       tests=["tests/test_train.py::test_resume_continues_bit_identically"]),
+    # --- reliability: inputs never overwritten, one run per folder, every stop signal -------------------------
+    M(name="output_over_input_allowed", file="plumbing/files.py",
+      old="same = out_real == in_real or", new="same = False and",
+      tests=["tests/test_faults2.py::test_an_output_is_refused_when_it_is_an_input_by_resolved_path"]),
+    M(name="out_dir_lock_not_exclusive", file="plumbing/lock.py",
+      old="fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", new="pass",
+      tests=["tests/test_faults2.py::test_a_held_out_dir_is_refused_naming_its_holder_and_a_dead_holders_lock_is_"
+             "taken_over"]),
+    M(name="only_sigint_sigterm_handled", file="plumbing/signals.py",
+      old='("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")', new='("SIGINT", "SIGTERM")',
+      tests=["tests/test_faults2.py::test_every_stop_signal_ends_a_script_with_one_line_and_exit_130"]),
+    M(name="resume_of_the_other_scripts_folder", file="plumbing/checkpoint.py",
+      old="if writer is None or writer == script:", new="if True:",
+      tests=["tests/test_faults2.py::test_resume_refuses_the_other_scripts_folder"]),
 ]
 
 

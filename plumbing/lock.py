@@ -1,0 +1,100 @@
+"""One run per folder: a train.py or distill.py run holds an exclusive lock on its out_dir (out_dir/.lock, holding
+the holder's pid, host and start time) for its whole life, so a second run into the same folder stops at once
+instead of interleaving its log and checkpoints with the first. The OS releases the lock when its holder dies
+(SIGKILL included), so a lock file left by a killed run is recognised and taken over; on a file system without
+flock the recorded pid is probed instead (on the same host). A run that leaves its out_dir empty removes it."""
+import json
+import os
+import socket
+import sys
+import time
+
+from cli import UsageError
+from plumbing.files import check_writable, pid_alive
+
+LOCK = ".lock"
+
+
+class FolderLock:
+    """out_dir/.lock held by this process (acquire_folder); release() unlocks it, removes the lock file and the
+    folders this run created if they are empty."""
+
+    def __init__(self, path, fd, created):
+        self.path, self.fd, self.created = path, fd, created
+
+    def release(self):
+        if self.fd is None:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+        for folder in self.created:            # deepest first: a run that wrote nothing leaves no folder
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+
+
+def _holder(fd):
+    """The record a lock file holds ({} when empty or unreadable)."""
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        record = json.loads(text) if text.strip() else {}
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _in_use(out_dir, holder, path):
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"])) \
+        if isinstance(holder.get("started"), (int, float)) else "?"
+    return UsageError(f"--out_dir {out_dir} is in use by another run ({holder.get('command') or 'a run'}, pid "
+                      f"{holder.get('pid', '?')} on host {holder.get('host', '?')}, since {since}); wait for it to "
+                      f"end or choose another --out_dir (if that run is gone, delete {path})")
+
+
+def acquire_folder(out_dir):
+    """Create out_dir if needed and lock it for this run -> FolderLock. Held by another living run -> UsageError
+    (one line naming its pid and host); nothing is created then."""
+    if not out_dir:
+        raise UsageError("--out_dir is empty; name the run's folder")
+    check_writable(out_dir, "--out_dir", folder=True)
+    created, d = [], os.path.abspath(out_dir)
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    path = os.path.join(out_dir, LOCK)
+    import fcntl
+    while True:
+        os.makedirs(out_dir, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:              # the folder was removed by a run ending just now
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise _in_use(out_dir, holder, path) from None
+        except OSError:                        # no flock on this file system: the recorded pid decides
+            holder = _holder(fd)
+            pid, same_host = holder.get("pid"), holder.get("host") == socket.gethostname()
+            if isinstance(pid, int) and pid != os.getpid() and (not same_host or pid_alive(pid)):
+                os.close(fd)
+                raise _in_use(out_dir, holder, path) from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break                          # else: the file was replaced while we locked it; lock the new one
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                         "command": " ".join([os.path.basename(sys.argv[0] or "python")] + sys.argv[1:])[:300]})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (record + "\n").encode(), 0)
+    return FolderLock(path, fd, created)

@@ -1,0 +1,22 @@
+"""The run log's progress bar: one frame per log update, showing that update's step and mean loss."""
+import re
+import time
+from types import SimpleNamespace
+
+from plumbing.runlog import Log
+
+
+def test_progress_bar_draws_each_update_once_with_its_own_loss(tmp_path, capsys):
+    cfg = SimpleNamespace(out_dir=str(tmp_path), batch_size=4, block_size=16, loss="sddlm", max_iters=30,
+                          resume=False)
+    updates = [(10, 30.0), (20, 20.0), (30, 10.0)]          # (step, loss summed over the 10 steps since the last)
+    with Log(cfg, SimpleNamespace(master=True), 0) as log:
+        for step, loss_sum in updates:
+            time.sleep(0.15)             # past tqdm's mininterval (0.1 s): a step-count update would draw by itself
+            log.progress(step, loss_sum, 1e-3)
+    frames = [f for f in re.split(r"[\r\n]", capsys.readouterr().err) if "loss=" in f]
+    shown = [(int(re.search(r"(\d+)/30", f).group(1)), float(re.search(r"loss=([0-9.]+)", f).group(1)))
+             for f in frames]
+    expected = [(10, 3.0), (20, 2.0), (30, 1.0)]
+    # the first three frames are the three updates; closing the bar may draw the last one again, nothing else
+    assert shown[:3] == expected and set(shown[3:]) <= {expected[-1]}, shown
