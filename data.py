@@ -361,6 +361,33 @@ def _record_stat(data_dir, stat):
             os.remove(tmp)
 
 
+def key_digest(key):
+    """The short digest of a data_key (everything that determines the prepared tokens, in meta.json) that ends
+    the default folder's name: what identifies prepared data wherever it lies."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def data_identity(data_dir, meta):
+    """(data_dir, key digest, the files' sha256) of a prepared folder: what one node tells the others."""
+    return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
+
+
+def same_data_on_every_node(identities):
+    """identities {node: data_identity} -> DataError (one line, on every rank) unless every node holds the same
+    prepared data: the same data_key and the same bytes, wherever each node keeps its folder. Nodes without
+    shared storage each prepare their own folder, and must agree on its content, not on a path."""
+    (node0, (dir0, key0, sha0)), *others = sorted(identities.items())
+    for node, (data_dir, key, sha) in others:
+        if key != key0:
+            raise DataError(f"the nodes hold different prepared data: node {node0} has data key {key0} ({dir0}), "
+                            f"node {node} has {key} ({data_dir}); give every node the same --dataset, --tokenizer "
+                            f"and data flags (or copy one prepared folder to every node's --data_dir)")
+        if sha != sha0:
+            raise DataError(f"the nodes' prepared data share the data key {key0} but not their bytes (node {node0}: "
+                            f"{dir0}, node {node}: {data_dir}; another tokenizer library version?); copy one "
+                            f"prepared folder to every node's --data_dir")
+
+
 def check_tokenizer(meta, tokenizer):
     """Raise DataError unless `tokenizer` (a Tokenizer, a spec string or a vocab size) matches the prepared data:
     vocabulary, special ids, the ids of a probe text and, where both are known, the tokenizer's content."""
@@ -462,3 +489,19 @@ def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_si
     for i, start in enumerate(itertools.islice(starts, max_batches)):
         if i % world_size == rank:
             yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
+
+
+def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, piece=None, device="cpu"):
+    """The evaluation set of training, the same for any world size: the first max_batches (None: all) global
+    batches of batch_size sequences in stored order, the last possibly smaller. Rank r takes the r-th of
+    world_size contiguous, near-equal shares of every global batch, in pieces of at most `piece` rows (the
+    micro-batch that fits). Yields (j, n, lo, hi, x0 (hi - lo, L), mask or None): rows lo:hi of global batch j
+    of n sequences, so draws made for the whole global batch can be sliced to them (train.py's evaluation)."""
+    meta = load_meta(data_dir)
+    tokens, mask = _open_split(data_dir, split, meta)
+    for j, start in enumerate(itertools.islice(range(0, len(tokens), batch_size), max_batches)):
+        n = min(batch_size, len(tokens) - start)
+        first, end = n * rank // world_size, n * (rank + 1) // world_size    # this rank's share: rows first:end
+        for lo in range(first, end, piece or n):
+            hi = min(lo + (piece or n), end)
+            yield (j, n, lo, hi, *_to_tensors(tokens, mask, np.arange(start + lo, start + hi), device))

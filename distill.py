@@ -356,16 +356,14 @@ def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
 
 
 def evaluate(run, teacher, cfg, data_dir, env):
-    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
-    i % world_size: the DCD loss against the current teacher at the current round's dt, and eval_ppl.nelbo_ppl's
-    NELBO, with the same draws at every evaluation (seeded per rank). -> this rank's float64 sums (DCD loss, its
-    tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
+    """eval_ppl.validation_sums (the same validation set and draws for any world size) of the DCD loss against the
+    current teacher at the current round's dt (its pair noise from draw_pair_noise), and of the NELBO. -> this
+    rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
 
-    def per_token_loss(model, x0, mask, t, gen):
-        noise = draw_pair_noise(x0.shape[0], x0.shape[1], model.config.vocab_size, gen, env.device)
+    def per_token_loss(model, x0, mask, t, noise):
         return dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask
-    return validation_sums(run, cfg, data_dir, env, per_token_loss)
+    return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_pair_noise)
 
 
 def val_metrics(sums, cfg, data_dir, it):
@@ -435,7 +433,7 @@ def distill(cfg, env):
                        f"{'EMA' if cfg.init_ema else 'live'} weights): {rounds} rounds of {cfg.round_iters} steps, "
                        f"dt = 1/{cfg.T} ... {step_size(cfg.max_iters - 1, cfg):.4g}, gamma in [{cfg.gamma_min}, "
                        f"{cfg.gamma_max}] -> alpha in [{a_lo:.4f}, {a_hi:.4f}], {cfg.divergence}, "
-                       f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.world_size} rank(s)")
+                       f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.describe()}")
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
                     "train_config": init_ckpt.get("train_config")})

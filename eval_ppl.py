@@ -45,7 +45,7 @@ from tqdm import tqdm
 import diffusion
 import losses
 from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
-from objective import loss_terms, token_mean
+from objective import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
 from plumbing.runlog import jsonl_records
@@ -86,12 +86,7 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
             continue
         for _ in range(mc_draws):
             t = diffusion.sample_t(x0.shape[0], generator, t_min=t_min, device=x0.device)
-            alpha_t, dalpha_t = diffusion.log_linear_schedule(t)
-            alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
-            xt = diffusion.sample_xt(x0, alpha_t, vocab_size, generator)
-            with autocast:
-                logits = model(xt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
-            per_token = losses.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t)   # no (B, L, V) float32
+            per_token = nelbo_per_token(model, x0, t, vocab_size, autocast, generator)
             total += (per_token.double() * mask).sum().cpu()
             count += int(mask.sum())
     if count == 0:
@@ -101,17 +96,20 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
                 estimator="ar_exact" if causal else "nelbo", mc_draws=1 if causal else mc_draws)
 
 
+def nelbo_per_token(model, x0, t, vocab_size, autocast, generator=None, draws=None):
+    """The NELBO's per-token terms (B, L) of x0 (B, L) at times t (B,) under the log-linear schedule, one draw
+    xt ~ q_t(. | x0) (Eq. (discrete_marginal)) from generator, or from draws (u, replacement ids), each (B, L);
+    losses.usdm_nelbo_loss_lean, so no (B, L, V) float32."""
+    alpha_t, dalpha_t = diffusion.log_linear_schedule(t)
+    alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
+    xt = diffusion.sample_xt(x0, alpha_t, vocab_size, generator, draws)
+    with autocast:
+        logits = model(xt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
+    return losses.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t)
+
+
 # -----------------------------------------------------------------------------------------------
 # zero-shot text: documents -> wrapped blocks
-
-def nelbo_sums(model, batches, env, dtype=None):
-    """nelbo_ppl of one rank's validation batches during training, with the same draws at every evaluation
-    (seeded per rank) -> float64 (NLL sum, tokens), for the caller to add over ranks."""
-    nelbo = nelbo_ppl(model, batches, model.config.vocab_size,
-                      generator=torch.Generator(device=env.device).manual_seed(1234 + env.rank),
-                      device=env.device, dtype=dtype, show_progress=False)
-    return torch.tensor([nelbo["nll"] * nelbo["tokens"], nelbo["tokens"]], dtype=torch.float64)
-
 
 def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
     """Duo's zero-shot wrap WITHOUT an EOS between documents: the documents' ids concatenated, then
@@ -452,44 +450,67 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
 # -----------------------------------------------------------------------------------------------
 # validation during training (train.py): the objective and the NELBO, with the EMA weights
 
+EVAL_SEED = 1234    # the draws of validation batch j come from a generator seeded EVAL_SEED + j, in every evaluation
+
+
 @torch.no_grad()
-def validation_sums(run, cfg, data_dir, env, per_token_loss):
-    """The EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
-    i % world_size: a run's own loss, per_token_loss(model, x0, mask, t, gen) -> (per-token loss, token weights
-    or None), and nelbo_ppl's NELBO, with the same draws at every evaluation (seeded per rank), so evaluations are
-    comparable. -> this rank's float64 sums (loss, its tokens, NELBO, its tokens), for the caller to add over ranks."""
-    from data import eval_batches
+def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
+    """The EMA weights on the first eval_iters global validation batches of batch_size sequences (0: the whole
+    split), each shared out over the ranks (data.eval_pieces): a run's own loss, per_token_loss(model, x0, mask,
+    t, draws) -> (per-token loss, token weights or None), and the NELBO of nelbo_ppl (exact NLL for a causal
+    model). The draws belong to the sequences, not to the ranks: for global batch j, a generator seeded
+    EVAL_SEED + j draws t stratified over the batch and draw(n, L, K, generator, device) -> the objective's
+    per-sequence draws, then the NELBO's t and xt; each rank slices the rows it holds. So the validation set and
+    its draws are the same for any world size, and at every evaluation. -> this rank's float64 sums (loss, its
+    tokens, NELBO, its tokens), for the caller to add over ranks."""
+    from data import eval_pieces
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-    dtype = resolve_dtype(cfg.dtype, env.device)
-    batches = lambda: eval_batches(data_dir, "val", micro, cfg.eval_iters or None, rank=env.rank,
-                                   world_size=env.world_size, device=env.device)
+    autocast = autocast_for(env.device, resolve_dtype(cfg.dtype, env.device))
+    pieces = eval_pieces(data_dir, "val", cfg.batch_size, cfg.eval_iters or None, env.rank, env.world_size, micro,
+                         env.device)
     sums = torch.zeros(4, dtype=torch.float64)     # loss sum, its tokens, NELBO sum, its tokens
+    drawn = {}
     with ema_weights(run) as model:
         model.eval()
-        gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
-        for x0, mask in batches():
-            t = diffusion.sample_t(x0.shape[0], gen, device=env.device)
-            with autocast_for(env.device, dtype):
-                per_token, weight = per_token_loss(model, x0, mask, t, gen)
-            n = float(weight.sum()) if weight is not None else per_token.numel()
-            sums[0] += float(token_mean(per_token, weight)) * n
-            sums[1] += n
-        if sums[1] > 0:      # a rank past the last batch contributes nothing
-            sums[2:] = nelbo_sums(model, batches(), env, dtype)
+        K, causal = model.config.vocab_size, model.config.causal
+        for j, n, lo, hi, x0, mask in pieces:
+            if j not in drawn:
+                drawn.clear()
+                gen = torch.Generator(device=env.device).manual_seed(EVAL_SEED + j)
+                L = x0.shape[1]
+                drawn[j] = (diffusion.sample_t(n, gen, device=env.device), draw(n, L, K, gen, env.device),
+                            diffusion.sample_t(n, gen, device=env.device),
+                            (torch.rand(n, L, generator=gen, device=env.device),
+                             torch.randint(0, K, (n, L), generator=gen, device=env.device)))
+            t, draws, t_nelbo, xt_draws = drawn[j]
+            with autocast:
+                per_token, weight = per_token_loss(model, x0, mask, t[lo:hi], [d[lo:hi] for d in draws])
+            weight = torch.ones_like(per_token) if weight is None else weight
+            sums[0] += float((per_token.double() * weight).sum())
+            sums[1] += float(weight.sum())
+            mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask
+            if causal:
+                with autocast:
+                    logits = model(x0)
+                per_token, weight = losses.ar_loss(logits, x0), mask[:, 1:]
+            else:
+                per_token, weight = nelbo_per_token(model, x0, t_nelbo[lo:hi], K, autocast,
+                                                    draws=[d[lo:hi] for d in xt_draws]), mask
+            sums[2] += float((per_token.double() * weight).sum())
+            sums[3] += float(weight.sum())
         model.train()
     return sums
 
 
 def evaluate(run, cfg, data_dir, env):
-    """EMA weights on the first eval_iters validation batches (0: the whole split), batch i on rank
-    i % world_size: the training objective's loss (curriculum off), and the NELBO perplexity of
-    eval_ppl.nelbo_ppl (one draw per sequence, t stratified per batch, log-linear schedule; exact PPL for 'ar'),
-    both with the same draws at every evaluation (seeded per rank), so runs are comparable. -> this rank's
-    float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over ranks (val_metrics)."""
-    def per_token_loss(model, x0, mask, t, gen):
-        per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, gen)
+    """validation_sums of the training objective (curriculum off, the draws of objective.draw_noise) and the
+    NELBO perplexity (one draw per sequence, t stratified per global batch, log-linear schedule; exact PPL for
+    'ar'). -> this rank's float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over
+    ranks (val_metrics)."""
+    def per_token_loss(model, x0, mask, t, draws):
+        per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, None, draws)
         return per_token, None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
-    return validation_sums(run, cfg, data_dir, env, per_token_loss)
+    return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_noise)
 
 
 def val_metrics(sums, cfg, data_dir):
@@ -513,16 +534,29 @@ def load_gen_judge(cfg, env):
     return load_judge(cfg.judge, env.device)
 
 
+GEN_GROUPS = 8   # sample_quality draws its samples in this many groups, each from its own generator
+
+
+def sample_groups(num_samples, rank, world_size):
+    """The groups of sample_quality that a rank draws -> [(k, size)]: num_samples in GEN_GROUPS groups of
+    ceil(num_samples / GEN_GROUPS) (the last ones smaller or empty), group k on rank k % world_size. The groups,
+    and so the samples, do not depend on the world size; up to GEN_GROUPS ranks share the sampling."""
+    size = -(-num_samples // GEN_GROUPS)
+    groups = [(k, min(size, num_samples - k * size)) for k in range(GEN_GROUPS)]
+    return [(k, n) for k, n in groups if n > 0 and k % world_size == rank]
+
+
 @torch.no_grad()
 def sample_quality(run, cfg, env, judge, tok):
     """Gen PPL and entropy of gen_num_samples samples from the EMA weights (paper Figs. ppl_curve_lm1b and
     entropy_curve_lm1b): the ancestral sampler with gen_steps steps and an ancestral final step (the AR baseline:
-    its own sampler). Rank r draws samples r, r + W, ... with a generator seeded gen_seed + r, the same draws at
-    every call, so a curve follows the model and not the sampling noise; each rank scores its share with the
-    judge (eval_ppl.score_samples). -> this rank's float64 sums (NLL, scored tokens, entropy, samples); added over
+    its own sampler). The samples come in groups (sample_groups), group k drawn in one sampler call from a
+    generator seeded gen_seed * GEN_GROUPS + k: the same samples for any world size, and the same draws at every
+    call, so a curve follows the model and not the sampling noise; each rank scores its groups with the judge
+    (eval_ppl.score_samples). -> this rank's float64 sums (NLL, scored tokens, entropy, samples); added over
     ranks (gen_metrics), they pool all samples exactly as one process would."""
-    n = len(range(env.rank, cfg.gen_num_samples, env.world_size))
-    gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed + env.rank)
+    groups = sample_groups(cfg.gen_num_samples, env.rank, env.world_size)
+    n = sum(size for _, size in groups)
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     dtype = resolve_dtype(cfg.dtype, env.device)
     sums = torch.zeros(4, dtype=torch.float64)      # NLL sum, scored tokens, entropy sum, samples
@@ -530,8 +564,8 @@ def sample_quality(run, cfg, env, judge, tok):
         ids = []
         with ema_weights(run) as model:
             model.eval()
-            for b in range(0, n, micro):
-                m = min(micro, n - b)
+            for k, m in groups:
+                gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed * GEN_GROUPS + k)
                 if cfg.loss == "ar":
                     ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
                                        dtype=dtype, show_progress=False).tolist()

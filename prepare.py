@@ -49,6 +49,7 @@ from tqdm import tqdm
 from cli import first_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
                   train_sentencepiece, verify_prepared, wrap_blocks)
+from data import key_digest
 from plumbing.files import refuse_overwrite, remove_stale_temps
 from plumbing.signals import ignore_stop_signals
 
@@ -516,7 +517,7 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
 
 
 def _digest(key):
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return key_digest(key)
 
 
 def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05,

@@ -28,14 +28,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import diffusion
 import losses
 from cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
-from data import BatchLoader, DataError, get_tokenizer, load_meta
+from data import BatchLoader, DataError, data_identity, get_tokenizer, load_meta, same_data_on_every_node
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
 from plumbing.checkpoint import (RESUME_KEYS, check_resume, check_resume_data, ema_weights,  # noqa: F401
                                  keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
-from plumbing.distributed import Env, agree, any_rank, on_rank0, run_distributed, setup_distributed  # noqa: F401
+from plumbing.distributed import (Env, agree, any_rank, on_each_node, on_rank0, run_distributed,  # noqa: F401
+                                  setup_distributed)
 from plumbing.files import os_error_line, refuse_overwrite, run_outputs, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, truncate_log  # noqa: F401
@@ -65,7 +66,7 @@ class OptimConfig:
     diverge_margin: float = 0.0      # nats/token a logged loss may rise above its recent median (0 = log V)
     # evaluation, logging, checkpoints
     eval_interval: int = 250         # validation loss and NELBO PPL (EMA weights) every N steps and at the end
-    eval_iters: int = 8              # validation batches per evaluation, split over ranks; 0 = the whole split
+    eval_iters: int = 8              # validation batches of --batch_size sequences (same for any world size); 0 = all
     log_interval: int = 10           # training loss, lr and tokens/s every N steps (progress bar, log.jsonl)
     ckpt_interval: int = 250         # write out_dir/ckpt.pt every N steps (and at the end, and on Ctrl-C)
     num_samples: int = 4             # samples printed at the end of the run (EMA weights; 0 = none)
@@ -77,6 +78,7 @@ class OptimConfig:
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False            # torch.compile the model (slower start, faster steps on GPU)
+    threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS or idle cores / local procs
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
@@ -96,6 +98,9 @@ class TrainConfig(OptimConfig):
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
+    text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO), as prepare.py
+    num_proc: int = 0                # processes tokenizing the corpus; 0 = the usable cores (same bytes for any)
+    verify: bool = False             # hash every file of the prepared data at start (else size and time only)
     # model
     # 0 = the model preset's (model.PRESETS[preset])
     n_layer: int = 0                 # Transformer blocks
@@ -119,7 +124,7 @@ class TrainConfig(OptimConfig):
     # paper Figs. ppl_curve_lm1b, entropy_curve_lm1b: every gen_interval steps and at the end, Gen PPL and entropy
     # of gen_num_samples EMA samples -> log.jsonl
     gen_interval: int = 0            # steps between two measurements of sample quality (0 = off)
-    gen_num_samples: int = 64        # split over ranks: rank r draws its share with seed gen_seed + r, every time
+    gen_num_samples: int = 64        # in 8 groups seeded by group (eval_ppl.sample_groups): the same for any world size
     gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
     gen_seed: int = 0                # the samples' seed, the same at every measurement (curves compare like with like)
     judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo
@@ -251,19 +256,26 @@ def lr_at(it, cfg):
 # the parts of a run
 
 def prepare_data(cfg, env):
-    """Tokenize the corpus once (rank 0) into token memmaps -> (absolute data_dir, meta). Under torchrun every
-    rank learns rank 0's verdict and fails with the same one line, instead of hanging at a barrier."""
+    """Tokenize the corpus once per node (its first process) into token memmaps in that node's data folder, or
+    find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
+    (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
+    if cfg.num_proc < 0:
+        raise ConfigError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
+
     def work():
         try:
             from prepare import data_key, prepare_dataset, prepared_dir
-            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap))
+            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap,
+                                            text_field=cfg.text_field))
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
-                                                                    cfg.wrap))
-            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap)
+                                                                    cfg.wrap, text_field=cfg.text_field))
+            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
+                            num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
-        return data_dir
-    data_dir = on_rank0(env, work, DataError, ConfigError)
+        return data_identity(data_dir, load_meta(data_dir))
+    (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
+    same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
 
 
@@ -412,8 +424,8 @@ def train(cfg, env):
               f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
               f"{os.path.join(cfg.out_dir, 'config.json')}")
         print(f"model: {run.raw_model.num_params() / 1e6:.2f}M parameters "
-              f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); world {env.world_size} x "
-              f"micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
+              f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; "
+              f"world {env.world_size} x micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
               f"{cfg.batch_size} sequences/step")
     log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),

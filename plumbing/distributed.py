@@ -1,6 +1,8 @@
-"""Where a process runs in a torchrun job, and how the ranks agree: set-up and tear-down, the one host sync of
-the training loop (agree), any_rank, and a decision taken on rank 0 that every rank then shares."""
+"""Where a process runs in a torchrun job, and how the ranks agree: set-up and tear-down (nodes, processes, CPU
+threads), the one host sync of the training loop (agree), any_rank, a decision taken on rank 0 that every rank
+then shares, and work done once per node (on_each_node: data, where nodes share no storage)."""
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,19 +21,82 @@ class Env:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    node: int = 0                    # torchrun's GROUP_RANK: which node (machine) this process runs on
+    nnodes: int = 1
+    local_world_size: int = 1        # processes on this node
+    threads: int = 0                 # torch's CPU threads in this process (0: not set, a CUDA run)
+    threads_from: str = ""           # why that many: "--threads", "OMP_NUM_THREADS" or the cores per process
 
     @property
     def master(self):
         return self.rank == 0
 
+    def describe(self):
+        """The run's shape for the log's first lines: '2 nodes x 1 process, cpu, 1 torch thread per process'."""
+        plural = lambda n, word: f"{n} {word}{'' if n == 1 else 'es' if word.endswith('s') else 's'}"
+        where = f"{plural(self.nnodes, 'node')} x {plural(self.local_world_size, 'process')}, {self.device.type}"
+        return where + (f", {plural(self.threads, 'torch thread')} per process ({self.threads_from})"
+                        if self.threads else "")
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def idle_cores(cores, seconds=0.1):
+    """How many of `cores` (ids) sat idle over the next `seconds`, from the kernel's counters (/proc/stat:
+    idle + iowait over all time of each core), or None where they cannot be read (not Linux)."""
+    def counters():
+        with open("/proc/stat") as f:
+            return {row[0]: [int(v) for v in row[1:9]] for row in map(str.split, f) if row[0].startswith("cpu")}
+    try:
+        before = counters()
+        time.sleep(seconds)
+        after = counters()
+        spent = [[b - a for a, b in zip(before[f"cpu{c}"], after[f"cpu{c}"])] for c in cores]
+    except (OSError, ValueError, KeyError):
+        return None
+    return sum((d[3] + d[4]) / sum(d) if sum(d) else 1.0 for d in spent)
+
+
+def cpu_threads(threads, local_world_size):
+    """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins; else OMP_NUM_THREADS when set
+    (by the user, or by torchrun, which sets 1 for several processes per node); else the usable cores that are
+    idle at start (rounded, all of them where unknown), shared evenly by this node's processes, at least one
+    each. A thread beyond the free cores only waits: on this 2-core machine with other work running, two threads
+    made the tiny demo several times slower than one, and idle they made it faster (RESULTS.md, CPU threads)."""
+    if threads > 0:
+        return threads, "--threads"
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), "OMP_NUM_THREADS"
+    cores = usable_cores()
+    idle = idle_cores(cores)
+    free = len(cores) if idle is None else min(len(cores), max(1, round(idle)))
+    why = f"{len(cores)} usable cores" + ("" if idle is None else f", {idle:.1f} idle at start")
+    return max(1, free // local_world_size), f"{why}, {local_world_size} per node"
+
 
 def setup_distributed(cfg):
-    """torchrun's environment -> Env (process group joined, CUDA device chosen), or a single process."""
+    """torchrun's environment -> Env (process group joined, CUDA device chosen, CPU threads set by cpu_threads),
+    or a single process. Nodes: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of
+    LOCAL_WORLD_SIZE per node (torchrun numbers the ranks of one node consecutively)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(cfg.device)
-    env = Env(device, ddp=world_size > 1, world_size=world_size)
+    env = Env(device, ddp=world_size > 1, world_size=world_size, local_world_size=world_size)
     if env.ddp:
         env.rank, env.local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        env.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        env.node = int(os.environ.get("GROUP_RANK", str(env.rank // env.local_world_size)))
+        env.nnodes = int(os.environ.get("GROUP_WORLD_SIZE", str(max(1, world_size // env.local_world_size))))
+    if device.type == "cpu":
+        env.threads, env.threads_from = cpu_threads(getattr(cfg, "threads", 0), env.local_world_size)
+        torch.set_num_threads(env.threads)
+    if env.ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
@@ -76,6 +141,28 @@ def on_rank0(env, work, *errors):
     if box[1] is not None:
         raise box[1]
     return box[0]
+
+
+def on_each_node(env, work, *errors):
+    """work() on the first process of every node (LOCAL_RANK 0), e.g. preparing data into a folder of that node's
+    own disk, while the node's other processes wait. -> (the value of this process's node, {node: value}), on
+    every rank. An error of the kinds `errors` on any node is raised on every rank, as the same exception type
+    with the same one line (naming the node when it is not node 0), instead of leaving the others at a barrier."""
+    mine = [None, None]
+    if env.local_rank == 0:
+        try:
+            mine[0] = work()
+        except errors as e:
+            mine[1] = e
+    every = [(env.node, env.local_rank, *mine)]
+    if env.ddp:
+        every = [None] * env.world_size
+        dist.all_gather_object(every, (env.node, env.local_rank, *mine))
+    firsts = {node: (value, error) for node, local_rank, value, error in every if local_rank == 0}
+    for node, (_, error) in sorted(firsts.items()):
+        if error is not None:
+            raise error if node == 0 else type(error)(f"node {node}: {error}")
+    return firsts[env.node][0], {node: value for node, (value, _) in sorted(firsts.items())}
 
 
 def run_distributed(cfg, work):

@@ -11,7 +11,7 @@ import torch
 
 import train
 from data import load_meta
-from eval_ppl import entropy, gen_ppl, load_judge
+from eval_ppl import GEN_GROUPS, entropy, gen_ppl, load_judge
 from model import PRESETS, DiffusionTransformer, ModelConfig
 from plumbing.checkpoint import load_checkpoint
 from sample import generate
@@ -69,6 +69,9 @@ def rows(out_dir, key):
         return [r for r in map(json.loads, f) if key in r]
 
 
+GROUPS = [(3 * GEN_GROUPS + k, 1) for k in range(6)]   # --gen_seed 3, 6 samples: groups of one (seed, count)
+
+
 def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
     """Gen PPL and entropy of a kept checkpoint computed outside the run: load its EMA weights, draw each
     (seed, count) share with sample.generate, pool, score with eval_ppl.gen_ppl / entropy."""
@@ -90,7 +93,7 @@ def test_sample_quality_logged_in_training_equals_the_kept_checkpoint_evaluated_
     for r in logged:
         assert r["gen_judge"].startswith("ar:") and str(d / "ar" / "ckpt.pt") in r["gen_judge"]
         assert (r["gen_samples"], r["gen_steps"], r["gen_seed"]) == (6, 5, 3)
-        ppl, ent, ckpt = expected_quality(d / "run" / f"ckpt_{r['step']}.pt", str(d / "ar" / "ckpt.pt"), [(3, 6)], 5)
+        ppl, ent, ckpt = expected_quality(d / "run" / f"ckpt_{r['step']}.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
         assert ckpt["step"] == r["step"] and "optimizer" not in ckpt
         assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=1e-6)
         assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)
@@ -111,8 +114,9 @@ def test_eval_iters_zero_validates_the_whole_split(judged):
 
 @pytest.mark.slow
 def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
-    """Two ranks: rank r draws samples r, r + 2, ... (3 each of 6) with seed gen_seed + r; the logged Gen PPL is
-    the pooled score of both shares, and validation of the whole split still counts every token once."""
+    """Two ranks: rank r draws the groups r, r + 2, r + 4 of eval_ppl.sample_groups (6 samples: 6 groups of one);
+    the logged Gen PPL is the pooled score of both shares, the samples of one process, and validation of the whole
+    split still counts every token once."""
     d, base, gen = judged
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *base,
            "--loss", "sddlm", "--max_iters", "4", "--out_dir", str(tmp_path / "two"), "--device", "cpu", *gen]
@@ -120,7 +124,7 @@ def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r, = rows(tmp_path / "two", "gen_ppl")
-    ppl, ent, _ = expected_quality(tmp_path / "two" / "ckpt_4.pt", str(d / "ar" / "ckpt.pt"), [(3, 3), (4, 3)], 5)
+    ppl, ent, _ = expected_quality(tmp_path / "two" / "ckpt_4.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
     assert r["gen_samples"] == 6
     assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=1e-6)
     assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)

@@ -209,8 +209,11 @@ def test_divergence_stops_the_run_and_keeps_only_sound_checkpoints(base, tmp_pat
                   expect="diverged loss"),
              case("train.py", *base.train, "--out_dir", resumed, "--resume", "1", "--lr", "1e30", *fast, cwd=t,
                   expect=f"the last good checkpoint {resumed}/ckpt.pt is kept"),
+             # a blown-up V1 model's validation NELBO is heavy-tailed over the draws (8.5 to 59 nats over 10 seeds,
+             # measured): above log V = 5.77 by 2.7 at least, but not always by log V, hence the margin 2
              case("train.py", *base.train, "--out_dir", t / "v1", "--loss", "sddlm_v1", "--lr", "1e30", "--max_iters",
-                  "12", "--eval_interval", "4", "--ckpt_interval", "4", cwd=t, expect="diverged validation NELBO"),
+                  "12", "--eval_interval", "4", "--ckpt_interval", "4", "--diverge_margin", "2", cwd=t,
+                  expect="diverged validation NELBO"),
              case("train.py", *base.train, "--out_dir", nan, "--resume", "1", "--max_iters", "8", cwd=t,
                   expect=f"cannot resume from {nan}/ckpt.pt: its weights are not finite"),
              case("distill.py", "--init", base.ckpt, "--out_dir", t / "dcd", "--lr", "1e30", "--max_iters", "8",

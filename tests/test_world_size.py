@@ -1,0 +1,142 @@
+"""Evaluation during training does not depend on the world size: one checkpoint's validation NELBO, objective
+and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
+computed here as that rank computes it (Env rank r of W); the all-reduce that follows in a run is their sum.
+The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint."""
+import json
+import random
+
+import pytest
+import torch
+
+import eval_ppl
+import train
+from data import get_tokenizer, load_meta
+from plumbing.distributed import Env
+
+ARGS = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
+        "--warmup_iters", "2", "--lr", "3e-3", "--num_samples", "0", "--ema", "0.9", "--tokenizer", "sp_train:320",
+        "--eval_interval", "1000", "--device", "cpu", "--threads", "1", "--gen_steps", "4", "--gen_num_samples", "6"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("world")
+    rng = random.Random(0)
+    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
+    lines = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(2000)]
+    (d / "corpus.txt").write_text("\n".join(" ".join(lines[i:i + 5]) + "\n" for i in range(0, len(lines), 5)))
+    args = ARGS + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data")]
+    assert train.main(args + ["--max_iters", "6", "--out_dir", str(d / "out"), "--eval_iters", "1"]) == 0
+    return d, args, torch.load(d / "out" / "ckpt.pt", weights_only=False)
+
+
+def rank_runs(args, ckpt, world_size):
+    """The run of each rank r of world_size, holding the checkpoint's weights and EMA."""
+    cfg = train.parse_config(args)
+    mcfg = train.ModelConfig(**ckpt["model_config"])
+    runs = []
+    for r in range(world_size):
+        env = Env(torch.device("cpu"), rank=r, world_size=world_size)      # ddp False: no collective here
+        run = train.build_run(cfg, mcfg, env)
+        run.raw_model.load_state_dict(ckpt["model"])
+        for e, v in zip(run.ema, ckpt["ema"].values()):
+            e.copy_(v)
+        runs.append((run, env))
+    return cfg, runs
+
+
+@pytest.mark.parametrize("loss, eval_iters", [("sddlm_v1", 3), ("sddlm", 0), ("ar", 2)])
+def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iters, one_thread):
+    d, args, ckpt = trained
+    if loss == "ar":      # the AR baseline's exact NLL: its own (causal) checkpoint
+        assert train.main(args + ["--max_iters", "2", "--loss", "ar", "--out_dir", str(d / "ar"), "--eval_iters",
+                                  "1"]) == 0
+        ckpt = torch.load(d / "ar" / "ckpt.pt", weights_only=False)
+    args = args + ["--loss", loss, "--eval_iters", str(eval_iters)]
+    meta = load_meta(str(d / "data"))
+    results = {}
+    for world_size in (1, 2, 4):
+        cfg, runs = rank_runs(args, ckpt, world_size)
+        sums = sum(eval_ppl.evaluate(run, cfg, str(d / "data"), env) for run, env in runs)
+        results[world_size] = eval_ppl.val_metrics(sums, cfg, str(d / "data"))
+    # the validation set: eval_iters global batches of --batch_size sequences (0: every sequence), at any size
+    sequences = min(eval_iters * 8, meta["val_sequences"]) if eval_iters else meta["val_sequences"]
+    assert eval_iters or meta["val_sequences"] % 8, "the whole split should end in a partial global batch"
+    for world_size in (2, 4):
+        scored = 31 if loss == "ar" else 32                   # the AR baseline does not score position 0 (BOS)
+        assert results[world_size]["val_tokens"] == results[1]["val_tokens"] == sequences * scored
+        for key in ("val_nelbo", "val_ppl", "val_loss"):
+            assert results[world_size][key] == pytest.approx(results[1][key], rel=1e-6, abs=1e-7), key
+    assert 1 < results[1]["val_ppl"] < 320                    # a trained model, better than uniform over K = 320
+
+
+def test_gen_ppl_and_entropy_are_the_same_for_1_2_and_4_processes(trained, one_thread):
+    d, args, ckpt = trained
+    tok = get_tokenizer(load_meta(str(d / "data"))["tokenizer"])
+    table = torch.randn(tok.vocab_size + 1, 16, generator=torch.Generator().manual_seed(0))
+    judge = eval_ppl.Judge("bigram", lambda ids, attn: table[ids] @ table[:tok.vocab_size].T, tok.encode, tok.eos_id,
+                           context=64)                     # scores a text by its tokens: other samples, other score
+    results, samples = {}, {}
+    for world_size in (1, 2, 4):
+        cfg, runs = rank_runs(args + ["--loss", "sddlm_v1"], ckpt, world_size)
+        drawn = []
+        real = eval_ppl.score_samples
+
+        def spy(ids, *a, **k):
+            drawn.extend(map(tuple, ids))
+            return real(ids, *a, **k)
+        eval_ppl.score_samples = spy
+        try:
+            sums = sum(eval_ppl.sample_quality(run, cfg, env, judge, tok) for run, env in runs)
+        finally:
+            eval_ppl.score_samples = real
+        results[world_size], samples[world_size] = eval_ppl.gen_metrics(sums, cfg, judge), sorted(drawn)
+    assert len(samples[1]) == 6 and len(set(samples[1])) == 6
+    for world_size in (2, 4):
+        assert samples[world_size] == samples[1]
+        assert results[world_size]["gen_samples"] == 6
+        assert results[world_size]["gen_ppl"] == pytest.approx(results[1]["gen_ppl"], rel=1e-9)
+        assert results[world_size]["gen_entropy"] == pytest.approx(results[1]["gen_entropy"], rel=1e-12)
+
+
+def test_sample_groups_cover_every_sample_once_whatever_the_world_size():
+    for n in (1, 6, 8, 9, 64, 100):
+        for world_size in (1, 2, 3, 8, 16):
+            groups = [g for r in range(world_size) for g in eval_ppl.sample_groups(n, r, world_size)]
+            assert sorted(groups) == eval_ppl.sample_groups(n, 0, 1) and sum(s for _, s in groups) == n
+
+
+def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out_file):
+    """One rank of a gloo process group (torch.multiprocessing.spawn): train.py's evaluation of the checkpoint,
+    reduced over the ranks as in a run (plumbing.signals.reduced_unless_stopped); rank 0 writes the record."""
+    import torch.distributed as dist
+    from plumbing.signals import reduced_unless_stopped
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        cfg, runs = rank_runs(args, ckpt, world_size)
+        run, env = runs[rank]
+        env.ddp = True
+        sums = reduced_unless_stopped({"signal": None, "raise": False}, env, 4,
+                                      lambda: eval_ppl.evaluate(run, cfg, data_dir, env))
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(eval_ppl.val_metrics(sums, cfg, data_dir), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_validation(trained, tmp_path):
+    import torch.multiprocessing as mp
+    d, args, ckpt = trained
+    args = args + ["--loss", "sddlm_v1", "--eval_iters", "0"]
+    cfg, runs = rank_runs(args, ckpt, 1)
+    one = eval_ppl.val_metrics(eval_ppl.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1]), cfg, str(d / "data"))
+    mp.spawn(evaluate_on_rank, args=(2, str(tmp_path / "init"), args, str(d / "out" / "ckpt.pt"), str(d / "data"),
+                                     str(tmp_path / "two.json")), nprocs=2)
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["val_tokens"] == one["val_tokens"] == load_meta(str(d / "data"))["val_sequences"] * 32
+    for key in ("val_nelbo", "val_ppl", "val_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6), key
