@@ -307,13 +307,20 @@ def check_meta_fields(meta, path):
             raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not {kind}; {fix}")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: field 'dtype' is {meta['dtype']!r}, not uint16 or uint32; {fix}")
-    parts = ("",) if meta["wrap"] else ("", "_mask")
-    needed = [f"{split}{part}.bin" for split in ("train", "val") for part in parts]
-    needed += ["tokenizer.model"] if meta.get("tokenizer_file") else []
-    unlisted = [n for n in needed if not isinstance((meta.get("sha256") or {}).get(n), str)]
+    unlisted = unlisted_checksums(meta)
     if unlisted:
         raise DataError(f"{path} lists no sha256 for {', '.join(unlisted)}, so the prepared files cannot be verified; "
                         f"{fix}")
+
+
+def unlisted_checksums(meta):
+    """The files of a prepared folder for which its meta.json records no sha256 (a folder from before checksums
+    were recorded, or an edited meta.json): they cannot be verified."""
+    parts = ("",) if meta.get("wrap", True) else ("", "_mask")
+    needed = [f"{split}{part}.bin" for split in ("train", "val") for part in parts]
+    needed += ["tokenizer.model"] if meta.get("tokenizer_file") else []
+    sha256 = meta.get("sha256") if isinstance(meta.get("sha256"), dict) else {}
+    return [n for n in needed if not isinstance(sha256.get(n), str)]
 
 
 def file_stat(path):

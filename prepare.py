@@ -47,11 +47,11 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import first_line
-from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta,
+from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
 from data import key_digest
 from plumbing.files import refuse_overwrite, remove_stale_temps
-from plumbing.signals import ignore_stop_signals
+from plumbing.signals import deferred_signals, ignore_stop_signals
 
 # -----------------------------------------------------------------------------
 # Detokenizers (Duo applies them to raw text before tokenizing). Rules: (regex, replacement), in order.
@@ -546,6 +546,31 @@ def _short(part, limit=64):
     return raw[:limit - 9].decode(errors="ignore") + "~" + hashlib.sha256(raw).hexdigest()[:8]
 
 
+def _unverifiable(data_dir, key):
+    """The files a folder prepared from this very data_key lists no sha256 for ([] when it lists them all, or the
+    folder is not one of ours): such a folder is prepared again, never trusted."""
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return []                               # absent or unreadable: _check_reusable / the caller reports it
+    if not isinstance(meta, dict) or not isinstance(meta.get("data_key"), dict):
+        return []
+    if {"text_field": "text", **meta["data_key"]} != {"text_field": "text", **key}:
+        return []                               # another dataset's folder: refused, not replaced
+    return unlisted_checksums(meta)
+
+
+def _swap_in(tmp, out_dir):
+    """Replace an unverifiable prepared folder by the freshly prepared tmp: the old one is moved aside first, so a
+    reader sees the old folder or the new one, and a stop signal cannot fall between the two renames."""
+    old = f"{out_dir}.old{os.getpid()}"
+    with deferred_signals():
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _check_reusable(data_dir, key, verify=False):
     """A finished folder -> data_dir when it was prepared from the same data_key and its files verify."""
     old = load_meta(data_dir)
@@ -736,11 +761,12 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
         raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
     key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # fails early
     out_dir = os.path.normpath(out_dir)
-    if os.path.isfile(os.path.join(out_dir, "meta.json")):
+    redo = _unverifiable(out_dir, key)
+    if os.path.isfile(os.path.join(out_dir, "meta.json")) and not redo:
         return _check_reusable(out_dir, key, verify)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise DataError(f"--data_dir {out_dir} is a file, not a folder")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not redo:
         raise DataError(f"{out_dir} exists but holds no prepared dataset (no meta.json); delete it or use another "
                         f"--data_dir")
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -748,9 +774,13 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
     os.makedirs(parent, exist_ok=True)
     try:
         with _exclusive(out_dir + ".lock", out_dir):
-            if os.path.isfile(os.path.join(out_dir, "meta.json")):   # finished by the process we waited for
+            redo = _unverifiable(out_dir, key)
+            if os.path.isfile(os.path.join(out_dir, "meta.json")) and not redo:   # finished by the one we waited for
                 return _check_reusable(out_dir, key, verify)
             remove_stale_temps(out_dir)    # a killed preparation's temp folder (this host's)
+            if redo and progress:
+                print(f"{out_dir}: its meta.json records no sha256 for {', '.join(redo)}, so its files cannot be "
+                      f"verified; preparing it again", file=sys.stderr)
             tmp = None
             try:
                 tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-",
@@ -758,7 +788,10 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                 _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
                               val_fraction, progress, num_proc or default_num_proc(), text_field)
                 try:
-                    os.rename(tmp, out_dir)     # atomic: readers see no folder or a finished one
+                    if redo:
+                        _swap_in(tmp, out_dir)
+                    else:
+                        os.rename(tmp, out_dir)     # atomic: readers see no folder or a finished one
                 except OSError:
                     if not os.path.isfile(os.path.join(out_dir, "meta.json")):
                         raise

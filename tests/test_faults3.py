@@ -171,14 +171,14 @@ def test_prepared_data_and_checkpoints_are_trusted_only_with_proof(base, tmp_pat
                  "train_config.loss": lambda c: c["train_config"].update(loss=5),
                  "n_ema": lambda c: c.update(n_ema=1.5)}
     runs = {field: copy_run(base, t / f"ckpt_{i}", edit) for i, (field, edit) in enumerate(bad_ckpts.items())}
-    folders = [no_sha, empty_sha, no_vocab, str_vocab, *runs.values()]
+    folders = [no_vocab, str_vocab, *runs.values()]
     before = {str(d): md5s(d) for d in folders}, md5s(base.data_dir), md5s(base.out)
     tr = base.train[:-2]
-    cases = [case("train.py", *tr, "--data_dir", no_sha, "--out_dir", t / "o1", cwd=t,
+    prep = ["--dataset", base.corpus, "--tokenizer", "sp_train:320", "--block_size", "32"]
+    cases = [case("eval_ppl.py", "--ckpt", base.ckpt, "--data_dir", no_sha, cwd=t,
                   expect="meta.json lists no sha256 for train.bin, val.bin, tokenizer.model, so the prepared files "
                          "cannot be verified; delete"),
-             case("train.py", *tr, "--data_dir", empty_sha, "--out_dir", t / "o2", cwd=t, expect="lists no sha256"),
-             case("eval_ppl.py", "--ckpt", base.ckpt, "--data_dir", no_sha, cwd=t, expect="lists no sha256"),
+             case("eval_ppl.py", "--ckpt", base.ckpt, "--data_dir", empty_sha, cwd=t, expect="lists no sha256"),
              case("train.py", *tr, "--data_dir", no_vocab, "--out_dir", t / "o3", cwd=t,
                   expect=f"meta.json has no field 'vocab_size'; delete {no_vocab} to prepare it again"),
              case("eval_ppl.py", "--ckpt", base.ckpt, "--data_dir", str_vocab, cwd=t,
@@ -195,6 +195,19 @@ def test_prepared_data_and_checkpoints_are_trusted_only_with_proof(base, tmp_pat
     check(run_batches(cases[:12], cases[12:]))
     assert ({str(d): md5s(d) for d in folders}, md5s(base.data_dir), md5s(base.out)) == before
     assert not any(p.name.startswith(("o", "d_")) for p in t.iterdir())
+    # where data are prepared (prepare.py, train.py), a folder of this very dataset that cannot be verified is
+    # prepared again, the corrupted train.bin replaced; another dataset's such folder is refused, not replaced
+    other = folder("other_no_sha", lambda m: (m["data_key"].update(block_size=64), m.pop("sha256")))
+    other_before = md5s(other)
+    check(run_batches([case("prepare.py", *prep, "--data_dir", no_sha, cwd=t, expect=["ok", "preparing it again"]),
+                       case("prepare.py", *prep, "--data_dir", empty_sha, cwd=t, expect=["ok", "preparing it again"])],
+                      [case("prepare.py", *prep, "--data_dir", other, cwd=t, expect="lists no sha256")]))
+    assert md5s(other) == other_before
+    for d in (no_sha, empty_sha):
+        meta = json.loads((d / "meta.json").read_text())
+        data.verify_prepared(str(d), meta, full=True)
+        assert md5s(d)["train.bin"] == md5s(base.data_dir)["train.bin"]
+        assert not [p for p in t.iterdir() if ".old" in p.name or ".tmp" in p.name]
 
 
 @pytest.mark.slow
