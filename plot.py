@@ -214,9 +214,28 @@ def _ticker():
     return matplotlib.ticker
 
 
+# the objectives' own order (train.py's --loss names): an objective keeps its colour and marker in every figure
+NAMES = ["sddlm", "sddlm_v1", "sddlm_v2", "duo", "ar", "naive", "duo_lean"]
+
+
 def _style(i):
     marker, dash = STYLES[i % len(STYLES)]
     return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{i % 10}")
+
+
+def _styles(labels):
+    """One style per curve label: an objective's own (NAMES) where the figure has one curve of it, else a style
+    no other curve of the figure uses (a second run of an objective, at another ε, stays distinguishable)."""
+    names = [label.split(" ")[0].split(",")[0] for label in labels]
+    used, out = set(), []
+    for name in names:
+        k = NAMES.index(name) if name in NAMES else None
+        if k is None or k in used:
+            k = min(j for j in range(len(NAMES) + len(labels) + 1)
+                    if j not in used and (j >= len(NAMES) or NAMES[j] not in names))
+        used.add(k)
+        out.append(_style(k))
+    return out
 
 
 def _legend(ax):
@@ -243,8 +262,8 @@ def plot_training(curves, cfg):
         for key, index, ylabel, name, log in (("Gen PPL", 1, "Gen PPL (lower is better)", "training_gen_ppl.png", True),
                                               ("Sample entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
             fig, ax = plt.subplots(figsize=(8.4, 4.2))
-            for i, c in enumerate(with_gen):
-                ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], label=c["label"], **_style(i))
+            for c, style in zip(with_gen, _styles([c["label"] for c in with_gen])):
+                ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], label=c["label"], **style)
             ax.set_xlabel("training step")
             ax.set_ylabel(ylabel)
             if log:
@@ -260,9 +279,9 @@ def plot_training(curves, cfg):
     with_val = [c for c in curves if c["val"]]
     if with_val:
         fig, ax = plt.subplots(figsize=(8.4, 4.2))
-        for i, c in enumerate(with_val):
+        for c, style in zip(with_val, _styles([c["label"] for c in with_val])):
             ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], label=c["label"] + (" (exact PPL)" if
-                    c["label"] == "ar" else ""), **_style(i))
+                    c["label"] == "ar" else ""), **style)
         ax.set_xlabel("training step")
         ax.set_ylabel("validation NELBO PPL (upper bound; AR: exact)")
         ax.set_yscale("log")
@@ -302,12 +321,12 @@ def plot_gen_ppl_vs_steps(gen, cfg):
         fig, (ax, ax_eps) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, gridspec_kw=dict(width_ratios=[2, 1]))
     else:
         fig, ax = plt.subplots(figsize=(8.4, 4.2))
-    for i, label in enumerate(labels):
+    for label, style in zip(labels, _styles(labels)):
         if label in in_sweep:
             continue
         only = f", at {mine[label][0]['steps']} steps only" if label in lone else ""
         # a lone point: a larger marker drawn over the lines, and no line in its legend entry (it has none)
-        style = {**_style(i), **(dict(ms=9, zorder=3, linestyle="none") if only else {})}
+        style = {**style, **(dict(ms=9, zorder=3, linestyle="none") if only else {})}
         ax.plot([r["steps"] for r in mine[label]], [r["gen_ppl"] for r in mine[label]], label=label + only, **style)
     ax.set_xscale("log", base=2)
     steps = sorted({r["steps"] for label in labels if label not in in_sweep for r in mine[label]})
@@ -327,7 +346,7 @@ def plot_gen_ppl_vs_steps(gen, cfg):
         for (loss, n_steps), members in sorted(sweeps.items()):
             members = sorted(members, key=lambda r: r["eps"])
             ax_eps.plot([r["eps"] for r in members], [r["gen_ppl"] for r in members],
-                        label=f"{loss}, {n_steps} steps", **_style(labels.index(loss) if loss in labels else 0))
+                        label=f"{loss}, {n_steps} steps", **_styles([loss])[0])
         eps = sorted({r["eps"] for members in sweeps.values() for r in members})
         ax_eps.set_xscale("log")
         ax_eps.set_xticks(eps, [f"{e:g}" + (" (default)" if e == losses.EPS else "") for e in eps], fontsize=8)
