@@ -7,7 +7,8 @@ The command-line plumbing every script shares, so that each script is only its o
                   trailing `# comment` is its description, a comment line at the fields' indentation opens a
                   group named by its text); `--preset NAME --help` shows the values NAME sets
   run_cli         the entry point: bad input and resource faults become ONE line on stderr, exit code 2
-                  (a stop signal, Ctrl-C included: one line, exit code 130; plumbing/signals.py)
+                  a stop signal (STOP_SIGNALS: Ctrl-C, SIGTERM, a scheduler's SIGUSR1, ...) one line, exit code
+                  130 (install, exiting; what the training loop does with them: plumbing/signals.py)
   resolve_device, resolve_dtype, autocast_for      where and in which precision the network runs
   UsageError, ConfigError, OutOfMemory, first_line  the one-line failures a user can act on
 Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer, plumbing/checkpoint.py.
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import sys
 from contextlib import nullcontext
 
@@ -241,12 +243,81 @@ def _class_comments(klass):
     return out
 
 
+# -----------------------------------------------------------------------------------------------
+# stop signals at a script's start (the training loop's own handling: plumbing/signals.py)
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in
+                     ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
+                     if hasattr(signal, name))
+EXIT_CODE = 130      # stopped by a signal: what was done is saved, the same command (--resume 1) continues it
+
+
+def signal_name(signum):
+    """15 -> 'SIGTERM'."""
+    try:
+        return signal.Signals(signum).name
+    except (ValueError, TypeError):
+        return f"signal {signum}"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (signum) outside the training loop's flag: the work in progress ends at once."""
+
+    def __init__(self, signum=None):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise(signum, frame):
+    raise Interrupted(signum)
+
+
+def set_stop_handlers(handler):
+    """handler for every stop signal -> the handlers it replaces (only the main thread may set them)."""
+    old = {}
+    for s in STOP_SIGNALS:
+        try:
+            old[s] = signal.signal(s, handler)
+        except (ValueError, OSError):
+            pass
+    return old
+
+
+def install():
+    """A script's start (cli.run_cli): every stop signal raises Interrupted, so each `finally` on the way out runs
+    (a preparation's temp folder, out_dir's lock and an out_dir the run left empty are removed) and run_cli
+    prints one line and exits 130. A signal inside a long C++ call (SentencePiece training) takes effect when it
+    returns."""
+    set_stop_handlers(_raise)
+
+
+def _exit_now(signum, frame):
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(EXIT_CODE)
+
+
+def exiting():
+    """The script's outcome is decided (its result, or its one error line): a stop signal from now on ends the
+    process at once with exit code 130, instead of raising inside the interpreter's shutdown (atexit, finalizers),
+    where it would print a traceback."""
+    set_stop_handlers(_exit_now)
+
+
+def ignore_stop_signals():
+    """A worker process (prepare.py's tokenizers) leaves stop signals to its parent, which stops the pool; the
+    worker dies with the parent (PR_SET_PDEATHSIG)."""
+    set_stop_handlers(signal.SIG_IGN)
+
+
 def run_cli(main, *errors, oom_hint="lower --batch_size"):
     """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
     rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
-    signal (plumbing.signals.STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
-    from plumbing.signals import EXIT_CODE, exiting, install, signal_name
+    signal (STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
     install()
     try:
         code = main()
@@ -270,7 +341,6 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
 def _fail(message, code=2, any_rank=False):
     """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
-    from plumbing.signals import exiting
     exiting()
     rank = os.environ.get("RANK", "0")
     if rank == "0" or any_rank:

@@ -1,82 +1,19 @@
 """Stop signals: every signal a terminal, a job scheduler (Slurm's preemption: SIGTERM, or SIGUSR1 / SIGUSR2 with
---signal) or the OS (SIGXCPU: a CPU-time limit) sends to end a job. At start-up (install, from cli.run_cli) each
+--signal) or the OS (SIGXCPU: a CPU-time limit) sends to end a job. At start-up (cli.install, from cli.run_cli) each
 raises Interrupted wherever the process is, so the way out removes temp folders and locks and the script ends
 with one line and exit code 130. The training loop (stop_signals) turns them into a flag instead: the run saves
 at the next step and exits 130. Evaluation and sampling are abandoned at once (interruptible), and a swap of
 weights is never interrupted half-way (deferred_signals)."""
-import os
 import signal
-import sys
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in
-                     ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")
-                     if hasattr(signal, name))
-EXIT_CODE = 130      # stopped by a signal: what was done is saved, the same command (--resume 1) continues it
-
-
-def signal_name(signum):
-    """15 -> 'SIGTERM'."""
-    try:
-        return signal.Signals(signum).name
-    except (ValueError, TypeError):
-        return f"signal {signum}"
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal (signum) outside the training loop's flag: the work in progress ends at once."""
-
-    def __init__(self, signum=None):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise(signum, frame):
-    raise Interrupted(signum)
-
-
-def _set(handler):
-    """handler for every stop signal -> the handlers it replaces (only the main thread may set them)."""
-    old = {}
-    for s in STOP_SIGNALS:
-        try:
-            old[s] = signal.signal(s, handler)
-        except (ValueError, OSError):
-            pass
-    return old
-
-
-def install():
-    """A script's start (cli.run_cli): every stop signal raises Interrupted, so each `finally` on the way out runs
-    (a preparation's temp folder, out_dir's lock and an out_dir the run left empty are removed) and run_cli
-    prints one line and exits 130. A signal inside a long C++ call (SentencePiece training) takes effect when it
-    returns."""
-    _set(_raise)
-
-
-def _exit_now(signum, frame):
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(EXIT_CODE)
-
-
-def exiting():
-    """The script's outcome is decided (its result, or its one error line): a stop signal from now on ends the
-    process at once with exit code 130, instead of raising inside the interpreter's shutdown (atexit, finalizers),
-    where it would print a traceback."""
-    _set(_exit_now)
-
-
-def ignore_stop_signals():
-    """A worker process (prepare.py's tokenizers) leaves stop signals to its parent, which stops the pool; the
-    worker dies with the parent (PR_SET_PDEATHSIG)."""
-    _set(signal.SIG_IGN)
+# the process-wide part (which signals stop a job, the handlers a script starts with) is cli.py's, the ground
+# floor every script starts from; this file adds what the training loop and evaluation do with them
+from cli import EXIT_CODE, STOP_SIGNALS, Interrupted, exiting, ignore_stop_signals, install, signal_name  # noqa: F401
+from cli import set_stop_handlers
 
 
 @contextmanager
@@ -102,7 +39,7 @@ def stop_signals():
         stop["signal"] = signum
         if stop["raise"]:
             raise Interrupted(signum)
-    old = _set(handler)
+    old = set_stop_handlers(handler)
     try:
         yield stop
     finally:
