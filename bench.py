@@ -46,6 +46,9 @@ bare computation side by side, both from this one run.
 The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
 same rounds, and its time per step over the ancestral sampler's.
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import datetime
 import json
 import math

@@ -14,6 +14,9 @@ and of all workers together (tokenizing): on a machine busy with other work the 
 the split of CPU time says what N idle cores would give; peak RSS of the main process and of the largest worker
 (getrusage), and whether the bytes written equal those of the first count (sha256 in meta.json).
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import json
 import os
 import random

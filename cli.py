@@ -21,8 +21,6 @@ import signal
 import sys
 from contextlib import nullcontext
 
-import torch
-
 
 class UsageError(ValueError):
     """Bad input from the command line (a flag, a file, a checkpoint): printed as one line, exit code 2."""
@@ -51,6 +49,7 @@ def os_error_line(e):
 
 def is_out_of_memory(e):
     """torch's CUDA out-of-memory error, or a failed CPU allocation (a RuntimeError from the CPU allocator)."""
+    import torch
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
@@ -313,6 +312,23 @@ def ignore_stop_signals():
     set_stop_handlers(signal.SIG_IGN)
 
 
+def stop_at_once(name):
+    """A script's first call, before its imports (torch alone takes seconds to load): run as a script (name is
+    "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once; nothing
+    has been written yet, so there is nothing to clean up. Imported as a library, it does nothing."""
+    if name == "__main__":
+        set_stop_handlers(_exit_while_starting)
+
+
+def _exit_while_starting(signum, frame):
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            os.write(2, f"error: interrupted by {signal_name(signum)} while starting\n".encode())
+        except OSError:
+            pass
+    os._exit(EXIT_CODE)
+
+
 def run_cli(main, *errors, oom_hint="lower --batch_size"):
     """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
     rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
@@ -359,6 +375,7 @@ def _fail(message, code=2, any_rank=False):
 
 def resolve_device(name):
     """'auto' (CUDA when available) | 'cpu' | 'cuda' -> torch.device."""
+    import torch
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name not in ("cpu", "cuda"):
@@ -370,6 +387,7 @@ def resolve_device(name):
 
 def resolve_dtype(name, device):
     """'auto' (bf16 autocast on CUDA, float32 elsewhere) | 'float32' | 'bfloat16' -> torch.dtype."""
+    import torch
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if name not in ("float32", "bfloat16"):
@@ -379,6 +397,7 @@ def resolve_dtype(name, device):
 
 def autocast_for(device, dtype):
     """A fresh bf16/fp16 autocast context for the network; float32 (or None) runs it as it is."""
+    import torch
     if dtype in (torch.bfloat16, torch.float16):
         return torch.autocast(torch.device(device).type, dtype=dtype)
     return nullcontext()

@@ -27,6 +27,9 @@ unchanged) plus distill_config, distilled_from and the teacher's weights. Everyt
 flags from one dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights
 for evaluation and sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import copy
 import math
 import os

@@ -45,6 +45,9 @@ Through lm-eval each task's result is written to --out as soon as it is known; a
 cannot be reached, ...) is reported and the others still run; the exit code is 2 when any failed.
 """
 
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import argparse
 import dataclasses
 import functools

@@ -30,6 +30,9 @@ Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 wi
 of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
 """
 
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import itertools
 import json
 import math

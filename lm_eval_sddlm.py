@@ -36,6 +36,9 @@ Request types (eval_downstream's harness over its Scorer does the work; its docs
   generate_until         (context, gen_kwargs) -> max_gen_toks tokens sampled after the fixed context, cut at EOS
                          and the stop strings; the task's do_sample/temperature/... do not apply and are named once
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import importlib
 import sys
 

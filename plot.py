@@ -23,6 +23,9 @@ skipped and counted; an input file of the wrong shape is refused in one line.
 the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given), each naming its
 checkpoint, step, judge, sampler settings and seed; models that differ only in ε also form an ε-sweep table.
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import json
 import os
 import re

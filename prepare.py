@@ -23,6 +23,9 @@ preparations wait for one another, a reader sees no folder or a finished one, an
 only a temp folder that the next run deletes. Every file is hashed once after writing (data.verify_prepared).
 """
 
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import collections
 import errno
 import gzip

@@ -18,6 +18,9 @@ train.py and distill.py write out_dir/model at the end of a run; any checkpoint 
 and every script's --ckpt reads a folder as it reads a checkpoint (plumbing.checkpoint.load_model). push_to_hub uploads a folder
 (huggingface_hub, an optional package imported only there).
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import json
 import os
 import shutil

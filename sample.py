@@ -36,6 +36,9 @@ Options, all acting on x_theta before the posterior:
 Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
 """
 
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import math
 import sys
 from contextlib import nullcontext

@@ -15,6 +15,9 @@ One training step (paper Algorithm 1, objective.py): x0 ~ data, t ~ stratified U
 The file reads top to bottom: the config; the step; evaluation; the run and its loop (guarded_loop, shared
 with distill.py), where ranks, signals, checkpoints, the memory probe and the log are one call each (plumbing/).
 """
+import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+cli.stop_at_once(__name__)
+
 import math
 import os
 import signal

@@ -177,6 +177,39 @@ def test_every_stop_signal_ends_a_script_with_one_line_and_exit_130(capsys):
             assert stop["signal"] == sig
 
 
+SCRIPTS = sorted(f for f in os.listdir(HERE) if f.endswith(".py") and f != "cli.py"
+                 and "run_cli(" in open(os.path.join(HERE, f)).read())
+
+
+def _catches(pid, sig):
+    """Whether process pid has a handler for sig (Linux: the SigCgt mask in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_every_script_handles_stop_signals_before_its_imports():
+    assert len(SCRIPTS) >= 10
+    for name in SCRIPTS:
+        lines = open(os.path.join(HERE, name)).read().split("\n")
+        first = next(i for i, line in enumerate(lines) if i > 0 and line.startswith(("import ", "from ")))
+        assert lines[first].startswith("import cli") and lines[first + 1] == "cli.stop_at_once(__name__)", name
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare.py"])
+def test_a_stop_signal_while_a_script_loads_its_imports_is_one_line_and_130(script, tmp_path):
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, script)], cwd=tmp_path, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not _catches(p.pid, signal.SIGTERM) and time.time() - t0 < 30:   # cli.stop_at_once has run
+        time.sleep(0.002)
+    p.send_signal(signal.SIGTERM)                                            # torch is still loading
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.splitlines() == ["error: interrupted by SIGTERM while starting"], err
+    assert os.listdir(tmp_path) == []
+
+
 def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
