@@ -49,10 +49,12 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from cli import first_line
+from cli import ConfigError, first_line, os_error_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
-from data import key_digest
+from data import data_identity, key_digest, same_data_on_every_node
+from plumbing.checkpoint import check_resume_data
+from plumbing.distributed import on_each_node
 from plumbing.files import refuse_overwrite, remove_stale_temps
 from plumbing.signals import deferred_signals, ignore_stop_signals
 
@@ -873,6 +875,33 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
         json.dump(meta, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+
+
+# -----------------------------------------------------------------------------
+# A training run's data (train.py): prepared by the first process of each node, agreed on by content
+
+def prepare_for_run(cfg, env):
+    """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
+    env: its ranks). Tokenize the corpus once per node (its first process) into token memmaps in that node's data folder, or
+    find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
+    (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
+    if cfg.num_proc < 0:
+        raise ConfigError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
+
+    def work():
+        try:
+            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap,
+                                            text_field=cfg.text_field))
+            data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
+                                                                    cfg.wrap, text_field=cfg.text_field))
+            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
+                            num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
+        except OSError as e:
+            raise DataError(os_error_line(e)) from None
+        return data_identity(data_dir, load_meta(data_dir))
+    (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
+    same_data_on_every_node(nodes)
+    return data_dir, load_meta(data_dir)
 
 
 # -----------------------------------------------------------------------------

@@ -31,22 +31,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import diffusion
 import losses
 from cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
-from data import BatchLoader, DataError, data_identity, get_tokenizer, load_meta, same_data_on_every_node
+from data import BatchLoader, DataError, get_tokenizer
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
 from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
-from plumbing.checkpoint import (RESUME_KEYS, check_resume, check_resume_data, ema_weights,  # noqa: F401
+from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights,  # noqa: F401
                                  keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
-from plumbing.distributed import (Env, agree, any_rank, on_each_node, on_rank0, run_distributed,  # noqa: F401
+from plumbing.distributed import (Env, agree, any_rank, on_rank0, run_distributed,  # noqa: F401
                                   setup_distributed)
-from plumbing.files import os_error_line, refuse_overwrite, run_outputs, write_json
+from plumbing.files import refuse_overwrite, run_outputs, write_json
 from plumbing.memory import fit_micro_batch
-from plumbing.runlog import Log, truncate_log  # noqa: F401
+from plumbing.runlog import Log, finish_lines, kept, start_lines, truncate_log  # noqa: F401
 from pretrained import export
 from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 from plumbing.integrity import DivergenceRule
+from prepare import prepare_for_run
 
 
 @dataclass
@@ -258,30 +259,6 @@ def lr_at(it, cfg):
 # -----------------------------------------------------------------------------------------------
 # the parts of a run
 
-def prepare_data(cfg, env):
-    """Tokenize the corpus once per node (its first process) into token memmaps in that node's data folder, or
-    find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
-    (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
-    if cfg.num_proc < 0:
-        raise ConfigError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
-
-    def work():
-        try:
-            from prepare import data_key, prepare_dataset, prepared_dir
-            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap,
-                                            text_field=cfg.text_field))
-            data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
-                                                                    cfg.wrap, text_field=cfg.text_field))
-            prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
-                            num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
-        except OSError as e:
-            raise DataError(os_error_line(e)) from None
-        return data_identity(data_dir, load_meta(data_dir))
-    (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
-    same_data_on_every_node(nodes)
-    return data_dir, load_meta(data_dir)
-
-
 @dataclass
 class Run:
     """The state a training run carries from step to step (and saves in its checkpoint)."""
@@ -406,7 +383,7 @@ def main(argv=None):
 def train(cfg, env):
     validate(cfg, env.world_size)
     judge = load_gen_judge(cfg, env)
-    data_dir, meta = prepare_data(cfg, env)
+    data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
     cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
     mcfg = model_config_for(cfg, meta["vocab_size"])
     ckpt = open_out_dir(cfg, mcfg, meta)
@@ -423,13 +400,7 @@ def train(cfg, env):
     if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
-        print(f"--preset {cfg.preset} --loss {cfg.loss} on {cfg.dataset} ({cfg.tokenizer}, L = {cfg.block_size}), "
-              f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
-              f"{os.path.join(cfg.out_dir, 'config.json')}")
-        print(f"model: {run.raw_model.num_params() / 1e6:.2f}M parameters "
-              f"({run.raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; "
-              f"world {env.world_size} x micro-batch {cfg.batch_size // (env.world_size * cfg.grad_accum)} x accum {cfg.grad_accum} = "
-              f"{cfg.batch_size} sequences/step")
+        print(start_lines(cfg, run.raw_model, env))
     log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
     evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
               lambda sums: val_metrics(sums, cfg, data_dir))]
@@ -445,12 +416,6 @@ def train(cfg, env):
                         samples=lambda: log.samples(run.it, print_samples(run, cfg, meta, env)), what="training",
                         nonfinite=lambda it, why: f"{why} by step {it} (lr {lr_at(it - 1, cfg):.2e}); {kept(cfg)}. "
                                                   f"Lower --lr or check the data.")
-
-
-def kept(cfg):
-    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"
 
 
 def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite, keep=None):
@@ -513,20 +478,6 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
     if env.master:                                     # last, after the trackers have closed
         print(finish_lines(cfg, what, run.it, ckpt_path, folder))
     return 0
-
-
-def finish_lines(cfg, what, step, ckpt_path, folder):
-    """The last lines of a finished run: where its checkpoint, its model folder and its samples went."""
-    if cfg.num_samples > 0:
-        samples = f"the {cfg.num_samples} printed above (EMA weights, {cfg.sample_steps} steps)"
-        samples += ", also in the wandb run" if cfg.wandb else ""
-        samples += f", also in {os.path.join(cfg.out_dir, 'tensorboard')}" if cfg.tensorboard else ""
-    else:
-        samples = "none (--num_samples 0)"
-    return (f"{what} finished at step {step}; log: {os.path.join(cfg.out_dir, 'log.jsonl')}\n"
-            f"  checkpoint:   {ckpt_path} (--resume 1 with a higher --max_iters continues it)\n"
-            f"  model folder: {folder} (python sample.py --ckpt {folder}; pretrained.SDDLM.from_pretrained)\n"
-            f"  samples:      {samples}")
 
 
 def print_samples(run, cfg, meta, env):

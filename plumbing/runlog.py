@@ -1,5 +1,6 @@
-"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume; and the
-one reader of JSONL files the evaluation scripts take as input."""
+"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume; the
+lines a run prints before its bar starts and after it ends (start_lines, finish_lines, kept); and the one reader
+of JSONL files the evaluation scripts take as input."""
 import json
 import os
 import time
@@ -107,3 +108,34 @@ def jsonl_records(path, bad_line):
         except ValueError as e:
             raise bad_line(n, e) from None
         yield n, record
+
+
+def start_lines(cfg, raw_model, env):
+    """The run in two lines, printed before the progress bar starts (the whole config is out_dir/config.json)."""
+    per_rank = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    return (f"--preset {cfg.preset} --loss {cfg.loss} on {cfg.dataset} ({cfg.tokenizer}, L = {cfg.block_size}), "
+            f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
+            f"{os.path.join(cfg.out_dir, 'config.json')}\n"
+            f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.num_params(non_embedding=True) / 1e6:.2f}M "
+            f"non-embedding); {env.describe()}; world {env.world_size} x micro-batch {per_rank} x accum "
+            f"{cfg.grad_accum} = {cfg.batch_size} sequences/step")
+
+
+def finish_lines(cfg, what, step, ckpt_path, folder):
+    """The last lines of a finished run: where its checkpoint, its model folder and its samples went."""
+    if cfg.num_samples > 0:
+        samples = f"the {cfg.num_samples} printed above (EMA weights, {cfg.sample_steps} steps)"
+        samples += ", also in the wandb run" if cfg.wandb else ""
+        samples += f", also in {os.path.join(cfg.out_dir, 'tensorboard')}" if cfg.tensorboard else ""
+    else:
+        samples = "none (--num_samples 0)"
+    return (f"{what} finished at step {step}; log: {os.path.join(cfg.out_dir, 'log.jsonl')}\n"
+            f"  checkpoint:   {ckpt_path} (--resume 1 with a higher --max_iters continues it)\n"
+            f"  model folder: {folder} (python sample.py --ckpt {folder}; pretrained.SDDLM.from_pretrained)\n"
+            f"  samples:      {samples}")
+
+
+def kept(cfg):
+    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"
