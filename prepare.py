@@ -161,10 +161,12 @@ OFFLINE = ("offline: a local corpus (LOCAL_FORMATS in prepare.py), or SDDLM_HF_M
 
 class Docs:
     """The documents of one split, read lazily (the corpus itself stays on disk): iterating gives them as
-    training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply."""
+    training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply. units(), where
+    given, gives the same documents as work units for the workers, (text, a, b): paragraphs a:b of text."""
 
-    def __init__(self, raw, detokenizer=None, nbytes=None, length=None):
+    def __init__(self, raw, detokenizer=None, nbytes=None, length=None, units=None):
         self.raw, self.detokenizer, self.nbytes, self.length = raw, detokenizer, nbytes, length  # raw: () -> iter
+        self.units = units
 
     def __len__(self):
         if self.length is None:
@@ -311,19 +313,40 @@ def _text_blocks(path, block=1 << 20):
 
 def _paragraphs(path, block=1 << 20):
     """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
-    of newlines and the empty ones dropped, read a block at a time: a block is split up to the end of its last
-    separator that more text cannot extend (one followed by a non-space on its line); the rest waits."""
+    of newlines and the empty ones dropped (_paragraph_pieces, each split)."""
+    for piece in _paragraph_pieces(path, block):
+        yield from _split_paragraphs(piece)
+
+
+def _paragraph_pieces(path, block=1 << 20):
+    """A text file in pieces of whole paragraphs (~`block` bytes), read a block at a time: a block is cut at the
+    end of its last separator that more text cannot extend (one followed by a non-space on its line); the rest
+    waits. Splitting a piece is the workers' job, so the main process touches no document."""
     carry = ""
     for text in _text_blocks(path, block):
         text = carry + text
         end = _last_break(text)
-        yield from _split_paragraphs(text[:end])
+        yield text[:end]
         carry = text[end:]
-    yield from _split_paragraphs(carry)
+    yield carry
 
 
 def _split_paragraphs(text):
-    return [doc for doc in (d.strip("\n") for d in _SEPARATOR.split(text)) if doc.strip()]
+    """text -> its paragraphs, each stripped of newlines, the blank ones dropped (map/filter: no Python loop)."""
+    return list(filter(str.strip, map(str.strip, _SEPARATOR.split(text), itertools.repeat("\n"))))
+
+
+def _piece_units(path, counts, start, stop):
+    """Work units (piece, a, b) giving paragraphs start:stop of a text file; counts: the number of paragraphs of
+    each of its pieces, as _paragraph_pieces cuts them (found by load_corpus's scan)."""
+    first = 0
+    for piece, count in zip(_paragraph_pieces(path), counts):
+        a, b = max(start - first, 0), min(stop - first, count)
+        if a < b:
+            yield piece, a, b
+        first += count
+        if first >= stop:
+            return
 
 
 def _last_break(text):
@@ -418,24 +441,35 @@ def _local_docs(name, field):
     raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
 
 
-def _tail_split(docs, val_fraction, name):
-    """One pass over the documents -> (their number n, cut), where the val split is documents [cut:], the
-    trailing ones holding ~val_fraction of the characters (at least one, and at least one left for train).
-    Memory: the lengths of the trailing documents only, since a document that the tail no longer needs is never
-    needed again (the total, and so the tail wanted, only grows by what follows it)."""
+def _tail_split(length_batches, val_fraction, name):
+    """One pass over the documents' lengths (in batches) -> (their number n, cut), where the val split is
+    documents [cut:], the trailing ones holding ~val_fraction of the characters (at least one, and at least one
+    left for train): the last document d with len(d:) >= val_fraction * total. Memory: the batches that may
+    still hold d, since a batch that the tail no longer needs is never needed again (the total, and so the
+    tail wanted, only grows by what follows it)."""
     tail, tail_chars, total, n = collections.deque(), 0, 0, 0
-    for doc in docs:
-        n, total = n + 1, total + len(doc)
-        tail.append(len(doc))
-        tail_chars += len(doc)
-        while len(tail) > 1 and tail_chars - tail[0] >= val_fraction * total:
-            tail_chars -= tail.popleft()
+    for lengths in length_batches:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not len(lengths):
+            continue
+        chars = int(lengths.sum())
+        n, total, tail_chars = n + len(lengths), total + chars, tail_chars + chars
+        tail.append((lengths, chars))
+        while len(tail) > 1 and tail_chars - tail[0][1] >= val_fraction * total:
+            tail_chars -= tail.popleft()[1]
     if n == 0:
         raise DataError(f"corpus {name} is empty")
     if n < 2:
         raise DataError(f"corpus {name} has {n} document(s); need at least 2 for a train/val split")
-    k = min(len(tail), n - 1) if tail_chars >= val_fraction * total else n - 1
+    suffix = np.cumsum(np.concatenate([t[0] for t in tail])[::-1])     # len(d:) for d = n-1, n-2, ...
+    enough = np.flatnonzero(suffix >= val_fraction * total)
+    k = min(int(enough[0]) + 1, n - 1) if len(enough) else n - 1
     return n, n - k
+
+
+def _length_batches(docs, size=4096):
+    lengths = map(len, docs)
+    return iter(lambda: list(itertools.islice(lengths, size)), [])
 
 
 def load_corpus(name, val_fraction=0.05, text_field="text"):
@@ -447,7 +481,7 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     if name == "pydoc":
         from pydoc_data.topics import topics
         docs = [topics[k] for k in sorted(topics)]
-        n, cut = _tail_split(docs, val_fraction, name)
+        n, cut = _tail_split([list(map(len, docs))], val_fraction, name)
         return Docs(lambda: iter(docs[:cut]), length=cut), Docs(lambda: iter(docs[cut:]), length=n - cut)
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
@@ -458,13 +492,26 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
                         f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     docs = _local_docs(name, text_field)
-    n, cut = _tail_split(docs(), val_fraction, name)
+    units = None
+    if os.path.isfile(name) and name.endswith(_TEXT):    # a lone .txt: its pieces go to the workers unsplit
+        counts = []        # paragraphs per piece: where a split starts and ends, for _piece_units
+
+        def piece_lengths():
+            for piece in _paragraph_pieces(name):
+                paragraphs = _split_paragraphs(piece)
+                counts.append(len(paragraphs))
+                yield np.fromiter(map(len, paragraphs), np.int64, len(paragraphs))
+        n, cut = _tail_split(piece_lengths(), val_fraction, name)
+        units = lambda a, b: lambda: _piece_units(name, counts, a, b)
+    else:
+        n, cut = _tail_split(_length_batches(docs()), val_fraction, name)
     paths = [name] if os.path.isfile(name) else list(_walk(name))
     plain = not any(p.endswith((".gz", ".parquet", ".arrow")) for p in paths)   # else file bytes are not text bytes
     nbytes = sum(map(os.path.getsize, paths)) if plain else None
     share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total
-    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut)
-    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut)
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut, units=units and units(0, cut))
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut,
+               units=units and units(cut, n))
     return train, val
 
 
@@ -607,10 +654,12 @@ def _init_worker(tokenizer_spec):
     _WORKER["tok"] = get_tokenizer(tokenizer_spec, threads=1)
 
 
-def _encode_chunk(texts, detokenizer, wrap, insert_eos, block_size, dtype):
+def _encode_chunk(chunk, detokenizer, wrap, insert_eos, block_size, dtype):
     """Documents -> dict(rows or stream, mask, counts): the work of one chunk, the same in any process.
+    chunk: a list of documents, or (text, a, b): paragraphs a:b of a piece of a .txt (Docs.units).
     wrap: the chunk's token stream (each document's ids + EOS); else its rows [BOS] + ids[:L-2] + [EOS] + PAD."""
     tok = _WORKER["tok"]
+    texts = _split_paragraphs(chunk[0])[chunk[1]:chunk[2]] if isinstance(chunk, tuple) else chunk
     if detokenizer is not None:
         texts = [detokenizer(t) for t in texts]
     ids = tok.encode_batch(texts)
@@ -690,7 +739,8 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         digests[name].update(data)
     try:
         job = (detok, wrap, insert_eos, block_size, np.dtype(dtype).name)
-        for out in _in_order(pool, _chunks(raw), job, window=2 * num_proc):
+        chunks = docs.units() if isinstance(docs, Docs) and docs.units else _chunks(raw)
+        for out in _in_order(pool, chunks, job, window=2 * num_proc):
             if wrap:
                 rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), L, tok.bos_id, tok.eos_id)
             else:

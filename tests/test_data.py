@@ -439,6 +439,25 @@ def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
             assert list(prepare._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
 
 
+def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
+    """The val split is the fewest trailing documents holding >= val_fraction of the characters (brute force over
+    every tail), at least one document on each side, however the lengths arrive in batches."""
+    import random
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randint(2, 60)
+        lengths = [rng.choice([1, 2, 5, 40, 1000]) for _ in range(n)]
+        vf = rng.choice([0.0, 0.01, 0.05, 0.3, 0.5, 0.99, 1.0, 1.5])
+        total = sum(lengths)
+        holding = [k for k in range(1, n + 1) if sum(lengths[n - k:]) >= vf * total]
+        want = n - min(min(holding) if holding else n - 1, n - 1)
+        cuts = sorted(rng.sample(range(n + 1), rng.randint(0, min(n, 8))))
+        batches = [lengths[a:b] for a, b in zip([0, *cuts], [*cuts, n])]      # some empty
+        assert prepare._tail_split(batches, vf, "c") == (n, want), (lengths, vf, batches)
+    with pytest.raises(DataError, match="has 1 document"):
+        prepare._tail_split([[], [5]], 0.05, "c")
+
+
 def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
     import gzip
     import json
