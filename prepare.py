@@ -287,6 +287,12 @@ def _text_blocks(path, block=1 << 20):
     """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
     normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
     naming the file and the byte offset (of the uncompressed bytes for .gz)."""
+    return (text for text, _, _ in _decoded_blocks(path, block))
+
+
+def _decoded_blocks(path, block):
+    """_text_blocks, each with the number of bytes it was decoded from and whether it is exactly their
+    decoding (no "\\r" normalised away)."""
     with _open_binary(path) as f:
         pending, offset = b"", 0
         while True:
@@ -305,7 +311,8 @@ def _text_blocks(path, block=1 << 20):
                                     f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
             if nul >= 0:
                 raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
-            yield text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+            exact = "\r" not in text
+            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
             offset += len(piece)
             if not raw:
                 return
@@ -314,21 +321,30 @@ def _text_blocks(path, block=1 << 20):
 def _paragraphs(path, block=1 << 20):
     """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
     of newlines and the empty ones dropped (_paragraph_pieces, each split)."""
-    for piece in _paragraph_pieces(path, block):
+    for piece, _ in _paragraph_pieces(path, block):
         yield from _split_paragraphs(piece)
 
 
 def _paragraph_pieces(path, block=1 << 20):
     """A text file in pieces of whole paragraphs (~`block` bytes), read a block at a time: a block is cut at the
     end of its last separator that more text cannot extend (one followed by a non-space on its line); the rest
-    waits. Splitting a piece is the workers' job, so the main process touches no document."""
-    carry = ""
-    for text in _text_blocks(path, block):
-        text = carry + text
+    waits. Splitting a piece is the workers' job, so the main process touches no document. -> (piece, end):
+    end, the byte offset where the piece ends in the file, so that a worker can read the piece itself; None
+    in a .gz or from the first "\\r" on, where the text's bytes are not the file's."""
+    carry, offset, exact = "", 0, not path.endswith(".gz")
+    for text, nbytes, same in _decoded_blocks(path, block):
+        text, offset, exact = carry + text, offset + nbytes, exact and same
         end = _last_break(text)
-        yield text[:end]
         carry = text[end:]
-    yield carry
+        yield text[:end], offset - len(carry.encode()) if exact else None
+    yield carry, offset if exact else None
+
+
+def _read_piece(path, begin, end):
+    """A piece that _paragraph_pieces cut at byte offsets begin:end, read by the worker that splits it."""
+    with open(path, "rb") as f:
+        f.seek(begin)
+        return f.read(end - begin).decode("utf-8")
 
 
 def _split_paragraphs(text):
@@ -336,15 +352,19 @@ def _split_paragraphs(text):
     return list(filter(str.strip, map(str.strip, _SEPARATOR.split(text), itertools.repeat("\n"))))
 
 
-def _piece_units(path, counts, start, stop):
-    """Work units (piece, a, b) giving paragraphs start:stop of a text file; counts: the number of paragraphs of
-    each of its pieces, as _paragraph_pieces cuts them (found by load_corpus's scan)."""
-    first = 0
-    for piece, count in zip(_paragraph_pieces(path), counts):
+def _piece_units(path, pieces, start, stop):
+    """Work units (piece, a, b) giving paragraphs start:stop of a text file. pieces: (paragraphs, end byte) of
+    each piece as _paragraph_pieces cuts it (found by load_corpus's scan). Where every end is known a unit
+    names the piece's bytes, (path, begin, end), and its worker reads them: the main process reads nothing."""
+    by_bytes = all(end is not None for _, end in pieces)
+    texts = None if by_bytes else (piece for piece, _ in _paragraph_pieces(path))
+    first, begin = 0, 0
+    for count, end in pieces:
+        piece = (path, begin, end) if by_bytes else next(texts)
         a, b = max(start - first, 0), min(stop - first, count)
         if a < b:
             yield piece, a, b
-        first += count
+        first, begin = first + count, end
         if first >= stop:
             return
 
@@ -494,15 +514,15 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     docs = _local_docs(name, text_field)
     units = None
     if os.path.isfile(name) and name.endswith(_TEXT):    # a lone .txt: its pieces go to the workers unsplit
-        counts = []        # paragraphs per piece: where a split starts and ends, for _piece_units
+        pieces = []        # (paragraphs, end byte) of each piece: where a split starts and ends, for _piece_units
 
         def piece_lengths():
-            for piece in _paragraph_pieces(name):
+            for piece, end in _paragraph_pieces(name):
                 paragraphs = _split_paragraphs(piece)
-                counts.append(len(paragraphs))
+                pieces.append((len(paragraphs), end))
                 yield np.fromiter(map(len, paragraphs), np.int64, len(paragraphs))
         n, cut = _tail_split(piece_lengths(), val_fraction, name)
-        units = lambda a, b: lambda: _piece_units(name, counts, a, b)
+        units = lambda a, b: lambda: _piece_units(name, pieces, a, b)
     else:
         n, cut = _tail_split(_length_batches(docs()), val_fraction, name)
     paths = [name] if os.path.isfile(name) else list(_walk(name))
@@ -656,10 +676,15 @@ def _init_worker(tokenizer_spec):
 
 def _encode_chunk(chunk, detokenizer, wrap, insert_eos, block_size, dtype):
     """Documents -> dict(rows or stream, mask, counts): the work of one chunk, the same in any process.
-    chunk: a list of documents, or (text, a, b): paragraphs a:b of a piece of a .txt (Docs.units).
+    chunk: a list of documents, or (piece, a, b): paragraphs a:b of a piece of a .txt, given as its text or
+    as (path, begin, end) bytes to read (Docs.units).
     wrap: the chunk's token stream (each document's ids + EOS); else its rows [BOS] + ids[:L-2] + [EOS] + PAD."""
     tok = _WORKER["tok"]
-    texts = _split_paragraphs(chunk[0])[chunk[1]:chunk[2]] if isinstance(chunk, tuple) else chunk
+    if isinstance(chunk, tuple):
+        piece, a, b = chunk
+        texts = _split_paragraphs(piece if isinstance(piece, str) else _read_piece(*piece))[a:b]
+    else:
+        texts = chunk
     if detokenizer is not None:
         texts = [detokenizer(t) for t in texts]
     ids = tok.encode_batch(texts)

@@ -458,6 +458,31 @@ def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
         prepare._tail_split([[], [5]], 0.05, "c")
 
 
+def test_txt_pieces_are_the_bytes_workers_read_and_crlf_prepares_as_lf(tmp_path):
+    """The workers read a .txt piece by its byte offsets: those bytes decode to the piece the main process cut
+    (multi-byte characters across blocks). A CRLF file, where bytes and text differ, is sent as text and
+    prepares to the bytes of its LF twin."""
+    import random
+    rng = random.Random(1)
+    words = ["a", "bé", "世界", "🙂", " ", "\t", "\n", "\n\n", "\u2028", "word"]
+    text = "".join(rng.choice(words) for _ in range(3000))
+    (tmp_path / "t.txt").write_text(text)
+    raw = (tmp_path / "t.txt").read_bytes()
+    for block in (7, 64, 1 << 20):
+        pieces, begin = list(prepare._paragraph_pieces(str(tmp_path / "t.txt"), block)), 0
+        assert "".join(p for p, _ in pieces) == text and len(pieces) > (block < 100)
+        for piece, end in pieces:
+            assert raw[begin:end].decode() == piece == prepare._read_piece(str(tmp_path / "t.txt"), begin, end)
+            begin = end
+    doc = "".join(f"paragraph {i}: " + "word " * (i % 30) + "\n\n" for i in range(400))
+    (tmp_path / "lf.txt").write_bytes(doc.encode())
+    (tmp_path / "crlf.txt").write_bytes(doc.replace("\n", "\r\n").encode())
+    assert all(end is None for _, end in prepare._paragraph_pieces(str(tmp_path / "crlf.txt"), 64))
+    outs = [prepare.prepare_dataset(str(tmp_path / f), "gpt2", str(tmp_path / ("o" + f)), 32, progress=False,
+                                    num_proc=2) for f in ("lf.txt", "crlf.txt")]
+    assert _bins(outs[0]) == _bins(outs[1])
+
+
 def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
     import gzip
     import json
