@@ -17,7 +17,9 @@ any parquet dataset on the Hugging Face hub (its train split and its validation 
 --val_fraction of train). SDDLM_HF_MIRROR=/folder reads REPO from /folder/REPO (a downloaded snapshot) instead.
 
 Documents are read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB and written in
-order, so the bytes written do not depend on --num_proc and memory does not grow with the corpus. The folder
+order, so the bytes written do not depend on --num_proc and memory does not grow with the corpus. A lone .txt
+is cut into ~1 MB pieces of whole paragraphs by one scan (which also finds the val split); the workers read and
+split the pieces themselves, so the main process, the one serial part, only writes and hashes tokens. The folder
 is built in a temp folder beside it and renamed into place when complete, under an exclusive lock: concurrent
 preparations wait for one another, a reader sees no folder or a finished one, and a killed preparation leaves
 only a temp folder that the next run deletes. Every file is hashed once after writing (data.verify_prepared).
