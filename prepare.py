@@ -164,7 +164,8 @@ OFFLINE = ("offline: a local corpus (LOCAL_FORMATS in prepare.py), or SDDLM_HF_M
 class Docs:
     """The documents of one split, read lazily (the corpus itself stays on disk): iterating gives them as
     training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply. units(), where
-    given, gives the same documents as work units for the workers, (text, a, b): paragraphs a:b of text."""
+    given, gives the same documents as work units for the workers, (reader, *args): a worker reads
+    reader(*args) itself (the paragraphs of a .txt piece, the rows of an Arrow split)."""
 
     def __init__(self, raw, detokenizer=None, nbytes=None, length=None, units=None):
         self.raw, self.detokenizer, self.nbytes, self.length = raw, detokenizer, nbytes, length  # raw: () -> iter
@@ -191,6 +192,24 @@ def _hf_texts(ds, field, name):
         for batch in ds.iter(batch_size=1000):
             yield from batch[field]
     return raw
+
+
+_DATASETS = {}   # id -> a `datasets` split, kept for the workers, which fork after load_corpus and so hold it too
+
+
+def _row_units(ds, field, rows=1000):
+    """-> () -> work units (_dataset_rows, ...) over a `datasets` split's rows: its workers read their rows
+    from the memory-mapped Arrow files themselves. None where workers cannot inherit the split (no fork) or it
+    is not a `datasets.Dataset` (a streamed split has no row ranges)."""
+    import datasets
+    if _start_method() != "fork" or not isinstance(ds, getattr(datasets, "Dataset", ())):
+        return None
+    _DATASETS[id(ds)] = ds
+    return lambda: ((_dataset_rows, id(ds), field, i, min(i + rows, len(ds))) for i in range(0, len(ds), rows))
+
+
+def _dataset_rows(key, field, start, stop):
+    return _DATASETS[key][start:stop][field]
 
 
 def _load_dataset(what, path, **kwargs):
@@ -224,7 +243,8 @@ def load_hf_split(name, which, text_field=None, val_fraction=0.05):
         return []
     path, rev = _hub_path(src.repo, src.revision)
     ds = _load_dataset(name, path, data_files=src.data_files, split=split, streaming=src.streaming, **rev)
-    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds))
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
+                units=None if src.streaming else _row_units(ds, src.field))
 
 
 def _parse_hub_name(name):
@@ -252,7 +272,7 @@ def _load_hub_split(name, which, text_field, val_fraction):
         n = len(splits["train"])
         cut = n - max(1, round(val_fraction * n))
         ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
-    return Docs(_hf_texts(ds, text_field, name), length=len(ds))
+    return Docs(_hf_texts(ds, text_field, name), length=len(ds), units=_row_units(ds, text_field))
 
 
 # -----------------------------------------------------------------------------
@@ -342,6 +362,11 @@ def _paragraph_pieces(path, block=1 << 20):
     yield carry, offset if exact else None
 
 
+def _piece_paragraphs(piece, a, b):
+    """Paragraphs a:b of a .txt piece, given as its text or as (path, begin, end): bytes the worker reads."""
+    return _split_paragraphs(piece if isinstance(piece, str) else _read_piece(*piece))[a:b]
+
+
 def _read_piece(path, begin, end):
     """A piece that _paragraph_pieces cut at byte offsets begin:end, read by the worker that splits it."""
     with open(path, "rb") as f:
@@ -355,7 +380,7 @@ def _split_paragraphs(text):
 
 
 def _piece_units(path, pieces, start, stop):
-    """Work units (piece, a, b) giving paragraphs start:stop of a text file. pieces: (paragraphs, end byte) of
+    """Work units (_piece_paragraphs, piece, a, b) giving paragraphs start:stop of a text file. pieces: (paragraphs, end byte) of
     each piece as _paragraph_pieces cuts it (found by load_corpus's scan). Where every end is known a unit
     names the piece's bytes, (path, begin, end), and its worker reads them: the main process reads nothing."""
     by_bytes = all(end is not None for _, end in pieces)
@@ -365,7 +390,7 @@ def _piece_units(path, pieces, start, stop):
         piece = (path, begin, end) if by_bytes else next(texts)
         a, b = max(start - first, 0), min(stop - first, count)
         if a < b:
-            yield piece, a, b
+            yield _piece_paragraphs, piece, a, b
         first, begin = first + count, end
         if first >= stop:
             return
@@ -678,15 +703,10 @@ def _init_worker(tokenizer_spec):
 
 def _encode_chunk(chunk, detokenizer, wrap, insert_eos, block_size, dtype):
     """Documents -> dict(rows or stream, mask, counts): the work of one chunk, the same in any process.
-    chunk: a list of documents, or (piece, a, b): paragraphs a:b of a piece of a .txt, given as its text or
-    as (path, begin, end) bytes to read (Docs.units).
+    chunk: a list of documents, or (reader, *args), whose documents the worker reads itself (Docs.units).
     wrap: the chunk's token stream (each document's ids + EOS); else its rows [BOS] + ids[:L-2] + [EOS] + PAD."""
     tok = _WORKER["tok"]
-    if isinstance(chunk, tuple):
-        piece, a, b = chunk
-        texts = _split_paragraphs(piece if isinstance(piece, str) else _read_piece(*piece))[a:b]
-    else:
-        texts = chunk
+    texts = chunk[0](*chunk[1:]) if isinstance(chunk, tuple) else chunk
     if detokenizer is not None:
         texts = [detokenizer(t) for t in texts]
     ids = tok.encode_batch(texts)

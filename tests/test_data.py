@@ -634,6 +634,28 @@ def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
         os.path.join("data", "corpus-gpt2-16-"))
 
 
+def test_workers_reading_hub_rows_write_the_bytes_of_documents_sent_to_them(tmp_path, monkeypatch):
+    """Workers read their rows of a `datasets` split themselves (ranges of 1000 rows); the bytes equal those of
+    the documents read and sent by the main process, for 1 and 2 workers."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    repo = tmp_path / "hub" / "someone" / "corpus" / "data"
+    repo.mkdir(parents=True)
+    docs = [f"doc {i}: " + "naïve words " * (i % 13) for i in range(2500)]
+    pq.write_table(pa.table({"body": docs}), repo / "train-00000-of-00001.parquet")
+    monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    train, _ = prepare.load_corpus("hf:someone/corpus", text_field="body")
+    assert [d for u in train.units() for d in u[0](*u[1:])] == docs[:len(train)] and len(list(train.units())) == 3
+    outs = [prepare.prepare_dataset("hf:someone/corpus", "gpt2", str(tmp_path / f"n{n}"), 16, progress=False,
+                                    num_proc=n, text_field="body") for n in (1, 2)]
+    monkeypatch.setattr(prepare, "_row_units", lambda ds, field: None)     # documents sent by the main process
+    sent = prepare.prepare_dataset("hf:someone/corpus", "gpt2", str(tmp_path / "sent"), 16, progress=False,
+                                   num_proc=2, text_field="body")
+    assert _bins(outs[0]) == _bins(outs[1]) == _bins(sent)
+
+
 @pytest.mark.slow
 def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_path):
     import signal
