@@ -19,7 +19,8 @@ any parquet dataset on the Hugging Face hub (its train split and its validation 
 Documents are read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB and written in
 order, so the bytes written do not depend on --num_proc and memory does not grow with the corpus. A lone .txt
 is cut into ~1 MB pieces of whole paragraphs by one scan (which also finds the val split); the workers read and
-split the pieces themselves, so the main process, the one serial part, only writes and hashes tokens. The folder
+split the pieces themselves, as they read their rows of a hub split, so the main process, the one serial part,
+mostly writes and hashes tokens. The folder
 is built in a temp folder beside it and renamed into place when complete, under an exclusive lock: concurrent
 preparations wait for one another, a reader sees no folder or a finished one, and a killed preparation leaves
 only a temp folder that the next run deletes. Every file is hashed once after writing (data.verify_prepared).
@@ -380,9 +381,10 @@ def _split_paragraphs(text):
 
 
 def _piece_units(path, pieces, start, stop):
-    """Work units (_piece_paragraphs, piece, a, b) giving paragraphs start:stop of a text file. pieces: (paragraphs, end byte) of
-    each piece as _paragraph_pieces cuts it (found by load_corpus's scan). Where every end is known a unit
-    names the piece's bytes, (path, begin, end), and its worker reads them: the main process reads nothing."""
+    """Work units (_piece_paragraphs, piece, a, b) giving paragraphs start:stop of a text file. pieces:
+    (paragraphs, end byte) of each piece as _paragraph_pieces cuts it (found by load_corpus's scan). Where every
+    end is known a unit names the piece's bytes, (path, begin, end), and its worker reads them: the main process
+    reads nothing."""
     by_bytes = all(end is not None for _, end in pieces)
     texts = None if by_bytes else (piece for piece, _ in _paragraph_pieces(path))
     first, begin = 0, 0
@@ -515,6 +517,7 @@ def _tail_split(length_batches, val_fraction, name):
 
 
 def _length_batches(docs, size=4096):
+    """The documents' lengths in lists of `size`: what _tail_split reads."""
     lengths = map(len, docs)
     return iter(lambda: list(itertools.islice(lengths, size)), [])
 
