@@ -17,7 +17,10 @@ any parquet dataset on the Hugging Face hub (its train split and its validation 
 --val_fraction of train). SDDLM_HF_MIRROR=/folder reads REPO from /folder/REPO (a downloaded snapshot) instead.
 
 Documents are read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB and written in
-order, so the bytes written do not depend on --num_proc and memory does not grow with the corpus. The folder
+order, so the bytes written do not depend on --num_proc and memory does not grow with the corpus. A lone .txt
+is cut into ~1 MB pieces of whole paragraphs by one scan (which also finds the val split); the workers read and
+split the pieces themselves, as they read their rows of a hub split, so the main process, the one serial part,
+mostly writes and hashes tokens. The folder
 is built in a temp folder beside it and renamed into place when complete, under an exclusive lock: concurrent
 preparations wait for one another, a reader sees no folder or a finished one, and a killed preparation leaves
 only a temp folder that the next run deletes. Every file is hashed once after writing (data.verify_prepared).
@@ -166,10 +169,13 @@ OFFLINE = ("offline: a local corpus (LOCAL_FORMATS in prepare.py), or SDDLM_HF_M
 
 class Docs:
     """The documents of one split, read lazily (the corpus itself stays on disk): iterating gives them as
-    training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply."""
+    training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply. units(), where
+    given, gives the same documents as work units for the workers, (reader, *args): a worker reads
+    reader(*args) itself (the paragraphs of a .txt piece, the rows of an Arrow split)."""
 
-    def __init__(self, raw, detokenizer=None, nbytes=None, length=None):
+    def __init__(self, raw, detokenizer=None, nbytes=None, length=None, units=None):
         self.raw, self.detokenizer, self.nbytes, self.length = raw, detokenizer, nbytes, length  # raw: () -> iter
+        self.units = units
 
     def __len__(self):
         if self.length is None:
@@ -192,6 +198,24 @@ def _hf_texts(ds, field, name):
         for batch in ds.iter(batch_size=1000):
             yield from batch[field]
     return raw
+
+
+_DATASETS = {}   # id -> a `datasets` split, kept for the workers, which fork after load_corpus and so hold it too
+
+
+def _row_units(ds, field, rows=1000):
+    """-> () -> work units (_dataset_rows, ...) over a `datasets` split's rows: its workers read their rows
+    from the memory-mapped Arrow files themselves. None where workers cannot inherit the split (no fork) or it
+    is not a `datasets.Dataset` (a streamed split has no row ranges)."""
+    import datasets
+    if _start_method() != "fork" or not isinstance(ds, getattr(datasets, "Dataset", ())):
+        return None
+    _DATASETS[id(ds)] = ds
+    return lambda: ((_dataset_rows, id(ds), field, i, min(i + rows, len(ds))) for i in range(0, len(ds), rows))
+
+
+def _dataset_rows(key, field, start, stop):
+    return _DATASETS[key][start:stop][field]
 
 
 def _load_dataset(what, path, **kwargs):
@@ -225,7 +249,8 @@ def load_hf_split(name, which, text_field=None, val_fraction=0.05):
         return []
     path, rev = _hub_path(src.repo, src.revision)
     ds = _load_dataset(name, path, data_files=src.data_files, split=split, streaming=src.streaming, **rev)
-    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds))
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
+                units=None if src.streaming else _row_units(ds, src.field))
 
 
 def _parse_hub_name(name):
@@ -253,7 +278,7 @@ def _load_hub_split(name, which, text_field, val_fraction):
         n = len(splits["train"])
         cut = n - max(1, round(val_fraction * n))
         ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
-    return Docs(_hf_texts(ds, text_field, name), length=len(ds))
+    return Docs(_hf_texts(ds, text_field, name), length=len(ds), units=_row_units(ds, text_field))
 
 
 # -----------------------------------------------------------------------------
@@ -290,6 +315,12 @@ def _text_blocks(path, block=1 << 20):
     """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
     normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
     naming the file and the byte offset (of the uncompressed bytes for .gz)."""
+    return (text for text, _, _ in _decoded_blocks(path, block))
+
+
+def _decoded_blocks(path, block):
+    """_text_blocks, each with the number of bytes it was decoded from and whether it is exactly their
+    decoding (no "\\r" normalised away)."""
     with _open_binary(path) as f:
         pending, offset = b"", 0
         while True:
@@ -308,7 +339,8 @@ def _text_blocks(path, block=1 << 20):
                                     f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
             if nul >= 0:
                 raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
-            yield text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+            exact = "\r" not in text
+            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
             offset += len(piece)
             if not raw:
                 return
@@ -316,19 +348,59 @@ def _text_blocks(path, block=1 << 20):
 
 def _paragraphs(path, block=1 << 20):
     """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
-    of newlines and the empty ones dropped, read a block at a time: a block is split up to the end of its last
-    separator that more text cannot extend (one followed by a non-space on its line); the rest waits."""
-    carry = ""
-    for text in _text_blocks(path, block):
-        text = carry + text
+    of newlines and the empty ones dropped (_paragraph_pieces, each split)."""
+    for piece, _ in _paragraph_pieces(path, block):
+        yield from _split_paragraphs(piece)
+
+
+def _paragraph_pieces(path, block=1 << 20):
+    """A text file in pieces of whole paragraphs (~`block` bytes), read a block at a time: a block is cut at the
+    end of its last separator that more text cannot extend (one followed by a non-space on its line); the rest
+    waits. Splitting a piece is the workers' job, so the main process touches no document. -> (piece, end):
+    end, the byte offset where the piece ends in the file, so that a worker can read the piece itself; None
+    in a .gz or from the first "\\r" on, where the text's bytes are not the file's."""
+    carry, offset, exact = "", 0, not path.endswith(".gz")
+    for text, nbytes, same in _decoded_blocks(path, block):
+        text, offset, exact = carry + text, offset + nbytes, exact and same
         end = _last_break(text)
-        yield from _split_paragraphs(text[:end])
         carry = text[end:]
-    yield from _split_paragraphs(carry)
+        yield text[:end], offset - len(carry.encode()) if exact else None
+    yield carry, offset if exact else None
+
+
+def _piece_paragraphs(piece, a, b):
+    """Paragraphs a:b of a .txt piece, given as its text or as (path, begin, end): bytes the worker reads."""
+    return _split_paragraphs(piece if isinstance(piece, str) else _read_piece(*piece))[a:b]
+
+
+def _read_piece(path, begin, end):
+    """A piece that _paragraph_pieces cut at byte offsets begin:end, read by the worker that splits it."""
+    with open(path, "rb") as f:
+        f.seek(begin)
+        return f.read(end - begin).decode("utf-8")
 
 
 def _split_paragraphs(text):
-    return [doc for doc in (d.strip("\n") for d in _SEPARATOR.split(text)) if doc.strip()]
+    """text -> its paragraphs, each stripped of newlines, the blank ones dropped (map/filter: no Python loop)."""
+    return list(filter(str.strip, map(str.strip, _SEPARATOR.split(text), itertools.repeat("\n"))))
+
+
+def _piece_units(path, pieces, start, stop):
+    """Work units (_piece_paragraphs, piece, a, b) giving paragraphs start:stop of a text file. pieces:
+    (paragraphs, end byte) of each piece as _paragraph_pieces cuts it (found by load_corpus's scan). Where every
+    end is known a unit names the piece's bytes, (path, begin, end), and its worker reads them: the main process
+    reads nothing."""
+    by_bytes = all(end is not None for _, end in pieces)
+    texts = None if by_bytes else (piece for piece, _ in _paragraph_pieces(path))
+    first, begin = 0, 0
+    for count, end in pieces:
+        piece = (path, begin, end) if by_bytes else next(texts)
+        a, b = max(start - first, 0), min(stop - first, count)
+        if a < b:
+            yield _piece_paragraphs, piece, a, b
+        first, begin = first + count, end
+        if first >= stop:
+            return
 
 
 def _last_break(text):
@@ -423,24 +495,36 @@ def _local_docs(name, field):
     raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
 
 
-def _tail_split(docs, val_fraction, name):
-    """One pass over the documents -> (their number n, cut), where the val split is documents [cut:], the
-    trailing ones holding ~val_fraction of the characters (at least one, and at least one left for train).
-    Memory: the lengths of the trailing documents only, since a document that the tail no longer needs is never
-    needed again (the total, and so the tail wanted, only grows by what follows it)."""
+def _tail_split(length_batches, val_fraction, name):
+    """One pass over the documents' lengths (in batches) -> (their number n, cut), where the val split is
+    documents [cut:], the trailing ones holding ~val_fraction of the characters (at least one, and at least one
+    left for train): the last document d with len(d:) >= val_fraction * total. Memory: the batches that may
+    still hold d, since a batch that the tail no longer needs is never needed again (the total, and so the
+    tail wanted, only grows by what follows it)."""
     tail, tail_chars, total, n = collections.deque(), 0, 0, 0
-    for doc in docs:
-        n, total = n + 1, total + len(doc)
-        tail.append(len(doc))
-        tail_chars += len(doc)
-        while len(tail) > 1 and tail_chars - tail[0] >= val_fraction * total:
-            tail_chars -= tail.popleft()
+    for lengths in length_batches:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not len(lengths):
+            continue
+        chars = int(lengths.sum())
+        n, total, tail_chars = n + len(lengths), total + chars, tail_chars + chars
+        tail.append((lengths, chars))
+        while len(tail) > 1 and tail_chars - tail[0][1] >= val_fraction * total:
+            tail_chars -= tail.popleft()[1]
     if n == 0:
         raise DataError(f"corpus {name} is empty")
     if n < 2:
         raise DataError(f"corpus {name} has {n} document(s); need at least 2 for a train/val split")
-    k = min(len(tail), n - 1) if tail_chars >= val_fraction * total else n - 1
+    suffix = np.cumsum(np.concatenate([t[0] for t in tail])[::-1])     # len(d:) for d = n-1, n-2, ...
+    enough = np.flatnonzero(suffix >= val_fraction * total)
+    k = min(int(enough[0]) + 1, n - 1) if len(enough) else n - 1
     return n, n - k
+
+
+def _length_batches(docs, size=4096):
+    """The documents' lengths in lists of `size`: what _tail_split reads."""
+    lengths = map(len, docs)
+    return iter(lambda: list(itertools.islice(lengths, size)), [])
 
 
 def load_corpus(name, val_fraction=0.05, text_field="text"):
@@ -452,7 +536,7 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     if name == "pydoc":
         from pydoc_data.topics import topics
         docs = [topics[k] for k in sorted(topics)]
-        n, cut = _tail_split(docs, val_fraction, name)
+        n, cut = _tail_split([list(map(len, docs))], val_fraction, name)
         return Docs(lambda: iter(docs[:cut]), length=cut), Docs(lambda: iter(docs[cut:]), length=n - cut)
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
@@ -463,13 +547,26 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
                         f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     docs = _local_docs(name, text_field)
-    n, cut = _tail_split(docs(), val_fraction, name)
+    units = None
+    if os.path.isfile(name) and name.endswith(_TEXT):    # a lone .txt: its pieces go to the workers unsplit
+        pieces = []        # (paragraphs, end byte) of each piece: where a split starts and ends, for _piece_units
+
+        def piece_lengths():
+            for piece, end in _paragraph_pieces(name):
+                paragraphs = _split_paragraphs(piece)
+                pieces.append((len(paragraphs), end))
+                yield np.fromiter(map(len, paragraphs), np.int64, len(paragraphs))
+        n, cut = _tail_split(piece_lengths(), val_fraction, name)
+        units = lambda a, b: lambda: _piece_units(name, pieces, a, b)
+    else:
+        n, cut = _tail_split(_length_batches(docs()), val_fraction, name)
     paths = [name] if os.path.isfile(name) else list(_walk(name))
     plain = not any(p.endswith((".gz", ".parquet", ".arrow")) for p in paths)   # else file bytes are not text bytes
     nbytes = sum(map(os.path.getsize, paths)) if plain else None
     share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total
-    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut)
-    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut)
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut, units=units and units(0, cut))
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut,
+               units=units and units(cut, n))
     return train, val
 
 
@@ -612,10 +709,12 @@ def _init_worker(tokenizer_spec):
     _WORKER["tok"] = get_tokenizer(tokenizer_spec, threads=1)
 
 
-def _encode_chunk(texts, detokenizer, wrap, insert_eos, block_size, dtype):
+def _encode_chunk(chunk, detokenizer, wrap, insert_eos, block_size, dtype):
     """Documents -> dict(rows or stream, mask, counts): the work of one chunk, the same in any process.
+    chunk: a list of documents, or (reader, *args), whose documents the worker reads itself (Docs.units).
     wrap: the chunk's token stream (each document's ids + EOS); else its rows [BOS] + ids[:L-2] + [EOS] + PAD."""
     tok = _WORKER["tok"]
+    texts = chunk[0](*chunk[1:]) if isinstance(chunk, tuple) else chunk
     if detokenizer is not None:
         texts = [detokenizer(t) for t in texts]
     ids = tok.encode_batch(texts)
@@ -695,7 +794,8 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         digests[name].update(data)
     try:
         job = (detok, wrap, insert_eos, block_size, np.dtype(dtype).name)
-        for out in _in_order(pool, _chunks(raw), job, window=2 * num_proc):
+        chunks = docs.units() if isinstance(docs, Docs) and docs.units else _chunks(raw)
+        for out in _in_order(pool, chunks, job, window=2 * num_proc):
             if wrap:
                 rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), L, tok.bos_id, tok.eos_id)
             else:

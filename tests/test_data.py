@@ -439,6 +439,50 @@ def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
             assert list(prepare._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
 
 
+def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
+    """The val split is the fewest trailing documents holding >= val_fraction of the characters (brute force over
+    every tail), at least one document on each side, however the lengths arrive in batches."""
+    import random
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randint(2, 60)
+        lengths = [rng.choice([1, 2, 5, 40, 1000]) for _ in range(n)]
+        vf = rng.choice([0.0, 0.01, 0.05, 0.3, 0.5, 0.99, 1.0, 1.5])
+        total = sum(lengths)
+        holding = [k for k in range(1, n + 1) if sum(lengths[n - k:]) >= vf * total]
+        want = n - min(min(holding) if holding else n - 1, n - 1)
+        cuts = sorted(rng.sample(range(n + 1), rng.randint(0, min(n, 8))))
+        batches = [lengths[a:b] for a, b in zip([0, *cuts], [*cuts, n])]      # some empty
+        assert prepare._tail_split(batches, vf, "c") == (n, want), (lengths, vf, batches)
+    with pytest.raises(DataError, match="has 1 document"):
+        prepare._tail_split([[], [5]], 0.05, "c")
+
+
+def test_txt_pieces_are_the_bytes_workers_read_and_crlf_prepares_as_lf(tmp_path):
+    """The workers read a .txt piece by its byte offsets: those bytes decode to the piece the main process cut
+    (multi-byte characters across blocks). A CRLF file, where bytes and text differ, is sent as text and
+    prepares to the bytes of its LF twin."""
+    import random
+    rng = random.Random(1)
+    words = ["a", "bé", "世界", "🙂", " ", "\t", "\n", "\n\n", "\u2028", "word"]
+    text = "".join(rng.choice(words) for _ in range(3000))
+    (tmp_path / "t.txt").write_text(text)
+    raw = (tmp_path / "t.txt").read_bytes()
+    for block in (7, 64, 1 << 20):
+        pieces, begin = list(prepare._paragraph_pieces(str(tmp_path / "t.txt"), block)), 0
+        assert "".join(p for p, _ in pieces) == text and len(pieces) > (block < 100)
+        for piece, end in pieces:
+            assert raw[begin:end].decode() == piece == prepare._read_piece(str(tmp_path / "t.txt"), begin, end)
+            begin = end
+    doc = "".join(f"paragraph {i}: " + "word " * (i % 30) + "\n\n" for i in range(400))
+    (tmp_path / "lf.txt").write_bytes(doc.encode())
+    (tmp_path / "crlf.txt").write_bytes(doc.replace("\n", "\r\n").encode())
+    assert all(end is None for _, end in prepare._paragraph_pieces(str(tmp_path / "crlf.txt"), 64))
+    outs = [prepare.prepare_dataset(str(tmp_path / f), "gpt2", str(tmp_path / ("o" + f)), 32, progress=False,
+                                    num_proc=2) for f in ("lf.txt", "crlf.txt")]
+    assert _bins(outs[0]) == _bins(outs[1])
+
+
 def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
     import gzip
     import json
@@ -588,6 +632,28 @@ def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
     assert list(prepare.load_corpus("hf:someone/corpus", text_field="body")[1]) == ["held out"] * 3
     assert prepare.prepared_dir("hf:someone/corpus", "gpt2", 16, text_field="body").startswith(
         os.path.join("data", "corpus-gpt2-16-"))
+
+
+def test_workers_reading_hub_rows_write_the_bytes_of_documents_sent_to_them(tmp_path, monkeypatch):
+    """Workers read their rows of a `datasets` split themselves (ranges of 1000 rows); the bytes equal those of
+    the documents read and sent by the main process, for 1 and 2 workers."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    repo = tmp_path / "hub" / "someone" / "corpus" / "data"
+    repo.mkdir(parents=True)
+    docs = [f"doc {i}: " + "naïve words " * (i % 13) for i in range(2500)]
+    pq.write_table(pa.table({"body": docs}), repo / "train-00000-of-00001.parquet")
+    monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    train, _ = prepare.load_corpus("hf:someone/corpus", text_field="body")
+    assert [d for u in train.units() for d in u[0](*u[1:])] == docs[:len(train)] and len(list(train.units())) == 3
+    outs = [prepare.prepare_dataset("hf:someone/corpus", "gpt2", str(tmp_path / f"n{n}"), 16, progress=False,
+                                    num_proc=n, text_field="body") for n in (1, 2)]
+    monkeypatch.setattr(prepare, "_row_units", lambda ds, field: None)     # documents sent by the main process
+    sent = prepare.prepare_dataset("hf:someone/corpus", "gpt2", str(tmp_path / "sent"), 16, progress=False,
+                                   num_proc=2, text_field="body")
+    assert _bins(outs[0]) == _bins(outs[1]) == _bins(sent)
 
 
 @pytest.mark.slow
