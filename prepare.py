@@ -377,7 +377,13 @@ def _read_piece(path, begin, end):
     """A piece that _paragraph_pieces cut at byte offsets begin:end, read by the worker that splits it."""
     with open(path, "rb") as f:
         f.seek(begin)
-        return f.read(end - begin).decode("utf-8")
+        raw = f.read(end - begin)
+    try:
+        if len(raw) != end - begin:
+            raise ValueError("shorter")
+        return raw.decode("utf-8")
+    except ValueError:          # edited between the scan and this read (nothing half-written is kept)
+        raise DataError(f"{path} changed while it was being prepared; prepare it again once it is complete") from None
 
 
 def _split_paragraphs(text):

@@ -680,3 +680,12 @@ def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_p
     single = prepare.prepare_dataset(str(tmp_path / "c.txt"), "gpt2", str(tmp_path / "single"), 64, progress=False,
                                      num_proc=1)
     assert _bins(str(tmp_path / "d")) == _bins(single)
+
+
+def test_a_txt_piece_edited_after_the_scan_is_one_data_error(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_bytes("héllo wörld\n\nabc\n".encode())
+    assert prepare._read_piece(str(path), 0, 6) == "héllo"
+    for begin, end in ((0, 2), (0, 500)):          # a cut character, or a file shorter than the scan found
+        with pytest.raises(data.DataError, match="changed while it was being prepared"):
+            prepare._read_piece(str(path), begin, end)
