@@ -395,6 +395,7 @@ def main(argv=None):
     cfg = parse_config(argv)
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
                      {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # bad flags fail before out_dir is locked or made
     return run_distributed(cfg, lambda env: distill(cfg, env))
 
 

@@ -372,6 +372,7 @@ def main(argv=None):
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
                                                                "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # bad flags fail before out_dir is locked or made
 
     def work(env):
         if flagship and env.master:

@@ -142,20 +142,22 @@ def test_idle_cores_counts_a_busy_core_as_busy():
     """A core kept busy by another process while idle_cores watches is not counted idle (the kernel's counters)."""
     import multiprocessing
     cores = usable_cores()
-    busy = multiprocessing.get_context("spawn").Process(target=_spin, args=(cores[0], 3.0))
+    ctx = multiprocessing.get_context("spawn")
+    spinning = ctx.Event()
+    busy = ctx.Process(target=_spin, args=(cores[0], 3.0, spinning))
     busy.start()
     try:
-        import time
-        time.sleep(1.0)                                     # the child has started spinning
+        assert spinning.wait(60)                            # the child has started spinning (spawn takes seconds)
         idle = idle_cores(cores[:1], seconds=0.5)
     finally:
         busy.join()
     assert idle is not None and idle < 0.5
 
 
-def _spin(core, seconds):
+def _spin(core, seconds, spinning):
     import time
     os.sched_setaffinity(0, {core})
+    spinning.set()
     end = time.time() + seconds
     while time.time() < end:
         pass
