@@ -395,12 +395,11 @@ def main(argv=None):
     cfg = parse_config(argv)
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
                      {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # bad flags fail before out_dir is locked or made
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # once, before out_dir is locked or made
     return run_distributed(cfg, lambda env: distill(cfg, env))
 
 
 def distill(cfg, env):
-    validate(cfg, env.world_size)
     if not cfg.resume:                   # every fault of --init and its data is found before out_dir is made
         weights, init_ckpt = load_init(cfg)
         mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, init_ckpt)

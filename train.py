@@ -372,7 +372,7 @@ def main(argv=None):
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
                                                                "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # bad flags fail before out_dir is locked or made
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # once, before out_dir is locked or made
 
     def work(env):
         if flagship and env.master:
@@ -382,7 +382,6 @@ def main(argv=None):
 
 
 def train(cfg, env):
-    validate(cfg, env.world_size)
     judge = load_gen_judge(cfg, env)
     data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
     cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
