@@ -660,15 +660,16 @@ def test_workers_reading_hub_rows_write_the_bytes_of_documents_sent_to_them(tmp_
 def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_path):
     import signal
     import time
-    (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 90) + "\n\n" for i in range(60000)))
+    (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 90) + "\n\n" for i in range(200000)))
     args = [sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", str(tmp_path / "c.txt"), "--tokenizer",
             "gpt2", "--block_size", "64", "--num_proc", "2", "--data_dir", str(tmp_path / "d")]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(p.name.startswith("d.tmp-") and any(p.iterdir())
-                                             for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    children = []
+    while time.time() < deadline and proc.poll() is None and not (
+            len(children) == 2 and any(p.name.startswith("d.tmp-") and any(p.iterdir()) for p in tmp_path.iterdir())):
+        time.sleep(0.02)      # until both workers run and the temp folder is being written
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(children) == 2 and not (tmp_path / "d").exists()       # killed while writing: no folder
