@@ -47,6 +47,12 @@ def os_error_line(e):
     return f"{what}: {e.filename}" if e.filename else what
 
 
+def bar_hidden(show=True):
+    """Whether a progress bar stays hidden: not asked for, or TQDM_DISABLE set in the environment (tqdm's own
+    switch, which an explicit `disable=` argument would otherwise override)."""
+    return not show or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def is_out_of_memory(e):
     """torch's CUDA out-of-memory error, or a failed CPU allocation (a RuntimeError from the CPU allocator)."""
     import torch

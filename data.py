@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import first_line
+from cli import bar_hidden, first_line
 
 
 class DataError(ValueError):
@@ -257,7 +257,7 @@ def file_sha256(path, cached=True):
 def _file_sha256(path, size, mtime_ns):
     h = hashlib.sha256()
     with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {os.path.basename(path)}",
-                                     disable=size < 2 ** 30, leave=False) as bar:
+                                     disable=bar_hidden() or size < 2 ** 30, leave=False) as bar:
         while chunk := f.read(1 << 24):
             h.update(chunk)
             bar.update(len(chunk))

@@ -254,7 +254,7 @@ class Scorer:
             raise EvalError(f"greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {greedy_check!r}")
         out = []
         for (ctx, cont), (_, text) in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc,
-                                           disable=not self.progress, leave=False):
+                                           disable=cli.bar_hidden(self.progress), leave=False):
             if not cont:
                 out.append((0.0, True))
                 continue
@@ -270,7 +270,7 @@ class Scorer:
     def generate_matches(self, pairs, cfg_w=0.0, desc="generate"):
         """Protocol (a) for each (context, target): does the generated span decode to the target?"""
         return [self._generated_matches(ctx, cont, text, cfg_w) for (ctx, cont), (_, text)
-                in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc, disable=not self.progress, leave=False)]
+                in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc, disable=cli.bar_hidden(self.progress), leave=False)]
 
     def _generated_matches(self, ctx, cont, text, cfg_w):
         span = generate_span(self.model, ctx, len(cont), steps=self.lambada_steps, cfg_w=cfg_w, seed=self.seed,
@@ -283,7 +283,7 @@ class Scorer:
         HF model; at most block_size - 1) sampled after the context by generate_continuation, cut at the first EOS,
         decoded, then cut before the first of the stop strings gen_kwargs["until"] (a str or a list)."""
         out = []
-        for context, kwargs in tqdm(requests, desc=desc, disable=not self.progress, leave=False):
+        for context, kwargs in tqdm(requests, desc=desc, disable=cli.bar_hidden(self.progress), leave=False):
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             n = min(int(kwargs.get("max_gen_toks", MAX_GEN_TOKS)), self.model.config.block_size - 1)
@@ -306,7 +306,7 @@ class Scorer:
         """[text] -> [a lower bound on log p(text)]: the sum over rolling_windows (BOS first when add_bos) of the
         conditional bound -mean(conditional_nelbo); window k draws with seed + k. An empty text scores 0."""
         out = []
-        for text in tqdm(texts, desc=desc, disable=not self.progress, leave=False):
+        for text in tqdm(texts, desc=desc, disable=cli.bar_hidden(self.progress), leave=False):
             prefix = [self.tokenizer.bos_id] if self.add_bos else []
             windows = rolling_windows(prefix + self.tokenizer.encode(text), len(prefix), self.model.config.block_size,
                                       context)

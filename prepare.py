@@ -790,7 +790,7 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     raw = docs.raw() if isinstance(docs, Docs) else iter(docs)
     detok = docs.detokenizer if isinstance(docs, Docs) else None
     total = docs.nbytes if isinstance(docs, Docs) else None
-    bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, disable=not progress or bool(total and
+    bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, disable=cli.bar_hidden(progress) or bool(total and
                total < 1 << 20), dynamic_ncols=True)
     files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
 

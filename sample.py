@@ -347,7 +347,7 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
 
     ts, phase = time_grid(steps, t_end, psi)
     alphas = diffusion.SCHEDULES[alpha_schedule](ts)[0].tolist()
-    for i in tqdm(range(steps), desc=f"sampling ({steps} steps)", disable=not show_progress, leave=False):
+    for i in tqdm(range(steps), desc=f"sampling ({steps} steps)", disable=cli.bar_hidden(show_progress), leave=False):
         kappa = 1.0 if psi is None else psi_kappa(psi.kappa[phase[i]], psi.eta[phase[i]], alphas[i], alphas[i + 1])
         x = keep_fixed(step(x, alphas[i], alphas[i + 1], kappa))
     if final_step == "ancestral":
@@ -375,7 +375,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
                          f"got {prefix.shape[1]}")
     check_sampler(1, top_p=top_p)
     x = prefix
-    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=not show_progress, leave=False):
+    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress), leave=False):
         with autocast_for(device, dtype):
             logits = model(x)[:, -1]
         probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)

@@ -20,3 +20,25 @@ def test_progress_bar_draws_each_update_once_with_its_own_loss(tmp_path, capsys)
     expected = [(10, 3.0), (20, 2.0), (30, 1.0)]
     # the first three frames are the three updates; closing the bar may draw the last one again, nothing else
     assert shown[:3] == expected and set(shown[3:]) <= {expected[-1]}, shown
+
+
+def test_bars_honour_tqdm_disable_even_where_a_script_asks_for_them(monkeypatch, capsys):
+    """Scripts pass `disable=` to tqdm, which would override tqdm's own TQDM_DISABLE switch (the one a batch job
+    sets to keep bars out of its log); cli.bar_hidden restores it. A real bar: sample.generate's."""
+    import torch
+
+    import sample
+
+    def model(x, sigma):                                     # uniform logits: the sampler's law is not the point
+        return torch.zeros(*x.shape, 11)
+
+    def bar_text(env):
+        if env is None:
+            monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        else:
+            monkeypatch.setenv("TQDM_DISABLE", env)
+        sample.generate(model, 2, 8, 11, 3, show_progress=True, generator=torch.Generator().manual_seed(0))
+        return capsys.readouterr().err
+
+    assert "sampling (3 steps)" in bar_text(None) and "sampling (3 steps)" in bar_text("0")
+    assert bar_text("1") == "" and bar_text("True") == ""
