@@ -48,10 +48,11 @@ def catches(pid, sig):
     return bool(mask >> (sig - 1) & 1)
 
 
-def start(script, *args, cwd, name):
-    """script in its own process, stdout and stderr to files in cwd/../name.{out,err} -> (Popen, out, err)."""
+def start(script, *args, cwd, name, env=QUIET):
+    """script in its own process, stdout and stderr to files in cwd/../name.{out,err} -> (Popen, out, err); no
+    progress bars unless env says otherwise."""
     out, err = cwd.parent / f"{name}.out", cwd.parent / f"{name}.err"
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)], cwd=cwd, env=QUIET,
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)], cwd=cwd, env=env,
                          stdout=open(out, "w"), stderr=open(err, "w"))
     return p, out, err
 
@@ -384,9 +385,9 @@ def test_a_signal_at_start_up_in_sampling_and_in_evaluation_is_one_line_and_130(
     w = tmp_path / "w"
     train_p = start("train.py", *base.train, "--out_dir", w / "run", "--max_iters", "100000", cwd=w, name="train")
     sample_p = start("sample.py", "--ckpt", base.ckpt, "--steps", "1000000", "--out", w / "s.jsonl", cwd=w,
-                     name="sample")
+                     name="sample", env=ENV)                  # its bar says when sampling has begun
     eval_p = start("eval_ppl.py", "--ckpt", base.ckpt, "--mc_draws", "100000", "--out", w / "e.json", cwd=w,
-                   name="eval")
+                   name="eval", env=ENV)
     wait_until(lambda: catches(train_p[0].pid, signal.SIGTERM) or train_p[0].poll() is not None, what="start-up")
     train_p[0].send_signal(signal.SIGTERM)        # handlers installed: while its imports load, or later in start-up
     wait_until(lambda: "sampling" in sample_p[2].read_text() or sample_p[0].poll() is not None, what="sampling")
