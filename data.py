@@ -313,6 +313,12 @@ def check_meta_fields(meta, path):
                         f"{fix}")
 
 
+def full_data_key(key):
+    """A recorded data_key (prepare.data_key) as today's: folders and checkpoints from before --text_field existed
+    lack the field, which was 'text'."""
+    return {"text_field": "text", **key}
+
+
 def unlisted_checksums(meta):
     """The files of a prepared folder for which its meta.json records no sha256 (a folder from before checksums
     were recorded, or an edited meta.json): they cannot be verified."""

@@ -55,7 +55,7 @@ from tqdm import tqdm
 from cli import ConfigError, first_line, os_error_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
-from data import data_identity, key_digest, same_data_on_every_node
+from data import data_identity, full_data_key, key_digest, same_data_on_every_node
 from plumbing.checkpoint import check_resume_data
 from plumbing.distributed import on_each_node
 from plumbing.files import refuse_overwrite, remove_stale_temps
@@ -664,7 +664,7 @@ def _unverifiable(data_dir, key):
         return []                               # absent or unreadable: _check_reusable / the caller reports it
     if not isinstance(meta, dict) or not isinstance(meta.get("data_key"), dict):
         return []
-    if {"text_field": "text", **meta["data_key"]} != {"text_field": "text", **key}:
+    if full_data_key(meta["data_key"]) != full_data_key(key):
         return []                               # another dataset's folder: refused, not replaced
     return unlisted_checksums(meta)
 
@@ -687,9 +687,9 @@ def _check_reusable(data_dir, key, verify=False):
                         f"delete it or use another --data_dir")
     short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
     names = dict(corpus="corpus content", tokenizer="tokenizer content")
-    old_key = {"text_field": "text", **old["data_key"]}
+    old_key = full_data_key(old["data_key"])
     diff = [f"{names[k]} ({short(old_key.get(k))}, now {short(v)})" if k in names else
-            f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in {"text_field": "text", **key}.items()
+            f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in full_data_key(key).items()
             if old_key.get(k) != v]
     if diff:
         raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; use another --data_dir or "

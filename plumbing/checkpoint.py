@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from data import DataError, get_tokenizer
+from data import DataError, full_data_key, get_tokenizer
 from model import ModelConfig, build_model
 from cli import ConfigError, UsageError, first_line
 from plumbing.files import check_writable, remove_stale_temps, save_atomic
@@ -133,11 +133,11 @@ def check_resume_data(cfg, key):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["meta"]["data_key"]
-        old = {"text_field": "text", **old}
+        old = full_data_key(old)
     except Exception:
         return
     flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
-    changed = [k for k, v in {"text_field": "text", **key}.items() if old.get(k) != v]
+    changed = [k for k, v in full_data_key(key).items() if old.get(k) != v]
     detail = [f"{flags[k]} {getattr(cfg, flags[k][2:])!r} is another by content" if k in ("corpus", "tokenizer") else
               f"{flags.get(k, k)} was {old.get(k)!r}, now {key.get(k, 'text')!r}" for k in changed]
     if changed:
