@@ -43,6 +43,7 @@ import signal
 import socket
 import sys
 import tempfile
+import zlib
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -193,6 +194,9 @@ def _hf_texts(ds, field, name):
         columns = list(next(iter(ds), {}))
     if field not in columns:
         raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
+    feature = ds.features.get(field) if ds.features else None
+    if getattr(feature, "dtype", "string") not in ("string", "large_string", "string_view"):
+        raise DataError(f"{name}: field {field!r} holds {feature.dtype}, not text (--text_field)")
 
     def raw():
         for batch in ds.iter(batch_size=1000):
@@ -304,7 +308,21 @@ def _folder_files(folder):
 
 
 def _open_binary(path):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    return _Gzip(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+class _Gzip(gzip.GzipFile):
+    """A .gz file whose damage (truncated, not gzip, a bad block) is a DataError naming it, not a traceback."""
+
+    def read(self, size=-1):
+        try:
+            return super().read(size)
+        except (EOFError, OSError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
+            raise DataError(f"{self.name}: a damaged gzip file ({first_line(e) or type(e).__name__}); compress or "
+                            f"download it again") from None
+
+
+_BOM = b"\xef\xbb\xbf"    # UTF-8's byte-order mark, which editors on Windows put first: not part of the text
 
 
 _SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
@@ -330,9 +348,13 @@ def _decoded_blocks(path, block):
             if raw and not cut:
                 continue
             piece, pending = pending[:cut], pending[cut:]
+            if offset == 0 and piece.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise DataError(f"{path}: UTF-16 text (byte-order mark at offset 0), not UTF-8; convert it, e.g. "
+                                f"iconv -f utf-16 -t utf-8")
             nul = piece.find(b"\0")
             try:
                 text = piece.decode("utf-8")
+                text = text[1:] if offset == 0 and piece.startswith(_BOM) else text
             except UnicodeDecodeError as e:
                 if nul < 0 or nul > e.start:
                     raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
@@ -381,7 +403,7 @@ def _read_piece(path, begin, end):
     try:
         if len(raw) != end - begin:
             raise ValueError("shorter")
-        return raw.decode("utf-8")
+        return raw[len(_BOM) if begin == 0 and raw.startswith(_BOM) else 0:].decode("utf-8")
     except ValueError:          # edited between the scan and this read (nothing half-written is kept)
         raise DataError(f"{path} changed while it was being prepared; prepare it again once it is complete") from None
 
@@ -439,11 +461,17 @@ def _records(path, field):
         if field not in pf.schema_arrow.names:
             raise DataError(f"{path} has no text field {field!r}; its fields are {', '.join(pf.schema_arrow.names)} "
                             f"(--text_field)")
-        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-            yield from batch.column(0).to_pylist()
+        kind = pf.schema_arrow.field(field).type
+        if str(kind) not in ("string", "large_string", "string_view"):
+            raise DataError(f"{path}: field {field!r} holds {kind}, not text (--text_field)")
+        try:
+            for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+                yield from batch.column(0).to_pylist()
+        except (OSError, ValueError) as e:            # pyarrow's ArrowIOError / ArrowInvalid: a damaged file
+            raise DataError(f"{path}: a damaged parquet file ({first_line(e) or type(e).__name__})") from None
         return
     with _open_binary(path) as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(_BOM).lstrip()
     if head.startswith(b"["):            # a JSON array of records: read whole (JSON lines stream)
         rows = json.loads(_read_whole(path))
         lines = ((n, row) for n, row in enumerate(rows, 1))
@@ -459,6 +487,9 @@ def _records(path, field):
         if not isinstance(row, dict) or field not in row:
             fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
             raise DataError(f"{path} record {n} has no text field {field!r}; it has {fields} (--text_field)")
+        if not isinstance(row[field], (str, type(None))):         # null: a missing document, skipped
+            raise DataError(f"{path} record {n}: field {field!r} holds {type(row[field]).__name__}, not text "
+                            f"(--text_field)")
         yield row[field]
 
 

@@ -522,6 +522,44 @@ def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp
         prepare.load_corpus(str(tmp_path / "c.csv"))
 
 
+def test_a_utf8_byte_order_mark_is_not_text_and_damaged_or_foreign_files_are_one_line(tmp_path):
+    import gzip
+    import json
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    bom = b"\xef\xbb\xbf"                         # what editors on Windows write first
+    text = "".join(f"paragraph {i}: " + "word " * (i % 40) + "\n\n" for i in range(2000))
+    lines = "".join(json.dumps({"text": p}) + "\n" for p in text.split("\n\n") if p)
+    for name, content in [("t.txt", text), ("r.jsonl", lines), ("a.json", json.dumps([{"text": "x " * 50}] * 40))]:
+        (tmp_path / name).write_bytes(content.encode())
+        (tmp_path / ("bom_" + name)).write_bytes(bom + content.encode())
+        for n in (1, 2):                              # 2: workers read the .txt's byte ranges themselves
+            plain, marked = (prepare.prepare_dataset(str(tmp_path / f), "gpt2", str(tmp_path / f"o{n}_{f}"), 32,
+                                                     progress=False, num_proc=n) for f in (name, "bom_" + name))
+            assert _bins(plain) == _bins(marked), (name, n)
+    gz = gzip.compress(lines.encode())
+    damaged = {"cut.jsonl.gz": gz[:len(gz) // 2], "not.txt.gz": b"plain text, not gzip\n" * 10,
+               "u16.txt": text.encode("utf-16")}
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+    pq.write_table(pa.table({"text": [f"doc {i} " * 40 for i in range(50)]}), tmp_path / "p.parquet")
+    raw = (tmp_path / "p.parquet").read_bytes()
+    (tmp_path / "bad.parquet").write_bytes(raw[:100] + bytes(200) + raw[300:])   # a data page zeroed
+    (tmp_path / "n.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 5}) + "\n")
+    pq.write_table(pa.table({"text": list(range(50))}), tmp_path / "n.parquet")
+    import datasets
+    datasets.Dataset.from_dict({"text": list(range(50))}).save_to_disk(str(tmp_path / "n_arrow"))
+    expected = {"n_arrow": "n_arrow: field 'text' holds int64, not text", "cut.jsonl.gz": "cut.jsonl.gz: a damaged gzip file", "not.txt.gz": "not.txt.gz: a damaged gzip file",
+                "u16.txt": "u16.txt: UTF-16 text .*iconv -f utf-16 -t utf-8",
+                "bad.parquet": "bad.parquet: (a damaged parquet file|not a parquet file)",
+                "n.jsonl": "n.jsonl record 2: field 'text' holds int, not text",
+                "n.parquet": "n.parquet: field 'text' holds int64, not text"}
+    for name, message in expected.items():
+        with pytest.raises(DataError, match=message):
+            prepare.prepare_dataset(str(tmp_path / name), "gpt2", str(tmp_path / ("o_" + name)), 32, progress=False)
+        assert not (tmp_path / ("o_" + name)).exists(), name
+
+
 @pytest.mark.parametrize("wrap", [True, False])
 def test_any_number_of_workers_writes_the_same_bytes(tmp_path, wrap):
     (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 50) + "\n\n" for i in range(3000)))
