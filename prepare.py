@@ -35,6 +35,7 @@ import gzip
 import hashlib
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -42,7 +43,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -164,8 +164,6 @@ HF_CORPORA = {
                            {"train": "train/chunk*/*.jsonl.zst", "validation": "validation/chunk*/*.jsonl.zst"},
                            "train", "validation", "text", streaming=True),
 }
-OFFLINE = ("offline: a local corpus (LOCAL_FORMATS in prepare.py), or SDDLM_HF_MIRROR=/folder holding the "
-           "repository's files as on the hub")
 
 
 class Docs:
@@ -228,9 +226,24 @@ def _load_dataset(what, path, **kwargs):
     except ImportError:
         raise DataError(f"dataset {what!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
     try:
-        return datasets.load_dataset(path, **kwargs)
+        with _quiet_loggers("huggingface_hub", "datasets"):     # a failed request is logged before it is raised
+            return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
         raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
+
+
+@contextmanager
+def _quiet_loggers(*names):
+    """Only errors from these loggers while inside: the failure itself becomes one line of ours."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _hub_path(repo, revision):
@@ -289,6 +302,8 @@ def _load_hub_split(name, which, text_field, val_fraction):
 # Local corpora
 
 LOCAL_FORMATS = ".txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, an Arrow save_to_disk folder, or a folder of these"
+OFFLINE = (f"offline: a local corpus ({LOCAL_FORMATS}), or SDDLM_HF_MIRROR=/folder holding the repository's files as "
+           f"on the hub")
 _TEXT = (".txt", ".txt.gz")
 _RECORDS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 
@@ -923,10 +938,11 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
             if redo and progress:
                 print(f"{out_dir}: its meta.json records no sha256 for {', '.join(redo)}, so its files cannot be "
                       f"verified; preparing it again", file=sys.stderr)
-            tmp = None
+            # named before it is made, so that a stop signal at any point finds it to remove
+            tmp = os.path.join(parent, f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-"
+                                       f"{os.urandom(4).hex()}")
             try:
-                tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-",
-                                       dir=parent)
+                os.mkdir(tmp)
                 _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
                               val_fraction, progress, num_proc or default_num_proc(), text_field)
                 try:
@@ -940,8 +956,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                     shutil.rmtree(tmp)         # another process (without a working lock) finished first
                     return _check_reusable(out_dir, key, verify)
             except BaseException:
-                if tmp is not None:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)
                 raise
         made_parent = False
         return out_dir
@@ -983,13 +998,17 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
                               val=src.val, field=src.field)
     if text_field != "text":
         meta["text_field"] = text_field
-    if num_proc > 1:   # a worker that dies (killed, out of memory) fails the preparation: BrokenProcessPool
-        pool = ProcessPoolExecutor(num_proc, multiprocessing.get_context(_start_method()), _init_worker,
-                                   (encode_spec,))
-    else:
-        pool = None
-        _WORKER["tok"] = get_tokenizer(encode_spec, threads=1)
+    pool = None
     try:
+        if num_proc > 1:   # a worker that dies (killed, out of memory) fails the preparation: BrokenProcessPool
+            # a stop signal handled inside fork() leaves the parent's locks held and the pool hanging: the workers
+            # start now (under fork, all at the first task), with stop signals held back until they have
+            with deferred_signals():
+                pool = ProcessPoolExecutor(num_proc, multiprocessing.get_context(_start_method()), _init_worker,
+                                           (encode_spec,))
+                pool.submit(int)
+        else:
+            _WORKER["tok"] = get_tokenizer(encode_spec, threads=1)
         for split, docs in [("train", train_docs), ("val", val_docs)]:
             counts, split_digests = _write_split(docs, tok, tmp, split, block_size, wrap, insert_eos, dtype, progress,
                                                  pool, num_proc)
@@ -1017,14 +1036,21 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
 # -----------------------------------------------------------------------------
 # A training run's data (train.py): prepared by the first process of each node, agreed on by content
 
+def check_settings(num_proc, val_fraction=0.05):
+    """prepare.py's and train.py's preparation flags, before any work."""
+    cores = default_num_proc()
+    if not 0 <= num_proc <= 2 * cores:      # more workers than cores only wait; thousands exhaust the machine
+        raise ConfigError(f"--num_proc must be between 0 (the usable cores) and twice the {cores} usable cores, "
+                          f"got {num_proc}")
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"--val_fraction must be between 0 and 1 (a share of the characters), got {val_fraction}")
+
+
 def prepare_for_run(cfg, env):
     """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
     env: its ranks). Tokenize the corpus once per node (its first process) into token memmaps in that node's data folder, or
     find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
     (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
-    if cfg.num_proc < 0:
-        raise ConfigError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
-
     def work():
         try:
             check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap,
@@ -1061,8 +1087,7 @@ class PrepareConfig:
 def main(argv=None):
     from cli import parse_flags
     cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
-    if cfg.num_proc < 0:
-        raise DataError(f"--num_proc must be >= 0 (0: the usable cores), got {cfg.num_proc}")
+    check_settings(cfg.num_proc, cfg.val_fraction)
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field)
     data_dir = cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings)

@@ -77,8 +77,8 @@ def save_folder(folder, state, config):
     folder = os.path.normpath(folder)
     tmp, old = f"{folder}.tmp{os.getpid()}", f"{folder}.old{os.getpid()}"
     remove_stale_temps(folder)
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)                 # inside: a stop signal right after it still finds tmp to remove
         # safetensors refuses shared storage and wants contiguous tensors
         save_file({k.removeprefix("_orig_mod."): v.detach().to("cpu").contiguous().clone() for k, v in state.items()},
                   os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})

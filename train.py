@@ -47,7 +47,7 @@ from pretrained import export
 from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 from plumbing.integrity import DivergenceRule
-from prepare import prepare_for_run
+from prepare import check_settings, prepare_for_run
 
 
 @dataclass
@@ -223,6 +223,7 @@ def validate(cfg, world_size):
         raise ConfigError("--gen_interval needs --gen_num_samples >= 1 and --gen_steps >= 1")
     if cfg.curriculum_iters and not cfg.gamma_min < cfg.gamma_max:
         raise ConfigError(f"--gamma_min {cfg.gamma_min} must be below --gamma_max {cfg.gamma_max}")
+    check_settings(cfg.num_proc)                      # the data preparation's own flags
     resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
     model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
 

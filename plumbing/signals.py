@@ -5,6 +5,7 @@ with one line and exit code 130. The training loop (stop_signals) turns them int
 at the next step and exits 130. Evaluation and sampling are abandoned at once (interruptible), and a swap of
 weights is never interrupted half-way (deferred_signals)."""
 import signal
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -18,15 +19,25 @@ from cli import set_stop_handlers
 
 @contextmanager
 def deferred_signals():
-    """Stop signals wait until the block is done (delivered, and handled, right after it)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
+    """Stop signals wait until the block is done, then are handled as they would have been. Held back at the level
+    of Python's handlers, not by the thread's signal mask: the kernel may deliver a signal to any thread (torch's,
+    a process pool's), and Python runs its handler in the main thread whichever thread received it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield          # Python runs signal handlers in the main thread only: nothing can interrupt this block
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    pending = []
+    old = set_stop_handlers(lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        if pending:
+            handler = old.get(pending[0])
+            if callable(handler):
+                handler(pending[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(pending[0])
 
 
 @contextmanager

@@ -216,6 +216,37 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
     assert run.stderr.strip() == "error: no such file or folder: /no/such.txt"
 
 
+def test_preparation_flags_out_of_range_are_one_line_before_any_work(tmp_path, capsys):
+    import cli
+    cores = prepare.default_num_proc()
+    for flags, message in [(["--num_proc", "-1"], "--num_proc must be between 0"),
+                           (["--num_proc", str(2 * cores + 1)], f"twice the {cores} usable cores, got {2 * cores + 1}"),
+                           (["--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
+                           (["--val_fraction", "0"], "--val_fraction must be between 0 and 1")]:
+        with pytest.raises(SystemExit) as e:
+            cli.run_cli(lambda: prepare.main(["--dataset", "/no/such.txt", "--data_dir", str(tmp_path / "o"), *flags]))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert os.listdir(tmp_path) == []
+    prepare.check_settings(2 * cores, 0.5)                  # the bounds themselves are accepted
+
+
+def test_an_unreachable_hub_is_our_one_line_not_the_hub_clients_log(monkeypatch, capsys):
+    import logging
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*args, **kwargs):                # what huggingface_hub does without a network: log, then raise
+        logging.getLogger("huggingface_hub.utils._http").warning("'[Errno -2] Name or service not known' thrown "
+                                                                 "while requesting HEAD https://huggingface.co/...")
+        raise ConnectionError("Couldn't reach 'foo/bar' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"could not load hf:foo/bar .*offline: a local corpus \(\.txt, \.jsonl"):
+        prepare._load_dataset("hf:foo/bar", "foo/bar")
+    assert capsys.readouterr().err == ""
+    logging.getLogger("huggingface_hub.utils._http").warning("after the load")   # the level is given back
+    assert "after the load" in capsys.readouterr().err
+
+
 # --- detokenizers -----------------------------------------------------------------
 
 def test_wikitext_detokenizer():
