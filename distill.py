@@ -46,8 +46,8 @@ from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_pr
 from eval_ppl import validation_sums
 from model import ModelConfig
 from objective import unwrap
-from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script,
-                                 restore, save)
+from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, read_checkpoint,
+                                 refuse_other_script, restore, save)
 from plumbing.distributed import run_distributed
 from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
 from plumbing.files import refuse_overwrite, run_outputs, write_json
@@ -256,9 +256,9 @@ def load_init(cfg):
         if not os.path.isfile(cfg.init):
             raise UsageError(f"--init {cfg.init}: no such checkpoint")
         try:
-            ckpt = torch.load(cfg.init, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UsageError(f"--init {cfg.init}: cannot read it ({type(e).__name__}: {first_line(e)})") from None
+            ckpt = read_checkpoint(cfg.init)
+        except ValueError as e:
+            raise UsageError(f"--init {cfg.init}: cannot read it ({e})") from None
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
         check_checkpoint_fields(ckpt, cfg.init)

@@ -3,6 +3,7 @@ restoring it, the checks before a resume, and loading a model with its tokenizer
 A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
 (the last two per rank), plus a script's own entries (distill.py: distill_config, distilled_from, teacher)."""
 import os
+import pickle
 import warnings
 import zipfile
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from data import DataError, full_data_key, get_tokenizer
 from model import ModelConfig, build_model
-from cli import ConfigError, UsageError, first_line
+from cli import ConfigError, UsageError, first_line, os_error_line
 from plumbing.files import check_writable, remove_stale_temps, save_atomic
 from plumbing.integrity import check_checkpoint_fields, check_finite_weights, check_tokenizer_identity
 from plumbing.signals import deferred_signals
@@ -112,10 +113,9 @@ def load_resume_checkpoint(cfg):
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({type(e).__name__}: "
-                          f"{first_line(e)})") from None
+        ckpt = read_checkpoint(path)
+    except ValueError as e:
+        raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({e})") from None
     check_checkpoint_fields(ckpt, path)
     check_finite_weights(ckpt, path)      # one saved after a divergence is no place to continue from
     return ckpt
@@ -144,6 +144,22 @@ def check_resume_data(cfg, key):
         raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
                           f"({', '.join(changed)} changed): {'; '.join(detail)}; resume with the flags it was trained "
                           f"with (its config.json) or start a new run in another --out_dir")
+
+
+def read_checkpoint(path, map_location="cpu"):
+    """torch.load with weights_only=True, quietly: a file that is no checkpoint (random bytes can look like a
+    pickle of an unknown protocol, which torch warns about) -> ValueError with a short reason, for the caller's
+    one line."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except OSError as e:
+        raise ValueError(os_error_line(e)) from None
+    except pickle.UnpicklingError:      # torch's advice (weights_only=False) would run whatever the file holds
+        raise ValueError("not a torch checkpoint, or a damaged one") from None
+    except Exception as e:              # the unpickler on garbage: IndexError, KeyError, a bad zip's RuntimeError ...
+        raise ValueError(f"not a torch checkpoint, or a damaged one ({type(e).__name__}: {first_line(e)})") from None
 
 
 def open_out_dir(cfg, mcfg, meta=None):
@@ -248,9 +264,9 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise ValueError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from None
+        ckpt = read_checkpoint(path, device)
+    except ValueError as e:
+        raise ValueError(f"could not read checkpoint {path}: {e}") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
     check_checkpoint_fields(ckpt, path)
