@@ -270,7 +270,8 @@ class Scorer:
     def generate_matches(self, pairs, cfg_w=0.0, desc="generate"):
         """Protocol (a) for each (context, target): does the generated span decode to the target?"""
         return [self._generated_matches(ctx, cont, text, cfg_w) for (ctx, cont), (_, text)
-                in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc, disable=cli.bar_hidden(self.progress), leave=False)]
+                in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc, disable=cli.bar_hidden(self.progress),
+                        leave=False)]
 
     def _generated_matches(self, ctx, cont, text, cfg_w):
         span = generate_span(self.model, ctx, len(cont), steps=self.lambada_steps, cfg_w=cfg_w, seed=self.seed,

@@ -76,7 +76,8 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
     autocast = autocast_for(device or "cpu", dtype)
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    for batch in tqdm(batches, desc="ar ppl" if causal else "nelbo", disable=cli.bar_hidden(show_progress), leave=False):
+    for batch in tqdm(batches, desc="ar ppl" if causal else "nelbo", disable=cli.bar_hidden(show_progress),
+                      leave=False):
         x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
         x0 = x0.to(device)
         mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
@@ -139,8 +140,8 @@ def zero_shot_documents(name):
 
 def tokenize_documents(docs, tok, show_progress=True):
     ids = []
-    for i in tqdm(range(0, len(docs), 1024), desc="tokenizing", disable=cli.bar_hidden(show_progress) or len(docs) < 1024,
-                  leave=False):
+    for i in tqdm(range(0, len(docs), 1024), desc="tokenizing",
+                  disable=cli.bar_hidden(show_progress) or len(docs) < 1024, leave=False):
         ids.extend(tok.encode_batch(docs[i:i + 1024]))
     return ids
 
@@ -176,8 +177,8 @@ def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_
     chunks = [s[i:i + judge.context] for s in seqs for i in range(0, len(s), judge.context)]
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    for b in tqdm(range(0, len(chunks), batch_size), desc=f"gen ppl ({judge.name})", disable=cli.bar_hidden(show_progress),
-                  leave=False):
+    for b in tqdm(range(0, len(chunks), batch_size), desc=f"gen ppl ({judge.name})",
+                  disable=cli.bar_hidden(show_progress), leave=False):
         batch = chunks[b:b + batch_size]
         T = max(map(len, batch))
         ids = torch.zeros(len(batch), T, dtype=torch.long)

@@ -836,8 +836,8 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     raw = docs.raw() if isinstance(docs, Docs) else iter(docs)
     detok = docs.detokenizer if isinstance(docs, Docs) else None
     total = docs.nbytes if isinstance(docs, Docs) else None
-    bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, disable=cli.bar_hidden(progress) or bool(total and
-               total < 1 << 20), dynamic_ncols=True)
+    bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, dynamic_ncols=True,
+               disable=cli.bar_hidden(progress) or bool(total and total < 1 << 20))
     files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
 
     def write(name, array):
@@ -1048,8 +1048,8 @@ def check_settings(num_proc, val_fraction=0.05):
 
 def prepare_for_run(cfg, env):
     """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
-    env: its ranks). Tokenize the corpus once per node (its first process) into token memmaps in that node's data folder, or
-    find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
+    env: its ranks). Tokenize the corpus once per node (its first process) into token memmaps in that node's data
+    folder, or find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
     (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
     def work():
         try:

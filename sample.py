@@ -375,7 +375,8 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
                          f"got {prefix.shape[1]}")
     check_sampler(1, top_p=top_p)
     x = prefix
-    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress), leave=False):
+    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress),
+                  leave=False):
         with autocast_for(device, dtype):
             logits = model(x)[:, -1]
         probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)

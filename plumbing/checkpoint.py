@@ -95,6 +95,22 @@ def _restore(run, ckpt, env):
     run.gen_local.set_state(r["gen_local"])
 
 
+def read_checkpoint(path, map_location="cpu", mmap=False):
+    """torch.load with weights_only=True, quietly: a file that is no checkpoint (random bytes can look like a
+    pickle of an unknown protocol, which torch warns about) -> ValueError with a short reason, for the caller's
+    one line."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except OSError as e:
+        raise ValueError(os_error_line(e)) from None
+    except pickle.UnpicklingError:      # torch's advice (weights_only=False) would run whatever the file holds
+        raise ValueError("not a torch checkpoint, or a damaged one") from None
+    except Exception as e:              # the unpickler on garbage: IndexError, KeyError, a bad zip's RuntimeError ...
+        raise ValueError(f"not a torch checkpoint, or a damaged one ({type(e).__name__}: {first_line(e)})") from None
+
+
 def load_resume_checkpoint(cfg):
     """What train.py and distill.py share at start: out_dir writable and cleared of a killed save's temp file;
     a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
@@ -130,10 +146,7 @@ def check_resume_data(cfg, key):
     if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
         return
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            old = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["meta"]["data_key"]
-        old = full_data_key(old)
+        old = full_data_key(read_checkpoint(path, mmap=True)["meta"]["data_key"])
     except Exception:
         return
     flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
@@ -144,22 +157,6 @@ def check_resume_data(cfg, key):
         raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
                           f"({', '.join(changed)} changed): {'; '.join(detail)}; resume with the flags it was trained "
                           f"with (its config.json) or start a new run in another --out_dir")
-
-
-def read_checkpoint(path, map_location="cpu"):
-    """torch.load with weights_only=True, quietly: a file that is no checkpoint (random bytes can look like a
-    pickle of an unknown protocol, which torch warns about) -> ValueError with a short reason, for the caller's
-    one line."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except OSError as e:
-        raise ValueError(os_error_line(e)) from None
-    except pickle.UnpicklingError:      # torch's advice (weights_only=False) would run whatever the file holds
-        raise ValueError("not a torch checkpoint, or a damaged one") from None
-    except Exception as e:              # the unpickler on garbage: IndexError, KeyError, a bad zip's RuntimeError ...
-        raise ValueError(f"not a torch checkpoint, or a damaged one ({type(e).__name__}: {first_line(e)})") from None
 
 
 def open_out_dir(cfg, mcfg, meta=None):

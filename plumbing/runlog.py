@@ -116,8 +116,8 @@ def start_lines(cfg, raw_model, env):
     return (f"--preset {cfg.preset} --loss {cfg.loss} on {cfg.dataset} ({cfg.tokenizer}, L = {cfg.block_size}), "
             f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
             f"{os.path.join(cfg.out_dir, 'config.json')}\n"
-            f"model: {raw_model.num_params() / 1e6:.2f}M parameters ({raw_model.num_params(non_embedding=True) / 1e6:.2f}M "
-            f"non-embedding); {env.describe()}; world {env.world_size} x micro-batch {per_rank} x accum "
+            f"model: {raw_model.num_params() / 1e6:.2f}M parameters "
+            f"({raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; world {env.world_size} x micro-batch {per_rank} x accum "
             f"{cfg.grad_accum} = {cfg.batch_size} sequences/step")
 
 

@@ -580,7 +580,8 @@ def test_a_utf8_byte_order_mark_is_not_text_and_damaged_or_foreign_files_are_one
     pq.write_table(pa.table({"text": list(range(50))}), tmp_path / "n.parquet")
     import datasets
     datasets.Dataset.from_dict({"text": list(range(50))}).save_to_disk(str(tmp_path / "n_arrow"))
-    expected = {"n_arrow": "n_arrow: field 'text' holds int64, not text", "cut.jsonl.gz": "cut.jsonl.gz: a damaged gzip file", "not.txt.gz": "not.txt.gz: a damaged gzip file",
+    expected = {"n_arrow": "n_arrow: field 'text' holds int64, not text",
+                "cut.jsonl.gz": "cut.jsonl.gz: a damaged gzip file", "not.txt.gz": "not.txt.gz: a damaged gzip file",
                 "u16.txt": "u16.txt: UTF-16 text .*iconv -f utf-16 -t utf-8",
                 "bad.parquet": "bad.parquet: (a damaged parquet file|not a parquet file)",
                 "n.jsonl": "n.jsonl record 2: field 'text' holds int, not text",

@@ -401,8 +401,8 @@ def test_stop_signals_during_preparation_leave_no_temp_folder_lock_or_empty_fold
     for sig, cwd, p, _, err in runs:
         assert p.wait(timeout=120) == 130, (cwd.name, err.read_text()[-2000:])
         assert err.read_text().splitlines() == [f"error: interrupted by {signal.Signals(sig).name}"], cwd.name
-        assert os.listdir(cwd) == [], (cwd.name, sorted(os.path.relpath(os.path.join(r, f), cwd)
-                                                        for r, ds, fs in os.walk(cwd) for f in ds + fs))  # no data/, temp folder, lock or out_dir
+        left = sorted(os.path.relpath(os.path.join(r, f), cwd) for r, ds, fs in os.walk(cwd) for f in ds + fs)
+        assert left == [], (cwd.name, left)                # no data/, temp folder, lock or out_dir
 
 
 @pytest.mark.slow
