@@ -214,6 +214,7 @@ def test_lm_eval_model_args_choose_the_psi_sampler():
     """sampler=psi with the loop profile's phases separated by "/" (lm-eval splits --model_args at commas) reaches
     sample.generate through generate_until: the same continuation as the Scorer with that Psi, unlike the ancestral
     sampler's; a bad psi_eta is one error naming it."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     from types import SimpleNamespace
     from lm_eval_sddlm import SDDLMHarness
     from sample import parse_psi
