@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import bar_hidden, first_line
+from plumbing.cli import bar_hidden, first_line
 
 
 class DataError(ValueError):

@@ -30,7 +30,7 @@ Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 wi
 of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
 """
 
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import itertools
@@ -47,8 +47,8 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
-from objective import draw_noise, loss_terms
+from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
+from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
 from plumbing.runlog import jsonl_records

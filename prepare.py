@@ -26,7 +26,7 @@ preparations wait for one another, a reader sees no folder or a finished one, an
 only a temp folder that the next run deletes. Every file is hashed once after writing (data.verify_prepared).
 """
 
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import collections
@@ -53,7 +53,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from cli import ConfigError, first_line, os_error_line
+from plumbing.cli import ConfigError, first_line, os_error_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
 from data import data_identity, full_data_key, key_digest, same_data_on_every_node
@@ -1085,7 +1085,7 @@ class PrepareConfig:
 
 
 def main(argv=None):
-    from cli import parse_flags
+    from plumbing.cli import parse_flags
     cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
     check_settings(cfg.num_proc, cfg.val_fraction)
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
@@ -1106,5 +1106,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from cli import run_cli
+    from plumbing.cli import run_cli
     run_cli(main, DataError, ImportError)

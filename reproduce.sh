@@ -135,14 +135,14 @@ for stage in $STAGES; do
     bench)   # step time and memory per objective (Fig. time)
       if [ -e "$RUNS/bench.json" ]; then echo "skip   $RUNS/bench.json"; else
         echo "bench  $RUNS/bench.json"
-        python bench.py --json 1 $BENCH > "$RUNS/bench.json.tmp" 2> "$RUNS/logs/bench.log"
+        python bench/bench.py --json 1 $BENCH > "$RUNS/bench.json.tmp" 2> "$RUNS/logs/bench.log"
         mv "$RUNS/bench.json.tmp" "$RUNS/bench.json"
       fi;;
     report)  # the figures and the table (always redrawn: cheap)
       runs=$(for loss in $OBJECTIVES ar; do printf '%s,' "$RUNS/$loss"; done)
       evals=$(ls "$RUNS"/evals/*.json | paste -sd, -)
       bench=$([ -e "$RUNS/bench.json" ] && echo "$RUNS/bench.json" || true)
-      python plot.py --runs "$runs" --evals "$evals" ${bench:+--bench "$bench"} --out_dir "$RUNS/figures" \
+      python figures/plot.py --runs "$runs" --evals "$evals" ${bench:+--bench "$bench"} --out_dir "$RUNS/figures" \
         --table "$RUNS/table.md" --table_steps "$TABLE_STEPS";;
     *) echo "error: unknown stage '$stage' (judge train eps eval bench report psi)" >&2; exit 2;;
   esac

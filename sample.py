@@ -36,7 +36,7 @@ Options, all acting on x_theta before the posterior:
 Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
 """
 
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import math
@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 import diffusion
-from cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite
 
@@ -390,7 +390,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 @dataclass
 class SampleConfig:
     # model
-    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, a model folder, or duo:PATH (Duo's release)
+    ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, a model folder, or duo:PATH (Duo's release)
     use_ema: bool = True             # sample from the EMA weights (the live ones when the checkpoint has no EMA)
     # sampler
     num_samples: int = 4             # sequences to draw

@@ -13,9 +13,9 @@ summary is printed at start, the full config saved next to the checkpoint (confi
 One training step (paper Algorithm 1, objective.py): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
 (or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
 The file reads top to bottom: the config; the step; evaluation; the run and its loop (guarded_loop, shared
-with distill.py), where ranks, signals, checkpoints, the memory probe and the log are one call each (plumbing/).
+with distillation/distill.py), where ranks, signals, checkpoints, the memory probe and the log are one call each (plumbing/).
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import math
@@ -30,11 +30,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diffusion
 import losses
-from cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from data import BatchLoader, DataError, get_tokenizer
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
-from objective import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
+from diffusion import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
 from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights,  # noqa: F401
                                  keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
@@ -43,7 +43,7 @@ from plumbing.distributed import (Env, agree, any_rank, on_rank0, run_distribute
 from plumbing.files import refuse_overwrite, run_outputs, write_json
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines, truncate_log  # noqa: F401
-from pretrained import export
+from hub.pretrained import export
 from plumbing.tracking import require_trackers
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 from plumbing.integrity import DivergenceRule
@@ -52,8 +52,8 @@ from prepare import check_settings, prepare_for_run
 
 @dataclass
 class OptimConfig:
-    """The optimisation, evaluation and system fields train.py and distill.py share (same flags, same meaning;
-    distill.py changes some defaults)."""
+    """The optimisation, evaluation and system fields train.py and distillation/distill.py share (same flags, same meaning;
+    distillation/distill.py changes some defaults)."""
     # optimisation
     max_iters: int = 1000            # optimizer steps of the whole run (a resumed run trains up to this step)
     batch_size: int = 32             # GLOBAL batch in sequences (all ranks x accumulation steps)
@@ -267,7 +267,7 @@ class Run:
     model: torch.nn.Module               # what the step calls: raw_model, compiled and/or DDP-wrapped
     optimizer: torch.optim.Optimizer
     ema: list                            # EMA copies of raw_model.parameters(), or None
-    loader: BatchLoader                  # None in bench.py (random tokens)
+    loader: BatchLoader                  # None in bench/bench.py (random tokens)
     gen_shared: torch.Generator          # identical on every rank: times and corruption noise
     gen_local: torch.Generator           # per rank: the curriculum's Gaussian latent
     it: int = 0                          # optimizer steps done
@@ -321,7 +321,7 @@ def train_step(run, cfg, env, x0_all, mask_all=None):
 
 
 def accumulate_step(run, cfg, env, x0_all, mask_all, draws_global, per_token_loss):
-    """The optimizer step shared by train.py and distill.py: learning rate of step run.it; per micro-batch, this
+    """The optimizer step shared by train.py and distillation/distill.py: learning rate of step run.it; per micro-batch, this
     rank's slice of every global draw (diffusion.rank_slice, so a DDP run equals one process), forward under
     autocast via per_token_loss(x0, mask, *draws) -> (per-token loss, token weights or None), token mean and
     backward (DDP syncs gradients on the last micro-batch only); then optimizer_step. -> the step's mean loss
@@ -420,7 +420,7 @@ def train(cfg, env):
 
 
 def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite, keep=None):
-    """The loop of train.py and distill.py: step(*batch) until max_iters; the loss is checked and logged every
+    """The loop of train.py and distillation/distill.py: step(*batch) until max_iters; the loss is checked and logged every
     log_interval steps (one host sync shared by the ranks, agree); each of evals (interval, work, metrics) runs at
     its interval and at the end; a checkpoint every ckpt_interval steps, at the end and on a stop signal (SIGINT /
     SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step, why) -> the message of a
@@ -465,7 +465,7 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                           f"to {ckpt_path} " + (f"({what} finished)" if last else "(continue with --resume 1)"))
                 return 130
         log.close()
-        if env.master:                                 # the shareable model: out_dir/model (pretrained.py)
+        if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
             folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
         try:
             with interruptible(stop):                  # also a signal during the final save

@@ -1,7 +1,7 @@
 """Checkpoints: the one state dict a run saves (ckpt.pt to resume, ckpt_<step>.pt to evaluate), writing and
 restoring it, the checks before a resume, and loading a model with its tokenizer for sampling and evaluation.
 A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
-(the last two per rank), plus a script's own entries (distill.py: distill_config, distilled_from, teacher)."""
+(the last two per rank), plus a script's own entries (distillation/distill.py: distill_config, distilled_from, teacher)."""
 import os
 import pickle
 import warnings
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from data import DataError, full_data_key, get_tokenizer
 from model import ModelConfig, build_model
-from cli import ConfigError, UsageError, first_line, os_error_line
+from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from plumbing.files import check_writable, remove_stale_temps, save_atomic
 from plumbing.integrity import check_checkpoint_fields, check_finite_weights, check_tokenizer_identity
 from plumbing.signals import deferred_signals
@@ -48,7 +48,7 @@ def keep_checkpoint(run, cfg, mcfg, meta):
 def save(run, cfg, mcfg, meta, env, extra=None):
     """Write out_dir/ckpt.pt atomically: weights, EMA, optimizer, configs, step, and every rank's data
     position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically. extra: more
-    top-level entries (distill.py records its settings and teacher there), added last."""
+    top-level entries (distillation/distill.py records its settings and teacher there), added last."""
     rng = {"torch": torch.get_rng_state(), "gen_shared": run.gen_shared.get_state(),
            "gen_local": run.gen_local.get_state(),
            "cuda": torch.cuda.get_rng_state() if env.device.type == "cuda" else None}
@@ -112,7 +112,7 @@ def read_checkpoint(path, map_location="cpu", mmap=False):
 
 
 def load_resume_checkpoint(cfg):
-    """What train.py and distill.py share at start: out_dir writable and cleared of a killed save's temp file;
+    """What train.py and distillation/distill.py share at start: out_dir writable and cleared of a killed save's temp file;
     a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
     a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable)."""
     check_writable(cfg.out_dir, "--out_dir", folder=True)
@@ -169,23 +169,23 @@ def open_out_dir(cfg, mcfg, meta=None):
 
 
 def written_by(ckpt):
-    """The script whose run wrote a checkpoint, as its content records it: "distill.py" (it holds distill_config,
+    """The script whose run wrote a checkpoint, as its content records it: "distillation/distill.py" (it holds distill_config,
     and the teacher that a resumed round needs), "train.py" (a model and train_config without it), else None."""
     if not isinstance(ckpt, dict):
         return None
     if "distill_config" in ckpt:
-        return "distill.py"
+        return "distillation/distill.py"
     return "train.py" if "model" in ckpt and "train_config" in ckpt else None
 
 
 def refuse_other_script(ckpt, out_dir, script):
     """--resume continues a folder only with the script that wrote it (train.py would drop a distillation's teacher
-    and settings; distill.py would train a base model with DCD): else one line naming the command that does."""
+    and settings; distillation/distill.py would train a base model with DCD): else one line naming the command that does."""
     writer = written_by(ckpt)
     if writer is None or writer == script:
         return
     path = os.path.join(out_dir, "ckpt.pt")
-    also = (f", or distil it into a new folder: python distill.py --init {path} --out_dir NEW"
+    also = (f", or distil it into a new folder: python distillation/distill.py --init {path} --out_dir NEW"
             if writer == "train.py" else "")
     raise ConfigError(f"cannot resume from {path} with {script}: it was written by {writer}; continue it with "
                       f"python {writer} --out_dir {out_dir} --resume 1{also}")
@@ -286,7 +286,7 @@ def load_model(path, device, use_ema=True):
     try:
         if path.startswith("duo:"):
             return load_duo_checkpoint(path[len("duo:"):], device=device, use_ema=use_ema)
-        if os.path.isdir(path):                    # a model folder (pretrained.py): safetensors + config.json
+        if os.path.isdir(path):                    # a model folder (hub/pretrained.py): safetensors + config.json
             return load_folder(path, device=device, use_ema=use_ema)
         return load_checkpoint(path, device=device, use_ema=use_ema)
     except (FileNotFoundError, ValueError) as e:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cli import OutOfMemory, UsageError, oom_summary, resolve_device
+from plumbing.cli import OutOfMemory, UsageError, oom_summary, resolve_device
 from plumbing.lock import acquire_folder
 from plumbing.signals import deferred_signals
 
@@ -169,7 +169,7 @@ def run_distributed(cfg, work):
     """work(env) in this process's place of a torchrun job (setup_distributed), holding the lock on cfg.out_dir
     (plumbing.lock: one run per folder), the process group torn down after it. Out of memory -> one line naming
     the micro-batch and the flag that halves it; the checkpoint on disk is kept. Shared by train.py and
-    distill.py."""
+    distillation/distill.py."""
     env = setup_distributed(cfg)
     held = []
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import torch
 
 from model import build_model
-from cli import first_line
+from plumbing.cli import first_line
 
 
 DUO_KEYS = [   # (Duo's name after its "backbone." prefix, ours): regular expressions, in order

@@ -7,7 +7,7 @@ import re
 import shutil
 import socket
 
-from cli import UsageError, first_line, os_error_line
+from plumbing.cli import UsageError, first_line, os_error_line
 from plumbing.signals import deferred_signals
 
 
@@ -96,7 +96,7 @@ def pid_alive(pid):
     return True
 
 
-# what a train.py / distill.py run writes into its out_dir (runlog, checkpoint, pretrained.export, tracking)
+# what a train.py / distillation/distill.py run writes into its out_dir (runlog, checkpoint, pretrained.export, tracking)
 RUN_OUTPUTS = ("ckpt.pt", "ckpt_*.pt", "config.json", "log.jsonl", "model", "tensorboard", "wandb_run_id", "wandb",
                ".lock")
 

@@ -1,4 +1,4 @@
-"""Reading a model folder (model.safetensors + config.json + the tokenizer's file, as pretrained.py writes one) as
+"""Reading a model folder (model.safetensors + config.json + the tokenizer's file, as hub/pretrained.py writes one) as
 a checkpoint: every script's --ckpt takes a folder through plumbing.checkpoint.load_model."""
 import hashlib
 import json
@@ -44,7 +44,7 @@ def load_folder(folder, device="cpu", use_ema=True):
     with open(os.path.join(folder, CONFIG)) as f:
         config = json.load(f)
     if not use_ema and config.get("weights") == "ema":
-        raise ValueError(f"{folder} holds EMA weights only; for the live ones export them: python pretrained.py "
+        raise ValueError(f"{folder} holds EMA weights only; for the live ones export them: python hub/pretrained.py "
                          f"--ckpt CKPT --out FOLDER --weights raw")
     path = os.path.join(folder, WEIGHTS)
     if not os.path.isfile(path):

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import torch
 
-from cli import ConfigError, UsageError
+from plumbing.cli import ConfigError, UsageError
 
 # -----------------------------------------------------------------------------------------------
 # checkpoint fields
@@ -58,13 +58,13 @@ def _check_tensors(state, path, name, error):
             "a dict of named tensors", error)
 
 
-# the train_config fields that readers of a checkpoint use (resume checks, samplers, distill.py)
+# the train_config fields that readers of a checkpoint use (resume checks, samplers, distillation/distill.py)
 TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str", "dataset": "str", "data_dir": "str",
                       "batch_size": "int", "block_size": "int", "max_iters": "int", "wrap": "bool"}
 
 
 def check_checkpoint_fields(ckpt, path, error=ConfigError):
-    """A checkpoint dict (train.py / distill.py) has its fields in the types save() writes: model (and ema, teacher)
+    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes: model (and ema, teacher)
     dicts of tensors, model_config a dict whose known fields have ModelConfig's types, train_config a dict (the fields
     readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the tokenizer a
     string), step and n_ema ints >= 0.
@@ -125,7 +125,7 @@ def check_tokenizer_identity(tok, ckpt, path):
     meta = ckpt.get("meta") or {}
     where = tok.spec.removeprefix("sp:") if tok.spec.startswith("sp:") else f"tokenizer {tok.spec!r}"
     fix = (f"put back the tokenizer {path} was trained with (or give a model folder, which carries its own: "
-           f"python pretrained.py --ckpt CKPT --out FOLDER, run where the original tokenizer is)")
+           f"python hub/pretrained.py --ckpt CKPT --out FOLDER, run where the original tokenizer is)")
     recorded = meta.get("tokenizer_sha256")
     if recorded and tok.fingerprint and tok.fingerprint != recorded:
         raise UsageError(f"{where} is not the tokenizer {path} was trained with (sha256 {tok.fingerprint[:12]}..., "

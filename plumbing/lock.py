@@ -1,4 +1,4 @@
-"""One run per folder: a train.py or distill.py run holds an exclusive lock on its out_dir (out_dir/.lock, holding
+"""One run per folder: a train.py or distillation/distill.py run holds an exclusive lock on its out_dir (out_dir/.lock, holding
 the holder's pid, host and start time) for its whole life, so a second run into the same folder stops at once
 instead of interleaving its log and checkpoints with the first. The OS releases the lock when its holder dies
 (SIGKILL included), so a lock file left by a killed run is recognised and taken over; on a file system without
@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 
-from cli import UsageError
+from plumbing.cli import UsageError
 from plumbing.files import check_writable, pid_alive
 
 LOCK = ".lock"

@@ -4,9 +4,9 @@ import torch
 import torch.distributed as dist
 
 import diffusion
-from cli import autocast_for, resolve_dtype
-from objective import loss_terms
-from cli import OutOfMemory
+from plumbing.cli import autocast_for, resolve_dtype
+from diffusion import loss_terms
+from plumbing.cli import OutOfMemory
 
 
 def fit_micro_batch(run, cfg, env):

@@ -4,7 +4,7 @@ opens them. wandb and tensorboard are optional and imported only when asked for.
 import importlib.util
 import os
 
-from cli import UsageError
+from plumbing.cli import UsageError
 
 WANDB_ID_FILE = "wandb_run_id"     # in out_dir: a resumed run (--resume 1) continues the same wandb run
 TENSORBOARD_DIR = "tensorboard"    # in out_dir: one event stream per out_dir, like log.jsonl

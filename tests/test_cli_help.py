@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cli import field_help, parse_flags
+from plumbing.cli import field_help, parse_flags
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
@@ -19,20 +19,23 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 def script_configs():
     """(script, its config dataclass) for every parse_flags(Config, ...) call in the repository's scripts."""
     found = []
-    for path in sorted(glob.glob(os.path.join(HERE, "*.py"))):
+    for path in sorted(glob.glob(os.path.join(HERE, "*.py")) + glob.glob(os.path.join(HERE, "*", "*.py"))):
+        script = os.path.relpath(path, HERE)
+        if script.startswith(("tests", "tools")):
+            continue
         with open(path) as f:
             for name in re.findall(r"parse_flags\((\w+)", f.read()):
-                module = importlib.import_module(os.path.basename(path)[:-3])
+                module = importlib.import_module(script[:-3].replace(os.sep, "."))
                 if name != "cls":
-                    found.append((os.path.basename(path), getattr(module, name)))
+                    found.append((script, getattr(module, name)))
     return found
 
 
 def test_every_flag_of_every_script_has_a_description():
     configs = script_configs()
-    assert {script for script, _ in configs} >= {"train.py", "distill.py", "sample.py", "eval_ppl.py",
-                                                 "eval_downstream.py", "prepare.py", "pretrained.py", "bench.py",
-                                                 "bench_prepare.py", "plot.py"}
+    assert {script for script, _ in configs} >= {"train.py", "distillation/distill.py", "sample.py", "eval_ppl.py",
+                                                 "downstream/eval_downstream.py", "prepare.py", "hub/pretrained.py", "bench/bench.py",
+                                                 "bench/bench_prepare.py", "figures/plot.py"}
     missing = [f"{script}: --{f.name}" for script, cls in configs for f in dataclasses.fields(cls)
                if not field_help(cls)[0].get(f.name, ("", None))[0]]
     assert not missing, "flags without a '# description' on their line: " + ", ".join(missing)
@@ -130,7 +133,7 @@ def test_train_help_describes_and_groups_its_flags():
 
 
 def test_distill_help_shows_distills_own_defaults(capsys, monkeypatch):
-    import distill
+    from distillation import distill
     monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit):
         distill.parse_config(["--help"])

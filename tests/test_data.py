@@ -217,7 +217,7 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
 
 
 def test_preparation_flags_out_of_range_are_one_line_before_any_work(tmp_path, capsys):
-    import cli
+    from plumbing import cli
     cores = prepare.default_num_proc()
     for flags, message in [(["--num_proc", "-1"], "--num_proc must be between 0"),
                            (["--num_proc", str(2 * cores + 1)], f"twice the {cores} usable cores, got {2 * cores + 1}"),

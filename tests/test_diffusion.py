@@ -9,13 +9,13 @@ import torch
 
 from conftest import bayes_posterior, transition_matrix
 import diffusion
-import gumbel
+from kernels import gumbel
 from diffusion import (SCHEDULES, T_MIN, TOP_K_MAX_TAU, SoftTokens, alpha_table, ancestral_step,
                        ancestral_step_from_logits, corrector_weights, cosine_schedule, curriculum_input,
                        curriculum_sample, gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice,
                        reverse_posterior, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule,
                        top_k_latent)
-from gumbel import block_logsumexp, gumbel_argmax, gumbel_noise, sample_categorical
+from kernels.gumbel import block_logsumexp, gumbel_argmax, gumbel_noise, sample_categorical
 
 
 def chi2_quantile(df, z=4.5):

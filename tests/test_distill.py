@@ -1,4 +1,4 @@
-"""Tests for distill.py (Discrete Consistency Distillation): the pair (z_t, z_s) is the argmax of ONE Gaussian
+"""Tests for distillation/distill.py (Discrete Consistency Distillation): the pair (z_t, z_s) is the argmax of ONE Gaussian
 noise at two levels (rebuilt from a dense Gaussian, and against Duo's dense draw in distribution), the loss is the
 KL between the student at (z_t, sigma_t) and the teacher at (z_s, sigma_s) (rebuilt independently, alpha from a
 closed form), the fused KL against float64 autograd; a distillation run on a toy distribution brings the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import diffusion
-import distill
+from distillation import distill
 import train
 from model import ModelConfig, build_model
 from sample import default_final_step, generate
@@ -393,7 +393,7 @@ def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path,
 def test_init_from_a_model_folder_distils_exactly_as_from_its_checkpoint(base_ckpts, tmp_path):
     """--init takes the model folder train.py wrote at the end of the run (out_dir/model: the EMA weights as
     safetensors, config.json) as it takes the checkpoint: the same student, EMA and teacher, bit for bit."""
-    from cli import UsageError
+    from plumbing.cli import UsageError
     args = DCD + ["--max_iters", "4", "--eval_interval", "100"]
     folder = base_ckpts / "duo" / "model"
     assert distill.main(["--init", str(base_ckpts / "duo" / "ckpt.pt"), "--out_dir", str(tmp_path / "a")] + args) == 0
@@ -435,7 +435,7 @@ def test_bad_input_is_one_line_and_nothing_is_lost(args, words, base_ckpts, tmp_
     before = (out / "ckpt.pt").read_bytes() if (out / "ckpt.pt").exists() else None
     args = [str(base_ckpts / "ar" / "ckpt.pt") if a == "AR" else a for a in args if a not in ("CORRUPT", "LOG")]
     base = ["--init", str(base_ckpts / "duo" / "ckpt.pt"), "--out_dir", str(out), "--max_iters", "3"] + DCD
-    r = subprocess.run([sys.executable, "distill.py", *base, *args], cwd=HERE, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "distillation/distill.py", *base, *args], cwd=HERE, capture_output=True, text=True,
                        timeout=300)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in r.stderr, r.stderr
@@ -473,7 +473,7 @@ def test_signal_during_evaluation_saves_and_resume_finishes_the_same_run(base_ck
 
 @pytest.mark.slow
 def test_two_process_torchrun_matches_one_process(base_ckpts, tmp_path):
-    common = ["distill.py", "--init", str(base_ckpts / "duo" / "ckpt.pt"), "--max_iters", "4", "--device", "cpu",
+    common = ["distillation/distill.py", "--init", str(base_ckpts / "duo" / "ckpt.pt"), "--max_iters", "4", "--device", "cpu",
               "--eval_interval", "100"] + DCD
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, *common, "--out_dir", str(tmp_path / "one")], cwd=HERE, env=env,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from cli import UsageError
+from plumbing.cli import UsageError
 from plumbing import duo
 from plumbing.checkpoint import load_model
 

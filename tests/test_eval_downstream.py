@@ -1,4 +1,4 @@
-"""eval_downstream.py, offline: a tiny DiT trained here (train.py, Duo NELBO, ~600 steps) on a corpus with an
+"""downstream/eval_downstream.py, offline: a tiny DiT trained here (train.py, Duo NELBO, ~600 steps) on a corpus with an
 obvious rule ("the sky is blue", "the grass is green", ... in random order) must rank the right colour first and
 recover it as LAMBADA's last word; the estimator is checked on stand-in denoisers (only the continuation is
 noised, t is stratified, both CFG branches see the same noisy continuation, the guided distribution is
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import eval_downstream as ed
+from downstream import eval_downstream as ed
 from data import get_tokenizer
 from model import ModelConfig, build_model
 from plumbing.checkpoint import load_checkpoint
@@ -216,7 +216,7 @@ def test_lm_eval_model_args_choose_the_psi_sampler():
     sampler's; a bad psi_eta is one error naming it."""
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     from types import SimpleNamespace
-    from lm_eval_sddlm import SDDLMHarness
+    from downstream.lm_eval_sddlm import SDDLMHarness
     from sample import parse_psi
     scorer = ed.Scorer(StubDenoiser(), CharTokenizer(), seed=0, progress=False)
     harness = SDDLMHarness(scorer=scorer, sampler="psi", psi_kappa="eta/max_capped/eta", psi_eta="1/0.3/1",
@@ -419,7 +419,7 @@ def test_cli_writes_json_and_table_and_cfg_w0_row_equals_no_cfg(trained, tmp_pat
 
 
 def run_cli(args):
-    return subprocess.run([sys.executable, os.path.join(HERE, "eval_downstream.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, os.path.join(HERE, "downstream/eval_downstream.py"), *args], capture_output=True,
                           text=True, cwd=HERE, timeout=120)
 
 
@@ -451,7 +451,7 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     from lm_eval.api.instance import Instance
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
-    import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
+    from downstream import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
     cls = ed.lm_eval_model_class()
     assert get_model("sddlm") is cls and issubclass(cls, LM)
     assert get_model("dummy").__name__ == "DummyLM"        # registering ours does not hide the harness's models
@@ -512,7 +512,7 @@ def write_tasks(d, seed=5):
 
 @pytest.mark.slow
 def test_harness_command_line_serves_every_request_type_as_the_scorer_does(trained, tmp_path):
-    """`python -m lm_eval_sddlm` (lm-eval's own CLI function) with four local tasks, one per request type; every
+    """`python -m downstream.lm_eval_sddlm` (lm-eval's own CLI function) with four local tasks, one per request type; every
     response it logged equals the same request computed here without the harness: the Scorer for loglikelihood,
     sample.generate for generate_until, the sum of per-window conditional NELBOs for loglikelihood_rolling; and
     the metrics it reports follow from those responses."""
@@ -526,7 +526,7 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
     args = ["--model", "sddlm", "--model_args", f"ckpt={trained['ckpt']},mc_draws=4,steps=6,seed=3",
             "--tasks", ",".join(items), "--include_path", str(tmp_path), "--device", "cpu", "--batch_size", "4",
             "--output_path", str(tmp_path / "out"), "--log_samples"]
-    proc = subprocess.run([sys.executable, "-m", "lm_eval_sddlm", *args], capture_output=True, text=True, cwd=HERE,
+    proc = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", *args], capture_output=True, text=True, cwd=HERE,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOWER BOUND on log p(text)" in proc.stderr and "do_sample are not used" in proc.stderr
@@ -584,7 +584,7 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
 
     # a mistyped model argument: one line, exit code 2, before the checkpoint is loaded
     args[args.index("--model_args") + 1] = f"ckpt={trained['ckpt']},mc_draw=8"
-    proc = subprocess.run([sys.executable, "-m", "lm_eval_sddlm", *args], capture_output=True, text=True, cwd=HERE,
+    proc = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", *args], capture_output=True, text=True, cwd=HERE,
                           env=env, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown sddlm model argument(s) mc_draw; known:")

@@ -1,5 +1,5 @@
 """Every fast path against the plain path it replaces: the chunked float32 log-sum-exp on bf16 logits, the SDDLM
-losses on bf16 logits, bf16 autocast, torch.compile, seeded determinism of the training step, and bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
+losses on bf16 logits, bf16 autocast, torch.compile, seeded determinism of the training step, and bench/bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
 Tolerances are stated where they are used; the bf16 ones follow from one rounding to 8 significant bits."""
 import json
 import math
@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import bench
+from bench import bench
 import diffusion
-import gumbel
+from kernels import gumbel
 import losses
-import objective
+import diffusion as objective
 from model import ModelConfig, build_model
 import train
 from train import TrainConfig, loss_terms, model_config_for, token_mean
@@ -454,7 +454,7 @@ def test_torch_compile_matches_eager_logits_and_training_gradients(name, curricu
 
 @pytest.mark.parametrize("name", list(train.OBJECTIVES))
 def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
-    """train.train_step (the step train.py and bench.py run): only its explicit generators may matter."""
+    """train.train_step (the step train.py and bench/bench.py run): only its explicit generators may matter."""
     runs = []
     for global_seed in (100, 200):  # dropout is 0, so the global seed must change nothing
         model, tcfg = small_model(name, perturb=0.0)
@@ -476,7 +476,7 @@ def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
 
 
 # -----------------------------------------------------------------------------
-# bench.py
+# bench/bench.py
 
 def test_bench_flop_formula_matches_torch_flop_counter():
     """6 N T + 12 n_layer L d T + 6 d V T against every matmul of a forward + backward, counted by torch

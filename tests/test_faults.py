@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import cli
+from plumbing import cli
 from plumbing import files
 import data
 import prepare
@@ -319,11 +319,11 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
              cwd=t, expect="bad.model is not a SentencePiece model"),
         case("sample.py", "--ckpt", t / "unknown_key.pt", "--out", "", cwd=t,
              expect="its model_config does not fit this version of model.py"),
-        case("eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "gold_true.jsonl", cwd=t,
+        case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "gold_true.jsonl", cwd=t,
              expect="gold_true.jsonl:1: expected"),
-        case("eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "empty_choice.jsonl", cwd=t,
+        case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "empty_choice.jsonl", cwd=t,
              expect="empty_choice.jsonl:1: expected"),
-        case("eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "latin1.jsonl", cwd=t,
+        case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "latin1.jsonl", cwd=t,
              expect="latin1.jsonl: not UTF-8 text (byte 0xe9 at offset 13)"),
     ]
     check(run_batches(cases[:8], cases[8:]))

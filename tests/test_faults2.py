@@ -4,6 +4,7 @@ holder, a killed holder's lock is taken over); --resume refuses the other script
 every phase (preparation, start-up, training, evaluation, sampling), ends a script with one line and exit code
 130, training saved, and no temp folder, lock or empty out_dir left behind."""
 import json
+import glob
 import os
 import random
 import shutil
@@ -17,9 +18,9 @@ import time
 import pytest
 import torch
 
-import cli
+from plumbing import cli
 import data
-import distill
+from distillation import distill
 from plumbing import files
 from plumbing.checkpoint import refuse_other_script
 from plumbing.lock import LOCK, acquire_folder
@@ -80,7 +81,7 @@ def big_corpus(path, mb):
 
 @pytest.fixture(scope="module")
 def dcd(base):
-    """A 2-step distill.py run of the shared run's checkpoint."""
+    """A 2-step distillation/distill.py run of the shared run's checkpoint."""
     out = str(base.root / "dcd")
     assert distill.main(["--init", base.ckpt, "--out_dir", out, "--max_iters", "2", "--batch_size", "8",
                          "--eval_iters", "2", "--num_samples", "0", "--log_interval", "1", "--round_iters", "3",
@@ -224,8 +225,9 @@ def test_deferred_signals_hold_a_signal_another_thread_received_until_the_block_
             signal.signal(signum, handler)
 
 
-SCRIPTS = sorted(f for f in os.listdir(HERE) if f.endswith(".py") and f != "cli.py"
-                 and "run_cli(" in open(os.path.join(HERE, f)).read())
+SCRIPTS = sorted(os.path.relpath(f, HERE) for f in glob.glob(os.path.join(HERE, "*.py")) + glob.glob(
+    os.path.join(HERE, "*", "*.py")) if "run_cli(" in open(f).read() and os.path.relpath(f, HERE).split(os.sep)[0]
+    not in ("plumbing", "tests", "tools"))
 
 
 def _catches(pid, sig):
@@ -239,8 +241,10 @@ def test_every_script_handles_stop_signals_before_its_imports():
     assert len(SCRIPTS) >= 10
     for name in SCRIPTS:
         lines = open(os.path.join(HERE, name)).read().split("\n")
-        first = next(i for i, line in enumerate(lines) if i > 0 and line.startswith(("import ", "from ")))
-        assert lines[first].startswith("import cli") and lines[first + 1] == "cli.stop_at_once(__name__)", name
+        first = next(i for i, line in enumerate(lines) if i > 0 and line.startswith(("import ", "from "))
+                     and not line.startswith("import os, sys"))   # a folder's script: the root on the path first
+        assert lines[first].startswith("from plumbing import cli") and lines[first + 1] == "cli.stop_at_once(__name__)", \
+            name
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
@@ -275,14 +279,14 @@ def test_resume_refuses_the_other_scripts_folder():
     trained = {"model": {}, "train_config": {}, "optimizer": {}}
     distilled = {**trained, "distill_config": {}, "teacher": {}}
     refuse_other_script(trained, "run", "train.py")
-    refuse_other_script(distilled, "dcd", "distill.py")
+    refuse_other_script(distilled, "dcd", "distillation/distill.py")
     refuse_other_script({"weights": 1}, "x", "train.py")        # foreign: its own message comes later
-    with pytest.raises(cli.ConfigError, match="written by distill.py; continue it with python distill.py --out_dir "
+    with pytest.raises(cli.ConfigError, match="written by distillation/distill.py; continue it with python distillation/distill.py --out_dir "
                                               "dcd --resume 1"):
         refuse_other_script(distilled, "dcd", "train.py")
     with pytest.raises(cli.ConfigError, match="written by train.py; continue it with python train.py --out_dir run "
                                               "--resume 1, or distil it into a new folder"):
-        refuse_other_script(trained, "run", "distill.py")
+        refuse_other_script(trained, "run", "distillation/distill.py")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -304,12 +308,12 @@ def test_outputs_that_are_inputs_and_the_other_scripts_folder_are_refused_changi
     cases = [
         case("eval_ppl.py", "--ckpt", base.ckpt, "--out", base.ckpt, cwd=t, expect="is the input --ckpt"),
         case("eval_ppl.py", "--ckpt", t / "link.pt", "--out", t / "hard.pt", cwd=t, expect="is the input --ckpt"),
-        case("eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "task.jsonl", "--out", base.ckpt, cwd=t,
+        case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "task.jsonl", "--out", base.ckpt, cwd=t,
              expect="is the input --ckpt"),
         case("sample.py", "--ckpt", base.ckpt, "--out", t / "link.pt", cwd=t, expect="is the input --ckpt"),
         case("eval_ppl.py", "--metric", "genppl", "--samples", t / "s.jsonl", "--save_samples", t / "s.jsonl",
              cwd=t, expect="--save_samples " + str(t / "s.jsonl") + " is the input --samples"),
-        case("distill.py", "--init", base.ckpt, "--out_dir", base.out, cwd=t,
+        case("distillation/distill.py", "--init", base.ckpt, "--out_dir", base.out, cwd=t,
              expect=f"--out_dir writes {run_out}, which is the input --init"),
         case("train.py", *base.train, "--judge", base.ckpt, "--out_dir", base.out, "--resume", "1", cwd=t,
              expect=f"--out_dir writes {run_out}, which is the input --judge"),
@@ -317,15 +321,15 @@ def test_outputs_that_are_inputs_and_the_other_scripts_folder_are_refused_changi
              expect="lies inside the input folder --dataset"),
         case("prepare.py", "--dataset", corpus_dir, "--data_dir", corpus_dir / "prepared", cwd=t,
              expect="lies inside the input folder --dataset"),
-        case("pretrained.py", "--ckpt", base.ckpt, "--out", base.out, cwd=t,
+        case("hub/pretrained.py", "--ckpt", base.ckpt, "--out", base.out, cwd=t,
              expect="would be written over the input --ckpt"),
-        case("plot.py", "--runs", base.out, "--table", os.path.join(base.out, "log.jsonl"), cwd=t,
+        case("figures/plot.py", "--runs", base.out, "--table", os.path.join(base.out, "log.jsonl"), cwd=t,
              expect="is the input --runs"),
         case("train.py", *base.train, "--out_dir", dcd, "--resume", "1", cwd=t,
-             expect=f"written by distill.py; continue it with python distill.py --out_dir {dcd} --resume 1"),
-        case("distill.py", "--out_dir", base.out, "--resume", "1", cwd=t,
+             expect=f"written by distillation/distill.py; continue it with python distillation/distill.py --out_dir {dcd} --resume 1"),
+        case("distillation/distill.py", "--out_dir", base.out, "--resume", "1", cwd=t,
              expect=f"written by train.py; continue it with python train.py --out_dir {base.out} --resume 1"),
-        case("distill.py", "--init", t / "nope.pt", "--out_dir", t / "dd", cwd=t, expect="no such checkpoint"),
+        case("distillation/distill.py", "--init", t / "nope.pt", "--out_dir", t / "dd", cwd=t, expect="no such checkpoint"),
     ]
     check(run_batches(cases[:7], cases[7:]))
     assert (md5s(base.out), md5s(dcd), md5s(corpus_dir), md5s(base.data_dir)) == before

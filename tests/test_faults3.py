@@ -16,7 +16,7 @@ import torch
 import data
 import prepare
 import train
-from cli import UsageError
+from plumbing.cli import UsageError
 from plumbing import integrity
 from test_faults import ENV, HERE, case, md5s, run_batches
 from test_train import TINY, _corpus
@@ -131,15 +131,15 @@ def test_a_tokenizer_that_is_not_the_checkpoints_is_refused_where_it_is_used(bas
                   expect=words),
              case("eval_ppl.py", "--ckpt", ckpt, "--metric", "zeroshot", "--dataset", base.corpus, cwd=t,
                   expect=words),
-             case("eval_downstream.py", "--ckpt", ckpt, "--jsonl", t / "mc.jsonl", "--mc_draws", "1", cwd=t,
+             case("downstream/eval_downstream.py", "--ckpt", ckpt, "--jsonl", t / "mc.jsonl", "--mc_draws", "1", cwd=t,
                   expect=words),
-             case("distill.py", "--init", base.ckpt, "--data_dir", base.other, "--out_dir", t / "dcd", cwd=t,
+             case("distillation/distill.py", "--init", base.ckpt, "--data_dir", base.other, "--out_dir", t / "dcd", cwd=t,
                   expect="other_data/tokenizer.model is not the tokenizer"),
              case("sample.py", "--ckpt", base.ckpt, "--num_samples", "1", "--steps", "2", "--out", "", cwd=t,
                   expect=["ok", "--- sample 0 ---"])]
     check(run_batches(cases[:3], cases[3:]))
     with pytest.raises(UsageError, match=words):       # the Python API
-        from pretrained import SDDLM
+        from hub.pretrained import SDDLM
         SDDLM.from_pretrained(ckpt)
     assert (md5s(run), md5s(base.out), md5s(base.data_dir)) == before
     assert not (t / "s.jsonl").exists() and not (t / "dcd").exists()
@@ -189,7 +189,7 @@ def test_prepared_data_and_checkpoints_are_trusted_only_with_proof(base, tmp_pat
         cases += [case("sample.py", "--ckpt", ckpt, "--steps", "2", "--out", "", cwd=t, expect=words),
                   case("train.py", *base.train, "--out_dir", run, "--resume", "1", "--max_iters", "8", cwd=t,
                        expect=words),
-                  case("distill.py", "--init", ckpt, "--out_dir", t / f"d_{field}", cwd=t, expect=words)]
+                  case("distillation/distill.py", "--init", ckpt, "--out_dir", t / f"d_{field}", cwd=t, expect=words)]
     cases.append(case("eval_ppl.py", "--ckpt", os.path.join(runs["step"], "ckpt.pt"), "--data_dir", base.data_dir,
                       cwd=t, expect="its field step holds '4' (str), not an int >= 0"))
     check(run_batches(cases[:12], cases[12:]))
@@ -229,7 +229,7 @@ def test_divergence_stops_the_run_and_keeps_only_sound_checkpoints(base, tmp_pat
                   expect="diverged validation NELBO"),
              case("train.py", *base.train, "--out_dir", nan, "--resume", "1", "--max_iters", "8", cwd=t,
                   expect=f"cannot resume from {nan}/ckpt.pt: its weights are not finite"),
-             case("distill.py", "--init", base.ckpt, "--out_dir", t / "dcd", "--lr", "1e30", "--max_iters", "8",
+             case("distillation/distill.py", "--init", base.ckpt, "--out_dir", t / "dcd", "--lr", "1e30", "--max_iters", "8",
                   "--eval_interval", "4", "--ckpt_interval", "4", "--round_iters", "4", cwd=t,
                   expect="DCD loss by step 4; no checkpoint was written")]
     results = run_batches(cases[:3], cases[3:])
@@ -253,17 +253,17 @@ def test_start_up_messages_come_before_the_work_and_name_the_fix(base, tmp_path)
     before = md5s(run), md5s(base.data_dir)
     resume = [a for a in base.train if a not in ("--data_dir", base.data_dir)]   # the default data folder, in cwd
     cases = [case("train.py", *base.train, "--out_dir", "", cwd=t / "w1", expect="--out_dir is empty"),
-             case("distill.py", "--init", base.ckpt, "--out_dir", "", cwd=t / "w1", expect="--out_dir is empty"),
+             case("distillation/distill.py", "--init", base.ckpt, "--out_dir", "", cwd=t / "w1", expect="--out_dir is empty"),
              case("train.py", *resume, "--out_dir", run, "--resume", "1", "--block_size", "64", cwd=t / "w2",
                   expect="(block_size changed): --block_size was 32, now 64"),
              case("train.py", *resume, "--out_dir", run, "--resume", "1", "--tokenizer", "sp_train:300", cwd=t / "w2",
                   expect="(tokenizer changed): --tokenizer 'sp_train:300' is another by content"),
              case("prepare.py", "--dataset", base.corpus, "--tokenizer", "sp_train:100", "--block_size", "32",
                   cwd=t / "w3", expect="use --tokenizer sp_train:N with N >= "),
-             case("distill.py", "--init", t / "missing.pt", "--out_dir", t / "w4" / "dcd", cwd=t,
+             case("distillation/distill.py", "--init", t / "missing.pt", "--out_dir", t / "w4" / "dcd", cwd=t,
                   expect="no such checkpoint"),
-             case("distill.py", "--init", base.corpus, "--out_dir", t / "w4" / "dcd", cwd=t, expect="cannot read it"),
-             case("distill.py", "--init", base.ckpt, "--data_dir", t / "w5", "--out_dir", t / "w4" / "dcd", cwd=t,
+             case("distillation/distill.py", "--init", base.corpus, "--out_dir", t / "w4" / "dcd", cwd=t, expect="cannot read it"),
+             case("distillation/distill.py", "--init", base.ckpt, "--data_dir", t / "w5", "--out_dir", t / "w4" / "dcd", cwd=t,
                   expect="meta.json missing"),
              case("prepare.py", "--dataset", long_corpus, "--tokenizer", "sp_train:320", "--block_size", "32",
                   cwd=long_dir, expect=["ok", "train: "])]
@@ -306,7 +306,7 @@ def test_a_disk_that_fills_during_preparation_names_the_folder_and_the_flag(base
 @pytest.mark.slow
 def test_lm_eval_reports_a_missing_checkpoint_before_the_device(tmp_path):
     pytest.importorskip("lm_eval")
-    p = subprocess.run([sys.executable, "-m", "lm_eval_sddlm", "--model", "sddlm", "--model_args",
+    p = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", "--model", "sddlm", "--model_args",
                         f"ckpt={tmp_path / 'missing.pt'}", "--tasks", "arc_easy", "--device", "cuda"],
                        capture_output=True, text=True, env={**ENV, "HF_DATASETS_OFFLINE": "1"}, cwd=tmp_path,
                        timeout=300)

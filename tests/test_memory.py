@@ -4,7 +4,7 @@ a torchrun launch on CUDA without --preset trains the paper's recipe. CPU only: 
 import pytest
 import torch
 
-import cli
+from plumbing import cli
 import plumbing.distributed
 import plumbing.memory
 import test_train

@@ -1,4 +1,4 @@
-"""plot.py draws each of the paper's figures from small fabricated run logs, eval_ppl.py and bench.py JSON
+"""figures/plot.py draws each of the paper's figures from small fabricated run logs, eval_ppl.py and bench/bench.py JSON
 (Agg backend, no display), reads the curves back exactly, names the judge, refuses to mix judges, and writes the
 table rows. Skipped where matplotlib is not installed (the table test needs no matplotlib)."""
 import json
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-import plot
-from cli import UsageError
+from figures import plot
+from plumbing.cli import UsageError
 
 JUDGE = "ar:out-ar/ckpt.pt@step1000"
 
@@ -202,7 +202,7 @@ def test_plot_script_on_real_world_logs_and_wrong_schemas(tmp_path):
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
     def plot_py(*argv):
-        p = subprocess.run([sys.executable, os.path.join(here, "plot.py"), *argv, "--out_dir", str(tmp_path / "f")],
+        p = subprocess.run([sys.executable, os.path.join(here, "figures/plot.py"), *argv, "--out_dir", str(tmp_path / "f")],
                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         return p.returncode, p.stderr.strip().splitlines()
     code, err = plot_py("--runs", ",".join(runs))
@@ -218,7 +218,7 @@ def test_plot_script_on_real_world_logs_and_wrong_schemas(tmp_path):
     (tmp_path / "run_bad").mkdir()
     (tmp_path / "run_bad" / "config.json").write_text("[]")
     (tmp_path / "run_bad" / "log.jsonl").write_text("")
-    for argv, words in [(("--bench", str(tmp_path / "bench_list.json")), "not a bench.py --json 1 output"),
+    for argv, words in [(("--bench", str(tmp_path / "bench_list.json")), "not a bench/bench.py --json 1 output"),
                         (("--runs", str(tmp_path / "run_bad")), "not a train.py config.json")]:
         code, err = plot_py(*argv)
         assert code == 2 and len(err) == 1 and words in err[0], (argv, err)

@@ -1,4 +1,4 @@
-"""Model folders (pretrained.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
+"""Model folders (hub/pretrained.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
 checkpoint's logits and samples, carries its own tokenizer and refuses another one, samples with the schedule
 and final step its config names, scores text with the NELBO (exact NLL for the AR baseline, checked by brute
 force), uploads offline to a stand-in hub and loads back from it; every script's --ckpt reads it."""
@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cli
+from plumbing import cli
 import diffusion
 import losses
-import pretrained
+from hub import pretrained
 import sample
 from model import ModelConfig, build_model
 from plumbing.checkpoint import load_checkpoint, load_model
-from pretrained import SDDLM
+from hub.pretrained import SDDLM
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXT = "the cat sees the dog . the bird likes the fish ."
@@ -240,7 +240,7 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
                                                 mc_draws=1, t_min=1e-3), *load_model(str(c), "cpu"), "cpu", None)
              for c in (out / "model", out / "ckpt.pt")]
     assert nelbo[0] == nelbo[1]
-    lm_eval_sddlm = pytest.importorskip("lm_eval_sddlm")
+    lm_eval_sddlm = pytest.importorskip("downstream.lm_eval_sddlm")
     scores = [lm_eval_sddlm.SDDLMHarness(ckpt=str(c), mc_draws=2, device="cpu").scorer.loglikelihood(
         [("the cat", " sees the dog")]) for c in (out / "model", out / "ckpt.pt")]
     assert scores[0] == scores[1]

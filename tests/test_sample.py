@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import diffusion
-from cli import UsageError
+from plumbing.cli import UsageError
 from model import ModelConfig, build_model
 from conftest import bayes_posterior, transition_matrix
 from sample import (Psi, denoiser_probs, generate, generate_ar, kappa_from_sigma, nucleus, nucleus_logits, parse_psi,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import train
-from cli import UsageError
+from plumbing.cli import UsageError
 from plumbing import tracking
 from plumbing.runlog import Log
 

@@ -101,7 +101,7 @@ MUTATIONS = [
       old="fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", new="pass",
       tests=["tests/test_faults2.py::test_a_held_out_dir_is_refused_naming_its_holder_and_a_dead_holders_lock_is_"
              "taken_over"]),
-    M(name="only_sigint_sigterm_handled", file="cli.py",
+    M(name="only_sigint_sigterm_handled", file="plumbing/cli.py",
       old='("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU")', new='("SIGINT", "SIGTERM")',
       tests=["tests/test_faults2.py::test_every_stop_signal_ends_a_script_with_one_line_and_exit_130"]),
     M(name="resume_of_the_other_scripts_folder", file="plumbing/checkpoint.py",

@@ -2,9 +2,9 @@
 The EleutherAI lm-evaluation-harness (lm-eval 0.4.x) model "sddlm". Importing this module registers it; running
 it is the harness's own command line with the model available, every flag the harness's (`... run --help`):
 
-    python -m lm_eval_sddlm --model sddlm --model_args ckpt=out/ckpt.pt,mc_draws=128,cfg_w=1.1 \\
+    python -m downstream.lm_eval_sddlm --model sddlm --model_args ckpt=out/ckpt.pt,mc_draws=128,cfg_w=1.1 \\
         --tasks arc_easy,lambada_standard --batch_size 16 --device cuda --output_path results/
-    python -m lm_eval_sddlm --model sddlm --model_args ckpt=out/ckpt.pt,steps=64 --tasks my_task \\
+    python -m downstream.lm_eval_sddlm --model sddlm --model_args ckpt=out/ckpt.pt,steps=64 --tasks my_task \\
         --include_path my_tasks/ --device cpu --batch_size 16
 
 This runs lm_eval.__main__.cli_evaluate, the function behind the `lm_eval` console script. The bare `lm_eval`
@@ -36,7 +36,10 @@ Request types (eval_downstream's harness over its Scorer does the work; its docs
   generate_until         (context, gen_kwargs) -> max_gen_toks tokens sampled after the fixed context, cut at EOS
                          and the stop strings; the task's do_sample/temperature/... do not apply and are named once
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import importlib
@@ -45,8 +48,8 @@ import sys
 import torch
 from lm_eval.api.registry import register_model
 
-import eval_downstream as ed
-from cli import UsageError, run_cli
+from downstream import eval_downstream as ed
+from plumbing.cli import UsageError, run_cli
 from data import DataError
 
 # The harness's own models first: lm-eval's get_model imports them only into an EMPTY registry, so registering

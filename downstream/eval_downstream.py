@@ -2,8 +2,8 @@
 Downstream evaluation of large models (paper Tables: 1.1B models, zero-shot ARC-e, BoolQ, HellaSwag, OBQA,
 PIQA, RACE, SIQA, LAMBADA, with and without classifier-free guidance).
 
-    python eval_downstream.py --ckpt out/ckpt.pt --tasks arc_easy,boolq --cfg both        # through lm-eval
-    python eval_downstream.py --ckpt out/ckpt.pt --jsonl my/arc_easy.jsonl,my/lambada.jsonl  # built-in runner
+    python downstream/eval_downstream.py --ckpt out/ckpt.pt --tasks arc_easy,boolq --cfg both        # through lm-eval
+    python downstream/eval_downstream.py --ckpt out/ckpt.pt --jsonl my/arc_easy.jsonl,my/lambada.jsonl  # built-in runner
 
 Every number is built on one estimate, the conditional log-likelihood of a continuation given a clean context:
   x0 = [context ; continuation] (context truncated from the left to fit block_size), t_j stratified in
@@ -39,13 +39,16 @@ share their random numbers (common random numbers make the comparison between ch
 
 JSONL files for the built-in runner: one object a line, either multiple choice
   {"context": str, "choices": [str, ...], "gold": int}   or LAMBADA-style   {"text": str}.
-The lm-eval model "sddlm" (lm-eval 0.4.x, optional) lives in lm_eval_sddlm.py: importing it registers the model,
-and `python -m lm_eval_sddlm --model sddlm --model_args ckpt=... --tasks ...` is the harness's own command line.
+The lm-eval model "sddlm" (lm-eval 0.4.x, optional) lives in downstream/lm_eval_sddlm.py: importing it registers the model,
+and `python -m downstream.lm_eval_sddlm --model sddlm --model_args ckpt=... --tasks ...` is the harness's own command line.
 Through lm-eval each task's result is written to --out as soon as it is known; a task that fails (a dataset that
 cannot be reached, ...) is reported and the others still run; the exit code is 2 when any failed.
 """
 
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import argparse
@@ -63,7 +66,7 @@ from tqdm import tqdm
 import diffusion
 import losses
 from data import DataError
-from cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import refuse_overwrite, save_atomic, write_json
 from plumbing.runlog import jsonl_records
@@ -602,7 +605,7 @@ def run_lm_eval(task, lm, limit, include_path=""):
 @dataclass
 class EvalConfig:
     # model
-    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, a model folder, or duo:PATH
+    ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, a model folder, or duo:PATH
     use_ema: bool = True             # evaluate the EMA weights (the live ones when the checkpoint has no EMA)
     add_bos: bool = True             # BOS before the context (training blocks start with BOS)
     # tasks

@@ -1,16 +1,16 @@
 """
-The paper's figures and the rows of its main table, from train.py run folders, eval_ppl.py and bench.py JSON.
+The paper's figures and the rows of its main table, from train.py run folders, eval_ppl.py and bench/bench.py JSON.
 
-    python plot.py --runs out-sddlm,out-sddlm_v1,out-sddlm_v2,out-duo --out_dir figures
-    python plot.py --evals evals/sddlm-genppl.json,evals/duo-genppl.json --table table.md
-    python plot.py --bench bench.json                       # bench.py --json 1 > bench.json
+    python figures/plot.py --runs out-sddlm,out-sddlm_v1,out-sddlm_v2,out-duo --out_dir figures
+    python figures/plot.py --evals evals/sddlm-genppl.json,evals/duo-genppl.json --table table.md
+    python figures/plot.py --bench bench.json                       # bench/bench.py --json 1 > bench.json
 
 Figures (PNG; matplotlib, an optional dependency, is imported only to draw them):
   training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
   training_entropy.png   sample entropy over training steps              (Fig. entropy_curve_lm1b)
   training_val_ppl.png   validation NELBO PPL over training steps        (Fig. eppl_curve_lm1b)
   gen_ppl_vs_steps.png   Gen PPL vs sampling steps, one line per model   (Fig. steps; eval_ppl.py --metric genppl)
-  time_memory.png        training step time and memory per objective     (Fig. time; bench.py)
+  time_memory.png        training step time and memory per objective     (Fig. time; bench/bench.py)
 A figure whose data are absent is skipped (and said so). A line is named by its run's objective (config.json next
 to the run's log or checkpoint), with ε when it is not the default, and has its own marker and dashes (curves that
 coincide stay visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated
@@ -23,7 +23,10 @@ skipped and counted; an input file of the wrong shape is refused in one line.
 the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given), each naming its
 checkpoint, step, judge, sampler settings and seed; models that differ only in ε also form an ε-sweep table.
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import json
@@ -33,7 +36,7 @@ import sys
 from dataclasses import dataclass
 
 import losses
-from cli import UsageError, parse_flags, run_cli
+from plumbing.cli import UsageError, parse_flags, run_cli
 from plumbing.files import refuse_overwrite
 
 
@@ -41,7 +44,7 @@ from plumbing.files import refuse_overwrite
 class PlotConfig:
     runs: str = ""                   # comma list of train.py out_dir folders (their log.jsonl and config.json)
     evals: str = ""                  # comma list of eval_ppl.py --out JSON files (genppl and/or nelbo)
-    bench: str = ""                  # a bench.py --json 1 output file
+    bench: str = ""                  # a bench/bench.py --json 1 output file
     out_dir: str = "figures"         # where the PNG files go
     table: str = ""                  # also write the markdown tables here ("-" = print only)
     table_steps: int = 0             # sampling steps of the table's Gen PPL (0 = the most steps evaluated)
@@ -107,7 +110,7 @@ def training_curves(folder):
             curves["gen_settings"].add((r["gen_samples"], r["gen_steps"], r["gen_seed"], r["gen_sampler"]))
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
-        print(f"plot.py: {path}: skipped {len(skipped)} unreadable line(s) (torn by a crash, or not a log record): "
+        print(f"figures/plot.py: {path}: skipped {len(skipped)} unreadable line(s) (torn by a crash, or not a log record): "
               f"line {shown}", file=sys.stderr)
     return curves
 
@@ -199,7 +202,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UsageError("plot.py needs matplotlib for figures (pip install matplotlib); --table works without it") \
+        raise UsageError("figures/plot.py needs matplotlib for figures (pip install matplotlib); --table works without it") \
             from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -277,7 +280,7 @@ def plot_training(curves, cfg):
             written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
             plt.close(fig)
     else:
-        print("plot.py: no Gen PPL in the runs' logs (train.py --gen_interval): training_gen_ppl.png and "
+        print("figures/plot.py: no Gen PPL in the runs' logs (train.py --gen_interval): training_gen_ppl.png and "
               "training_entropy.png skipped")
     with_val = [c for c in curves if c["val"]]
     if with_val:
@@ -303,7 +306,7 @@ def plot_gen_ppl_vs_steps(gen, cfg):
     against ε at that step count, with the same objective at its default ε, on the same Gen PPL axis."""
     rows = [r for r in gen if isinstance(r["steps"], int)]
     if not rows:
-        print("plot.py: no diffusion Gen PPL evaluations (eval_ppl.py --metric genppl --out): gen_ppl_vs_steps.png "
+        print("figures/plot.py: no diffusion Gen PPL evaluations (eval_ppl.py --metric genppl --out): gen_ppl_vs_steps.png "
               "skipped")
         return None
     plt = _pyplot()
@@ -365,7 +368,7 @@ def plot_gen_ppl_vs_steps(gen, cfg):
 
 
 def plot_time_memory(bench, cfg):
-    """Fig. time: step time and memory per objective (bars) from bench.py --json 1 -> written path."""
+    """Fig. time: step time and memory per objective (bars) from bench/bench.py --json 1 -> written path."""
     plt = _pyplot()
     names = list(bench["losses"])
     res = bench["losses"]
@@ -384,7 +387,7 @@ def plot_time_memory(bench, cfg):
     m = bench["model"]
     fig.suptitle(f"Training step per objective: {bench['device']}, {bench['dtype']}\n"
                  f"{m['params'] / 1e6:.1f}M params, V = {m['vocab_size']}, L = {bench['block_size']}, "
-                 f"B = {bench['bench_config']['batch_size']} (bench.py, {bench['date'][:10]})", fontsize=9)
+                 f"B = {bench['bench_config']['batch_size']} (bench/bench.py, {bench['date'][:10]})", fontsize=9)
     path = _save(fig, cfg.out_dir, "time_memory.png", cfg.dpi)
     plt.close(fig)
     return path
@@ -446,7 +449,7 @@ def main(argv=None):
     curves = [training_curves(folder) for folder in _split(cfg.runs)]
     bench = _read_json(cfg.bench) if cfg.bench else None
     if bench is not None and not (isinstance(bench, dict) and isinstance(bench.get("losses"), dict)):
-        raise UsageError(f"--bench {cfg.bench}: not a bench.py --json 1 output")
+        raise UsageError(f"--bench {cfg.bench}: not a bench/bench.py --json 1 output")
     written = []
     if curves or gen or bench:
         os.makedirs(cfg.out_dir, exist_ok=True)

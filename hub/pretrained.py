@@ -7,18 +7,21 @@ Model folders: a trained model as the Hugging Face ecosystem shares one, and the
                           tokenizer (spec, sha256, special ids), the step, the training config
       tokenizer.model     the SentencePiece model, when the tokenizer is a local file (gpt2 and hf:NAME are not)
 
-    from pretrained import SDDLM
+    from hub.pretrained import SDDLM
     lm = SDDLM.from_pretrained("out/model")       # a model folder, a train.py/distill.py checkpoint, a hub name
     print(lm.generate(2)[0], lm.score(["The os module provides"]))
 
-train.py and distill.py write out_dir/model at the end of a run; any checkpoint exports with
+train.py and distillation/distill.py write out_dir/model at the end of a run; any checkpoint exports with
 
-    python pretrained.py --ckpt out/ckpt.pt --out out/model        # --weights raw: the live weights, not the EMA
+    python hub/pretrained.py --ckpt out/ckpt.pt --out out/model        # --weights raw: the live weights, not the EMA
 
 and every script's --ckpt reads a folder as it reads a checkpoint (plumbing.checkpoint.load_model). push_to_hub uploads a folder
 (huggingface_hub, an optional package imported only there).
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import json
@@ -34,7 +37,7 @@ from plumbing.folder import CONFIG, FORMAT, TOKENIZER, WEIGHTS, _sha256, is_mode
 
 
 def folder_config(ckpt, weights):
-    """A checkpoint dict (train.py, distill.py, or load_duo_checkpoint's) -> config.json's content, without the
+    """A checkpoint dict (train.py, distillation/distill.py, or load_duo_checkpoint's) -> config.json's content, without the
     tokenizer file's new place (save_folder sets it)."""
     from sample import default_final_step
     train_config = dict(ckpt.get("train_config") or {})
@@ -61,7 +64,7 @@ def save_folder(folder, state, config):
     folder never ships another tokenizer than the one its ids came from). The folder appears whole or not at
     all: it is built beside the target and renamed over it."""
     from safetensors.torch import save_file
-    from cli import UsageError
+    from plumbing.cli import UsageError
     config = json.loads(json.dumps(config))          # a copy; JSON types only
     tok = config["tokenizer"]
     spec = tok.get("spec") or ""
@@ -99,10 +102,10 @@ def save_folder(folder, state, config):
 
 
 def export(ckpt, out, weights="ema"):
-    """Any checkpoint cli.load_model reads (train.py / distill.py ckpt.pt, duo:PATH, a model folder) -> a model
+    """Any checkpoint cli.load_model reads (train.py / distillation/distill.py ckpt.pt, duo:PATH, a model folder) -> a model
     folder at `out` with its EMA weights (weights="ema"; the live ones when it has no EMA) or its live ones
     (weights="raw"). -> (folder, the weights written: "ema" | "raw")."""
-    from cli import UsageError
+    from plumbing.cli import UsageError
     from plumbing.checkpoint import load_model
     if weights not in ("ema", "raw"):
         raise UsageError(f"--weights must be ema or raw, got {weights!r}")
@@ -133,7 +136,7 @@ def push_to_hub(folder, repo_id, private=False, token=None, commit_message="Uplo
     """Upload a model folder to the Hugging Face hub as the repository repo_id (created if absent) -> the
     commit info huggingface_hub returns. Only the folder's own files travel (weights, config, tokenizer)."""
     if not is_model_folder(folder):
-        raise ValueError(f"{folder} is not an sddlm model folder (export one with python pretrained.py)")
+        raise ValueError(f"{folder} is not an sddlm model folder (export one with python hub/pretrained.py)")
     try:
         from huggingface_hub import HfApi
     except ImportError:
@@ -156,7 +159,7 @@ class SDDLM:
 
     @classmethod
     def from_pretrained(cls, name, device="cpu", use_ema=True):
-        """A model folder, a train.py / distill.py checkpoint, duo:PATH, or a hub repository id (downloaded with
+        """A model folder, a train.py / distillation/distill.py checkpoint, duo:PATH, or a hub repository id (downloaded with
         huggingface_hub) -> SDDLM. The tokenizer is the folder's own file (or the checkpoint's)."""
         from plumbing.checkpoint import load_model, load_tokenizer
         name = str(name)
@@ -225,13 +228,13 @@ class SDDLM:
 
 @dataclass
 class ExportConfig:
-    ckpt: str = "out/ckpt.pt"        # a train.py / distill.py checkpoint, duo:PATH, or a model folder
+    ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, duo:PATH, or a model folder
     out: str = ""                    # the model folder to write ("" = model/ beside the checkpoint)
     weights: str = "ema"             # ema | raw (the live weights)
 
 
 def main(argv=None):
-    from cli import parse_flags
+    from plumbing.cli import parse_flags
     from plumbing.files import check_writable, refuse_overwrite
     cfg = parse_flags(ExportConfig, argv, description="Export a checkpoint as a model folder (safetensors).")
     out = cfg.out or os.path.join(os.path.dirname(os.path.abspath(cfg.ckpt)), "model")
@@ -244,5 +247,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from cli import run_cli
+    from plumbing.cli import run_cli
     run_cli(main, ValueError)

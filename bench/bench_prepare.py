@@ -1,8 +1,8 @@
 """
 Benchmark prepare.py: speed and peak memory of one preparation with 1, 2, ... worker processes, side by side.
 
-    python bench_prepare.py                                  # ~100 MB .txt from pydoc, gpt2, L=1024, 1 vs 2 workers
-    python bench_prepare.py --corpus big.txt --num_procs 1,4,16 --rounds 2
+    python bench/bench_prepare.py                                  # ~100 MB .txt from pydoc, gpt2, L=1024, 1 vs 2 workers
+    python bench/bench_prepare.py --corpus big.txt --num_procs 1,4,16 --rounds 2
 
 Method. The corpus (unless --corpus names one): Python's help topics as paragraphs, shuffled and repeated
 (seeded) up to --mb megabytes, written once as a .txt. Each run is a fresh `python prepare.py` process
@@ -14,7 +14,10 @@ and of all workers together (tokenizing): on a machine busy with other work the 
 the split of CPU time says what N idle cores would give; peak RSS of the main process and of the largest worker
 (getrusage), and whether the bytes written equal those of the first count (sha256 in meta.json).
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import json
@@ -26,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 # the child: run prepare.py's main, then report its own and its reaped workers' peak RSS (KiB on Linux)
 CHILD = ("import resource, sys, prepare; code = prepare.main(sys.argv[1:]); "
          "u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]; "
@@ -73,7 +76,7 @@ def run_once(cfg, corpus, num_proc, out):
 
 
 def main(argv=None):
-    from cli import parse_flags
+    from plumbing.cli import parse_flags
     cfg = parse_flags(BenchPrepareConfig, argv, "Benchmark prepare.py with several worker counts.")
     procs = [int(n) for n in cfg.num_procs.split(",")]
     with tempfile.TemporaryDirectory(dir=cfg.work_dir or None) as work:
@@ -101,5 +104,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from cli import run_cli
+    from plumbing.cli import run_cli
     run_cli(main)

@@ -2,9 +2,9 @@
 Discrete Consistency Distillation (DCD, Duo spec section 8) of a diffusion checkpoint of this repo, for
 few-step generation. Works for every objective (sddlm, sddlm_v1, sddlm_v2, duo, naive).
 
-    python distill.py --init out-duo/ckpt.pt --out_dir out-duo-dcd          # tiny schedule, CPU, minutes
-    torchrun --nproc_per_node=8 distill.py --preset small --init ckpt.pt --out_dir dcd   # Duo's distil_owt.sh
-    python distill.py --out_dir out-duo-dcd --resume 1                      # continue a stopped run exactly
+    python distillation/distill.py --init out-duo/ckpt.pt --out_dir out-duo-dcd          # tiny schedule, CPU, minutes
+    torchrun --nproc_per_node=8 distillation/distill.py --preset small --init ckpt.pt --out_dir dcd   # Duo's distil_owt.sh
+    python distillation/distill.py --out_dir out-duo-dcd --resume 1                      # continue a stopped run exactly
     python sample.py --ckpt out-duo-dcd/ckpt.pt --steps 8                   # few-step samples
 
 One step: x0 ~ data, t stratified in [1e-3, 1], dt = 2^round / T, t <- min(t + dt, 1), s = t - dt; the two
@@ -27,7 +27,10 @@ unchanged) plus distill_config, distilled_from and the teacher's weights. Everyt
 flags from one dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights
 for evaluation and sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import copy
@@ -41,11 +44,11 @@ import torch
 
 import diffusion
 import train
-from cli import UsageError, first_line, parse_flags, resolve_dtype, run_cli
+from plumbing.cli import UsageError, first_line, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_sums
 from model import ModelConfig
-from objective import unwrap
+from diffusion import unwrap
 from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, read_checkpoint,
                                  refuse_other_script, restore, save)
 from plumbing.distributed import run_distributed
@@ -61,7 +64,7 @@ class DistillConfig(train.OptimConfig):
     defaults, and the DCD settings."""
     # the model to distil
     preset: str = "tiny"             # tiny (CPU schedule) | small (Duo's distil_owt.sh), see DISTILL_PRESETS
-    init: str = "out/ckpt.pt"        # the model to distil: ckpt.pt or model folder of train.py (distill.py: more rounds)
+    init: str = "out/ckpt.pt"        # the model to distil: ckpt.pt or model folder of train.py (distillation/distill.py: more rounds)
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
     # DCD
     round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round
@@ -243,8 +246,8 @@ def validate(cfg, world_size):
 
 
 def load_init(cfg):
-    """The model to distil -> (its weights, a checkpoint dict): a train.py / distill.py checkpoint, or a model
-    folder (pretrained.py; read as a checkpoint by plumbing.folder.load_folder). Refuses the AR baseline."""
+    """The model to distil -> (its weights, a checkpoint dict): a train.py / distillation/distill.py checkpoint, or a model
+    folder (hub/pretrained.py; read as a checkpoint by plumbing.folder.load_folder). Refuses the AR baseline."""
     if os.path.isdir(cfg.init):
         from plumbing.folder import load_folder
         try:
@@ -294,16 +297,16 @@ def base_of(cfg, init_ckpt, record):
 
 def open_out_dir(cfg):
     """The checkpoint to resume (None for a fresh run). A fresh run never overwrites a checkpoint nor mixes its
-    log with an earlier run's; a resume must find a readable distill.py checkpoint with the same DCD settings,
+    log with an earlier run's; a resume must find a readable distillation/distill.py checkpoint with the same DCD settings,
     short of --max_iters. A refused run changes nothing in out_dir."""
     ckpt = load_resume_checkpoint(cfg)
     if ckpt is None:
         return None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    refuse_other_script(ckpt, cfg.out_dir, "distill.py")
+    refuse_other_script(ckpt, cfg.out_dir, "distillation/distill.py")
     saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
     if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
-        raise UsageError(f"cannot resume from {path}: not a distill.py checkpoint")
+        raise UsageError(f"cannot resume from {path}: not a distillation/distill.py checkpoint")
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
         raise UsageError(f"cannot resume from {path}: DCD settings differ (saved, now) {diff}")

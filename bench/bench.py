@@ -1,10 +1,10 @@
 """
 Benchmark train.py's training step for every objective, and the ancestral sampler against bare forwards.
 
-    python bench.py                                          # tiny preset, L=128, B=8, CPU float32
-    python bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
-    python bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
-    python bench.py --json 1                                 # one JSON object instead of markdown
+    python bench/bench.py                                          # tiny preset, L=128, B=8, CPU float32
+    python bench/bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
+    python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
+    python bench/bench.py --json 1                                 # one JSON object instead of markdown
 
 Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
 per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
@@ -46,7 +46,10 @@ bare computation side by side, both from this one run.
 The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
 same rounds, and its time per step over the ancestral sampler's.
 """
-import cli  # first: a stop signal while the imports below load (seconds, for torch) is one line, exit 130
+import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import datetime
@@ -60,9 +63,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 import diffusion
-from cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
-from objective import OBJECTIVES, loss_terms, token_mean
+from diffusion import OBJECTIVES, loss_terms, token_mean
 from plumbing.distributed import Env
 from train import TRAIN_PRESETS, Run, TrainConfig, make_optimizer, model_config_for, train_step
 
@@ -408,7 +411,7 @@ def markdown(out):
     m, cfg = out["model"], out["bench_config"]
     padded = f" (output layer {m['padded_vocab_size']})" if m.get("padded_vocab_size", m["vocab_size"]) != m["vocab_size"] else ""
     lines = [
-        f"### bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
+        f"### bench/bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
         f"V={m['vocab_size']}{padded}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
         f"{out['dtype']}{', compiled' if cfg['compile'] else ', eager'}",
         f"{out['device']}; {out['date']}; median of {cfg['repeats']} interleaved rounds after {cfg['warmup']} "
