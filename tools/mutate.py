@@ -34,11 +34,11 @@ MUTATIONS = [
     M(name="resume_forgets_gen_local", file="plumbing/checkpoint.py",
       old='run.gen_local.set_state(r["gen_local"])', new="pass",
       tests=["tests/test_train.py::test_resume_mid_curriculum_continues_bit_identically"]),
-    M(name="model_fed_alpha_not_sigma", file="objective.py",
+    M(name="model_fed_alpha_not_sigma", file="diffusion.py",
       old="out = model(c.net_in, diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1)),",
       new="out = model(c.net_in, c.alpha_t.squeeze(-1),",
       tests=["tests/test_train.py::test_training_conditions_the_model_on_minus_log_alpha_t"]),
-    M(name="v1_negatives_are_replacement_tokens", file="objective.py",
+    M(name="v1_negatives_are_replacement_tokens", file="diffusion.py",
       old="return Corrupted(x0, xt, net_in, draws[2],", new="return Corrupted(x0, xt, net_in, draws[1],",
       tests=["tests/test_train.py::test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replacement_tokens"]),
     # --- the loosely checked paths ------------------------------------------------------------------------------
