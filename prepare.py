@@ -118,7 +118,7 @@ def scientific_papers_detokenizer(text):
 
 # -----------------------------------------------------------------------------
 # Named corpora: Duo's splits, fields and detokenizers, read from parquet files (no loading script, which
-# `datasets` >= 4 refuses). README, "Corpora", says how each repository and revision was checked.
+# `datasets` >= 4 refuses). docs/data.md says how each repository and revision was checked.
 
 @dataclass(frozen=True)
 class HFSource:
