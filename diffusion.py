@@ -87,40 +87,36 @@ def _per_sequence(a, like):
     return a
 
 
+def posterior_weights(x0_at_xt, K, alpha_t, alpha_s):
+    """Eq. (reverse) grouped by what its four terms multiply: e_xt (the first two), x0, or the uniform 1 / K,
+        q(x_s | x_t, x0) = m_x0 x0 + m_unif / K + m_stay e_xt,      Z = K a_t x0[x_t] + 1 - a_t,
+        m_x0 = (a_s - a_t) / Z,  m_unif = (1 - a_{t|s})(1 - a_s) / Z,  m_stay = (K a_t x0[x_t] + a_{t|s} - a_t) / Z,
+    which sum to 1 (the numerator sums to Z). x0 enters only through itself and x0[x_t]: reverse_posterior builds
+    the law from these weights, and ancestral_step draws from the same three-part mixture without building it.
+    x0_at_xt = x0[x_t], any shape; alphas floats or (B, 1) -> (m_x0, m_unif, m_stay), each of x0_at_xt's shape."""
+    a_t = _per_sequence(alpha_t, x0_at_xt)
+    a_s = _per_sequence(alpha_s, x0_at_xt)
+    Z = K * a_t * x0_at_xt + 1 - a_t
+    return (a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z, (K * a_t * x0_at_xt + a_t / a_s - a_t) / Z
+
+
 def reverse_posterior(xt, x0_probs, alpha_t, alpha_s, vocab_size):
     """Eq. (reverse): q(x_s | x_t, x0) for s < t, with x0 one-hot or the model's prediction x_theta.
 
         q = [K a_t x0 * e_xt + (a_{t|s} - a_t) e_xt + (a_s - a_t) x0 + (1 - a_{t|s})(1 - a_s)/K]
-            / (K a_t <x0, e_xt> + 1 - a_t),          a_{t|s} = a_t / a_s.
-    With x0 = x_theta this is the Bayes posterior of x_s given x_t under the prior x0 ~ x_theta.
+            / (K a_t <x0, e_xt> + 1 - a_t),          a_{t|s} = a_t / a_s,
+    i.e. the three-part mixture of posterior_weights. With x0 = x_theta this is the Bayes posterior of x_s given
+    x_t under the prior x0 ~ x_theta; the sampler draws from it (ancestral_step).
     xt (B, L); x0_probs (B, L, K) float; alphas per sequence (B, 1) or floats -> (B, L, K), rows sum to 1.
     Built by one scatter at xt, never a K x K matrix."""
-    K = vocab_size
-    a_t = _per_sequence(alpha_t, x0_probs)
-    a_s = _per_sequence(alpha_s, x0_probs)
-    a_ts = a_t / a_s
-    x0_at_xt = x0_probs.gather(-1, xt.unsqueeze(-1))                      # (B, L, 1)
-    numer = (a_s - a_t) * x0_probs + (1 - a_ts) * (1 - a_s) / K
-    numer = numer.scatter_add(-1, xt.unsqueeze(-1), K * a_t * x0_at_xt + (a_ts - a_t).expand_as(x0_at_xt))
-    return numer / (K * a_t * x0_at_xt + 1 - a_t)
-
-
-def predictor_weights(p_z, K, alpha_t, alpha_s):
-    """Eq. (reverse), q(x_s | x_t, x_theta), as a three-part mixture: stay at x_t, draw from x_theta, or draw
-    uniformly, with weights
-        m_theta = (a_s - a_t) / Z,  m_unif = (1 - a_t/a_s)(1 - a_s) / Z,  m_stay = 1 - m_theta - m_unif,
-        Z = K a_t x_theta[x_t] + 1 - a_t.
-    p_z = x_theta[x_t] (B, L) float64; alphas floats or (B, 1) -> (m_theta, m_unif), each (B, L) float64."""
-    a_t = _per_sequence(alpha_t, p_z)
-    a_s = _per_sequence(alpha_s, p_z)
-    Z = K * a_t * p_z + 1 - a_t
-    return (a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z
+    m_x0, m_unif, m_stay = posterior_weights(x0_probs.gather(-1, xt.unsqueeze(-1)), vocab_size, alpha_t, alpha_s)
+    return (m_x0 * x0_probs + m_unif / vocab_size).scatter_add(-1, xt.unsqueeze(-1), m_stay)
 
 
 def corrector_weights(p_z, K, alpha_t, alpha_s):
     """The Psi-samplers' corrector: the posterior to level 0, q(x0 | x_t, x_theta) = (K a_t x_theta[x_t] e_xt
     + (1 - a_t) x_theta) / Z (Eq. (reverse) with a_s = 1), pushed forward to level s by Eq. (discrete_marginal),
-    a_s q(x0 | x_t, x_theta) + (1 - a_s) / K: the same three parts as predictor_weights, with weights
+    a_s q(x0 | x_t, x_theta) + (1 - a_s) / K: the same three parts as posterior_weights, with weights
         m_theta = a_s (1 - a_t) / Z,  m_unif = 1 - a_s,  m_stay = a_s K a_t x_theta[x_t] / Z.
     It renoises from x_t's level to s whatever s is, so s = t (a loop step) still moves tokens.
     p_z = x_theta[x_t] (B, L) float64 -> (m_theta, m_unif), each (B, L) float64."""
@@ -132,10 +128,10 @@ def corrector_weights(p_z, K, alpha_t, alpha_s):
 
 def psi_weights(p_z, K, alpha_t, alpha_s, kappa=1.0):
     """The Psi step (Duo, Chapter II): x_s ~ kappa q(x_s | x_t, x_theta) + (1 - kappa) a_s q(x0 | x_t, x_theta)
-    + (1 - kappa)(1 - a_s) / K, i.e. kappa predictor_weights + (1 - kappa) corrector_weights (a mixture of two
+    + (1 - kappa)(1 - a_s) / K, i.e. kappa posterior_weights + (1 - kappa) corrector_weights (a mixture of two
     three-part mixtures over the same three parts). kappa = 1 is Eq. (reverse) itself, bit for bit.
     p_z (B, L) float64; kappa a float in [0, 1] -> (m_theta, m_unif), each (B, L) float64."""
-    m_theta, m_unif = predictor_weights(p_z, K, alpha_t, alpha_s)
+    m_theta, m_unif, _ = posterior_weights(p_z, K, alpha_t, alpha_s)
     if kappa == 1:
         return m_theta, m_unif
     c_theta, c_unif = corrector_weights(p_z, K, alpha_t, alpha_s)
@@ -143,8 +139,9 @@ def psi_weights(p_z, K, alpha_t, alpha_s, kappa=1.0):
 
 
 def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1.0):
-    """Draw x_s from the three-part mixture of psi_weights (stay at x_t, draw from x_theta, or draw uniformly);
-    kappa = 1 is Eq. (reverse).
+    """Draw x_s from the three-part mixture of psi_weights (draw from x_theta, draw uniformly, or stay at x_t);
+    kappa = 1 is Eq. (reverse), reverse_posterior's law: one uniform u per token picks the part (x_theta below
+    m_theta, uniform below m_theta + m_unif, else x_t), so each part is taken with its weight exactly.
     p_z = x_theta[x_t] (B, L) float64; draw_x_theta(index) -> draws from x_theta for the tokens that pick it."""
     m_theta, m_unif = psi_weights(p_z, K, alpha_t, alpha_s, kappa)
     u = torch.rand(xt.shape, generator=generator, device=xt.device, dtype=torch.float64)
@@ -156,9 +153,10 @@ def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1
 
 
 def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None, kappa=1.0):
-    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), exact in distribution.
-    Drawn as the mixture of _mixture_step, so only the tokens that pick x_theta (about a_s - a_t of them) need
-    a draw over the vocabulary (float64 Gumbel-max) and the (B, L, K) posterior is never built.
+    """One reverse step x_s ~ reverse_posterior(xt, x0_probs, alpha_t, alpha_s) (Eq. reverse with x_theta for x0),
+    exact in distribution. Drawn from the mixture reverse_posterior is built from (posterior_weights), so only the
+    tokens that pick x_theta (about a_s - a_t of them) need a draw over the vocabulary (float64 Gumbel-max) and
+    the (B, L, K) posterior is never built.
     alpha_s = 1 is the final 'ancestral' denoising step. kappa < 1: the Psi step of psi_weights instead.
     xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
     p_z = x0_probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double()
