@@ -82,7 +82,7 @@ MUTATIONS = [
       old="(a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z", new="(a_s - a_t) / Z, (1 - a_t / a_s) / Z",
       tests=["tests/test_diffusion.py::test_ancestral_step_frequencies_match_reverse_posterior"]),
     M(name="psi_corrector_keeps_xt_unrenoised", file="diffusion.py",
-      old="return a_s * (1 - a_t) / Z, (1 - a_s).expand_as(p_z)", new="return (1 - a_t) / Z, 0 * p_z",
+      old="return a_s * (1 - a_t) / Z, (1 - a_s) * torch.ones_like(p_z)", new="return (1 - a_t) / Z, 0 * p_z",
       tests=["tests/test_diffusion.py::test_psi_step_frequencies_match_kappa_predictor_plus_corrector",
              "tests/test_diffusion.py::test_psi_corrector_is_the_posterior_to_level_zero_renoised_to_s"]),
     M(name="top_k_tokens_in_drawing_order", file="diffusion.py",
