@@ -6,6 +6,7 @@ Each token x0 is kept with probability alpha_t and otherwise replaced by a token
 the whole vocabulary of size K (which may be x0 itself):
   Eq. (discrete_marginal)  q_t(. | x0) = Cat(alpha_t e_x0 + (1 - alpha_t) / K)       -> sample_xt
   Eq. (reverse)            q(x_s | x_t, x0), s < t                                    -> reverse_posterior
+                           (its three weights posterior_weights; ancestral_step draws from them)
   Psi step (Duo, Ch. II)   kappa Eq. (reverse) + (1 - kappa) q(x0 | x_t, x_theta) renoised to s -> psi_weights
 Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, (B, 1) or a float.
 """
