@@ -340,6 +340,24 @@ def test_duo_flags_rerun_each_of_duos_psi_scripts_step_for_step(script):
         assert kappas[i] == pytest.approx(kappa, abs=1e-12), (script, i)
 
 
+def test_generate_runs_duos_schedule_step_for_step(monkeypatch):
+    """sample.generate with --psi_grid duo conditions the network on Duo's times and draws each step with Duo's
+    kappa (duo_reference_schedule of its loop script, 20 steps), then the final ancestral step."""
+    psi = parse_psi("psi", "eta,sigma_constant,eta", "1,0.05,1", "loop", 0.3, "0.45,0.5,0.05", 20, grid="duo")
+    reference = duo_reference_schedule(20, "loglinear", ("loop", 0.3),
+                                       ("pure-posterior", "constant-remdm-0.05", "pure-posterior"), 0.45, 0.5)
+    kappas, real_step = [], diffusion.ancestral_step_from_logits
+    monkeypatch.setattr(diffusion, "ancestral_step_from_logits",
+                        lambda *a, kappa=1.0: kappas.append(kappa) or real_step(*a, kappa=kappa))
+    rec = Recorder(lambda x, sigma: torch.zeros(*x.shape, 5))
+    generate(rec, 2, 4, 5, 20, psi=psi, generator=gen(0), show_progress=False)
+    alpha = lambda t: diffusion.log_linear_schedule(torch.tensor(t, dtype=torch.float64))[0]
+    sigmas = [float(s[0]) for _, s in rec.calls]
+    expected = [float(-torch.log(alpha(t))) for t, _, _ in reference] + [float(-torch.log(alpha(reference[-1][1])))]
+    assert sigmas == pytest.approx(expected, rel=1e-6)
+    assert kappas == pytest.approx([k for _, _, k in reference] + [1.0], abs=1e-12)
+
+
 def test_duo_and_our_psi_settings_differ_where_the_issue_measured():
     """Duo's OWT max_rescale script (eta = 0.05, 256 steps): sum of (1 - kappa) 2.60 with Duo's cap, 17.80 with
     ReMDM's (ours); the loop script: Duo's grid holds c for 129 steps, two of them no-ops (kappa = 1) at the phase
