@@ -6,6 +6,7 @@ Each token x0 is kept with probability alpha_t and otherwise replaced by a token
 the whole vocabulary of size K (which may be x0 itself):
   Eq. (discrete_marginal)  q_t(. | x0) = Cat(alpha_t e_x0 + (1 - alpha_t) / K)       -> sample_xt
   Eq. (reverse)            q(x_s | x_t, x0), s < t                                    -> reverse_posterior
+                           (its three weights posterior_weights; ancestral_step draws from them)
   Psi step (Duo, Ch. II)   kappa Eq. (reverse) + (1 - kappa) q(x0 | x_t, x_theta) renoised to s -> psi_weights
 Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, (B, 1) or a float.
 """
@@ -80,62 +81,61 @@ def sample_xt(x0, alpha_t, vocab_size, generator=None, draws=None):
 
 
 def _per_sequence(a, like):
-    """alpha as a tensor of like's dtype, shaped to broadcast against (B, L, K)."""
-    a = torch.as_tensor(a, dtype=like.dtype, device=like.device)
+    """alpha as a tensor of like's dtype, shaped to broadcast against like (e.g. (B, 1) -> (B, 1, 1) against
+    (B, L, K)); a Python float stays a float (on CUDA, a new device tensor from a float would wait for the GPU)."""
+    if not torch.is_tensor(a):
+        return float(a)
+    a = a.to(like.dtype)
     while a.dim() < like.dim():
         a = a.unsqueeze(-1)
     return a
+
+
+def posterior_weights(x0_at_xt, K, alpha_t, alpha_s):
+    """Eq. (reverse) grouped by what its four terms multiply: e_xt (the first two), x0, or the uniform 1 / K,
+        q(x_s | x_t, x0) = m_x0 x0 + m_unif / K + m_stay e_xt,      Z = K a_t x0[x_t] + 1 - a_t,
+        m_x0 = (a_s - a_t) / Z,  m_unif = (1 - a_{t|s})(1 - a_s) / Z,  m_stay = (K a_t x0[x_t] + a_{t|s} - a_t) / Z,
+    which sum to 1 (the numerator sums to Z). x0 enters only through itself and x0[x_t]: reverse_posterior builds
+    the law from these weights, and ancestral_step draws from the same three-part mixture without building it.
+    x0_at_xt = x0[x_t], any shape; alphas floats or (B, 1) -> (m_x0, m_unif, m_stay), each of x0_at_xt's shape."""
+    a_t = _per_sequence(alpha_t, x0_at_xt)
+    a_s = _per_sequence(alpha_s, x0_at_xt)
+    Z = K * a_t * x0_at_xt + 1 - a_t
+    return (a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z, (K * a_t * x0_at_xt + a_t / a_s - a_t) / Z
 
 
 def reverse_posterior(xt, x0_probs, alpha_t, alpha_s, vocab_size):
     """Eq. (reverse): q(x_s | x_t, x0) for s < t, with x0 one-hot or the model's prediction x_theta.
 
         q = [K a_t x0 * e_xt + (a_{t|s} - a_t) e_xt + (a_s - a_t) x0 + (1 - a_{t|s})(1 - a_s)/K]
-            / (K a_t <x0, e_xt> + 1 - a_t),          a_{t|s} = a_t / a_s.
-    With x0 = x_theta this is the Bayes posterior of x_s given x_t under the prior x0 ~ x_theta.
+            / (K a_t <x0, e_xt> + 1 - a_t),          a_{t|s} = a_t / a_s,
+    i.e. the three-part mixture of posterior_weights. With x0 = x_theta this is the Bayes posterior of x_s given
+    x_t under the prior x0 ~ x_theta; the sampler draws from it (ancestral_step).
     xt (B, L); x0_probs (B, L, K) float; alphas per sequence (B, 1) or floats -> (B, L, K), rows sum to 1.
     Built by one scatter at xt, never a K x K matrix."""
-    K = vocab_size
-    a_t = _per_sequence(alpha_t, x0_probs)
-    a_s = _per_sequence(alpha_s, x0_probs)
-    a_ts = a_t / a_s
-    x0_at_xt = x0_probs.gather(-1, xt.unsqueeze(-1))                      # (B, L, 1)
-    numer = (a_s - a_t) * x0_probs + (1 - a_ts) * (1 - a_s) / K
-    numer = numer.scatter_add(-1, xt.unsqueeze(-1), K * a_t * x0_at_xt + (a_ts - a_t).expand_as(x0_at_xt))
-    return numer / (K * a_t * x0_at_xt + 1 - a_t)
-
-
-def predictor_weights(p_z, K, alpha_t, alpha_s):
-    """Eq. (reverse), q(x_s | x_t, x_theta), as a three-part mixture: stay at x_t, draw from x_theta, or draw
-    uniformly, with weights
-        m_theta = (a_s - a_t) / Z,  m_unif = (1 - a_t/a_s)(1 - a_s) / Z,  m_stay = 1 - m_theta - m_unif,
-        Z = K a_t x_theta[x_t] + 1 - a_t.
-    p_z = x_theta[x_t] (B, L) float64; alphas floats or (B, 1) -> (m_theta, m_unif), each (B, L) float64."""
-    a_t = _per_sequence(alpha_t, p_z)
-    a_s = _per_sequence(alpha_s, p_z)
-    Z = K * a_t * p_z + 1 - a_t
-    return (a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z
+    m_x0, m_unif, m_stay = posterior_weights(x0_probs.gather(-1, xt.unsqueeze(-1)), vocab_size, alpha_t, alpha_s)
+    return (m_x0 * x0_probs + m_unif / vocab_size).scatter_add(-1, xt.unsqueeze(-1), m_stay)
 
 
 def corrector_weights(p_z, K, alpha_t, alpha_s):
     """The Psi-samplers' corrector: the posterior to level 0, q(x0 | x_t, x_theta) = (K a_t x_theta[x_t] e_xt
     + (1 - a_t) x_theta) / Z (Eq. (reverse) with a_s = 1), pushed forward to level s by Eq. (discrete_marginal),
-    a_s q(x0 | x_t, x_theta) + (1 - a_s) / K: the same three parts as predictor_weights, with weights
+    a_s q(x0 | x_t, x_theta) + (1 - a_s) / K: the same three parts as posterior_weights, with weights
         m_theta = a_s (1 - a_t) / Z,  m_unif = 1 - a_s,  m_stay = a_s K a_t x_theta[x_t] / Z.
     It renoises from x_t's level to s whatever s is, so s = t (a loop step) still moves tokens.
     p_z = x_theta[x_t] (B, L) float64 -> (m_theta, m_unif), each (B, L) float64."""
     a_t = _per_sequence(alpha_t, p_z)
     a_s = _per_sequence(alpha_s, p_z)
     Z = K * a_t * p_z + 1 - a_t
-    return a_s * (1 - a_t) / Z, (1 - a_s).expand_as(p_z)
+    return a_s * (1 - a_t) / Z, (1 - a_s) * torch.ones_like(p_z)
 
 
 def psi_weights(p_z, K, alpha_t, alpha_s, kappa=1.0):
     """The Psi step (Duo, Chapter II): x_s ~ kappa q(x_s | x_t, x_theta) + (1 - kappa) a_s q(x0 | x_t, x_theta)
-    + (1 - kappa)(1 - a_s) / K, i.e. kappa predictor_weights + (1 - kappa) corrector_weights (a mixture of two
+    + (1 - kappa)(1 - a_s) / K, i.e. kappa posterior_weights + (1 - kappa) corrector_weights (a mixture of two
     three-part mixtures over the same three parts). kappa = 1 is Eq. (reverse) itself, bit for bit.
     p_z (B, L) float64; kappa a float in [0, 1] -> (m_theta, m_unif), each (B, L) float64."""
-    m_theta, m_unif = predictor_weights(p_z, K, alpha_t, alpha_s)
+    m_theta, m_unif, _ = posterior_weights(p_z, K, alpha_t, alpha_s)
     if kappa == 1:
         return m_theta, m_unif
     c_theta, c_unif = corrector_weights(p_z, K, alpha_t, alpha_s)
@@ -143,26 +143,26 @@ def psi_weights(p_z, K, alpha_t, alpha_s, kappa=1.0):
 
 
 def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1.0):
-    """Draw x_s from the three-part mixture of psi_weights (stay at x_t, draw from x_theta, or draw uniformly);
-    kappa = 1 is Eq. (reverse).
-    p_z = x_theta[x_t] (B, L) float64; draw_x_theta(index) -> draws from x_theta for the tokens that pick it."""
+    """Draw x_s from the three-part mixture of psi_weights (draw from x_theta, draw uniformly, or stay at x_t);
+    kappa = 1 is Eq. (reverse), reverse_posterior's law: one uniform u per token picks the part (x_theta below
+    m_theta, uniform below m_theta + m_unif, else x_t), so each part is taken with its weight exactly.
+    Every token gets its x_theta draw and the pick keeps it or not: no count of the tokens that pick x_theta,
+    so no wait for the GPU (a host sync) inside the sampling loop.
+    p_z = x_theta[x_t] (B, L) float64; draw_x_theta() -> (B, L) draws from x_theta."""
     m_theta, m_unif = psi_weights(p_z, K, alpha_t, alpha_s, kappa)
     u = torch.rand(xt.shape, generator=generator, device=xt.device, dtype=torch.float64)
     xs = torch.where(u < m_theta + m_unif, torch.randint(0, K, xt.shape, generator=generator, device=xt.device), xt)
-    pick = (u < m_theta).nonzero(as_tuple=True)
-    if pick[0].numel():
-        xs[pick] = draw_x_theta(pick)
-    return xs
+    return torch.where(u < m_theta, draw_x_theta(), xs)
 
 
 def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None, kappa=1.0):
-    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta for x0), exact in distribution.
-    Drawn as the mixture of _mixture_step, so only the tokens that pick x_theta (about a_s - a_t of them) need
-    a draw over the vocabulary (float64 Gumbel-max) and the (B, L, K) posterior is never built.
+    """One reverse step x_s ~ reverse_posterior(xt, x0_probs, alpha_t, alpha_s) (Eq. reverse with x_theta for x0),
+    exact in distribution. Drawn from the mixture reverse_posterior is built from (posterior_weights): the x_theta
+    part by float64 Gumbel-max on x0_probs, and the (B, L, K) posterior is never built.
     alpha_s = 1 is the final 'ancestral' denoising step. kappa < 1: the Psi step of psi_weights instead.
     xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
     p_z = x0_probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double()
-    return _mixture_step(xt, p_z, lambda pick: sample_categorical(x0_probs[pick], generator), x0_probs.shape[-1],
+    return _mixture_step(xt, p_z, lambda: sample_categorical(x0_probs, generator), x0_probs.shape[-1],
                          alpha_t, alpha_s, generator, kappa)
 
 
@@ -170,16 +170,15 @@ def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None, kap
     """ancestral_step with x_theta = softmax(logits), the same law, at the cost of one pass over the vocabulary:
     one float32 log-sum-exp pass per block of tokens (block_logsumexp; one fused kernel on CUDA) gives the
     normaliser, so x_theta[x_t] and the per-token mixture weights (float64 only for these per-token scalars);
-    the tokens that draw from x_theta draw by the two-stage Gumbel-max of gumbel_argmax on those block
-    log-sum-exps and one block of their logits. No float64 and no probability tensor over the vocabulary.
+    the x_theta draws are the two-stage Gumbel-max of gumbel_argmax on those block log-sum-exps and one block of
+    logits per token (O(K / block + block) per token). No float64 and no probability tensor over the vocabulary.
     logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus). kappa < 1: the Psi step of psi_weights, the same draw."""
     K = logits.shape[-1]
     block_lse = block_logsumexp(logits)                                      # (B, L, ceil(K / block))
     log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).to(block_lse.dtype) - torch.logsumexp(block_lse, -1)
     p_z = torch.exp(log_p_z.double())
     flat, flat_lse = logits.reshape(-1, K), block_lse.reshape(-1, block_lse.shape[-1])
-    return _mixture_step(xt, p_z, lambda pick: gumbel_argmax(flat, generator, block_lse=flat_lse,
-                                                             rows=pick[0] * xt.shape[1] + pick[1]),
+    return _mixture_step(xt, p_z, lambda: gumbel_argmax(flat, generator, block_lse=flat_lse).view(xt.shape),
                          K, alpha_t, alpha_s, generator, kappa)
 
 
@@ -268,12 +267,22 @@ TOP_K_MAX_TAU = 2e-3        # above this temperature curriculum_input keeps the 
 def _distinct_uniform(n, k, rows, generator=None, device=None):
     """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (a
     uniform k-subset: for j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) in a uniformly random
-    order (argsort of iid uniform keys). O(k^2) comparisons per row, no O(n) work. -> (rows, k) int64."""
-    picked = torch.empty(rows, k, dtype=torch.long, device=device)
-    for i, j in enumerate(range(n - k, n)):
-        t = torch.randint(0, j + 1, (rows,), generator=generator, device=device)
-        taken = (picked[:, :i] == t[:, None]).any(-1)
-        picked[:, i] = torch.where(taken, j, t)
+    order (argsort of iid uniform keys), all k draws at once. t_i is taken exactly when it equals an earlier t
+    (that value is in the set, as t or as its j) or the j of an earlier i' whose t was taken; each t_i equals at
+    most one j, so "taken" runs along a chain of earlier indices, resolved by ceil(log2 k) rounds of pointer
+    jumping. O(k log k) per row (a sort finds the repeated t's), no O(n) work and no loop over k.
+    -> (rows, k) int64."""
+    j = torch.arange(n - k, n, device=device)
+    t = torch.randint(0, 1 << 62, (rows, k), generator=generator, device=device) % (j + 1)   # U{0..j} (bias < n / 2^62)
+    sorted_t, at = t.sort(dim=-1, stable=True)                        # equal values in drawing order
+    repeat = torch.cat([torch.zeros_like(sorted_t[:, :1], dtype=torch.bool), sorted_t[:, 1:] == sorted_t[:, :-1]], -1)
+    taken = torch.zeros_like(repeat).scatter(-1, at, repeat)                               # t_i equals an earlier t
+    i = torch.arange(k, device=device)
+    parent = t - (n - k)                                                                   # t_i = j_parent
+    parent = torch.where((parent >= 0) & (parent < i), parent, i)                          # an earlier j, or itself
+    for _ in range(max(1, (k - 1).bit_length())):
+        taken, parent = taken | taken.gather(-1, parent), parent.gather(-1, parent)
+    picked = torch.where(taken, j, t)
     order = torch.rand(rows, k, generator=generator, device=device, dtype=torch.float64).argsort(-1)
     return picked.gather(-1, order)
 

@@ -294,6 +294,8 @@ class EvalConfig:
     psi_profile: str = "linear"      # psi: time profile, linear | loop, as sample.py
     psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase, as sample.py
     psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
+    psi_rescale: str = "remdm"       # psi max_rescale: remdm | duo (Duo's code's cap), as sample.py
+    psi_grid: str = "ours"           # psi: ours | duo (Duo's code's grid), as sample.py
     judge_batch_size: int = 8        # samples per forward of the judge
     save_samples: str = ""           # append the generated samples (JSONL) here
 
@@ -431,7 +433,8 @@ def sampler_label(psi):
     if psi is None:
         return "ancestral"
     phases = "/".join(f"{m}={e:g}" for m, e in zip(psi.kappa, psi.eta))
-    return f"psi {phases}" + (f" loop@{psi.loop_t:g}" if psi.profile == "loop" else "")
+    return (f"psi {phases}" + (f" loop@{psi.loop_t:g}" if psi.profile == "loop" else "")
+            + (" rescale=duo" if psi.rescale == "duo" else "") + (" grid=duo" if psi.grid == "duo" else ""))
 
 
 def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show_progress=True):

@@ -304,12 +304,16 @@ class DiffusionTransformer(nn.Module):
         config = self.config
         B, L = (x[0] if isinstance(x, tuple) else x).shape[:2]
         E = self.wte.weight
-        # embedding and sigma MLP in full precision, the blocks under the caller's autocast (as in Duo)
-        with torch.autocast(device_type=E.device.type, enabled=False):
+        # embedding and sigma MLP in full precision, the blocks under the caller's autocast (as in Duo); the
+        # curriculum's soft tokens (k rows of E per position: k times a lookup's reads) are summed in the autocast
+        # dtype, then the residual stream goes on in full precision
+        device = E.device.type
+        bag_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else E.dtype
+        with torch.autocast(device_type=device, enabled=False):
             if isinstance(x, tuple):
                 ids, probs = x
-                h = F.embedding_bag(ids.reshape(B * L, -1), E, per_sample_weights=probs.reshape(B * L, -1).to(E.dtype),
-                                    mode="sum").view(B, L, -1)
+                h = F.embedding_bag(ids.reshape(B * L, -1), E.to(bag_dtype), mode="sum",
+                                    per_sample_weights=probs.reshape(B * L, -1).to(bag_dtype)).view(B, L, -1).to(E.dtype)
             elif x.is_floating_point():
                 if x.shape[-1] != config.vocab_size:
                     raise ValueError(f"soft input has {x.shape[-1]} classes, model vocab_size is {config.vocab_size}")

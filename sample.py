@@ -6,9 +6,10 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
-draws x_s ~ q(x_s | x_t, x_theta): the posterior of Eq. (reverse) with the denoiser's prediction
-x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (its exact three-part
-mixture, float64 per-token weights, Gumbel-max on the logits: diffusion.ancestral_step_from_logits).
+draws x_s ~ q(x_s | x_t, x_theta): the posterior of Eq. (reverse) (diffusion.reverse_posterior) with the
+denoiser's prediction x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (drawn
+from its three-part mixture, float64 per-token weights, Gumbel-max on the logits, no host sync inside the loop:
+diffusion.ancestral_step_from_logits).
 A final step at t_end removes the remaining noise: "ancestral" (one more posterior step to alpha_s = 1),
 "greedy" (argmax x_theta) or "none". NFE = N + 1 (N with "none").
 Eq. (reverse) with x0 := x_theta is the Bayes posterior of x_s under the prior x0 ~ x_theta, which already
@@ -19,9 +20,11 @@ p(x0^l | x_t) (test_sample.py checks both on a solvable toy distribution).
 Psi sampler (--sampler psi; Duo, Chapter II: Psi-samplers): each step draws x_s from kappa_t q(x_s | x_t, x_theta)
 (the predictor above) + (1 - kappa_t) [a_s q(x0 | x_t, x_theta) + (1 - a_s)/K] (the corrector: the posterior to
 level 0 renoised to s), the same three-part mixture with other weights (diffusion.psi_weights). kappa_t is eta
-(--psi_kappa eta) or comes from a ReMDM renoising rate sigma_t (max_capped | max_rescale | sigma_constant);
---psi_profile loop holds the time at --psi_loop_t for a middle fraction of the steps. kappa = 1 is the ancestral
-sampler; the final step is always kappa = 1.
+(--psi_kappa eta) or comes from a ReMDM renoising rate sigma_t (max_capped | max_rescale | sigma_constant), per
+phase (one, or high, middle and low phases taking --psi_fracs of the steps); --psi_profile loop holds the time at
+--psi_loop_t for the middle phase. kappa = 1 is the ancestral sampler; the final step is always kappa = 1.
+--psi_rescale duo and --psi_grid duo rerun Duo's published Psi scripts step for step (its code's max_rescale cap
+and its grid; see psi_plan), ours stays the default.
 
 Options, all acting on x_theta before the posterior:
   top_p      nucleus filtering of x_theta, renormalised. Never of the posterior: its argmax/nucleus gives
@@ -185,27 +188,34 @@ def default_final_step(ckpt):
 SAMPLERS = ("ancestral", "psi")
 KAPPA_MODES = ("eta", "max_capped", "max_rescale", "sigma_constant")
 PROFILES = ("linear", "loop")
+RESCALES = ("remdm", "duo")   # max_rescale's cap: ReMDM's sigma_max = min(1, .), or min(eta, .) as Duo's code
+GRIDS = ("ours", "duo")       # how the phases split the steps: ours, or Duo's code step for step
 
 
 class Psi(NamedTuple):
-    """The Psi sampler's settings: per phase (one entry for the linear profile, or high, middle and low phases of
-    the loop profile) a kappa mode of KAPPA_MODES and its eta; the loop's level loop_t (a time, held for the
-    middle phase) and the fractions of the steps the three phases take."""
+    """The Psi sampler's settings: per phase (one entry, or three: the high, middle and low phases) a kappa mode
+    of KAPPA_MODES and its eta; the profile (linear in time, or loop: the middle phase held at the time loop_t);
+    the fractions of the steps the three phases take; max_rescale's cap (RESCALES) and the grid (GRIDS)."""
     kappa: tuple = ("eta",)
     eta: tuple = (0.9,)
     profile: str = "linear"
     loop_t: float = 0.1
     fracs: tuple = (0.45, 0.5, 0.05)
+    rescale: str = "remdm"
+    grid: str = "ours"
 
 
-def remdm_sigma(mode, eta, alpha_t, alpha_s):
+def remdm_sigma(mode, eta, alpha_t, alpha_s, rescale="remdm"):
     """ReMDM's renoising rate sigma_t (Wang et al. 2025), bounded by sigma_t^max = min(1, (1 - a_s) / a_t):
     "max_capped" min(eta, sigma_t^max), "max_rescale" eta sigma_t^max, "sigma_constant" eta.
     max_rescale caps sigma_t^max at 1, as ReMDM defines it, not at eta: eta then scales the largest rate the
-    posterior allows and the mode stays a rescaling (with the cap at eta it would be eta min(eta, .), i.e.
-    max_capped's shape scaled once more). alphas floats -> float."""
-    sigma_max = min(1.0, (1 - alpha_s) / alpha_t)
-    return {"max_capped": min(eta, sigma_max), "max_rescale": eta * sigma_max, "sigma_constant": eta}[mode]
+    posterior allows and the mode stays a rescaling. rescale="duo" is what Duo's code computes instead (and its
+    published Psi scripts ran), eta min(eta, (1 - a_s) / a_t): at eta = 0.05 a far weaker corrector.
+    alphas floats -> float."""
+    ratio = (1 - alpha_s) / alpha_t
+    if mode == "max_rescale":
+        return eta * min(eta if rescale == "duo" else 1.0, ratio)
+    return {"max_capped": min(eta, min(1.0, ratio)), "sigma_constant": eta}[mode]
 
 
 def kappa_from_sigma(sigma, alpha_s):
@@ -214,9 +224,9 @@ def kappa_from_sigma(sigma, alpha_s):
     return 1.0 if alpha_s >= 1 else min(1.0, max(0.0, 1 - sigma / (1 - alpha_s)))
 
 
-def psi_kappa(mode, eta, alpha_t, alpha_s):
+def psi_kappa(mode, eta, alpha_t, alpha_s, rescale="remdm"):
     """kappa_t of one step from a_t to a_s: eta itself ("eta"), or kappa_from_sigma of remdm_sigma."""
-    return eta if mode == "eta" else kappa_from_sigma(remdm_sigma(mode, eta, alpha_t, alpha_s), alpha_s)
+    return eta if mode == "eta" else kappa_from_sigma(remdm_sigma(mode, eta, alpha_t, alpha_s, rescale), alpha_s)
 
 
 def psi_phase_steps(steps, fracs):
@@ -226,12 +236,21 @@ def psi_phase_steps(steps, fracs):
     return hi, mid, steps - hi - mid
 
 
+def phase_sizes(n, fracs):
+    """round(f_high n), round(f_middle n) and the rest (Python's round: half to even). Our linear profile splits
+    its n steps so; Duo's code splits its n = steps + 1 grid points so. -> (hi, mid, lo), lo may be < 0."""
+    hi, mid = round(fracs[0] * n), round(fracs[1] * n)
+    return hi, mid, n - hi - mid
+
+
 def time_grid(steps, t_end, psi=None):
     """The times ts (steps + 1,) of the reverse steps and each step's phase (steps,): Duo's linspace(1, t_end)
-    (phase 0), or with psi.profile == "loop" three phases: linear from 1 to loop_t, loop_t held for the middle
-    phase (steps from a level to itself: only the corrector moves tokens), then linear from loop_t to t_end."""
+    (phase 0, or with three phases phase_sizes of the steps), or with psi.profile == "loop" three phases: linear
+    from 1 to loop_t, loop_t held for the middle phase (steps from a level to itself: only the corrector moves
+    tokens), then linear from loop_t to t_end. Our grid; duo_time_grid is Duo's."""
     if psi is None or psi.profile == "linear":
-        return torch.linspace(1, t_end, steps + 1, dtype=torch.float64), [0] * steps
+        hi, mid, lo = (steps, 0, 0) if psi is None or len(psi.kappa) == 1 else phase_sizes(steps, psi.fracs)
+        return torch.linspace(1, t_end, steps + 1, dtype=torch.float64), [0] * hi + [1] * mid + [2] * lo
     hi, mid, lo = psi_phase_steps(steps, psi.fracs)
     c = psi.loop_t
     ts = torch.cat([torch.linspace(1, c, hi + 1, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
@@ -239,45 +258,91 @@ def time_grid(steps, t_end, psi=None):
     return ts, [0] * hi + [1] * mid + [2] * lo
 
 
+def duo_time_grid(steps, t_end, psi):
+    """Duo's code's grid of steps + 1 points and each point's phase (steps + 1,): the points split by phase_sizes
+    (one phase: all of them), linspace(1, t_end) for the linear profile, or linspace(1, c, hi), c repeated mid
+    times, linspace(c, t_end, lo) for the loop (c = loop_t). The loop so holds c for mid + 1 steps from c to c,
+    and its high and low ramps take one step fewer than the points they hold. -> (ts float64, phases)."""
+    n = steps + 1
+    hi, mid, lo = (n, 0, 0) if len(psi.kappa) == 1 else phase_sizes(n, psi.fracs)
+    if lo < 0:
+        raise UsageError(f"--psi_fracs {','.join(f'{f:g}' for f in psi.fracs)} round to more than the {n} points "
+                         f"of --psi_grid duo at --steps {steps}: lower a fraction")
+    if psi.profile == "linear":
+        ts = torch.linspace(1, t_end, n, dtype=torch.float64)
+    else:
+        c = psi.loop_t
+        ts = torch.cat([torch.linspace(1, c, hi, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
+                        torch.linspace(c, t_end, lo, dtype=torch.float64)])
+    return ts, [0] * hi + [1] * mid + [2] * lo
+
+
+def psi_plan(steps, t_end, psi=None, schedule="loglinear"):
+    """The sampler's times ts (steps + 1,) and each step's kappa (steps floats; 1.0: the ancestral step), step i
+    going from ts[i] to ts[i + 1]. --psi_grid ours: time_grid, kappa = psi_kappa of the step's phase.
+    --psi_grid duo, as Duo's code: duo_time_grid; each phase's kappas come from its own points, so a ReMDM mode
+    (max_capped, max_rescale, sigma_constant) gives kappa = 1 to the step from the last point of its phase
+    (Duo's no-op evaluations at the loop's edges: a posterior step from c to c stays put), eta gives eta."""
+    if psi is None or psi.grid == "ours":
+        ts, phase = time_grid(steps, t_end, psi)
+        if psi is None:
+            return ts, [1.0] * steps
+        a = diffusion.SCHEDULES[schedule](ts)[0].tolist()
+        return ts, [psi_kappa(psi.kappa[p], psi.eta[p], a[i], a[i + 1], psi.rescale) for i, p in enumerate(phase)]
+    ts, phase = duo_time_grid(steps, t_end, psi)
+    a = diffusion.SCHEDULES[schedule](ts)[0].tolist()
+    return ts, [1.0 if psi.kappa[p] != "eta" and phase[i + 1] != p
+                else psi_kappa(psi.kappa[p], psi.eta[p], a[i], a[i + 1], psi.rescale) for i, p in enumerate(phase[:-1])]
+
+
 def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loop_t=0.1, fracs="0.45,0.5,0.05",
-              steps=None):
-    """The sampler flags -> Psi, or None for the ancestral sampler. kappa and eta: one value, or (loop profile)
-    three comma-separated, for the high, middle and low phases. Raises UsageError naming the flag."""
+              steps=None, rescale="remdm", grid="ours"):
+    """The sampler flags -> Psi, or None for the ancestral sampler. kappa and eta: one value, or three
+    comma-separated, for the high, middle and low phases (the loop profile always has three; the linear one
+    splits its steps by fracs). Raises UsageError naming the flag."""
     if sampler not in SAMPLERS:
         raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     if sampler == "ancestral":
         return None
     if profile not in PROFILES:
         raise UsageError(f"--psi_profile must be one of {', '.join(PROFILES)}, got {profile!r}")
-    phases = 3 if profile == "loop" else 1
+    if rescale not in RESCALES:
+        raise UsageError(f"--psi_rescale must be one of {', '.join(RESCALES)}, got {rescale!r}")
+    if grid not in GRIDS:
+        raise UsageError(f"--psi_grid must be one of {', '.join(GRIDS)}, got {grid!r}")
     modes = tuple(str(kappa).replace(" ", "").split(","))
     try:
         etas = tuple(float(e) for e in str(eta).replace(" ", "").split(","))
         fr = tuple(float(f) for f in str(fracs).replace(" ", "").split(","))
     except ValueError:
         raise UsageError(f"--psi_eta and --psi_fracs must be comma-separated numbers, got {eta!r}, {fracs!r}") from None
+    phases = 3 if profile == "loop" or 3 in (len(modes), len(etas)) else 1
     modes, etas = (modes * phases if len(modes) == 1 else modes), (etas * phases if len(etas) == 1 else etas)
     if len(modes) != phases or len(etas) != phases:
-        raise UsageError(f"--psi_kappa and --psi_eta take 1 value, or 3 (high, middle, low) with --psi_profile loop; "
-                         f"got {kappa!r}, {eta!r} for --psi_profile {profile}")
+        raise UsageError(f"--psi_kappa and --psi_eta take 1 value, or 3 (high, middle, low phases); got {kappa!r}, "
+                         f"{eta!r} for --psi_profile {profile}")
     bad = [m for m in modes if m not in KAPPA_MODES]
     if bad:
         raise UsageError(f"--psi_kappa must be one of {', '.join(KAPPA_MODES)}, got {bad[0]!r}")
     if not all(0 <= e <= 1 for e in etas):
         raise UsageError(f"--psi_eta must be in [0, 1], got {eta!r}")
-    if phases == 3:
-        if len(fr) != 3 or min(fr) < 0 or abs(sum(fr) - 1) > 1e-6:
-            raise UsageError(f"--psi_fracs must be 3 non-negative fractions of the steps summing to 1, got {fracs!r}")
+    if phases == 3 and (len(fr) != 3 or min(fr) < 0 or abs(sum(fr) - 1) > 1e-6):
+        raise UsageError(f"--psi_fracs must be 3 non-negative fractions of the steps summing to 1, got {fracs!r}")
+    if profile == "loop":
         if not 0 < loop_t < 1:
             raise UsageError(f"--psi_loop_t must be in (0, 1) (the loop's time level), got {loop_t}")
         if steps is not None and steps < 2:
             raise UsageError(f"--psi_profile loop needs --steps >= 2 (a high and a low phase), got {steps}")
-    return Psi(modes, etas, profile, float(loop_t), fr)
+    psi = Psi(modes, etas, profile, float(loop_t), fr, rescale, grid)
+    if grid == "duo" and steps is not None:
+        duo_time_grid(steps, 1e-5, psi)            # the fractions fit the grid
+    return psi
 
 
 def psi_from_flags(cfg, steps=None):
     """parse_psi of a CLI config's --sampler and --psi_* fields (sample.py's and eval_ppl.py's)."""
-    return parse_psi(cfg.sampler, cfg.psi_kappa, cfg.psi_eta, cfg.psi_profile, cfg.psi_loop_t, cfg.psi_fracs, steps)
+    return parse_psi(cfg.sampler, cfg.psi_kappa, cfg.psi_eta, cfg.psi_profile, cfg.psi_loop_t, cfg.psi_fracs, steps,
+                     cfg.psi_rescale, cfg.psi_grid)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -345,11 +410,10 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
         return diffusion.ancestral_step_from_logits(xt, x_theta(xt, alpha_t), alpha_t, alpha_s, generator,
                                                     kappa=kappa)
 
-    ts, phase = time_grid(steps, t_end, psi)
+    ts, kappas = psi_plan(steps, t_end, psi, alpha_schedule)
     alphas = diffusion.SCHEDULES[alpha_schedule](ts)[0].tolist()
     for i in tqdm(range(steps), desc=f"sampling ({steps} steps)", disable=cli.bar_hidden(show_progress), leave=False):
-        kappa = 1.0 if psi is None else psi_kappa(psi.kappa[phase[i]], psi.eta[phase[i]], alphas[i], alphas[i + 1])
-        x = keep_fixed(step(x, alphas[i], alphas[i + 1], kappa))
+        x = keep_fixed(step(x, alphas[i], alphas[i + 1], kappas[i]))
     if final_step == "ancestral":
         x = step(x, alphas[-1], 1.0)
     elif final_step == "greedy":
@@ -403,11 +467,13 @@ class SampleConfig:
     top_p: float = 1.0               # nucleus on x_theta (1 = off)
     cfg_w: float = 0.0               # unsupervised CFG weight w (needs a prompt; SDDLM uses 1.1)
     sampler: str = "ancestral"       # ancestral | psi (predictor-corrector, Duo Chapter II)
-    psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant (3 with loop)
-    psi_eta: str = "0.9"             # psi: eta of each mode (kappa = eta, or ReMDM's sigma_t), 1 or 3 values
+    psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant, 1 or 3 (phases)
+    psi_eta: str = "0.9"             # psi: eta of each mode (kappa = eta, or ReMDM's sigma_t), 1 or 3 values (phases)
     psi_profile: str = "linear"      # psi: time profile, linear | loop (high, middle held at psi_loop_t, low)
     psi_loop_t: float = 0.1          # psi loop: the time level held in the middle phase
-    psi_fracs: str = "0.45,0.5,0.05"  # psi loop: fractions of the steps in the high, middle and low phases
+    psi_fracs: str = "0.45,0.5,0.05"  # psi, 3 phases: fractions of the steps in the high, middle and low phases
+    psi_rescale: str = "remdm"       # psi max_rescale: remdm (eta min(1, .), ReMDM) | duo (eta min(eta, .), Duo's code)
+    psi_grid: str = "ours"           # psi: ours | duo (Duo's code's grid and phase edges, to rerun its scripts)
     # prompt
     prompt: str = ""                 # text held fixed at the start of every sample
     prompt_ids: str = ""             # or token ids "1,2,3" (used verbatim, no BOS added)

@@ -486,13 +486,14 @@ def print_samples(run, cfg, meta, env):
     from sample import generate, generate_ar
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
     with ema_weights(run) as model:
         model.eval()
         if cfg.loss == "ar":
-            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen)
+            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen, dtype=dtype)
         else:
             ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
-                           alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device)
+                           alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device, dtype=dtype)
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
     for i, text in enumerate(texts):

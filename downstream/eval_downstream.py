@@ -399,8 +399,8 @@ def lm_eval_model_class():
 
 
 MODEL_ARGS = ("ckpt", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step", "top_p",
-              "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "rolling_context", "use_ema",
-              "dtype", "add_bos")
+              "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "psi_rescale", "psi_grid",
+              "rolling_context", "use_ema", "dtype", "add_bos")
 
 _NOTED = set()
 
@@ -430,8 +430,8 @@ class _Harness:
 
     def __init__(self, ckpt="out/ckpt.pt", mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
                  lambada_steps=8, steps=128, final_step="auto", top_p=1.0, sampler="ancestral", psi_kappa="eta",
-                 psi_eta="0.9", psi_profile="linear", psi_loop_t=0.1, psi_fracs="0.45/0.5/0.05", rolling_context=1,
-                 use_ema=True,
+                 psi_eta="0.9", psi_profile="linear", psi_loop_t=0.1, psi_fracs="0.45/0.5/0.05", psi_rescale="remdm",
+                 psi_grid="ours", rolling_context=1, use_ema=True,
                  dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
                  trust_remote_code=None, scorer=None, **unknown):
         """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
@@ -451,7 +451,7 @@ class _Harness:
             # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
             self.psi = parse_psi(str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
                                  str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
-                                 str(psi_fracs).replace("/", ","), self.steps)
+                                 str(psi_fracs).replace("/", ","), self.steps, str(psi_rescale), str(psi_grid))
         except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
             raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")

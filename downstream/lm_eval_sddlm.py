@@ -23,8 +23,9 @@ lm_eval.simple_evaluate(model="sddlm", model_args=...).
   final_step=auto       generate_until: the sampler's final step, ancestral | greedy | none | auto (greedy for
                         NELBO models, ancestral for the SDDLM losses: sample.default_final_step)
   top_p=1.0             generate_until: nucleus on x_theta
-  sampler=ancestral     generate_until: ancestral | psi, with psi_kappa, psi_eta, psi_profile, psi_loop_t and
-                        psi_fracs as sample.py's flags of those names (psi_eta=1/0.02/1: "/" separates phases)
+  sampler=ancestral     generate_until: ancestral | psi, with psi_kappa, psi_eta, psi_profile, psi_loop_t, psi_fracs,
+                        psi_rescale and psi_grid as sample.py's flags of those names (psi_eta=1/0.02/1: "/"
+                        separates phases; psi_rescale=duo psi_grid=duo: Duo's published Psi settings)
   rolling_context=1     loglikelihood_rolling: clean tokens before each window's piece (lm-eval's context_len)
   dtype=auto, add_bos=true
 --batch_size is Monte Carlo draws per forward (SMDM's meaning; 2 x rows with CFG), not requests per batch;

@@ -2,7 +2,7 @@
 Exact draws from a categorical distribution over a vocabulary of K tokens, at the cost of one pass over the
 logits: Gumbel-max (argmax(z + G), G iid Gumbel, is distributed as softmax(z)), in float32 with noise from 48-bit
 uniforms, and two-stage over blocks of tokens (a block by its log-sum-exp, then a token inside that one block).
-diffusion.py's sampling steps draw every token that picks x_theta through these.
+diffusion.py's sampling steps draw x_theta's part of the reverse step through these.
 """
 import torch
 

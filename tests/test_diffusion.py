@@ -93,6 +93,67 @@ def test_reverse_posterior_final_step_recovers_x0_posterior():
     torch.testing.assert_close(reverse_posterior(xt[None], e0[None], a_t, 1.0, K)[0], e0, rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("a_t,a_s", [(0.2, 0.4), (0.05, 0.5), (0.6, 0.6), (0.35, 1.0), (0.9, 0.95)])
+def test_posterior_weights_are_bayes_rule_in_float64(a_t, a_s):
+    """The three weights of Eq. (reverse) (posterior_weights: the mixture ancestral_step draws from) rebuild the
+    Bayes posterior on explicit matrices entry for entry, for a soft x_theta and for one-hot x0 (x0 = x_t and
+    x0 != x_t), at a loop level (a_s = a_t: stay put) and on the final step; and the Psi weights rebuild
+    kappa q(x_s | x_t, x_theta) + (1 - kappa) q(x0 | x_t, x_theta) Q_s the same way."""
+    n, K = 12, 7
+    xt = torch.arange(n) % K
+    one_hot = torch.nn.functional.one_hot(torch.where(torch.arange(n) < 6, xt, (xt + 3) % K), K).double()
+    for x0_probs in (softmax_rows(n, K, seed=3), one_hot):
+        p_z = x0_probs.gather(-1, xt[:, None])[:, 0]
+        m_x0, m_unif, m_stay = diffusion.posterior_weights(p_z, K, a_t, a_s)
+        e_xt = torch.nn.functional.one_hot(xt, K).double()
+        law = m_x0[:, None] * x0_probs + m_unif[:, None] / K + m_stay[:, None] * e_xt
+        bayes = bayes_posterior(xt, x0_probs, a_t, a_s, K)
+        torch.testing.assert_close(law, bayes, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(m_x0 + m_unif + m_stay, torch.ones(n, dtype=torch.float64), rtol=0, atol=1e-15)
+        for kappa in (0.0, 0.3, 1.0):
+            w_theta, w_unif = diffusion.psi_weights(p_z, K, a_t, a_s, kappa)
+            law = w_theta[:, None] * x0_probs + w_unif[:, None] / K + (1 - w_theta - w_unif)[:, None] * e_xt
+            exact = kappa * bayes + (1 - kappa) * bayes_posterior(xt, x0_probs, a_t, 1.0, K) @ transition_matrix(a_s, K)
+            torch.testing.assert_close(law, exact, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("route", ["logits", "probs"])
+def test_the_ancestral_step_draws_reverse_posterior(route):
+    """Sampling draws from reverse_posterior itself: the fast draw (ancestral_step_from_logits, the sampler's, and
+    ancestral_step) against reverse_posterior's own probabilities by chi-square, and with kappa < 1 against
+    kappa reverse_posterior(s) + (1 - kappa) (a_s reverse_posterior(1) + (1 - a_s) / K) (the Psi step)."""
+    K, N = 6, 20000
+    logits = 1.5 * torch.randn(len(PSI_CASES), K, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    logits[2, 1] = float("-inf")
+    for i, (z, a_t, a_s, kappa) in enumerate(PSI_CASES):
+        x_theta = torch.softmax(logits[i], -1)
+        xt = torch.full((1, N), z)
+        for k in (1.0, kappa):
+            g = torch.Generator().manual_seed(20 + i)
+            if route == "logits":
+                xs = ancestral_step_from_logits(xt, logits[i].expand(1, N, K).float(), a_t, a_s, g, kappa=k)
+            else:
+                xs = ancestral_step(xt, x_theta.expand(1, N, K), a_t, a_s, g, kappa=k)
+            q = lambda level: reverse_posterior(torch.tensor([[z]]), x_theta[None, None], a_t, level, K)[0, 0]
+            assert_frequencies(xs[0], k * q(a_s) + (1 - k) * (a_s * q(1.0) + (1 - a_s) / K), msg=f"case {i} kappa {k}")
+
+
+def test_sampling_and_reverse_posterior_share_one_implementation_of_eq_reverse(monkeypatch):
+    """One function holds Eq. (reverse)'s numbers for both: replace posterior_weights by a law that always stays
+    at x_t, and reverse_posterior becomes e_xt while both sampling steps (and so sample.generate) leave x_t as it is."""
+    B, L, K = 2, 50, 9
+    g = torch.Generator().manual_seed(1)
+    xt = torch.randint(0, K, (B, L), generator=g)
+    logits = torch.randn(B, L, K, generator=g)
+    assert not torch.equal(ancestral_step_from_logits(xt, logits, 0.3, 0.6, torch.Generator().manual_seed(0)), xt)
+    stay = lambda p_z, K, a_t, a_s: (torch.zeros_like(p_z), torch.zeros_like(p_z), torch.ones_like(p_z))
+    monkeypatch.setattr(diffusion, "posterior_weights", stay)
+    assert torch.equal(reverse_posterior(xt, torch.softmax(logits, -1), 0.3, 0.6, K),
+                       torch.nn.functional.one_hot(xt, K).float())
+    assert torch.equal(ancestral_step_from_logits(xt, logits, 0.3, 0.6, torch.Generator().manual_seed(0)), xt)
+    assert torch.equal(ancestral_step(xt, torch.softmax(logits, -1), 0.3, 1.0, torch.Generator().manual_seed(0)), xt)
+
+
 # -----------------------------------------------------------------------------
 # samplers: frequencies against their target distributions
 

@@ -206,7 +206,7 @@ def test_loop_profile_holds_the_level_for_the_middle_fraction_of_the_steps():
 
 def test_psi_flags_are_checked_in_words():
     for args, match in [(("euler",), "--sampler"), (("psi", "eta", "1.5"), "--psi_eta"),
-                        (("psi", "remdm"), "--psi_kappa"), (("psi", "eta", "0.5,0.5,0.5"), "--psi_kappa and --psi_eta"),
+                        (("psi", "remdm"), "--psi_kappa"), (("psi", "eta", "0.5,0.5"), "--psi_kappa and --psi_eta"),
                         (("psi", "eta", "0.5", "loop", 0.1, "0.5,0.6,0.1"), "--psi_fracs"),
                         (("psi", "eta", "0.5", "loop", 1.5), "--psi_loop_t")]:
         with pytest.raises(UsageError, match=match):
@@ -258,6 +258,148 @@ def test_psi_and_ancestral_total_variation_as_steps_grow_exact():
         assert all(b < 0.7 * a for a, b in zip(curve, curve[1:])) and curve[-1] < 0.015, (psi, curve)
     assert tv(256, Psi(("eta",), (0.5,))) > 2 * tv(256, None)
     assert min(tv(n, psi, own=True) for n in grid for psi in (None, Psi(("eta",), (0.5,)))) > 0.25
+
+
+# -----------------------------------------------------------------------------------------------
+# Duo's published Psi scripts, step for step
+
+def duo_reference_schedule(steps, schedule, time_profile, modes, high_frac, middle_frac, eps=1e-5):
+    """Duo's Psi schedule as its code runs it (Duo spec section 6.2; its generate_samples), written out here on its
+    own: n = steps + 1 grid points; n_hi = round(high_frac n), n_mid = round(middle_frac n) of them, the rest low;
+    time_profile "linear" or ("loop", c): linspace(1, c, n_hi), c n_mid times, linspace(c, eps, n_lo). Each
+    phase's kappas from its own points: pure-posterior 1, constant-X X, or for a ReMDM mode clip(1 - sigma /
+    (1 - a_s), 0, 1) of each pair of consecutive points, sigma = X (constant-remdm-X), min(X, (1 - a_s) / a_t)
+    (max-capped-X), X min(X, (1 - a_s) / a_t) (max-rescale-X), and 1 for the phase's last point. Step i goes
+    from point i to point i + 1 with kappa i. -> [(t, s, kappa)] per step."""
+    n = steps + 1
+    n_hi, n_mid = round(high_frac * n), round(middle_frac * n)
+    sizes = (n_hi, n_mid, n - n_hi - n_mid)
+    lin = lambda a, b, m: [a] if m == 1 else [a + (b - a) * j / (m - 1) for j in range(m)]
+    if time_profile == "linear":
+        points = lin(1.0, eps, n)
+    else:
+        c = time_profile[1]
+        points = lin(1.0, c, n_hi) + [c] * n_mid + lin(c, eps, sizes[2])
+    alpha = lambda t: float(diffusion.SCHEDULES[schedule](torch.tensor(t, dtype=torch.float64))[0])
+    kappas = []
+    for mode, size, start in zip(modes, sizes, (0, n_hi, n_hi + n_mid)):
+        seg = points[start:start + size]
+        if mode == "pure-posterior" or mode.startswith("constant-") and not mode.startswith("constant-remdm"):
+            kappas += [1.0 if mode == "pure-posterior" else float(mode.split("-")[-1])] * size
+            continue
+        x = float(mode.split("-")[-1])
+        for t, s in zip(seg, seg[1:]):
+            a_t, a_s = alpha(t), alpha(s)
+            sigma = x if mode.startswith("constant-remdm") else (
+                min(x, (1 - a_s) / a_t) if mode.startswith("max-capped") else x * min(x, (1 - a_s) / a_t))
+            kappas.append(min(1.0, max(0.0, 1 - sigma / (1 - a_s))))
+        kappas += [1.0] * (size > 0)
+    return [(points[i], points[i + 1], kappas[i]) for i in range(steps)]
+
+
+# Each of Duo's duo_*.sh Psi scripts (scripts/psi_samplers/): its settings, and the sample.py flags that rerun it
+# (README's table). Duo's "linear-constant-linear-0.9-inv" holds t(alpha = 0.9) of its schedule's inverse, which
+# leaves out the schedule's eps: t = 1 - 0.9 (log-linear), 1 - (2 / pi) acos(0.1) (cosine).
+COSINE_T_09 = 1 - 2 / math.pi * math.acos(0.1)
+DUO_PSI_SCRIPTS = {
+    "owt/duo_max_rescale_eta.sh": (("loglinear", "linear", ("max-rescale-0.05",) * 3, 0.0, 0.0),
+                                   "--psi_kappa max_rescale --psi_eta 0.05 --psi_rescale duo --top_p 0.9"),
+    "owt/duo_max_capped_remdm.sh": (("loglinear", "linear", ("max-capped-0.01",) * 3, 0.0, 0.0),
+                                    "--psi_kappa max_capped --psi_eta 0.01 --top_p 0.9"),
+    "owt/duo_loop_remdm.sh": (("loglinear", ("loop", 1 - 0.9), ("pure-posterior", "constant-remdm-0.01",
+                                                                 "pure-posterior"), 0.45, 0.5),
+                              "--psi_profile loop --psi_loop_t 0.1 --psi_kappa eta,sigma_constant,eta --psi_eta 1,0.01,1 "
+                              "--psi_fracs 0.45,0.5,0.05 --top_p 0.95"),
+    "cifar10/duo_max_rescale_eta.sh": (("cosine", "linear", ("max-rescale-0.01",) * 3, 0.0, 0.0),
+                                       "--psi_kappa max_rescale --psi_eta 0.01 --psi_rescale duo --noise_schedule cosine"),
+    "cifar10/duo_max_capped_remdm.sh": (("cosine", "linear", ("max-capped-0.005",) * 3, 0.0, 0.0),
+                                        "--psi_kappa max_capped --psi_eta 0.005 --noise_schedule cosine"),
+    "cifar10/duo_constant_remdm.sh": (("cosine", ("loop", COSINE_T_09), ("pure-posterior", "constant-remdm-0.01",
+                                                                          "pure-posterior"), 0.45, 0.5),
+                                      "--psi_profile loop --psi_loop_t 0.0637685608585 --psi_kappa eta,sigma_constant,eta "
+                                      "--psi_eta 1,0.01,1 --psi_fracs 0.45,0.5,0.05 --noise_schedule cosine"),
+    "cifar10/duo_psi_pc.sh": (("cosine", "linear", ("pure-posterior", "constant-0.95", "pure-posterior"), 0.5, 0.4),
+                              "--psi_kappa eta --psi_eta 1,0.95,1 --psi_fracs 0.5,0.4,0.1 --noise_schedule cosine"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(DUO_PSI_SCRIPTS))
+def test_duo_flags_rerun_each_of_duos_psi_scripts_step_for_step(script):
+    """sample.py's flags of README's table (--sampler psi --steps 256 ... --psi_grid duo), parsed as the command
+    line parses them, give every step the t, s and kappa of duo_reference_schedule on Duo's published settings."""
+    import sample
+    (schedule, profile, modes, high, middle), flags = DUO_PSI_SCRIPTS[script]
+    cfg = sample.parse_flags(sample.SampleConfig, ["--sampler", "psi", "--steps", "256", "--psi_grid", "duo",
+                                                   *flags.split()])
+    psi = sample.psi_from_flags(cfg, cfg.steps)
+    ts, kappas = sample.psi_plan(cfg.steps, cfg.t_end, psi, cfg.noise_schedule or "loglinear")
+    reference = duo_reference_schedule(256, schedule, profile, modes, high, middle)
+    assert len(kappas) == len(reference) == 256 and len(ts) == 257
+    for i, (t, s, kappa) in enumerate(reference):
+        assert ts[i].item() == pytest.approx(t, abs=1e-12) and ts[i + 1].item() == pytest.approx(s, abs=1e-12), i
+        assert kappas[i] == pytest.approx(kappa, abs=1e-12), (script, i)
+
+
+def test_generate_runs_duos_schedule_step_for_step(monkeypatch):
+    """sample.generate with --psi_grid duo conditions the network on Duo's times and draws each step with Duo's
+    kappa (duo_reference_schedule of its loop script, 20 steps), then the final ancestral step."""
+    psi = parse_psi("psi", "eta,sigma_constant,eta", "1,0.05,1", "loop", 0.3, "0.45,0.5,0.05", 20, grid="duo")
+    reference = duo_reference_schedule(20, "loglinear", ("loop", 0.3),
+                                       ("pure-posterior", "constant-remdm-0.05", "pure-posterior"), 0.45, 0.5)
+    kappas, real_step = [], diffusion.ancestral_step_from_logits
+    monkeypatch.setattr(diffusion, "ancestral_step_from_logits",
+                        lambda *a, kappa=1.0: kappas.append(kappa) or real_step(*a, kappa=kappa))
+    rec = Recorder(lambda x, sigma: torch.zeros(*x.shape, 5))
+    generate(rec, 2, 4, 5, 20, psi=psi, generator=gen(0), show_progress=False)
+    alpha = lambda t: diffusion.log_linear_schedule(torch.tensor(t, dtype=torch.float64))[0]
+    sigmas = [float(s[0]) for _, s in rec.calls]
+    expected = [float(-torch.log(alpha(t))) for t, _, _ in reference] + [float(-torch.log(alpha(reference[-1][1])))]
+    assert sigmas == pytest.approx(expected, rel=1e-6)
+    assert kappas == pytest.approx([k for _, _, k in reference] + [1.0], abs=1e-12)
+
+
+def test_duo_and_our_psi_settings_differ_where_the_issue_measured():
+    """Duo's OWT max_rescale script (eta = 0.05, 256 steps): sum of (1 - kappa) 2.60 with Duo's cap, 17.80 with
+    ReMDM's (ours); the loop script: Duo's grid holds c for 129 steps, two of them no-ops (kappa = 1) at the phase
+    edges, 127 correcting, ours 128 correcting; duo_psi_pc's kappa runs 1, 0.95, 1 over 128 / 103 / 25 steps."""
+    import itertools
+    from sample import psi_plan
+    corr = lambda psi: sum(1 - k for k in psi_plan(256, 1e-5, psi)[1])
+    duo = parse_psi("psi", "max_rescale", "0.05", steps=256, rescale="duo", grid="duo")
+    assert corr(duo) == pytest.approx(2.60, abs=0.01)
+    assert corr(duo._replace(rescale="remdm")) == pytest.approx(17.80, abs=0.01)
+    assert corr(duo._replace(grid="ours")) == pytest.approx(2.60, abs=0.01)   # one phase: the grids agree
+    loop = parse_psi("psi", "eta,sigma_constant,eta", "1,0.01,1", "loop", 0.1, "0.45,0.5,0.05", 256, grid="duo")
+    for psi, held, correcting in ((loop, 129, 127), (loop._replace(grid="ours"), 128, 128)):
+        ts, kappas = psi_plan(256, 1e-5, psi)
+        assert int((ts[1:] == ts[:-1]).sum()) == held and sum(k < 1 for k in kappas) == correcting
+    pc = parse_psi("psi", "eta", "1,0.95,1", "linear", fracs="0.5,0.4,0.1", steps=256, grid="duo")
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(psi_plan(256, 1e-5, pc, "cosine")[1])]
+    assert runs == [(1.0, 128), (0.95, 103), (1.0, 25)]
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(psi_plan(256, 1e-5, pc._replace(grid="ours"))[1])]
+    assert runs == [(1.0, 128), (0.95, 102), (1.0, 26)]                      # ours splits the steps themselves
+
+
+def test_cli_runs_duos_settings_and_records_them(tiny_ckpt, tmp_path):
+    """Through the real script: --help names --psi_rescale and --psi_grid; a run with Duo's loop settings records
+    them; fractions that round past Duo's grid are one error line."""
+    ckpt, _ = tiny_ckpt
+    proc = run_cli("--help")
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "--psi_rescale" in stdout and "--psi_grid" in stdout
+    out = tmp_path / "duo.jsonl"
+    proc = run_cli("--ckpt", ckpt, "--num_samples", 1, "--steps", 8, "--seq_len", 8, "--out", out, "--sampler", "psi",
+                   "--psi_profile", "loop", "--psi_kappa", "eta,sigma_constant,eta", "--psi_eta", "1,0.01,1",
+                   "--psi_grid", "duo", "--psi_rescale", "duo")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    psi = json.loads(out.read_text())["settings"]["psi"]
+    assert psi["grid"] == "duo" and psi["rescale"] == "duo" and psi["kappa"] == ["eta", "sigma_constant", "eta"]
+    with pytest.raises(UsageError, match="--psi_fracs"):
+        parse_psi("psi", "eta", "1,0.5,1", "linear", fracs="0.5,0.5,0", steps=2, grid="duo")   # 2 + 2 > 3 points
+    for flag, value in (("--psi_grid", "remdm"), ("--psi_rescale", "ours")):
+        with pytest.raises(UsageError, match=flag):
+            parse_psi("psi", **{flag[6:]: value})
 
 
 # -----------------------------------------------------------------------------------------------
@@ -478,3 +620,14 @@ def test_cli_cfg_without_a_prompt_is_an_error_not_a_silent_no_op(tiny_ckpt):
     import sample
     with pytest.raises(sample.UsageError, match="--cfg_w needs --prompt"):
         sample.main(["--ckpt", str(tiny_ckpt[0]), "--cfg_w", "1.1", "--out", ""])
+
+
+def test_lm_eval_model_args_take_duos_psi_settings(tiny_ckpt):
+    """downstream/lm_eval_sddlm.py's model arguments psi_rescale and psi_grid reach the sampler as sample.py's flags."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    from downstream.lm_eval_sddlm import SDDLMHarness
+    harness = SDDLMHarness(ckpt=str(tiny_ckpt[0]), sampler="psi", psi_kappa="eta/sigma_constant/eta",
+                           psi_eta="1/0.01/1", psi_profile="loop", psi_rescale="duo", psi_grid="duo", steps=8,
+                           device="cpu")
+    assert harness.psi == parse_psi("psi", "eta,sigma_constant,eta", "1,0.01,1", "loop", steps=8, rescale="duo",
+                                    grid="duo")

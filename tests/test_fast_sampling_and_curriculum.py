@@ -1,0 +1,148 @@
+"""The fast paths of the curriculum and the sampler against their plain versions (issue 29, item 5): Floyd's
+algorithm drawn at once against Floyd's loop on the same draws, and its law; the curriculum's soft-token embedding
+in the autocast dtype against float32; the sampling step without a host sync; end-of-run samples in the run's
+autocast dtype."""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import diffusion
+import sample
+from diffusion import SoftTokens, _distinct_uniform
+from model import ModelConfig, build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
+
+
+def floyd_loop(t, n):
+    """Floyd's algorithm one index at a time (the plain version): for j = n-k..n-1 take t_j, or j when t_j is
+    already in the set. t (rows, k), t[:, i] in [0, n-k+i] -> (rows, k) in drawing order."""
+    rows, k = t.shape
+    picked = torch.empty_like(t)
+    for r in range(rows):
+        chosen = []
+        for i, j in enumerate(range(n - k, n)):
+            chosen.append(j if int(t[r, i]) in chosen else int(t[r, i]))
+        picked[r] = torch.tensor(chosen)
+    return picked
+
+
+@pytest.mark.parametrize("n,k", [(40, 32), (33, 32), (8, 8), (6, 3), (1000, 32), (5, 1)])
+def test_distinct_uniform_is_floyds_algorithm_on_the_same_draws(n, k):
+    """The pointer-jumping resolution gives Floyd's picks exactly, in collision-heavy cases (k close to n, where
+    chains of taken j's are long) and light ones; then the same random order."""
+    rows = 3000
+    got = _distinct_uniform(n, k, rows, torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    t = torch.randint(0, 1 << 62, (rows, k), generator=g) % torch.arange(n - k + 1, n + 1)
+    order = torch.rand(rows, k, generator=g, dtype=torch.float64).argsort(-1)
+    assert torch.equal(got, floyd_loop(t, n).gather(-1, order))
+    assert all(len(set(row)) == k for row in got.tolist()) and got.min() >= 0 and got.max() < n
+
+
+@pytest.mark.parametrize("n,k", [(6, 3), (4, 4), (7, 2)])
+def test_distinct_uniform_draws_every_ordered_tuple_equally_often(n, k):
+    """Chi-square over all n! / (n - k)! ordered k-tuples of distinct values: uniform."""
+    rows = 60000
+    got = _distinct_uniform(n, k, rows, torch.Generator().manual_seed(1))
+    cells = {tup: c for c, tup in enumerate(itertools.permutations(range(n), k))}
+    counts = torch.bincount(torch.tensor([cells[tuple(r)] for r in got.tolist()]), minlength=len(cells)).double()
+    expected = rows / len(cells)
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = len(cells) - 1
+    assert stat < df * (1 - 2 / (9 * df) + 4.5 * math.sqrt(2 / (9 * df))) ** 3, stat
+
+
+def test_distinct_uniform_is_deterministic_per_generator():
+    a, b = (_distinct_uniform(50257, 32, 64, torch.Generator().manual_seed(3)) for _ in range(2))
+    c = _distinct_uniform(50257, 32, 64, torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def embedding_of(model, x):
+    """The residual stream entering the first block: the model's embedding of its input."""
+    seen = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    try:
+        model(x, torch.full((x[0].shape[0],), 0.5))
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_soft_token_embedding_runs_in_the_autocast_dtype_and_exactly_in_float32():
+    """The curriculum's soft tokens (k rows of E per position) are summed in float32 without autocast, exactly as
+    F.embedding_bag on float32; under bf16 autocast in bf16 (exactly embedding_bag on bf16 E and weights), handed on
+    as float32, equal to the float32 sum within bf16 rounding."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=32, cond_dim=8)).eval()
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randint(0, 300, (2, 16), generator=g)
+    _, soft = diffusion.curriculum_input(x0, torch.full((2, 1), -3.0), 300, 1e-3, g)
+    x = SoftTokens(soft.ids, torch.softmax(torch.randn(soft.probs.shape, generator=g), -1))   # several weights count
+    E = model.wte.weight.detach()
+    flat_ids, flat_w = x.ids.reshape(32, -1), x.probs.reshape(32, -1)
+    exact32 = F.embedding_bag(flat_ids, E, per_sample_weights=flat_w, mode="sum").view(2, 16, -1)
+    assert torch.equal(embedding_of(model, tuple(x)), exact32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = embedding_of(model, tuple(x))
+    bf16 = F.embedding_bag(flat_ids, E.bfloat16(), per_sample_weights=flat_w.bfloat16(), mode="sum").view(2, 16, -1)
+    assert h.dtype == torch.float32 and torch.equal(h, bf16.float())
+    torch.testing.assert_close(h, exact32, rtol=2 ** -7, atol=2 ** -7 * float(exact32.abs().max()))
+
+
+SYNC_OPS = ("aten.nonzero", "aten._local_scalar_dense", "aten.masked_select", "aten.item", "aten.unique",
+            "aten._unique2", "aten.equal", "aten.is_nonzero")   # ops whose result the host must wait for on a GPU
+
+
+def sync_ops_of(fn):
+    """How many ops that make the host wait for the device (a count, a value read on the host) fn runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += str(func.overloadpacket) in SYNC_OPS
+            return func(*args, **(kwargs or {}))
+
+    with Watch() as watch:
+        fn()
+    return watch.count
+
+
+@pytest.mark.parametrize("psi", [None, sample.Psi(("eta",), (0.4,)), sample.parse_psi("psi", "eta,sigma_constant,eta",
+                                                                                       "1,0.05,1", "loop")])
+def test_the_sampling_loop_never_waits_for_the_device(psi):
+    """sample.generate's steps (the denoiser with CFG and nucleus, then the reverse step, plain or Psi) run no op
+    that makes the host wait for the GPU: the count of such ops does not grow with the steps (the old step counted
+    the tokens that draw from x_theta, one wait per step)."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=40, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)).eval()
+    run = lambda steps: sync_ops_of(lambda: sample.generate(model, 3, 12, 40, steps, prompt_ids=[1, 2], cfg_w=1.1,
+                                                            top_p=0.9, psi=psi, show_progress=False,
+                                                            generator=torch.Generator().manual_seed(0)))
+    assert run(2) == run(7) <= 1
+
+
+def test_end_of_run_samples_use_the_runs_autocast_dtype(monkeypatch):
+    """train.py's print_samples hands the run's --dtype (bf16 autocast on CUDA by default) to the sampler."""
+    import contextlib
+    import types
+    import train
+    seen = {}
+
+    def fake_generate(*args, **kwargs):
+        seen.update(kwargs)
+        return torch.zeros(1, 4, dtype=torch.long)
+    monkeypatch.setattr(sample, "generate", fake_generate)
+    monkeypatch.setattr(train, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
+    monkeypatch.setattr(train, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
+    model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
+    cfg = train.TrainConfig(loss="sddlm", dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2)
+    train.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
+                        types.SimpleNamespace(device=torch.device("cpu")))
+    assert seen["dtype"] == torch.bfloat16
