@@ -6,14 +6,13 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
-Every field of TrainConfig is a CLI flag (`--help` describes them: the comment on each field's line); --preset
-applies a dict of overrides first (TRAIN_PRESETS), explicit flags win. Without --preset, a torchrun launch on CUDA
-trains the paper's recipe (FLAGSHIP_PRESET); `python train.py` on one process trains the tiny offline demo. A short
-summary is printed at start, the full config saved next to the checkpoint (config.json).
+Every field of TrainConfig is a CLI flag (`--help`: the comment on each field's line); --preset applies a dict of
+overrides first (TRAIN_PRESETS), explicit flags win; a torchrun launch on CUDA without --preset trains the paper's
+recipe (FLAGSHIP_PRESET). The full config is saved next to the checkpoint (config.json).
 One training step (paper Algorithm 1, diffusion.loss_terms): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
-(or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
-The file reads top to bottom: the config; the step; the run and its loop, where evaluation, the log, checkpoints,
-stop signals and the memory probe are one call each into their rooms (eval_ppl.py, plumbing/).
+(or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA. The file reads top to bottom:
+the config, the step, the run and its loop, where evaluation, the log, checkpoints, stop signals and the memory
+probe are one call each into their rooms (eval_ppl.py, plumbing/).
 """
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
@@ -168,13 +167,6 @@ FLAGSHIP_NOTE = ("torchrun on CUDA without --preset: training the paper's recipe
                  "--preset tiny gives the offline demo")
 
 
-def validate(cfg, world_size):
-    """Every flag checked once, before out_dir is locked or made: one line naming the flag and its allowed values."""
-    check_train_flags(cfg, world_size)                # plumbing/flags.py: each flag within its range
-    check_settings(cfg.num_proc)                      # the data preparation's own flags
-    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
-
-
 def model_config_for(cfg, vocab_size):
     if cfg.vocab_size and cfg.vocab_size < vocab_size:
         raise ConfigError(f"--vocab_size {cfg.vocab_size} is smaller than the tokenizer's vocabulary {vocab_size}")
@@ -299,13 +291,14 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_config(argv)
-    preset_given = any(a == "--preset" or a.startswith("--preset=") for a in argv)
-    flagship = not preset_given and torchrun_on_cuda(cfg.device)     # then the paper's recipe, said first
+    flagship = not any(a.split("=")[0] == "--preset" for a in argv) and torchrun_on_cuda(cfg.device)
     if flagship:
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
                                                                "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # once, before out_dir is locked or made
+    check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # once, before out_dir is locked or made
+    check_settings(cfg.num_proc)                      # the data preparation's own flags
+    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
 
     def work(env):
         if flagship and env.master:

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plumbing.cli import OutOfMemory, UsageError, oom_summary, parse_bool, resolve_device
 from plumbing.lock import acquire_folder
+from plumbing.memory import cuda_allocator_env
 from plumbing.signals import deferred_signals
 
 

@@ -22,11 +22,13 @@ def check_train_flags(cfg, world_size):
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
-        raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, large")
+        raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, "
+                          f"large")
     if cfg.lr_schedule not in ("constant", "linear", "cosine"):
         raise ConfigError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
     if cfg.noise_schedule not in diffusion.SCHEDULES:
-        raise ConfigError(f"unknown --noise_schedule {cfg.noise_schedule!r}; choose from {', '.join(diffusion.SCHEDULES)}")
+        raise ConfigError(f"unknown --noise_schedule {cfg.noise_schedule!r}; choose from "
+                          f"{', '.join(diffusion.SCHEDULES)}")
     if cfg.max_iters < 1 or cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.block_size < 2:
         raise ConfigError("--max_iters, --batch_size, --grad_accum must be >= 1 and --block_size >= 2")
     if cfg.batch_size % (world_size * cfg.grad_accum):
