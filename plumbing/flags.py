@@ -14,7 +14,7 @@ from plumbing.tracking import require_trackers
 
 def check_train_flags(cfg, world_size):
     """train.py's flags (train.TrainConfig) at start-up, each against the values it may take (world_size: the
-    torchrun job's ranks) -> ConfigError naming the flag and what it accepts. train.validate adds the data
+    torchrun job's ranks) -> ConfigError naming the flag and what it accepts. train.main adds the data
     preparation's flags and the model's shape."""
     require_trackers(cfg)
     if not cfg.out_dir.strip():

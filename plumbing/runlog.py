@@ -5,6 +5,7 @@ of JSONL files the evaluation scripts take as input."""
 import json
 import math
 import os
+import signal
 import time
 
 import torch
@@ -97,7 +98,7 @@ class Log:
         if after:
             self.close(f"stopped by signal {signum} after {what}; checkpoint of step {step} saved to {path}")
         else:
-            self.close(f"stopped by signal {signum or 15} at step {step}; checkpoint saved to {path} "
+            self.close(f"stopped by signal {signum or int(signal.SIGTERM)} at step {step}; checkpoint saved to {path} "
                        + (f"({what} finished)" if finished else "(continue with --resume 1)"))
         return 130
 
