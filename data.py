@@ -32,8 +32,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.cli import bar_hidden, first_line
-
 
 class DataError(ValueError):
     """Bad dataset / tokenizer input; the message is one line naming the culprit."""
@@ -121,7 +119,8 @@ def _sentencepiece_tokenizer(path, threads=None):
     try:
         sp = spm.SentencePieceProcessor(model_file=path)
     except (RuntimeError, OSError) as e:
-        raise DataError(f"{path} is not a SentencePiece model ({first_line(e) or type(e).__name__})") from None
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path} is not a SentencePiece model ({why})") from None
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
     if min(sp.bos_id(), sp.eos_id()) < 0:
         raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
@@ -256,8 +255,10 @@ def file_sha256(path, cached=True):
 @lru_cache(maxsize=256)
 def _file_sha256(path, size, mtime_ns):
     h = hashlib.sha256()
+    # a bar for files of 1 GiB and more, unless tqdm's own switch TQDM_DISABLE (which disable= would override) is set
+    hidden = size < 2 ** 30 or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
     with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {os.path.basename(path)}",
-                                     disable=bar_hidden() or size < 2 ** 30, leave=False) as bar:
+                                     disable=hidden, leave=False) as bar:
         while chunk := f.read(1 << 24):
             h.update(chunk)
             bar.update(len(chunk))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import losses
 from kernels.gumbel import block_logsumexp, gumbel_argmax, sample_categorical  # noqa: F401  (exact draws over K)
@@ -51,18 +50,10 @@ def sigma_from_alpha(alpha_t):
 def sample_t(n, generator=None, t_min=T_MIN, device=None):
     """Stratified ("antithetic") times over a batch of n: t_i = t_min + (1 - t_min)(u_i + i)/n, u_i ~ U(0,1).
     Draw n = the GLOBAL batch from a generator seeded identically on every rank, then slice per rank and
-    micro-batch (see rank_slice), so the strata cover the global batch as in Duo. -> (n,) float32."""
+    micro-batch (plumbing.distributed.rank_slice), so the strata cover the global batch as in Duo. -> (n,) float32."""
     u = torch.rand(n, generator=generator, device=device)
     e = (u + torch.arange(n, device=device)) / n
     return t_min + (1 - t_min) * e
-
-
-def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
-    """The part of a global-batch vector that belongs to one rank and one gradient-accumulation step."""
-    per_rank = t_global.shape[0] // world_size
-    per_micro = per_rank // grad_accum
-    start = rank * per_rank + micro_step * per_micro
-    return t_global[start:start + per_micro]
 
 
 # -----------------------------------------------------------------------------------------------
@@ -421,7 +412,7 @@ def loss_terms(model, cfg, x0, t, it, generator, draws=None):
     """Per-token training loss (B, L) (B, L - 1 for 'ar') of clean x0 (B, L) at times t (B,), and the model's
     output (the logits (B, L, V), or a losses.Head, see OBJECTIVES). draws: this micro-batch's slice of
     draw_noise (else drawn from generator)."""
-    V = unwrap(model).config.vocab_size
+    V = model.config.vocab_size
     if draws is None:
         draws = draw_noise(x0.shape[0], x0.shape[1], V, generator, x0.device)
     head = cfg.loss not in FULL_LOGITS
@@ -432,12 +423,6 @@ def loss_terms(model, cfg, x0, t, it, generator, draws=None):
         c = corrupt(cfg, x0, t, it, V, generator, draws)
         out = model(c.net_in, sigma_from_alpha(c.alpha_t.squeeze(-1)), return_head=head)
     return OBJECTIVES[cfg.loss](out, c, cfg.eps), out
-
-
-def unwrap(model):
-    """The DiffusionTransformer inside a DDP and/or torch.compile wrapper."""
-    model = model.module if isinstance(model, DDP) else model
-    return getattr(model, "_orig_mod", model)
 
 
 def token_mean(per_token, mask):

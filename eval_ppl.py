@@ -477,9 +477,10 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
                          env.device)
     sums = torch.zeros(4, dtype=torch.float64)     # loss sum, its tokens, NELBO sum, its tokens
     drawn = {}
-    with ema_weights(run) as model:
-        model.eval()
-        K, causal = model.config.vocab_size, model.config.causal
+    with ema_weights(run) as raw:
+        raw.eval()
+        model = raw if run.eval_model is None else run.eval_model     # compiled when the run compiles
+        K, causal = raw.config.vocab_size, raw.config.causal
         for j, n, lo, hi, x0, mask in pieces:
             if j not in drawn:
                 drawn.clear()
@@ -505,7 +506,7 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
                                                     draws=[d[lo:hi] for d in xt_draws]), mask
             sums[2] += float((per_token.double() * weight).sum())
             sums[3] += float(weight.sum())
-        model.train()
+        raw.train()
     return sums
 
 

@@ -6,47 +6,40 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
-Every field of TrainConfig is a CLI flag (`--help` describes them: the comment on each field's line); --preset
-applies a dict of overrides first (TRAIN_PRESETS), explicit flags win. Without --preset, a torchrun launch on CUDA
-trains the paper's recipe (FLAGSHIP_PRESET); `python train.py` on one process trains the tiny offline demo. A short
-summary is printed at start, the full config saved next to the checkpoint (config.json). On CUDA, plumbing.memory.fit_micro_batch checks at start that the micro-batch fits.
-One training step (paper Algorithm 1, objective.py): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
-(or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA.
-The file reads top to bottom: the config; the step; evaluation; the run and its loop (guarded_loop, shared
-with distillation/distill.py), where ranks, signals, checkpoints, the memory probe and the log are one call each (plumbing/).
+Every field of TrainConfig is a CLI flag (`--help`: the comment on each field's line); --preset applies a dict of
+overrides first (TRAIN_PRESETS), explicit flags win; a torchrun launch on CUDA without --preset trains the paper's
+recipe (FLAGSHIP_PRESET). The full config is saved next to the checkpoint (config.json).
+One training step (paper Algorithm 1, diffusion.loss_terms): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
+(or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA. The file reads top to bottom:
+the config, the step, the run and its loop, where evaluation, the log, checkpoints, stop signals and the memory
+probe are one call each into their rooms (eval_ppl.py, plumbing/).
 """
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import math
 import os
-import signal
 import sys
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import diffusion
 import losses
-from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from data import BatchLoader, DataError, get_tokenizer
+from diffusion import OBJECTIVES, draw_noise, loss_terms, token_mean  # noqa: F401  (OBJECTIVES: tests, bench)
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
-from model import PRESETS, ModelConfig, build_model
-from diffusion import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
-                       token_mean, unwrap)
-from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights,  # noqa: F401
-                                 keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
-from plumbing.distributed import (Env, agree, any_rank, on_rank0, run_distributed,  # noqa: F401
-                                  setup_distributed)
-from plumbing.files import refuse_overwrite, run_outputs, write_json
-from plumbing.memory import fit_micro_batch
-from plumbing.runlog import Log, finish_lines, kept, start_lines, truncate_log  # noqa: F401
 from hub.pretrained import export
-from plumbing.tracking import require_trackers
+from model import PRESETS, ModelConfig, build_model
+from plumbing.checkpoint import ema_weights, keep_checkpoint, open_out_dir, restore, save
+from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_dtype, run_cli
+from plumbing.distributed import (Env, any_rank, compiles, micro_batches, run_distributed,  # noqa: F401  (Env: tests)
+                                  torchrun_on_cuda, wrap_model)
+from plumbing.files import refuse_overwrite, run_outputs, write_json
+from plumbing.flags import check_train_flags
+from plumbing.memory import fit_micro_batch
+from plumbing.runlog import Log, finish_lines, kept, start_lines
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
-from plumbing.integrity import DivergenceRule
 from prepare import check_settings, prepare_for_run
 
 
@@ -81,7 +74,7 @@ class OptimConfig:
     seed: int = 1                    # seeds the data order, every noise draw and (train.py) the initial weights
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
-    compile: bool = False            # torch.compile the model (slower start, faster steps on GPU)
+    compile: str = "auto"            # torch.compile the model: auto (on CUDA for every preset but tiny) | 1 | 0
     threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS or idle cores / local procs
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
@@ -174,60 +167,6 @@ FLAGSHIP_NOTE = ("torchrun on CUDA without --preset: training the paper's recipe
                  "--preset tiny gives the offline demo")
 
 
-def flagship_launch(argv, cfg):
-    """True for a torchrun launch on CUDA without --preset: train.py then runs the paper's recipe."""
-    given = any(a == "--preset" or a.startswith("--preset=") for a in argv)
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return not given and torchrun and resolve_device(cfg.device).type == "cuda"
-
-
-def validate(cfg, world_size):
-    require_trackers(cfg)
-    if not cfg.out_dir.strip():
-        raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
-    if cfg.loss not in OBJECTIVES:
-        raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
-    if cfg.preset not in PRESETS:
-        raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, large")
-    if cfg.lr_schedule not in ("constant", "linear", "cosine"):
-        raise ConfigError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
-    if cfg.noise_schedule not in diffusion.SCHEDULES:
-        raise ConfigError(f"unknown --noise_schedule {cfg.noise_schedule!r}; choose from {', '.join(diffusion.SCHEDULES)}")
-    if cfg.max_iters < 1 or cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.block_size < 2:
-        raise ConfigError("--max_iters, --batch_size, --grad_accum must be >= 1 and --block_size >= 2")
-    if cfg.batch_size % (world_size * cfg.grad_accum):
-        raise ConfigError(f"--batch_size {cfg.batch_size} is not divisible by {world_size} ranks x "
-                          f"--grad_accum {cfg.grad_accum}")
-    if cfg.loss == "ar" and cfg.curriculum_iters:
-        raise ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
-    if not 0 <= cfg.ema < 1:
-        raise ConfigError("--ema must be in [0, 1)")
-    for name in ("eval_interval", "log_interval", "ckpt_interval", "sample_steps"):   # eval_iters: 0 = all
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "vocab_multiple", "n_layer", "n_head",
-                 "n_embd"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
-                                    ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
-                                    ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
-                                    ("diverge_margin", 0, math.inf, True),
-                                    ("grad_clip", 0, math.inf, True)]:
-        v = getattr(cfg, name)
-        if not (low <= v if closed else low < v) or not v < high:
-            raise ConfigError(f"--{name} must be in {'[' if closed else '('}{low}, {high}), got {v}")
-    if cfg.eval_iters < 0 or cfg.keep_every < 0 or cfg.gen_interval < 0:
-        raise ConfigError("--eval_iters (0 = the whole split), --keep_every and --gen_interval (0 = off) must be >= 0")
-    if cfg.gen_interval and (cfg.gen_num_samples < 1 or cfg.gen_steps < 1):
-        raise ConfigError("--gen_interval needs --gen_num_samples >= 1 and --gen_steps >= 1")
-    if cfg.curriculum_iters and not cfg.gamma_min < cfg.gamma_max:
-        raise ConfigError(f"--gamma_min {cfg.gamma_min} must be below --gamma_max {cfg.gamma_max}")
-    check_settings(cfg.num_proc)                      # the data preparation's own flags
-    resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
-    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
-
-
 def model_config_for(cfg, vocab_size):
     if cfg.vocab_size and cfg.vocab_size < vocab_size:
         raise ConfigError(f"--vocab_size {cfg.vocab_size} is smaller than the tokenizer's vocabulary {vocab_size}")
@@ -264,7 +203,7 @@ def lr_at(it, cfg):
 class Run:
     """The state a training run carries from step to step (and saves in its checkpoint)."""
     raw_model: torch.nn.Module           # the DiffusionTransformer itself
-    model: torch.nn.Module               # what the step calls: raw_model, compiled and/or DDP-wrapped
+    model: torch.nn.Module               # what the step calls: raw_model, or it in DDP and/or compiled (wrap_model)
     optimizer: torch.optim.Optimizer
     ema: list                            # EMA copies of raw_model.parameters(), or None
     loader: BatchLoader                  # None in bench/bench.py (random tokens)
@@ -272,6 +211,7 @@ class Run:
     gen_local: torch.Generator           # per rank: the curriculum's Gaussian latent
     it: int = 0                          # optimizer steps done
     n_ema: int = 0                       # EMA updates done
+    eval_model: torch.nn.Module = None   # what evaluation calls: raw_model compiled (--compile), or None: raw_model
 
 
 def make_optimizer(raw_model, cfg, device):
@@ -286,74 +226,57 @@ def make_optimizer(raw_model, cfg, device):
 
 
 def build_run(cfg, mcfg, env, data_dir=None):
-    """Model (seeded per rank), optimizer, EMA, loader over data_dir (None: no loader) and generators."""
+    """Model (seeded per rank; run.model = raw_model until wrap_model), optimizer, EMA, loader over data_dir (None:
+    no loader; on CUDA its batches are pinned and copied asynchronously) and generators."""
     torch.manual_seed(cfg.seed + env.rank)
     raw_model = build_model(mcfg).to(env.device)
     optimizer, ema = make_optimizer(raw_model, cfg, env.device)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if env.ddp:
-        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                    broadcast_buffers=False)   # the only buffers are the RoPE tables, identical on every rank
     loader = None
     if data_dir is not None:
         micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
         loader = BatchLoader(data_dir, "train", micro * cfg.grad_accum, rank=env.rank, world_size=env.world_size,
-                             seed=cfg.seed)
-    return Run(raw_model, model, optimizer, ema, loader,
+                             seed=cfg.seed, device=env.device)
+    return Run(raw_model, raw_model, optimizer, ema, loader,
                gen_shared=torch.Generator(device=env.device).manual_seed(cfg.seed),
                gen_local=torch.Generator(device=env.device).manual_seed(cfg.seed + 7919 * (env.rank + 1)))
 
 
 # -----------------------------------------------------------------------------------------------
-# the step: one optimizer step on a global batch
+# the step: one optimizer step on a global batch (paper Algorithm 1)
 
 def train_step(run, cfg, env, x0_all, mask_all=None):
-    """One optimizer step on this rank's part of a global batch x0_all (B_rank, L): times and noise for the
-    global batch from gen_shared, then accumulate_step. -> the step's mean loss (a detached 0-dim tensor)."""
-    t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    draws_global = draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
-                              env.device)
-
-    def per_token_loss(x0, mask, t, *draws):
-        per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
-        return per_token, None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
-    return accumulate_step(run, cfg, env, x0_all, mask_all, (t_global, *draws_global), per_token_loss)
-
-
-def accumulate_step(run, cfg, env, x0_all, mask_all, draws_global, per_token_loss):
-    """The optimizer step shared by train.py and distillation/distill.py: learning rate of step run.it; per micro-batch, this
-    rank's slice of every global draw (diffusion.rank_slice, so a DDP run equals one process), forward under
-    autocast via per_token_loss(x0, mask, *draws) -> (per-token loss, token weights or None), token mean and
-    backward (DDP syncs gradients on the last micro-batch only); then optimizer_step. -> the step's mean loss
-    (a detached 0-dim tensor: no host sync here)."""
-    lr = lr_at(run.it, cfg)
+    """One optimizer step on this rank's part x0_all (B_rank, L) of a global batch: times t and corruption noise
+    drawn for the GLOBAL batch from gen_shared, each micro-batch taking its slice (micro_batches: a DDP run equals
+    one process); per micro-batch the objective (diffusion.loss_terms: xt ~ q_t(. | x0), the model, the per-token
+    loss), its token mean and backward; then optimizer_step. -> the step's mean loss (a detached 0-dim tensor: no
+    host sync here)."""
     for g in run.optimizer.param_groups:
-        g["lr"] = lr
-    micro = x0_all.shape[0] // cfg.grad_accum
+        g["lr"] = lr_at(run.it, cfg)
+    t_all = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
+    draws_all = draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
+                           env.device)
     total = torch.zeros((), device=env.device)
-    for m in range(cfg.grad_accum):
-        x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
-        mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
-        draws = [diffusion.rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum) for v in draws_global]
-        sync = nullcontext() if (not env.ddp or m == cfg.grad_accum - 1) else run.model.no_sync()
-        with sync:
+    for x0, mask, (t, *draws), sync in micro_batches(run.model, cfg, env, x0_all, mask_all, (t_all, *draws_all)):
+        with sync:                   # DDP all-reduces the gradients on the last micro-batch only
             with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
-                per_token, weight = per_token_loss(x0, mask, *draws)
+                per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
+                weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
                 loss = token_mean(per_token, weight) / cfg.grad_accum
             loss.backward()
         total += loss.detach()
-    run.n_ema = optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema)
+    run.n_ema = optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema, env.ddp)
     run.it += 1
     return total
 
 
-def optimizer_step(raw_model, optimizer, ema, cfg, n_ema):
-    """Clip the gradient norm, AdamW step, zero the gradients, update the EMA weights with Duo's warm-up
-    decay min(ema, (1 + n) / (10 + n)). n_ema = EMA updates so far -> n_ema + 1."""
+def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
+    """Clip the gradient norm, AdamW step, zero the gradients (under DDP in place: they are views of its all-reduce
+    buckets, wrap_model), update the EMA weights with Duo's warm-up decay min(ema, (1 + n) / (10 + n)).
+    n_ema = EMA updates so far -> n_ema + 1."""
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not ddp)
     if ema is None:
         return n_ema
     n_ema += 1
@@ -368,12 +291,14 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_config(argv)
-    flagship = flagship_launch(argv, cfg)
+    flagship = not any(a.split("=")[0] == "--preset" for a in argv) and torchrun_on_cuda(cfg.device)
     if flagship:
         cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
                                                                "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # once, before out_dir is locked or made
+    check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # once, before out_dir is locked or made
+    check_settings(cfg.num_proc)                      # the data preparation's own flags
+    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
 
     def work(env):
         if flagship and env.master:
@@ -388,96 +313,66 @@ def train(cfg, env):
     cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
     mcfg = model_config_for(cfg, meta["vocab_size"])
     ckpt = open_out_dir(cfg, mcfg, meta)
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     if ckpt is not None and ckpt["step"] == cfg.max_iters:   # nothing written, config.json untouched
         if env.master:
-            print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
-                  f"to do (raise --max_iters to train on)")
+            print(f"{ckpt_path} is already at step {cfg.max_iters} = --max_iters; nothing to do (raise --max_iters "
+                  f"to train on)")
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
         restore(run, ckpt, env)
-    fit_micro_batch(run, cfg, env)
+    compile = compiles(cfg.compile, cfg.preset, env.device)   # --compile auto: the paper's presets on CUDA
+    fit_micro_batch(run, cfg, env, compile)      # CUDA: raise --grad_accum until the micro-batch fits
+    run.model = wrap_model(run.raw_model, env, compile)       # DDP, then compiled (after the probe: see there)
+    run.eval_model = torch.compile(run.raw_model) if compile else None
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
+    config = {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}
     if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
-        write_json(os.path.join(cfg.out_dir, "config.json"),
-                   {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
+        write_json(os.path.join(cfg.out_dir, "config.json"), config)
         print(start_lines(cfg, run.raw_model, env))
-    log = Log(cfg, env, run.it, config={"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
-    evals = [(cfg.eval_interval, lambda: evaluate(run, cfg, data_dir, env),
-              lambda sums: val_metrics(sums, cfg, data_dir))]
-    if quality is not None:
-        evals.append((cfg.gen_interval, lambda: sample_quality(run, cfg, env, *quality),
-                      lambda sums: gen_metrics(sums, cfg, quality[0])))
+    log = Log(cfg, env, run.it, config=config, vocab_size=run.raw_model.config.vocab_size)
 
-    def keep():
-        if cfg.keep_every and run.it % cfg.keep_every == 0 and env.master:
-            keep_checkpoint(run, cfg, mcfg, meta)
-    return guarded_loop(run, cfg, env, log, lambda *batch: train_step(run, cfg, env, *batch), evals,
-                        save=lambda: save(run, cfg, mcfg, meta, env), keep=keep,
-                        samples=lambda: log.samples(run.it, print_samples(run, cfg, meta, env)), what="training",
-                        nonfinite=lambda it, why: f"{why} by step {it} (lr {lr_at(it - 1, cfg):.2e}); {kept(cfg)}. "
-                                                  f"Lower --lr or check the data.")
-
-
-def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite, keep=None):
-    """The loop of train.py and distillation/distill.py: step(*batch) until max_iters; the loss is checked and logged every
-    log_interval steps (one host sync shared by the ranks, agree); each of evals (interval, work, metrics) runs at
-    its interval and at the end; a checkpoint every ckpt_interval steps, at the end and on a stop signal (SIGINT /
-    SIGTERM save and exit 130, --resume 1 continues); then samples(). nonfinite(step, why) -> the message of a
-    non-finite or diverged loss (plumbing.integrity.DivergenceRule), raised before any checkpoint of those weights
-    is written, so the last one on disk is sound. -> exit code."""
-    bad = torch.zeros((), device=env.device, dtype=torch.bool)   # a non-finite loss since the last check
-    loss_sum = torch.zeros((), device=env.device)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    rule, first = DivergenceRule(cfg.diverge_margin, math.log(run.raw_model.config.vocab_size)), run.it + 1
-    with stop_signals() as stop, log:
+    def diverged(why):               # raised before any checkpoint of these weights is written: the last is sound
+        return FloatingPointError(f"{why} by step {run.it} (lr {lr_at(run.it - 1, cfg):.2e}); {kept(cfg)}. Lower "
+                                  f"--lr or check the data.")
+    with stop_signals() as stop, log:    # a stop signal (SIGINT, SIGTERM, ...) sets stop: save, exit 130
         while run.it < cfg.max_iters:
-            loss = step(*run.loader.next_batch())
-            loss_sum += loss
-            bad |= ~torch.isfinite(loss)
-            if run.it == first:              # the loss of sound weights (initial, or a checked checkpoint)
-                rule.start(agree(env, loss.detach().clone(), bad, False)[0])
+            x0, mask = run.loader.next_batch()
+            loss = train_step(run, cfg, env, x0, mask)
             last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
-            stopping = False
-            if run.it % cfg.log_interval == 0 or save_now or last or (not env.ddp and stop["signal"] is not None):
-                mean, is_bad, stopping = agree(env, loss_sum, bad, stop["signal"] is not None)
-                diverged = "non-finite loss" if is_bad else rule.check(mean / max(1, run.it - log.step_last))
-                if diverged:                 # before any checkpoint of these weights is written
-                    raise FloatingPointError(nonfinite(run.it, diverged))
-                log.progress(run.it, mean, lr_at(run.it - 1, cfg))
-                loss_sum.zero_()
-            for interval, work, metrics in evals:
-                if (run.it % interval == 0 or last) and not stopping:
-                    sums = reduced_unless_stopped(stop, env, 4, work)
-                    if sums is not None:
-                        values = metrics(sums)
-                        log.metrics(run.it, values)
-                        diverged = rule.check_metrics(values)
-                        if diverged:
-                            raise FloatingPointError(nonfinite(run.it, diverged))
-                    stopping = any_rank(env, stop["signal"] is not None)
+            # every log_interval steps and before a save: the loss over the ranks, checked and logged, and whether
+            # any rank got a stop signal (the loop's one host sync)
+            stopping, why = log.loss(run.it, loss, lr_at(run.it - 1, cfg), stop, now=save_now or last)
+            if why:
+                raise diverged(why)
+            if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation loss, NELBO (EMA weights)
+                sums = reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, cfg, data_dir, env))
+                if sums is not None and (why := log.metrics(run.it, val_metrics(sums, cfg, data_dir))):
+                    raise diverged(why)
+                stopping = any_rank(env, stop["signal"] is not None)
+            if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
+                sums = reduced_unless_stopped(stop, env, 4, lambda: sample_quality(run, cfg, env, *quality))
+                if sums is not None:
+                    log.metrics(run.it, gen_metrics(sums, cfg, quality[0]))
+                stopping = any_rank(env, stop["signal"] is not None)
             if save_now or last or stopping:
-                save()
-            if keep is not None:
-                keep()
+                save(run, cfg, mcfg, meta, env)
+            if cfg.keep_every and run.it % cfg.keep_every == 0 and env.master:
+                keep_checkpoint(run, cfg, mcfg, meta)
             if stopping:
-                log.close(f"stopped by signal {stop['signal'] or signal.SIGTERM} at step {run.it}; checkpoint saved "
-                          f"to {ckpt_path} " + (f"({what} finished)" if last else "(continue with --resume 1)"))
-                return 130
+                return log.stopped(stop["signal"], run.it, "training", finished=last)
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
             folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
         try:
-            with interruptible(stop):                  # also a signal during the final save
+            with interruptible(stop):                  # a stop signal abandons the samples
                 if env.master and cfg.num_samples > 0:
-                    samples()
+                    log.samples(run.it, print_samples(run, cfg, meta, env))
         except Interrupted:
-            if env.master:
-                print(f"stopped by signal {stop['signal']} after {what}; checkpoint of step {run.it} saved to "
-                      f"{ckpt_path}")
-            return 130
+            return log.stopped(stop["signal"], run.it, "training", finished=True, after=True)
     if env.master:                                     # last, after the trackers have closed
-        print(finish_lines(cfg, what, run.it, ckpt_path, folder))
+        print(finish_lines(cfg, "training", run.it, ckpt_path, folder))
     return 0
 
 

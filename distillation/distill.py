@@ -44,18 +44,19 @@ import torch
 
 import diffusion
 import train
-from plumbing.cli import UsageError, first_line, parse_flags, resolve_dtype, run_cli
+from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_sums
+from hub.pretrained import export
 from model import ModelConfig
-from diffusion import unwrap
 from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, read_checkpoint,
                                  refuse_other_script, restore, save)
-from plumbing.distributed import run_distributed
+from plumbing.distributed import any_rank, compiles, micro_batches, run_distributed, wrap_model
 from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
 from plumbing.files import refuse_overwrite, run_outputs, write_json
 from plumbing.tracking import require_trackers
-from plumbing.runlog import Log
+from plumbing.runlog import Log, finish_lines, kept
+from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 
 
 @dataclass
@@ -186,7 +187,7 @@ def dcd_loss_terms(student, teacher, cfg, x0, t, it, noise):
     """Per-token DCD loss (B, L) of clean x0 (B, L) at stratified times t (B,) for step `it`: the two times
     t + dt and t, their levels alpha = T(gamma), the coupled pair from `noise` (this batch's draw_pair_noise),
     the student at (z_t, sigma_t) and the teacher (no gradient) at (z_s, sigma_s)."""
-    K = unwrap(student).config.vocab_size
+    K = student.config.vocab_size
     dt = step_size(it, cfg)
     t = (t + dt).clamp(max=1.0)
     s = t - dt
@@ -243,6 +244,7 @@ def validate(cfg, world_size):
     if not 0 <= cfg.ema < 1:
         raise UsageError("--ema must be in [0, 1)")
     resolve_dtype(cfg.dtype, torch.device("cpu"))
+    compiles(cfg.compile, cfg.preset, torch.device("cpu"))   # --compile: auto, 1 or 0
 
 
 def load_init(cfg):
@@ -346,19 +348,28 @@ def refresh_teacher(teacher, run, cfg):
 
 
 def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
-    """One optimizer step of DCD on this rank's part of a global batch (train.accumulate_step, as train.py's
-    step): the teacher refreshed at the start of a round; times and pair noise for the GLOBAL batch from
-    gen_shared, sliced per rank and micro-batch, so a DDP run equals a single process. -> the step's mean loss
-    (a detached 0-dim tensor)."""
+    """One optimizer step of DCD on this rank's part x0_all (B_rank, L) of a global batch, as train.train_step:
+    the teacher refreshed at the start of a round; times and pair noise for the GLOBAL batch from gen_shared, each
+    micro-batch taking its slice (a DDP run equals a single process); per micro-batch the DCD loss, its token mean
+    and backward; then train.optimizer_step. -> the step's mean loss (a detached 0-dim tensor)."""
     if run.it % cfg.round_iters == 0:
         refresh_teacher(teacher, run, cfg)
-    t_global = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    noise_global = draw_pair_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
-                                   env.device)
-
-    def per_token_loss(x0, mask, t, *noise):
-        return dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise), mask
-    return train.accumulate_step(run, cfg, env, x0_all, mask_all, (t_global, *noise_global), per_token_loss)
+    for g in run.optimizer.param_groups:
+        g["lr"] = train.lr_at(run.it, cfg)
+    t_all = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
+    noise_all = draw_pair_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
+                                env.device)
+    total = torch.zeros((), device=env.device)
+    for x0, mask, (t, *noise), sync in micro_batches(run.model, cfg, env, x0_all, mask_all, (t_all, *noise_all)):
+        with sync:                   # DDP all-reduces the gradients on the last micro-batch only
+            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+                per_token = dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise)
+                loss = diffusion.token_mean(per_token, mask) / cfg.grad_accum
+            loss.backward()
+        total += loss.detach()
+    run.n_ema = train.optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema, env.ddp)
+    run.it += 1
+    return total
 
 
 def evaluate(run, teacher, cfg, data_dir, env):
@@ -424,12 +435,17 @@ def distill(cfg, env):
     teacher = make_teacher(run.raw_model)
     if ckpt is not None:
         teacher.load_state_dict(ckpt["teacher"])
-    teacher_fn = torch.compile(teacher) if cfg.compile else teacher
+    compile = compiles(cfg.compile, cfg.preset, env.device)   # --compile auto: --preset small on CUDA
+    run.model = wrap_model(run.raw_model, env, compile)
+    run.eval_model = torch.compile(run.raw_model) if compile else None
+    teacher_fn = torch.compile(teacher) if compile else teacher
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
     log = Log(SimpleNamespace(out_dir=cfg.out_dir, batch_size=cfg.batch_size, block_size=mcfg.block_size,
                               loss=f"dcd {base_loss}", max_iters=cfg.max_iters, resume=cfg.resume, wandb=cfg.wandb,
-                              wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard), env, run.it,
-              config={"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta})
+                              wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
+                              log_interval=cfg.log_interval, diverge_margin=cfg.diverge_margin), env, run.it,
+              config={"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta},
+              vocab_size=run.raw_model.config.vocab_size)
     if env.master:
         K, table = mcfg.vocab_size, (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
         a_lo, a_hi = (float(diffusion.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
@@ -443,14 +459,38 @@ def distill(cfg, env):
         write_json(os.path.join(cfg.out_dir, "config.json"),
                    {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
                     "train_config": init_ckpt.get("train_config")})
-    return train.guarded_loop(
-        run, cfg, env, log, lambda *batch: dcd_step(run, teacher_fn, cfg, env, *batch),
-        [(cfg.eval_interval, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
-          lambda sums: val_metrics(sums, cfg, data_dir, run.it))],
-        save=lambda: save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher)),
-        samples=lambda: log.samples(run.it, print_samples(run, cfg, init_ckpt, tok, env)), what="distillation",
-        nonfinite=lambda it, why: f"{why.replace(' loss', ' DCD loss', 1)} by step {it}; {train.kept(cfg)}. "
-                                  f"Lower --lr.")
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+
+    def diverged(why):               # raised before any checkpoint of these weights is written: the last is sound
+        return FloatingPointError(f"{why.replace(' loss', ' DCD loss', 1)} by step {run.it}; {kept(cfg)}. Lower --lr.")
+    with stop_signals() as stop, log:    # the loop of train.py: a stop signal saves and exits 130
+        while run.it < cfg.max_iters:
+            loss = dcd_step(run, teacher_fn, cfg, env, *run.loader.next_batch())
+            last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
+            stopping, why = log.loss(run.it, loss, train.lr_at(run.it - 1, cfg), stop, now=save_now or last)
+            if why:
+                raise diverged(why)
+            if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation DCD loss and NELBO
+                sums = reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, teacher_fn, cfg, data_dir, env))
+                if sums is not None and (why := log.metrics(run.it, val_metrics(sums, cfg, data_dir, run.it))):
+                    raise diverged(why)
+                stopping = any_rank(env, stop["signal"] is not None)
+            if save_now or last or stopping:
+                save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
+            if stopping:
+                return log.stopped(stop["signal"], run.it, "distillation", finished=last)
+        log.close()
+        if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
+            folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
+        try:
+            with interruptible(stop):                  # a stop signal abandons the samples
+                if env.master and cfg.num_samples > 0:
+                    log.samples(run.it, print_samples(run, cfg, init_ckpt, tok, env))
+        except Interrupted:
+            return log.stopped(stop["signal"], run.it, "distillation", finished=True, after=True)
+    if env.master:                                     # last, after the trackers have closed
+        print(finish_lines(cfg, "distillation", run.it, ckpt_path, folder))
+    return 0
 
 
 def print_samples(run, cfg, init_ckpt, tok, env):

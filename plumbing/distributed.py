@@ -1,15 +1,19 @@
 """Where a process runs in a torchrun job, and how the ranks agree: set-up and tear-down (nodes, processes, CPU
-threads), the one host sync of the training loop (agree), any_rank, a decision taken on rank 0 that every rank
-then shares, and work done once per node (on_each_node: data, where nodes share no storage)."""
+threads), the model each rank trains (wrap_model: DDP, torch.compile), each rank's slice of the draws made for the
+global batch (rank_slice), the one host sync of the training loop (agree), any_rank, a decision taken on rank 0
+that every rank then shares, and work done once per node (on_each_node: data, where nodes share no storage)."""
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plumbing.cli import OutOfMemory, UsageError, oom_summary, resolve_device
+from plumbing.cli import OutOfMemory, UsageError, oom_summary, parse_bool, resolve_device
 from plumbing.lock import acquire_folder
+from plumbing.memory import cuda_allocator_env
 from plumbing.signals import deferred_signals
 
 
@@ -96,6 +100,8 @@ def setup_distributed(cfg):
     if device.type == "cpu":
         env.threads, env.threads_from = cpu_threads(getattr(cfg, "threads", 0), env.local_world_size)
         torch.set_num_threads(env.threads)
+    if device.type == "cuda":           # before the first CUDA allocation: the allocator reads it once
+        os.environ.update(cuda_allocator_env(os.environ))
     if env.ddp:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -104,6 +110,65 @@ def setup_distributed(cfg):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return env
+
+
+def torchrun_on_cuda(device):
+    """Whether this process was launched by torchrun (its environment says so) to run on CUDA (--device)."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    return torchrun and resolve_device(device).type == "cuda"
+
+
+def compiles(flag, preset, device):
+    """--compile auto | 1 | 0 -> whether the training model and evaluation's forward are torch.compile'd. auto: on
+    CUDA for the paper's presets (every preset but tiny), where the model and the fused output layer compile to one
+    graph and each step runs 1.2-1.35x faster; eager on the CPU and for the tiny demo, whose run would not win back
+    the minutes compiling takes. 1 / 0 force it."""
+    if str(flag).strip().lower() == "auto":
+        return device.type == "cuda" and preset != "tiny"
+    if str(flag).strip().lower() not in ("1", "true", "yes", "y", "0", "false", "no", "n"):
+        raise UsageError(f"--compile must be auto, 1 or 0, got {flag!r}")
+    return parse_bool(flag)
+
+
+def wrap_model(raw_model, env, compile):
+    """The model the training step calls: raw_model in DDP under torchrun, then compiled. DDP keeps the gradients
+    as views of its all-reduce buckets (gradient_as_bucket_view: no second copy of them); they start as zeros, so
+    every step, the first after a resume too, accumulates into the buckets alike (train.optimizer_step zeroes them
+    in place). Compiling the DDP module, after the memory probe (which leaves no compiled graph behind:
+    plumbing.memory.probe_steps), lets TorchDynamo split the graph at DDP's buckets, so each bucket's all-reduce
+    overlaps the rest of the backward pass; a graph compiled outside DDP first would be reused whole, every
+    all-reduce waiting for the end of the backward."""
+    model = raw_model
+    if env.ddp:
+        for p in raw_model.parameters():
+            p.grad = torch.zeros_like(p)
+        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                    broadcast_buffers=False,   # the only buffers are the RoPE tables, identical on every rank
+                    gradient_as_bucket_view=True)
+        model.config = raw_model.config        # read through the wrappers (diffusion.loss_terms: the vocabulary)
+    return torch.compile(model) if compile else model
+
+
+def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
+    """The part of a global-batch vector that belongs to one rank and one gradient-accumulation step: every draw
+    of a step is made for the global batch on every rank alike and sliced here, so a DDP run equals one process."""
+    per_rank = t_global.shape[0] // world_size
+    per_micro = per_rank // grad_accum
+    start = rank * per_rank + micro_step * per_micro
+    return t_global[start:start + per_micro]
+
+
+def micro_batches(model, cfg, env, x0_all, mask_all, draws_all):
+    """This rank's part of a global batch, x0_all (B_rank, L) and its mask or None, in cfg.grad_accum micro-batches,
+    each with its slice of every draw made for the global batch (rank_slice) and the context its backward runs in:
+    DDP all-reduces the gradients on the last micro-batch only (model.no_sync before). Yields (x0, mask, draws,
+    context) on env.device."""
+    micro = x0_all.shape[0] // cfg.grad_accum
+    for m in range(cfg.grad_accum):
+        x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
+        mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
+        draws = [rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum) for v in draws_all]
+        yield x0, mask, draws, (model.no_sync() if env.ddp and m < cfg.grad_accum - 1 else nullcontext())
 
 
 def any_rank(env, flag):

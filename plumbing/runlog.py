@@ -1,23 +1,33 @@
 """The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume; the
-lines a run prints before its bar starts and after it ends (start_lines, finish_lines, kept); and the one reader
+training loss between two log steps and the rule that calls it diverged (Log.loss, Log.metrics); the lines a run
+prints before its bar starts and after it ends (start_lines, finish_lines, kept, Log.stopped); and the one reader
 of JSONL files the evaluation scripts take as input."""
 import json
+import math
 import os
+import signal
 import time
 
+import torch
+
+from plumbing.distributed import agree
 from plumbing.files import append_jsonl, save_atomic
+from plumbing.integrity import DivergenceRule
 from plumbing.tracking import open_trackers
 
 
 class Log:
     """Rank 0's progress bar and out_dir/log.jsonl: training loss and tokens/s at log steps, validation metrics;
-    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict)."""
+    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict).
+    vocab_size: the model's K, the scale of the divergence rule the losses and metrics are checked by (Log.loss)."""
 
-    def __init__(self, cfg, env, step, config=None):
-        self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
+    def __init__(self, cfg, env, step, config=None, vocab_size=None):
+        self.path, self.master, self.env = os.path.join(cfg.out_dir, "log.jsonl"), env.master, env
         self.tokens_per_step, self.loss_name = cfg.batch_size * cfg.block_size, cfg.loss
         self.t_last, self.step_last = time.time(), step
         self.pbar, self.trackers = None, []
+        self.rule = None if vocab_size is None else DivergenceRule(cfg.diverge_margin, math.log(vocab_size))
+        self.log_interval, self.first, self.loss_sum, self.bad = getattr(cfg, "log_interval", 1), step + 1, None, None
         if self.master:
             if cfg.resume:
                 truncate_log(self.path, step)
@@ -35,6 +45,30 @@ class Log:
         for tracker in self.trackers:
             tracker.samples(step, texts)
 
+    def loss(self, step, loss, lr, stop, now=False):
+        """One step's training loss (a 0-dim tensor), summed on the device: no host sync per step. Every
+        log_interval steps, when `now` (a checkpoint follows) or, in one process, at once after a stop signal: the
+        sum over the ranks and whether any rank saw a non-finite loss or a stop signal (distributed.agree: the
+        loop's one host sync), checked by the divergence rule (the first step's loss, of sound weights, starts its
+        history), then logged. stop: plumbing.signals.stop_signals' flag. -> (stopping, why the loss diverged)."""
+        if self.loss_sum is None:
+            self.loss_sum = torch.zeros((), device=loss.device)
+            self.bad = torch.zeros((), device=loss.device, dtype=torch.bool)   # a non-finite loss since the start
+        self.loss_sum += loss
+        self.bad |= ~torch.isfinite(loss)
+        if step == self.first:
+            self.rule.start(agree(self.env, loss.detach().clone(), self.bad, False)[0])
+        signalled = stop["signal"] is not None
+        if not (step % self.log_interval == 0 or now or (signalled and not self.env.ddp)):
+            return False, None
+        total, bad, stopping = agree(self.env, self.loss_sum, self.bad, signalled)
+        why = "non-finite loss" if bad else self.rule.check(total / max(1, step - self.step_last))
+        if why:                          # not logged: the caller stops before any checkpoint of these weights
+            return stopping, why
+        self.progress(step, total, lr)
+        self.loss_sum.zero_()
+        return stopping, None
+
     def progress(self, step, loss_sum, lr):
         steps, dt = step - self.step_last, time.time() - self.t_last
         self.t_last, self.step_last = time.time(), step
@@ -49,11 +83,24 @@ class Log:
             self._write({"step": step, "loss": loss_sum / max(1, steps), "lr": lr, "tokens_per_s": tok_s})
 
     def metrics(self, step, metrics):
+        """An evaluation's metrics to the bar and the log. -> why its validation NELBO diverged, or None."""
         if self.master:
             self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                          for k, v in metrics.items()))
             self._write({"step": step, **metrics})
         self.t_last = time.time()    # keep evaluation out of the tokens/s figure
+        return self.rule.check_metrics(metrics) if self.rule else None
+
+    def stopped(self, signum, step, what, finished, after=False):
+        """The bar closed and the run's last line, when a stop signal (signum; None: another rank's) ended it with
+        its checkpoint of `step` saved, during the run or, `after`, during the samples at its end. -> exit code 130."""
+        path = os.path.join(os.path.dirname(self.path), "ckpt.pt")
+        if after:
+            self.close(f"stopped by signal {signum} after {what}; checkpoint of step {step} saved to {path}")
+        else:
+            self.close(f"stopped by signal {signum or int(signal.SIGTERM)} at step {step}; checkpoint saved to {path} "
+                       + (f"({what} finished)" if finished else "(continue with --resume 1)"))
+        return 130
 
     def close(self, message=None):
         if self.master:

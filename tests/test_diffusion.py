@@ -12,7 +12,7 @@ import diffusion
 from kernels import gumbel
 from diffusion import (SCHEDULES, T_MIN, TOP_K_MAX_TAU, SoftTokens, alpha_table, ancestral_step,
                        ancestral_step_from_logits, corrector_weights, cosine_schedule, curriculum_input,
-                       curriculum_sample, gamma_to_alpha, gaussian_latent, log_linear_schedule, rank_slice,
+                       curriculum_sample, gamma_to_alpha, gaussian_latent, log_linear_schedule,
                        reverse_posterior, sample_t, sample_xt, sigma_from_alpha, soft_input, tau_schedule,
                        top_k_latent)
 from kernels.gumbel import block_logsumexp, gumbel_argmax, gumbel_noise, sample_categorical
@@ -288,14 +288,6 @@ def test_sample_t_is_stratified_over_the_global_batch():
     frac = torch.cat([(sample_t(8, generator=g).double() - T_MIN) / (1 - T_MIN) * 8 - torch.arange(8)
                       for _ in range(500)])
     assert abs(frac.mean().item() - 0.5) < 4.5 * math.sqrt(1 / 12 / frac.numel())
-
-
-def test_rank_slices_reassemble_the_global_time_vector():
-    world, accum, n = 4, 2, 64
-    t = sample_t(n, generator=torch.Generator().manual_seed(0))
-    parts = [rank_slice(t, r, world, m, accum) for r in range(world) for m in range(accum)]
-    assert all(p.numel() == n // (world * accum) for p in parts)
-    assert torch.equal(torch.cat(parts), t)
 
 
 # -----------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
 @pytest.mark.parametrize("name", ["sddlm_v1", "ar", "duo_lean"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast, monkeypatch):
-    """loss_terms gives the objectives a Head (train.FULL_LOGITS aside); the loss and every parameter gradient
+    """loss_terms gives the objectives a Head (diffusion.FULL_LOGITS aside); the loss and every parameter gradient
     equal the same objective on the model's logits (float64, or bf16 autocast within bf16 rounding)."""
     model, tcfg = small_model(name, vocab_size=61, vocab_multiple=16)
     model = model if autocast else model.double()
@@ -354,7 +354,7 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
     model = model.double()
     x0 = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
-    c = train.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), train.draw_noise(4, 16, 64, None, "cpu"))
+    c = diffusion.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), train.draw_noise(4, 16, 64, None, "cpu"))
     assert isinstance(c.net_in, diffusion.SoftTokens)
     dense = torch.zeros(4, 16, 64, dtype=torch.float64).scatter_(-1, c.net_in.ids, c.net_in.probs.double())
     sigma = diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1))

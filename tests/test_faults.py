@@ -20,6 +20,7 @@ import torch
 
 from plumbing import cli
 from plumbing import files
+from plumbing import runlog
 import data
 import prepare
 import train
@@ -176,10 +177,10 @@ def test_a_resumed_log_keeps_the_lines_up_to_the_checkpoint(tmp_path):
     rows = [{"step": 5, "loss": 1.0}, {"note": "no step"}, {"step": 10, "loss": 0.9}, {"step": 10, "val_loss": 1.1},
             {"step": 15, "loss": 0.8}]
     log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 16, "lo')   # torn by a kill
-    train.truncate_log(str(log), 10)
+    runlog.truncate_log(str(log), 10)
     assert [json.loads(line) for line in log.read_text().splitlines()] == rows[:4]
     before = log.read_bytes()
-    train.truncate_log(str(log), 10)
+    runlog.truncate_log(str(log), 10)
     assert log.read_bytes() == before
 
 

@@ -79,7 +79,7 @@ def test_out_of_memory_in_training_names_the_micro_batch_and_keeps_the_checkpoin
 
 
 def fake_cuda_fit(monkeypatch, fits_up_to):
-    monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro: micro <= fits_up_to)
+    monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, compile: micro <= fits_up_to)
     monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
     return train.Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
 
@@ -114,7 +114,7 @@ def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch,
     """The flagship command `torchrun --nproc_per_node=8 train.py --loss sddlm_v1` runs --preset small and says so
     first; a preset given, a CPU device or a plain `python train.py` keep what was asked."""
     seen = []
-    monkeypatch.setattr(train, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
+    monkeypatch.setattr(plumbing.distributed, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
     monkeypatch.setattr(plumbing.distributed, "setup_distributed", lambda cfg: train.Env(torch.device("cpu")))
     monkeypatch.setattr(train, "train", lambda cfg, env: seen.append(cfg) or 0)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

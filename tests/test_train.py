@@ -259,7 +259,7 @@ def test_objectives_table_gives_each_loss_its_own_arguments():
     logits = torch.randn(2, 5, V, generator=g, dtype=torch.float64)
     x0, xt, neg = (torch.randint(0, V, (2, 5), generator=g) for _ in range(3))
     alpha_t, dalpha_t = torch.tensor([[0.3], [0.7]], dtype=torch.float64), torch.full((2, 1), -0.999, dtype=torch.float64)
-    c = train.Corrupted(x0, xt, xt, neg, alpha_t, dalpha_t)
+    c = diffusion.Corrupted(x0, xt, xt, neg, alpha_t, dalpha_t)
     expected = {"sddlm": losses.sddlm_loss(logits, x0, xt),
                 "sddlm_v1": losses.sddlm_v1_loss(logits, x0, xt, neg=neg, eps=0.01),
                 "sddlm_v2": losses.sddlm_v2_loss(logits, x0, xt, eps=0.01),
@@ -267,7 +267,7 @@ def test_objectives_table_gives_each_loss_its_own_arguments():
                 "duo": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),
                 "duo_lean": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),   # the same, memory-lean
                 "ar": losses.ar_loss(logits, x0)}
-    assert list(train.OBJECTIVES) == list(expected) and train.FULL_LOGITS == {"duo"}
+    assert list(train.OBJECTIVES) == list(expected) and diffusion.FULL_LOGITS == {"duo"}
     for name, ref in expected.items():
         torch.testing.assert_close(train.OBJECTIVES[name](logits, c, 0.01), ref, rtol=0, atol=1e-12 * (name == "duo_lean"),
                                    msg=name)

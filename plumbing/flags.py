@@ -1,0 +1,63 @@
+"""What train.py's flags may hold, checked once at start-up, before out_dir is locked or made: each bad value is
+one line naming the flag and the values it takes (exit code 2)."""
+import math
+
+import torch
+
+import diffusion
+from diffusion import OBJECTIVES
+from model import PRESETS
+from plumbing.cli import ConfigError, resolve_dtype
+from plumbing.distributed import compiles
+from plumbing.tracking import require_trackers
+
+
+def check_train_flags(cfg, world_size):
+    """train.py's flags (train.TrainConfig) at start-up, each against the values it may take (world_size: the
+    torchrun job's ranks) -> ConfigError naming the flag and what it accepts. train.main adds the data
+    preparation's flags and the model's shape."""
+    require_trackers(cfg)
+    if not cfg.out_dir.strip():
+        raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
+    if cfg.loss not in OBJECTIVES:
+        raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, "
+                          f"large")
+    if cfg.lr_schedule not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
+    if cfg.noise_schedule not in diffusion.SCHEDULES:
+        raise ConfigError(f"unknown --noise_schedule {cfg.noise_schedule!r}; choose from "
+                          f"{', '.join(diffusion.SCHEDULES)}")
+    if cfg.max_iters < 1 or cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.block_size < 2:
+        raise ConfigError("--max_iters, --batch_size, --grad_accum must be >= 1 and --block_size >= 2")
+    if cfg.batch_size % (world_size * cfg.grad_accum):
+        raise ConfigError(f"--batch_size {cfg.batch_size} is not divisible by {world_size} ranks x "
+                          f"--grad_accum {cfg.grad_accum}")
+    if cfg.loss == "ar" and cfg.curriculum_iters:
+        raise ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
+    if not 0 <= cfg.ema < 1:
+        raise ConfigError("--ema must be in [0, 1)")
+    for name in ("eval_interval", "log_interval", "ckpt_interval", "sample_steps"):   # eval_iters: 0 = all
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "vocab_multiple", "n_layer", "n_head",
+                 "n_embd"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
+                                    ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
+                                    ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
+                                    ("diverge_margin", 0, math.inf, True),
+                                    ("grad_clip", 0, math.inf, True)]:
+        v = getattr(cfg, name)
+        if not (low <= v if closed else low < v) or not v < high:
+            raise ConfigError(f"--{name} must be in {'[' if closed else '('}{low}, {high}), got {v}")
+    if cfg.eval_iters < 0 or cfg.keep_every < 0 or cfg.gen_interval < 0:
+        raise ConfigError("--eval_iters (0 = the whole split), --keep_every and --gen_interval (0 = off) must be >= 0")
+    if cfg.gen_interval and (cfg.gen_num_samples < 1 or cfg.gen_steps < 1):
+        raise ConfigError("--gen_interval needs --gen_num_samples >= 1 and --gen_steps >= 1")
+    if cfg.curriculum_iters and not cfg.gamma_min < cfg.gamma_max:
+        raise ConfigError(f"--gamma_min {cfg.gamma_min} must be below --gamma_max {cfg.gamma_max}")
+    resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
+    compiles(cfg.compile, cfg.preset, torch.device("cpu"))   # --compile: auto, 1 or 0
