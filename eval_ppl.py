@@ -274,7 +274,7 @@ class EvalConfig:
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     batch_size: int = 16             # sequences per forward
     # nelbo / zeroshot
-    data_dir: str = ""               # nelbo: prepared data folder ("" = the checkpoint's train_config.data_dir)
+    data_dir: str = ""               # nelbo: prepared data folder ("" = the one the checkpoint was trained on)
     split: str = "val"               # nelbo: the prepared split to score, val | train
     max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
     mc_draws: int = 1                # (t, xt) draws per sequence, averaged
@@ -286,7 +286,7 @@ class EvalConfig:
     samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
     steps: str = "128"               # comma list: one row of the "Gen PPL vs sampling steps" table each
     num_samples: int = 16            # samples generated and scored per row
-    final_step: str = "auto"         # ancestral | greedy | none | auto (sample.default_final_step)
+    final_step: str = "auto"         # ancestral | greedy | none | auto (as sample.py: by the objective)
     top_p: float = 1.0               # nucleus on x_theta (1 = off), as sample.py --top_p
     sampler: str = "ancestral"       # ancestral | psi: the --sampler and --psi_* flags of sample.py
     psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant, as sample.py

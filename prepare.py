@@ -1071,16 +1071,18 @@ def prepare_for_run(cfg, env):
 
 @dataclass
 class PrepareConfig:
-    dataset: str = "pydoc"           # pydoc (built in) | a local corpus (LOCAL_FORMATS) | a name in HF_CORPORA |
-                                     # hf:REPO[:CONFIG][@REVISION]
+    dataset: str = "pydoc"           # pydoc (built in) | a local corpus (.txt, .jsonl, .json, .parquet, .txt.gz,
+                                     # .jsonl.gz, an Arrow folder, or a folder of these) | openwebtext | lm1b |
+                                     # wikitext2 | wikitext103 | ptb | lambada | ag_news | arxiv | pubmed |
+                                     # slimpajama | hf:REPO[:CONFIG][@REVISION] (any parquet dataset on the hub)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
-    data_dir: str = ""               # output folder; "" = prepared_dir(dataset, tokenizer, block_size, ...) as train.py
+    data_dir: str = ""               # output folder; "" = data/<dataset>-<tokenizer>-<L>-<digest>, as train.py
     block_size: int = 128            # tokens per sequence L (as train.py --block_size)
     wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
     insert_eos: bool = True          # EOS between wrapped documents
     val_fraction: float = 0.05       # local corpora: share of the characters held out for validation
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO)
-    num_proc: int = 0                # tokenizing processes; 0 = the usable cores (the bytes are the same for any)
+    num_proc: int = 0                # tokenizing processes (0 = the usable cores; the bytes are the same for any)
     verify: bool = False             # hash every file of an existing folder (a start checks size and time only)
 
 

@@ -376,3 +376,52 @@ def test_every_folder_has_a_model_card_with_the_hubs_header_the_run_and_its_meas
     pretrained.export(ckpt_path, tmp_path / "nolog")
     assert "validation | not recorded" in (tmp_path / "nolog" / "README.md").read_text()
     assert "validation" not in json.load(open(tmp_path / "nolog" / "config.json"))
+
+
+def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_path):
+    """--model_args pretrained=out/model, as lm-eval names a model for every other backend, through lm-eval's own
+    argument parsing (create_from_arg_string): the same model as ckpt=; both at once naming two models is refused."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    from lm_eval.api.registry import get_model
+    from downstream import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
+    from downstream.eval_downstream import EvalError
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    cls = get_model("sddlm")
+    extra = {"batch_size": 2, "device": "cpu"}
+    by_name = cls.create_from_arg_string(f"pretrained={folder},mc_draws=2,seed=3", extra)
+    by_ckpt = cls.create_from_arg_string(f"ckpt={ckpt_path},mc_draws=2,seed=3", extra)
+    pair = [("the cat", " sees the dog")]
+    assert by_name.scorer.loglikelihood(pair) == by_ckpt.scorer.loglikelihood(pair)
+    assert torch.equal(logits_of(by_name.scorer.model), logits_of(load_checkpoint(ckpt_path, use_ema=True)[0]))
+    with pytest.raises(EvalError, match="name two models"):
+        cls.create_from_arg_string(f"pretrained={folder},ckpt={ckpt_path}", extra)
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_with_pretrained_scores_as_with_ckpt(tmp_path, tok_path):
+    """python -m downstream.lm_eval_sddlm --model_args pretrained=FOLDER (refused before: 'unknown sddlm model
+    argument(s) pretrained') logs the same responses on a local task as ckpt=CHECKPOINT."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    import glob
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                  ("the cat sees the dog", "the bird likes the fish")))
+    (tmp_path / "facts.yaml").write_text(
+        f"task: facts\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'facts.jsonl'}\n"
+        f"test_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\ndoc_to_target: \"{{' ' + text.split(' ')[-1]}}\"\n"
+        "metric_list:\n  - metric: perplexity\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    responses = []
+    for i, model in enumerate((f"pretrained={folder}", f"ckpt={ckpt_path}")):
+        p = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", "--model", "sddlm", "--model_args",
+                            f"{model},mc_draws=2,seed=3", "--tasks", "facts", "--include_path", str(tmp_path),
+                            "--device", "cpu", "--batch_size", "2", "--output_path", str(tmp_path / f"out{i}"),
+                            "--log_samples"], cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        path, = glob.glob(str(tmp_path / f"out{i}" / "**" / "samples_facts_*.jsonl"), recursive=True)
+        responses.append([json.loads(line)["resps"] for line in open(path)])
+    assert responses[0] == responses[1] and len(responses[0]) == 2
