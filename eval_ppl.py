@@ -63,12 +63,13 @@ ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxi
 
 @torch.no_grad()
 def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=None, t_min=1e-3, dtype=None,
-              show_progress=True):
+              show_progress=True, n_batches=None):
     """Token-mean NELBO over all batches and its perplexity (Duo spec 3.3).
     batches: iterable of x0 (B, L) int64 or (x0, mask) with mask (B, L) bool or None (False = padding, not
     counted). For each batch and draw: t = sample_t(B) stratified within the batch, alpha_t = 1 - (1 - 1e-3) t,
     xt ~ q_t(. | x0), per-token losses.usdm_nelbo_loss (computed in chunks of rows). A causal model (model.config.causal, the AR baseline)
     is scored exactly with losses.ar_loss instead (one pass, no draws).
+    n_batches: the number of batches, for the progress bar's ETA where batches has no len().
     -> dict(nll, ppl = exp(nll), bpd, tokens, estimator "nelbo" | "ar_exact", mc_draws)."""
     if mc_draws < 1:
         raise ValueError(f"mc_draws must be >= 1, got {mc_draws}")
@@ -77,7 +78,7 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for batch in tqdm(batches, desc="ar ppl" if causal else "nelbo", disable=cli.bar_hidden(show_progress),
-                      leave=False):
+                      leave=False, total=n_batches, unit="batch"):
         x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
         x0 = x0.to(device)
         mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
@@ -340,8 +341,10 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
     verify_prepared(data_dir, meta, [f"{cfg.split}.bin", f"{cfg.split}_mask.bin"])   # its sha256 in meta.json
     batches = eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    n_batches = -(-meta[f"{cfg.split}_sequences"] // cfg.batch_size)      # the progress bar's total
     result = nelbo_ppl(model, batches, model.config.vocab_size, generator=generator, mc_draws=cfg.mc_draws,
-                       device=device, t_min=cfg.t_min, dtype=dtype)
+                       device=device, t_min=cfg.t_min, dtype=dtype,
+                       n_batches=min(n_batches, cfg.max_batches) if cfg.max_batches else n_batches)
     return [dict(data=f"{data_dir}:{cfg.split}", **result)]
 
 

@@ -286,3 +286,59 @@ def test_lm_eval_sddlm_help_prints_the_harness_help_and_then_the_sddlm_model_arg
             assert words in ours, words
         from downstream.eval_downstream import MODEL_ARGS           # its argument names are the users' words here
         assert help_problems("lm_eval_sddlm", ours, dict.fromkeys(MODEL_ARGS, "")) == []
+
+
+def bar_states(stderr, desc):
+    """Every state a tqdm bar `desc` printed (carriage returns and newlines both end one) -> [(percent or None,
+    done, total or None, has an ETA)]."""
+    states = []
+    for line in re.split(r"[\r\n]", stderr):
+        line = line.strip()
+        if not line.startswith(desc + ":"):
+            continue
+        m = re.match(re.escape(desc) + r":\s+(\d+)%\|[^|]*\| ([\d.]+[kMG]?)/([\d.]+[kMG]?) \[[\d:]+<([\d:?]+)", line)
+        if m:
+            states.append((int(m.group(1)), m.group(2), m.group(3), m.group(4) != "?"))
+        else:
+            states.append((None, line, None, False))        # a bar without a total: "train: 466kB [00:01, ...]"
+    return states
+
+
+def run_py(*argv):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+    env.pop("TQDM_DISABLE", None)
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_progress_bars_have_a_total_reach_it_and_show_an_eta(tmp_path):
+    """Issue 31: prepare.py's byte bar had no total on the built-in corpus and stopped short of 100% on a .jsonl
+    (its total was the file's bytes, JSON syntax included); eval_ppl.py's NELBO loop had no total and no ETA."""
+    import torch
+    from dataclasses import asdict
+    from model import ModelConfig, build_model
+    records = tmp_path / "c.jsonl"
+    with open(records, "w") as f:            # ~0.9 MB of text in 1.7 MB of JSON: the bar counts the text
+        for i in range(6000):
+            f.write(json.dumps({"text": f"record {i}: " + "wörd " * (i % 50), "id": i}) + "\n")
+    for dataset, folder in (("pydoc", tmp_path / "pydoc"), (records, tmp_path / "records")):
+        r = run_py("prepare.py", "--dataset", dataset, "--tokenizer", "gpt2", "--data_dir", folder, "--num_proc", "1")
+        assert r.returncode == 0, r.stderr[-2000:]
+        states = bar_states(r.stderr, "train")
+        assert states and all(s[2] is not None for s in states), (dataset, states)     # a total, from the start
+        assert states[-1][0] == 100 and states[-1][1] == states[-1][2], (dataset, states[-1])
+        assert len({s[2] for s in states}) <= 2, states        # the total was right, or put right at the end
+    data_meta = json.load(open(tmp_path / "pydoc" / "meta.json"))
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=data_meta["vocab_size"], block_size=128, n_layer=1, n_head=2, n_embd=32, cond_dim=16)
+    torch.save({"model": build_model(mc).state_dict(), "model_config": asdict(mc),
+                "train_config": {"loss": "sddlm", "noise_schedule": "loglinear"}, "step": 1,
+                "meta": {k: data_meta[k] for k in ("tokenizer", "tokenizer_sha256", "vocab_size", "bos_id", "eos_id",
+                                                   "pad_id") if k in data_meta}}, tmp_path / "ckpt.pt")
+    r = run_py("eval_ppl.py", "--ckpt", tmp_path / "ckpt.pt", "--data_dir", tmp_path / "pydoc", "--batch_size", "2",
+               "--max_batches", "12", "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]
+    states = bar_states(r.stderr, "nelbo")
+    assert states and all(s[2] == "12" for s in states), states
+    assert any(s[3] for s in states), states                                   # an ETA once the first batch ran
