@@ -372,7 +372,8 @@ class SDDLM:
 @dataclass
 class ExportConfig:
     ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, duo:PATH, or a model folder
-    out: str = ""                    # the model folder to write ("" = model/ beside the checkpoint)
+    out: str = ""                    # the model folder to write ("" = model/ beside the checkpoint); a new or empty
+                                     # folder, or an earlier model folder (only its own files are replaced)
     weights: str = "ema"             # ema | raw (the live weights)
 
 
