@@ -226,11 +226,11 @@ def save_folder(folder, state, config, name=None):
                 os.replace(tmp, folder)                  # a new folder, or over an empty one: whole at once
             else:
                 new = set(os.listdir(tmp))
-                for name in our_files(folder):           # ours, from the earlier export, that this one does not write
-                    if name not in new:
-                        os.remove(os.path.join(folder, name))
-                for name in sorted(new - {CONFIG}) + [CONFIG]:   # config.json last: it makes the folder a model
-                    os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+                for entry in our_files(folder):          # ours, from the earlier export, that this one does not write
+                    if entry not in new:
+                        os.remove(os.path.join(folder, entry))
+                for entry in sorted(new - {CONFIG}) + [CONFIG]:  # config.json last: it makes the folder a model
+                    os.replace(os.path.join(tmp, entry), os.path.join(folder, entry))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if users_card:
