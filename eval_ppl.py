@@ -63,12 +63,13 @@ ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxi
 
 @torch.no_grad()
 def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=None, t_min=1e-3, dtype=None,
-              show_progress=True):
+              show_progress=True, n_batches=None):
     """Token-mean NELBO over all batches and its perplexity (Duo spec 3.3).
     batches: iterable of x0 (B, L) int64 or (x0, mask) with mask (B, L) bool or None (False = padding, not
     counted). For each batch and draw: t = sample_t(B) stratified within the batch, alpha_t = 1 - (1 - 1e-3) t,
     xt ~ q_t(. | x0), per-token losses.usdm_nelbo_loss (computed in chunks of rows). A causal model (model.config.causal, the AR baseline)
     is scored exactly with losses.ar_loss instead (one pass, no draws).
+    n_batches: the number of batches, for the progress bar's ETA where batches has no len().
     -> dict(nll, ppl = exp(nll), bpd, tokens, estimator "nelbo" | "ar_exact", mc_draws)."""
     if mc_draws < 1:
         raise ValueError(f"mc_draws must be >= 1, got {mc_draws}")
@@ -77,7 +78,7 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for batch in tqdm(batches, desc="ar ppl" if causal else "nelbo", disable=cli.bar_hidden(show_progress),
-                      leave=False):
+                      leave=False, total=n_batches, unit="batch"):
         x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
         x0 = x0.to(device)
         mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
@@ -274,7 +275,7 @@ class EvalConfig:
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     batch_size: int = 16             # sequences per forward
     # nelbo / zeroshot
-    data_dir: str = ""               # nelbo: prepared data folder ("" = the checkpoint's train_config.data_dir)
+    data_dir: str = ""               # nelbo: prepared data folder ("" = the one the checkpoint was trained on)
     split: str = "val"               # nelbo: the prepared split to score, val | train
     max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
     mc_draws: int = 1                # (t, xt) draws per sequence, averaged
@@ -286,7 +287,7 @@ class EvalConfig:
     samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
     steps: str = "128"               # comma list: one row of the "Gen PPL vs sampling steps" table each
     num_samples: int = 16            # samples generated and scored per row
-    final_step: str = "auto"         # ancestral | greedy | none | auto (sample.default_final_step)
+    final_step: str = "auto"         # ancestral | greedy | none | auto (as sample.py: by the objective)
     top_p: float = 1.0               # nucleus on x_theta (1 = off), as sample.py --top_p
     sampler: str = "ancestral"       # ancestral | psi: the --sampler and --psi_* flags of sample.py
     psi_kappa: str = "eta"           # psi: kappa mode eta | max_capped | max_rescale | sigma_constant, as sample.py
@@ -342,8 +343,10 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
     verify_prepared(data_dir, meta, [f"{cfg.split}.bin", f"{cfg.split}_mask.bin"])   # its sha256 in meta.json
     batches = eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    n_batches = -(-meta[f"{cfg.split}_sequences"] // cfg.batch_size)      # the progress bar's total
     result = nelbo_ppl(model, batches, model.config.vocab_size, generator=generator, mc_draws=cfg.mc_draws,
-                       device=device, t_min=cfg.t_min, dtype=dtype)
+                       device=device, t_min=cfg.t_min, dtype=dtype,
+                       n_batches=min(n_batches, cfg.max_batches) if cfg.max_batches else n_batches)
     return [dict(data=f"{data_dir}:{cfg.split}", **result)]
 
 

@@ -573,10 +573,17 @@ def _tail_split(length_batches, val_fraction, name):
     return n, n - k
 
 
-def _length_batches(docs, size=4096):
-    """The documents' lengths in lists of `size`: what _tail_split reads."""
-    lengths = map(len, docs)
-    return iter(lambda: list(itertools.islice(lengths, size)), [])
+def _length_batches(docs, size=4096, text_bytes=None):
+    """The documents' lengths in lists of `size`: what _tail_split reads; each list's UTF-8 bytes appended to
+    text_bytes, where given (the progress bar's total)."""
+    docs = iter(docs)
+    while True:
+        batch = list(itertools.islice(docs, size))
+        if not batch:
+            return
+        if text_bytes is not None:
+            text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
+        yield list(map(len, batch))
 
 
 def load_corpus(name, val_fraction=0.05, text_field="text"):
@@ -589,7 +596,9 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         from pydoc_data.topics import topics
         docs = [topics[k] for k in sorted(topics)]
         n, cut = _tail_split([list(map(len, docs))], val_fraction, name)
-        return Docs(lambda: iter(docs[:cut]), length=cut), Docs(lambda: iter(docs[cut:]), length=n - cut)
+        size = lambda part: sum(len(d.encode()) for d in part)     # the progress bar's total: the text's bytes
+        return (Docs(lambda: iter(docs[:cut]), nbytes=size(docs[:cut]), length=cut),
+                Docs(lambda: iter(docs[cut:]), nbytes=size(docs[cut:]), length=n - cut))
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
                 load_hf_split(name, "val", text_field, val_fraction))
@@ -610,14 +619,18 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
                 yield np.fromiter(map(len, paragraphs), np.int64, len(paragraphs))
         n, cut = _tail_split(piece_lengths(), val_fraction, name)
         units = lambda a, b: lambda: _piece_units(name, pieces, a, b)
-    else:
-        n, cut = _tail_split(_length_batches(docs()), val_fraction, name)
-    paths = [name] if os.path.isfile(name) else list(_walk(name))
-    plain = not any(p.endswith((".gz", ".parquet", ".arrow")) for p in paths)   # else file bytes are not text bytes
-    nbytes = sum(map(os.path.getsize, paths)) if plain else None
-    share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total
-    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=share(cut), length=cut, units=units and units(0, cut))
-    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=share(n - cut), length=n - cut,
+        nbytes = None if name.endswith(".gz") else os.path.getsize(name)    # a .gz's bytes are not the text's
+        share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total, shared out by documents
+        train_bytes, val_bytes = share(cut), share(n - cut)
+    else:                          # the progress bar's totals: the text's own bytes (a record file holds more)
+        batch_bytes = []
+        n, cut = _tail_split(_length_batches(docs(), text_bytes=batch_bytes), val_fraction, name)
+        whole, rest = divmod(cut, 4096)
+        train_bytes = sum(batch_bytes[:whole]) + (int(batch_bytes[whole] * rest / min(4096, n - whole * 4096))
+                                                  if rest else 0)
+        val_bytes = sum(batch_bytes) - train_bytes
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=train_bytes, length=cut, units=units and units(0, cut))
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=val_bytes, length=n - cut,
                units=units and units(cut, n))
     return train, val
 
@@ -837,7 +850,7 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     detok = docs.detokenizer if isinstance(docs, Docs) else None
     total = docs.nbytes if isinstance(docs, Docs) else None
     bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, dynamic_ncols=True,
-               disable=cli.bar_hidden(progress) or bool(total and total < 1 << 20))
+               disable=cli.bar_hidden(progress) or bool(total and total < 1 << 18))   # under 256 KiB: no bar
     files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
 
     def write(name, array):
@@ -866,6 +879,9 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     finally:
         for f in files.values():
             f.close()
+    if bar.total and bar.n != bar.total:   # the total was an estimate (a file's bytes, shared out by documents)
+        bar.total = bar.n
+        bar.refresh()
     bar.close()
     counts["dropped_tokens"] += len(carry)  # wrapped: the final remainder (Duo drops one per 1000-document batch)
     if counts["sequences"] == 0 and counts["documents"] > 0:
@@ -1071,16 +1087,18 @@ def prepare_for_run(cfg, env):
 
 @dataclass
 class PrepareConfig:
-    dataset: str = "pydoc"           # pydoc (built in) | a local corpus (LOCAL_FORMATS) | a name in HF_CORPORA |
-                                     # hf:REPO[:CONFIG][@REVISION]
+    dataset: str = "pydoc"           # pydoc (built in) | a local corpus (.txt, .jsonl, .json, .parquet, .txt.gz,
+                                     # .jsonl.gz, an Arrow folder, or a folder of these) | openwebtext | lm1b |
+                                     # wikitext2 | wikitext103 | ptb | lambada | ag_news | arxiv | pubmed |
+                                     # slimpajama | hf:REPO[:CONFIG][@REVISION] (any parquet dataset on the hub)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:PATH.model | hf:NAME | sp_train:VOCAB (trained on the corpus)
-    data_dir: str = ""               # output folder; "" = prepared_dir(dataset, tokenizer, block_size, ...) as train.py
+    data_dir: str = ""               # output folder; "" = data/<dataset>-<tokenizer>-<L>-<digest>, as train.py
     block_size: int = 128            # tokens per sequence L (as train.py --block_size)
     wrap: bool = True                # OWT-style packing (1) or one padded sequence per document (0, LM1B-style)
     insert_eos: bool = True          # EOS between wrapped documents
     val_fraction: float = 0.05       # local corpora: share of the characters held out for validation
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO)
-    num_proc: int = 0                # tokenizing processes; 0 = the usable cores (the bytes are the same for any)
+    num_proc: int = 0                # tokenizing processes (0 = the usable cores; the bytes are the same for any)
     verify: bool = False             # hash every file of an existing folder (a start checks size and time only)
 
 

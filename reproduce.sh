@@ -143,7 +143,7 @@ for stage in $STAGES; do
       evals=$(ls "$RUNS"/evals/*.json | paste -sd, -)
       bench=$([ -e "$RUNS/bench.json" ] && echo "$RUNS/bench.json" || true)
       python figures/plot.py --runs "$runs" --evals "$evals" ${bench:+--bench "$bench"} --out_dir "$RUNS/figures" \
-        --table "$RUNS/table.md" --table_steps "$TABLE_STEPS";;
+        --table "$RUNS/table.md" --table_steps "$TABLE_STEPS" --overwrite 1;;
     *) echo "error: unknown stage '$stage' (judge train eps eval bench report psi)" >&2; exit 2;;
   esac
 done

@@ -459,9 +459,10 @@ class SampleConfig:
     # sampler
     num_samples: int = 4             # sequences to draw
     batch_size: int = 0              # sequences per sampler call (0 = num_samples)
-    seq_len: int = 0                 # 0 = the model's block_size
+    seq_len: int = 0                 # tokens per sample (0 = the model's block_size)
     steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
-    final_step: str = "auto"         # ancestral | greedy | none | auto (by objective: default_final_step)
+    final_step: str = "auto"         # ancestral | greedy | none | auto (greedy for the NELBO objectives, ancestral
+                                     # for the SDDLM ones)
     noise_schedule: str = ""         # loglinear | cosine; "" = the checkpoint's training schedule
     t_end: float = 1e-5              # the grid runs from t = 1 to t_end
     top_p: float = 1.0               # nucleus on x_theta (1 = off)

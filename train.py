@@ -49,7 +49,7 @@ class OptimConfig:
     distillation/distill.py changes some defaults)."""
     # optimisation
     max_iters: int = 1000            # optimizer steps of the whole run (a resumed run trains up to this step)
-    batch_size: int = 32             # GLOBAL batch in sequences (all ranks x accumulation steps)
+    batch_size: int = 32             # global batch in sequences (all ranks x accumulation steps)
     grad_accum: int = 1              # micro-batches per optimizer step (micro-batch = batch_size / (ranks x this))
     lr: float = 1e-3                 # peak AdamW learning rate, reached after warmup_iters
     lr_schedule: str = "linear"      # constant | linear | cosine (after warm-up)
@@ -84,44 +84,49 @@ class OptimConfig:
 @dataclass
 class TrainConfig(OptimConfig):
     # preset and objective
-    preset: str = "tiny"             # tiny | owt (= small) | lm1b | medium | large (model + recipe), TRAIN_PRESETS
-    loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
+    preset: str = "tiny"             # model size and training recipe: tiny (CPU demo) | small (the paper's OWT run)
+                                     # | owt (small + Gen PPL curves) | lm1b | medium | large | llama_*; without
+                                     # --preset: tiny, but small for a torchrun launch on CUDA
+    loss: str = "sddlm"              # the training objective: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
-    data_dir: str = ""               # prepared memmaps; "" = prepare.prepared_dir(dataset, tokenizer, L, wrap)
+    data_dir: str = ""               # the prepared data folder; "" = data/<dataset>-<tokenizer>-<L>-<digest>,
+                                     # prepared on first use
     block_size: int = 128            # sequence length L
     vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
-    wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
+    wrap: bool = True                # 1: pack documents into full blocks (OWT-style); 0: one padded sequence per
+                                     # sentence (LM1B-style)
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO), as prepare.py
-    num_proc: int = 0                # processes tokenizing the corpus; 0 = the usable cores (same bytes for any)
+    num_proc: int = 0                # processes tokenizing the corpus (0 = the usable cores; same bytes for any)
     verify: bool = False             # hash every file of the prepared data at start (else size and time only)
     # model
-    # 0 = the model preset's (model.PRESETS[preset])
-    n_layer: int = 0                 # Transformer blocks
-    n_head: int = 0                  # attention heads (n_embd must be divisible by it)
-    n_embd: int = 0                  # hidden width
+    # 0 = from the preset (--preset NAME --help shows its model)
+    n_layer: int = 0                 # Transformer blocks (0 = from the preset)
+    n_head: int = 0                  # attention heads, a divisor of n_embd (0 = from the preset)
+    n_embd: int = 0                  # hidden width (0 = from the preset)
     dropout: float = 0.0             # dropout in the blocks during training (the paper's DiT-small: 0.1)
     # runtime
     auto_accum: bool = True          # CUDA: if the micro-batch does not fit, raise grad_accum until it does (0: stop)
     # diffusion
     noise_schedule: str = "loglinear"  # alpha_t of the forward process: loglinear (1 - (1 - 1e-3) t) | cosine
     # Duo's Gaussian-guided curriculum
-    # the first curriculum_iters steps corrupt through a Gaussian latent (diffusion.curriculum_sample); 0 steps = off
-    curriculum_iters: int = 0        # steps of curriculum at the start of training (the paper's recipe: 500K)
+    # the first curriculum_iters steps corrupt through a Gaussian latent (Duo's curriculum); 0 steps = off
+    curriculum_iters: int = 0        # steps of curriculum at the start of training (0 = off; the paper's: 500K)
     gamma_min: float = -3.55         # the Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min): at t = 0
     gamma_max: float = -1.85         # ... and at t = 1
     log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
     log10_tau_end: float = -3.0      # ... at the last curriculum step (log-linear in between)
     # evaluation, logging, checkpoints
-    keep_every: int = 0              # N > 0: also keep out_dir/ckpt_<step>.pt (weights + EMA, for evaluation) every N steps
+    keep_every: int = 0              # also keep out_dir/ckpt_<step>.pt (weights + EMA, for evaluation) every N steps
+                                     # (0 = none)
     # sample quality during training
-    # paper Figs. ppl_curve_lm1b, entropy_curve_lm1b: every gen_interval steps and at the end, Gen PPL and entropy
-    # of gen_num_samples EMA samples -> log.jsonl
+    # the paper's Gen PPL and entropy curves over training (LM1B figures): every gen_interval steps and at the end,
+    # Gen PPL and entropy of gen_num_samples EMA samples -> log.jsonl
     gen_interval: int = 0            # steps between two measurements of sample quality (0 = off)
-    gen_num_samples: int = 64        # in 8 groups seeded by group (eval_ppl.sample_groups): the same for any world size
+    gen_num_samples: int = 64        # in 8 groups, each with its own seed: the same samples for any number of GPUs
     gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
     gen_seed: int = 0                # the samples' seed, the same at every measurement (curves compare like with like)
     judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo
@@ -157,7 +162,7 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 
 def parse_config(argv=None):
     return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
-                       preset_note=lambda name: f"its model (model.PRESETS; --n_layer etc. of 0 take these): "
+                       preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
                                                 f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
 
 

@@ -73,7 +73,7 @@ ALL_LOSSES = ",".join(OBJECTIVES)
 MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token block weight matrices)"
 @dataclass
 class BenchConfig:
-    preset: str = "tiny"            # model preset (model.PRESETS) and training recipe (train.TRAIN_PRESETS)
+    preset: str = "tiny"            # model size and training recipe, as train.py --preset
     block_size: int = 0             # sequence length L (0 = the preset's)
     batch_size: int = 8             # sequences per step
     vocab_size: int = 0             # 0 = the preset's (e.g. 50258 on tiny shows the vocabulary cost)
@@ -85,7 +85,7 @@ class BenchConfig:
     compile: bool = False           # torch.compile the model (warm-up rounds absorb the compilation)
     repeats: int = 5                # timed rounds; each loss reports the median
     warmup: int = 2                 # rounds run first and dropped
-    losses: str = ALL_LOSSES        # comma-separated subset of train.OBJECTIVES
+    losses: str = ALL_LOSSES        # comma-separated objectives, as train.py --loss
     curriculum: str = "sddlm"       # this loss again with Duo's curriculum on: the row 'sddlm+curriculum' ('' = none)
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)

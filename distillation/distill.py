@@ -64,8 +64,9 @@ class DistillConfig(train.OptimConfig):
     """train.OptimConfig's optimisation, evaluation and system flags (train.py's names and meaning), with DCD's
     defaults, and the DCD settings."""
     # the model to distil
-    preset: str = "tiny"             # tiny (CPU schedule) | small (Duo's distil_owt.sh), see DISTILL_PRESETS
-    init: str = "out/ckpt.pt"        # the model to distil: ckpt.pt or model folder of train.py (distillation/distill.py: more rounds)
+    preset: str = "tiny"             # tiny (a short CPU schedule) | small (Duo's distil_owt.sh schedule)
+    init: str = "out/ckpt.pt"        # the model to distil: a ckpt.pt or model folder of train.py (of distill.py:
+                                     # more rounds)
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
     # DCD
     round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round

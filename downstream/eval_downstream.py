@@ -398,9 +398,9 @@ def lm_eval_model_class():
     return type("SDDLMHarness", (_Harness, LM), {"__doc__": _Harness.__doc__, "__module__": __name__})
 
 
-MODEL_ARGS = ("ckpt", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step", "top_p",
-              "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "psi_rescale", "psi_grid",
-              "rolling_context", "use_ema", "dtype", "add_bos")
+MODEL_ARGS = ("ckpt", "pretrained", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step",
+              "top_p", "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "psi_rescale",
+              "psi_grid", "rolling_context", "use_ema", "dtype", "add_bos")
 
 _NOTED = set()
 
@@ -428,16 +428,20 @@ def coerce(value, typ, name):
 class _Harness:
     """lm-eval's three request types over Scorer (one model, its tokenizer, the MC settings)."""
 
-    def __init__(self, ckpt="out/ckpt.pt", mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
+    def __init__(self, ckpt=None, mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
                  lambada_steps=8, steps=128, final_step="auto", top_p=1.0, sampler="ancestral", psi_kappa="eta",
                  psi_eta="0.9", psi_profile="linear", psi_loop_t=0.1, psi_fracs="0.45/0.5/0.05", psi_rescale="remdm",
                  psi_grid="ours", rolling_context=1, use_ema=True,
                  dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
-                 trust_remote_code=None, scorer=None, **unknown):
+                 trust_remote_code=None, scorer=None, pretrained=None, **unknown):
         """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
         meant for datasets; neither it nor max_batch_size is used); or around an existing Scorer (eval_downstream's
-        CLI), whose model settings then apply."""
+        CLI), whose model settings then apply. pretrained= is lm-eval's usual name for ckpt= (default out/ckpt.pt)."""
         super().__init__()
+        if ckpt is not None and pretrained is not None and str(ckpt) != str(pretrained):
+            raise EvalError(f"sddlm model arguments ckpt={ckpt} and pretrained={pretrained} name two models; "
+                            f"give one of them (they are the same argument)")
+        ckpt = ckpt if ckpt is not None else pretrained if pretrained is not None else "out/ckpt.pt"
         if unknown:
             raise EvalError(f"unknown sddlm model argument(s) {', '.join(sorted(unknown))}; "
                                f"known: {', '.join(MODEL_ARGS)}")
@@ -611,7 +615,7 @@ class EvalConfig:
     # tasks
     tasks: str = ""                  # lm-eval task names, comma-separated; "paper" = the paper's eight
     jsonl: str = ""                  # local JSONL files, comma-separated (task name = file stem): built-in runner
-    data_dir: str = "data/downstream"  # without lm-eval (or with --builtin 1), --tasks NAME reads DATA_DIR/NAME.jsonl
+    data_dir: str = "data/downstream"  # without lm-eval (or with --builtin 1), --tasks NAME reads NAME.jsonl here
     builtin: bool = False            # use the built-in runner for --tasks even when lm-eval is installed
     include_path: str = ""           # extra lm-eval task YAML folder (offline tasks over local files)
     limit: int = 0                   # first N items per task (0 = all)
@@ -623,7 +627,7 @@ class EvalConfig:
     cfg_w_task: str = ""             # per-task w: "boolq=1.6,piqa=0.6", "smdm" (SMDM's tuned table), or both
     greedy_check: str = "argmax"     # is_greedy handed to lm-eval (its LAMBADA acc): argmax | generate
     lambada_steps: int = 8           # reverse steps of LAMBADA protocol (a)
-    steps: int = 128                 # lm-eval generate_until: reverse steps of sample.generate
+    steps: int = 128                 # lm-eval generate_until: reverse steps of the diffusion sampler
     final_step: str = "auto"         # lm-eval generate_until: ancestral | greedy | none | auto (by objective)
     top_p: float = 1.0               # lm-eval generate_until: nucleus on x_theta
     rolling_context: int = 1         # lm-eval loglikelihood_rolling: clean tokens before each window's piece

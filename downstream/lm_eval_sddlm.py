@@ -4,24 +4,26 @@ it is the harness's own command line with the model available, every flag the ha
 
     python -m downstream.lm_eval_sddlm --model sddlm --model_args ckpt=out/ckpt.pt,mc_draws=128,cfg_w=1.1 \\
         --tasks arc_easy,lambada_standard --batch_size 16 --device cuda --output_path results/
-    python -m downstream.lm_eval_sddlm --model sddlm --model_args ckpt=out/ckpt.pt,steps=64 --tasks my_task \\
+    python -m downstream.lm_eval_sddlm --model sddlm --model_args pretrained=out/model,steps=64 --tasks my_task \\
         --include_path my_tasks/ --device cpu --batch_size 16
+    python -m downstream.lm_eval_sddlm --help        # the harness's flags, then the sddlm model arguments below
 
 This runs lm_eval.__main__.cli_evaluate, the function behind the `lm_eval` console script. The bare `lm_eval`
 command cannot see this model: lm-eval 0.4.13 looks models up in its own package and in modules already imported
 (no plugin discovery) and builds the model before it loads any task. In Python: `import lm_eval_sddlm`, then
 lm_eval.simple_evaluate(model="sddlm", model_args=...).
 
---model_args (an unknown name is an error):
-  ckpt=out/ckpt.pt      a train.py checkpoint (diffusion; EMA weights unless use_ema=false)
+--model_args of --model sddlm (comma-separated NAME=VALUE; an unknown name is an error):
+  ckpt=out/ckpt.pt      the model: a train.py or distill.py checkpoint, a model folder (out/model) or duo:PATH (EMA
+                        weights unless use_ema=false); pretrained=PATH is the same argument, under lm-eval's usual name
   mc_draws=128          Monte Carlo draws per request of the NELBO bound (SMDM 1024, LLaDA 128)
   cfg_w=0               unsupervised CFG weight w for every request type (the paper: 1.1)
   seed=1234             every request's noise comes from generators seeded with it (order-independent results)
   greedy_check=argmax   is_greedy of loglikelihood: argmax (t = 1 argmax) | generate (lambada_steps sampler steps)
   lambada_steps=8       sampler steps of greedy_check=generate
-  steps=128             generate_until: reverse steps of sample.generate
+  steps=128             generate_until: reverse steps of the diffusion sampler
   final_step=auto       generate_until: the sampler's final step, ancestral | greedy | none | auto (greedy for
-                        NELBO models, ancestral for the SDDLM losses: sample.default_final_step)
+                        NELBO models, ancestral for the SDDLM losses, as sample.py chooses)
   top_p=1.0             generate_until: nucleus on x_theta
   sampler=ancestral     generate_until: ancestral | psi, with psi_kappa, psi_eta, psi_profile, psi_loop_t, psi_fracs,
                         psi_rescale and psi_grid as sample.py's flags of those names (psi_eta=1/0.02/1: "/"
@@ -30,7 +32,7 @@ lm_eval.simple_evaluate(model="sddlm", model_args=...).
   dtype=auto, add_bos=true
 --batch_size is Monte Carlo draws per forward (SMDM's meaning; 2 x rows with CFG), not requests per batch;
 --device cpu|cuda|cuda:N.
-Request types (eval_downstream's harness over its Scorer does the work; its docstrings give the estimates exactly):
+Request types (downstream/eval_downstream.py does the work; its docstrings give the estimates exactly):
   loglikelihood          (context, continuation) -> (lower bound on log p(continuation | context), is_greedy)
   loglikelihood_rolling  (text,) -> a LOWER BOUND on log p(text) over windows of block_size tokens: the word and
                          byte perplexities lm-eval reports from it are upper bounds (the paper's zero-shot PPL too)
@@ -61,15 +63,27 @@ importlib.import_module("lm_eval.models")
 SDDLMHarness = register_model("sddlm")(ed.lm_eval_model_class())
 
 
+def model_help():
+    """What --help adds after the harness's own: the sddlm model's arguments and request types (this docstring's
+    part from --model_args on)."""
+    return "\nsddlm model (--model sddlm):\n\n" + __doc__[__doc__.index("--model_args"):].strip() + "\n"
+
+
 def main():
     """The harness's command line (sys.argv as given) with "sddlm" registered; lm-eval's own failures (a dataset
-    that cannot be reached, ...) become one line."""
-    offline = ed.hub_offline_check()     # before lm-eval imports `datasets`
+    that cannot be reached, ...) become one line. --help (-h): the harness's help, then the sddlm model's."""
+    asks_help = any(a in ("-h", "--help") for a in sys.argv[1:])
+    offline = None if asks_help else ed.hub_offline_check()     # before lm-eval imports `datasets`
     if offline:
         print(offline, file=sys.stderr)
     from lm_eval.__main__ import cli_evaluate
     try:
         cli_evaluate()
+    except SystemExit as e:
+        if asks_help and e.code in (0, None):
+            print(model_help())
+            return 0
+        raise
     except (UsageError, DataError, torch.OutOfMemoryError):    # ours, reported by run_cli
         raise
     except Exception as e:

@@ -1,9 +1,14 @@
 """
 The paper's figures and the rows of its main table, from train.py run folders, eval_ppl.py and bench/bench.py JSON.
 
-    python figures/plot.py --runs out-sddlm,out-sddlm_v1,out-sddlm_v2,out-duo --out_dir figures
+    python figures/plot.py --runs out-sddlm,out-sddlm_v1,out-sddlm_v2,out-duo     # PNGs in ./plots/
+    python figures/plot.py --runs out                                              # PNGs in out/plots/
     python figures/plot.py --evals evals/sddlm-genppl.json,evals/duo-genppl.json --table table.md
     python figures/plot.py --bench bench.json                       # bench/bench.py --json 1 > bench.json
+
+The PNGs go beside the data (--out_dir, default: the run folder's plots/, the runs' common parent's plots/ for
+several, else beside the first --evals or --bench file), never by default into the repository's figures/. A file
+that exists already is replaced only with --overwrite 1 (otherwise one error line, and nothing is written).
 
 Figures (PNG; matplotlib, an optional dependency, is imported only to draw them):
   training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
@@ -45,10 +50,12 @@ class PlotConfig:
     runs: str = ""                   # comma list of train.py out_dir folders (their log.jsonl and config.json)
     evals: str = ""                  # comma list of eval_ppl.py --out JSON files (genppl and/or nelbo)
     bench: str = ""                  # a bench/bench.py --json 1 output file
-    out_dir: str = "figures"         # where the PNG files go
+    out_dir: str = ""                # where the PNG files go ("" = a plots/ folder beside the data: in the run's
+                                     # folder, in the runs' common parent, or beside the first --evals or --bench file)
     table: str = ""                  # also write the markdown tables here ("-" = print only)
     table_steps: int = 0             # sampling steps of the table's Gen PPL (0 = the most steps evaluated)
     dpi: int = 110                   # resolution of the PNG files
+    overwrite: bool = False          # 1: replace PNG and table files that exist already (0: refuse, write nothing)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -256,6 +263,42 @@ def _save(fig, out_dir, name, dpi):
     return path
 
 
+def default_out_dir(cfg):
+    """--out_dir "" -> plots/ beside the data: in the one run's folder, in the common parent of several runs, else
+    beside the first --evals or --bench file. Never the repository's own figures/ (its committed PNGs)."""
+    runs = [os.path.abspath(r) for r in _split(cfg.runs)]
+    if len(runs) == 1:
+        base = runs[0]
+    elif runs:
+        base = os.path.commonpath([os.path.dirname(r) for r in runs])
+    else:
+        base = os.path.dirname(os.path.abspath((_split(cfg.evals) or [cfg.bench])[0]))
+    return os.path.relpath(os.path.join(base, "plots"))
+
+
+def figure_names(curves, gen, bench):
+    """The PNG files this call will write (as plot_training, plot_gen_ppl_vs_steps, plot_time_memory decide)."""
+    names = []
+    if any(c["gen"] for c in curves):
+        names += ["training_gen_ppl.png", "training_entropy.png"]
+    if any(c["val"] for c in curves):
+        names.append("training_val_ppl.png")
+    if any(isinstance(r["steps"], int) for r in gen):
+        names.append("gen_ppl_vs_steps.png")
+    if bench is not None:
+        names.append("time_memory.png")
+    return names
+
+
+def refuse_existing(paths):
+    """Before anything is written: an output file that exists is replaced only with --overwrite 1."""
+    there = [p for p in paths if os.path.lexists(p)]
+    if there:
+        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        raise UsageError(f"{shown} exist{'s' if len(there) == 1 else ''} already; give --overwrite 1 to replace "
+                         f"{'it' if len(there) == 1 else 'them'}, or another --out_dir / --table")
+
+
 def plot_training(curves, cfg):
     """Figs. ppl_curve_lm1b, entropy_curve_lm1b and eppl_curve_lm1b from run folders -> written paths."""
     plt, written = _pyplot(), []
@@ -440,6 +483,8 @@ def tables(gen, nelbo, steps):
 
 def main(argv=None):
     cfg = parse_flags(PlotConfig, argv, description=__doc__.split("\n\n")[0])
+    if not cfg.out_dir and (cfg.runs or cfg.evals or cfg.bench):
+        cfg.out_dir = default_out_dir(cfg)
     refuse_overwrite({"--out_dir": os.path.join(cfg.out_dir, "*.png"), "--table": cfg.table.removeprefix("-")},
                      {"--runs": [os.path.join(r, f) for r in _split(cfg.runs) for f in ("log.jsonl", "config.json")],
                       "--evals": _split(cfg.evals), "--bench": cfg.bench})
@@ -451,7 +496,10 @@ def main(argv=None):
     if bench is not None and not (isinstance(bench, dict) and isinstance(bench.get("losses"), dict)):
         raise UsageError(f"--bench {cfg.bench}: not a bench/bench.py --json 1 output")
     written = []
-    if curves or gen or bench:
+    outputs = [os.path.join(cfg.out_dir, name) for name in figure_names(curves, gen, bench)]
+    if not cfg.overwrite:
+        refuse_existing(outputs + ([cfg.table] if cfg.table not in ("", "-") else []))
+    if outputs:
         os.makedirs(cfg.out_dir, exist_ok=True)
     if curves:
         written += plot_training(curves, cfg)

@@ -5,6 +5,7 @@ of JSONL files the evaluation scripts take as input."""
 import json
 import math
 import os
+import shlex
 import signal
 import time
 
@@ -169,7 +170,8 @@ def start_lines(cfg, raw_model, env):
 
 
 def finish_lines(cfg, what, step, ckpt_path, folder):
-    """The last lines of a finished run: where its checkpoint, its model folder and its samples went."""
+    """The last lines of a finished run: where its checkpoint, its model folder and its samples went, and how to
+    open its curves (figures/plot.py; tensorboard when --tensorboard 1 logged them)."""
     if cfg.num_samples > 0:
         samples = f"the {cfg.num_samples} printed above (EMA weights, {cfg.sample_steps} steps)"
         samples += ", also in the wandb run" if cfg.wandb else ""
@@ -179,7 +181,11 @@ def finish_lines(cfg, what, step, ckpt_path, folder):
     return (f"{what} finished at step {step}; log: {os.path.join(cfg.out_dir, 'log.jsonl')}\n"
             f"  checkpoint:   {ckpt_path} (--resume 1 with a higher --max_iters continues it)\n"
             f"  model folder: {folder} (python sample.py --ckpt {folder}; pretrained.SDDLM.from_pretrained)\n"
-            f"  samples:      {samples}")
+            f"  samples:      {samples}\n"
+            f"  curves:       python figures/plot.py --runs {shlex.quote(cfg.out_dir)} (PNGs in "
+            f"{os.path.join(cfg.out_dir, 'plots')})"
+            + (f"; tensorboard --logdir {shlex.quote(os.path.join(cfg.out_dir, 'tensorboard'))}" if cfg.tensorboard
+               else ""))
 
 
 def kept(cfg):

@@ -364,10 +364,11 @@ def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path,
     out = tmp_path / "dcd"
     init = base_ckpts / "duo" / "ckpt.pt"
     assert distill.main(["--init", str(init), "--out_dir", str(out), "--max_iters", "6"] + DCD) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-4:]      # where the checkpoint and the model folder went
+    last = capsys.readouterr().out.strip().splitlines()[-5:]      # where the checkpoint and the model folder went
     assert last[0] == f"distillation finished at step 6; log: {out / 'log.jsonl'}"
     assert last[1].startswith(f"  checkpoint:   {out / 'ckpt.pt'} ")
     assert last[2].startswith(f"  model folder: {out / 'model'} ")
+    assert last[4] == f"  curves:       python figures/plot.py --runs {out} (PNGs in {out / 'plots'})"
     ck, base = load(out / "ckpt.pt"), load(init)
     assert ck["train_config"]["loss"] == "duo" and ck["distill_config"]["T"] == 16
     assert ck["distilled_from"]["ckpt"] == str(init) and set(ck["model"]) == set(base["model"])

@@ -222,3 +222,81 @@ def test_plot_script_on_real_world_logs_and_wrong_schemas(tmp_path):
                         (("--runs", str(tmp_path / "run_bad")), "not a train.py config.json")]:
         code, err = plot_py(*argv)
         assert code == 2 and len(err) == 1 and words in err[0], (argv, err)
+
+
+def plot_script(*argv, cwd):
+    """python figures/plot.py ARGV, the real script, run in cwd -> (exit code, stdout, stderr lines)."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(here, "figures", "plot.py"), *map(str, argv)], cwd=cwd,
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    return p.returncode, p.stdout, p.stderr.strip().splitlines()
+
+
+def test_figures_go_beside_the_runs_and_an_existing_file_is_replaced_only_when_asked(tmp_path):
+    """Issue 31: plot.py wrote into the repository's figures/ by default, over its committed PNGs. Now the default
+    is plots/ beside the data, and a file that exists is refused in one line (nothing written) unless --overwrite 1."""
+    pytest.importorskip("matplotlib")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs, evals, bench = fabricate(tmp_path / "exp")
+    work = tmp_path / "work"                    # the working directory: nothing may land in it
+    work.mkdir()
+    committed = {name: open(os.path.join(here, "figures", name), "rb").read()
+                 for name in os.listdir(os.path.join(here, "figures")) if name.endswith(".png")}
+    listing = sorted(os.listdir(os.path.join(here, "figures")))
+    code, out, err = plot_script("--runs", runs[0], cwd=work)
+    assert code == 0, err
+    assert sorted(os.listdir(os.path.join(runs[0], "plots"))) == ["training_entropy.png", "training_gen_ppl.png",
+                                                                  "training_val_ppl.png"]
+    code, out, err = plot_script("--runs", ",".join(runs), "--bench", bench, cwd=work)    # several: their parent
+    assert code == 0 and sorted(os.listdir(tmp_path / "exp" / "plots")) == [
+        "time_memory.png", "training_entropy.png", "training_gen_ppl.png", "training_val_ppl.png"], err
+    code, out, err = plot_script("--evals", evals[0], cwd=work)                          # beside the evaluation
+    assert code == 0 and os.listdir(tmp_path / "exp" / "plots") and (tmp_path / "exp" / "plots" /
+                                                                       "gen_ppl_vs_steps.png").exists()
+    assert os.listdir(work) == []
+    # an existing file: refused in one line, nothing written, unless --overwrite 1
+    plots = os.path.join(runs[0], "plots")
+    before = {p: os.path.getmtime(os.path.join(plots, p)) for p in os.listdir(plots)}
+    (tmp_path / "table.md").write_text("my table")
+    code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table", tmp_path / "table.md",
+                                 cwd=work)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "--overwrite 1" in err[0], err
+    assert "training_gen_ppl.png" in err[0] and not os.path.exists(os.path.join(plots, "gen_ppl_vs_steps.png"))
+    assert (tmp_path / "table.md").read_text() == "my table"
+    assert before == {p: os.path.getmtime(os.path.join(plots, p)) for p in before}
+    code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table", tmp_path / "table.md",
+                                 "--overwrite", "1", cwd=work)
+    assert code == 0 and (tmp_path / "table.md").read_text().startswith("|"), err
+    assert (tmp_path / "exp" / "run0" / "plots" / "gen_ppl_vs_steps.png").exists()
+    assert committed == {name: open(os.path.join(here, "figures", name), "rb").read() for name in committed}
+    assert sorted(os.listdir(os.path.join(here, "figures"))) == listing        # the repository's figures/ untouched
+
+
+@pytest.mark.slow
+def test_a_finished_run_names_the_command_that_draws_its_curves_and_tensorboards(tmp_path):
+    """train.py's last lines name figures/plot.py (and tensorboard --logdir when --tensorboard 1 logged the run);
+    the named plot command, run as printed, draws the run's curves beside it."""
+    import shlex
+    import subprocess
+    import sys
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard")
+    from test_train import TINY, _corpus
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "train.py", *TINY, "--dataset", tmp_path / "corpus.txt", "--data_dir",
+                        tmp_path / "data", "--out_dir", out, "--max_iters", "4", "--eval_interval", "2",
+                        "--tensorboard", "1"], cwd=here, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    curves = p.stdout.strip().splitlines()[-1]
+    assert curves == (f"  curves:       python figures/plot.py --runs {out} (PNGs in {out / 'plots'}); "
+                      f"tensorboard --logdir {out / 'tensorboard'}")
+    command = shlex.split(curves.split("curves:", 1)[1].split(" (PNGs")[0])
+    assert command[:2] == ["python", "figures/plot.py"]
+    r = subprocess.run([sys.executable, *command[1:]], cwd=here, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and (out / "plots" / "training_val_ppl.png").exists(), r.stderr
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tensorboard"))

@@ -183,11 +183,13 @@ def test_push_to_hub_uploads_the_folder_and_from_pretrained_loads_it_back(tmp_pa
     hub, calls = fake_hub(monkeypatch, tmp_path / "hub")
     assert pretrained.push_to_hub(folder, "me/tiny", private=True) == "commit"
     assert calls == [("create_repo", "me/tiny", True, True),
-                     ("upload_folder", "me/tiny", ["config.json", "model.safetensors", "tokenizer.model"])]
+                     ("upload_folder", "me/tiny", ["README.md", "config.json", "model.safetensors", "tokenizer.model"])]
     lm = SDDLM.from_pretrained(folder)
     assert SDDLM.from_pretrained("me/tiny").generate(2, steps=3, seq_len=12) == lm.generate(2, steps=3, seq_len=12)
     lm.push_to_hub("me/again")                             # from a loaded model: save_pretrained, then upload
-    assert calls[-1] == ("upload_folder", "me/again", ["config.json", "model.safetensors", "tokenizer.model"])
+    assert calls[-1] == ("upload_folder", "me/again", ["README.md", "config.json", "model.safetensors",
+                                                       "tokenizer.model"])
+    assert 'SDDLM.from_pretrained("me/again")' in open(os.path.join(hub["me/again"], "README.md")).read()
     assert SDDLM.from_pretrained("me/again").score(TEXT, seed=1) == lm.score(TEXT, seed=1)
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)      # not installed
     with pytest.raises(ValueError, match="needs huggingface_hub"):
@@ -229,7 +231,10 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
                               "--out_dir", str(out), "--max_iters", "4", "--eval_interval", "4"]) == 0
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert {"optimizer", "rng", "data_state", "ema"} <= set(ckpt)
-    assert sorted(os.listdir(out / "model")) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert sorted(os.listdir(out / "model")) == ["README.md", "config.json", "model.safetensors", "tokenizer.model"]
+    card = (out / "model" / "README.md").read_text()
+    last_val = [json.loads(line) for line in open(out / "log.jsonl") if "val_nelbo" in line][-1]
+    assert f"{last_val['val_nelbo']:.4f} nats/token" in card and f"at step {last_val['step']}" in card
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(c), "--num_samples", "2", "--steps", "3",
                              "--out", str(tmp_path / f"s{i}.jsonl")], cwd=HERE, env=env, capture_output=True,
@@ -244,3 +249,179 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
     scores = [lm_eval_sddlm.SDDLMHarness(ckpt=str(c), mc_draws=2, device="cpu").scorer.loglikelihood(
         [("the cat", " sees the dog")]) for c in (out / "model", out / "ckpt.pt")]
     assert scores[0] == scores[1]
+
+
+def export_py(*argv):
+    """python hub/pretrained.py ARGV, the real script -> (exit code, stdout, stderr lines)."""
+    p = subprocess.run([sys.executable, "hub/pretrained.py", *map(str, argv)], cwd=HERE, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    return p.returncode, p.stdout, p.stderr.strip().splitlines()
+
+
+def files_of(folder):
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+def test_an_export_never_deletes_or_overwrites_what_the_user_wrote(tmp_path, tok_path):
+    """Issue 30: --out DIR and save_pretrained(DIR) replaced the whole DIR. A folder of the user's is refused (one
+    line, nothing touched); over a model folder only our files are replaced, a user's file and README.md kept."""
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    (thesis / "thesis.tex").write_text("\\documentclass{article} my thesis")
+    code, _, err = export_py("--ckpt", ckpt_path, "--out", thesis)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --out ") and "thesis.tex" in err[0], err
+    assert files_of(thesis) == {"thesis.tex": b"\\documentclass{article} my thesis"}
+    lm = SDDLM.from_pretrained(ckpt_path)
+    with pytest.raises(cli.UsageError, match="not an sddlm model folder"):
+        lm.save_pretrained(thesis)
+    assert files_of(thesis) == {"thesis.tex": b"\\documentclass{article} my thesis"}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "thesis"]          # no temp folder left either
+
+    # over a model folder of ours: our files replaced (raw weights now), the user's own files kept byte for byte
+    model = tmp_path / "model"
+    assert export_py("--ckpt", ckpt_path, "--out", model)[0] == 0
+    (model / "thesis.tex").write_text("mine")
+    first = files_of(model)
+    code, out, err = export_py("--ckpt", ckpt_path, "--out", model, "--weights", "raw")
+    assert code == 0 and err == [], err
+    again = files_of(model)
+    assert set(again) == set(first) == {"README.md", "config.json", "model.safetensors", "thesis.tex",
+                                        "tokenizer.model"}
+    assert again["thesis.tex"] == b"mine" and again["model.safetensors"] != first["model.safetensors"]
+    assert json.loads(again["config.json"])["weights"] == "raw" and b"live (not the EMA)" in again["README.md"]
+    assert torch.equal(logits_of(load_model(str(model), "cpu", use_ema=False)[0]),
+                       logits_of(load_checkpoint(ckpt_path, use_ema=False)[0]))
+    # a README.md the user wrote is theirs: kept, said once on stderr; save_pretrained keeps it too
+    (model / "README.md").write_text("# my notes on this model\n")
+    code, _, err = export_py("--ckpt", ckpt_path, "--out", model)
+    assert code == 0 and len(err) == 1 and "README.md is not a model card of ours: kept" in err[0], err
+    lm.save_pretrained(model)
+    assert (model / "README.md").read_text() == "# my notes on this model\n"
+    assert (model / "thesis.tex").read_text() == "mine"
+    assert json.loads((model / "config.json").read_text())["weights"] == "ema"
+
+
+def test_config_is_flat_with_model_type_and_folders_written_the_old_way_still_load(tmp_path, tok_path):
+    """config.json as the hub's: "model_type": "sddlm" and the model's fields at the top; a folder of the first
+    format (fields nested under "model_config") reads as before, and the real script re-exports it to the new one."""
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    config = json.load(open(os.path.join(folder, "config.json")))
+    saved = torch.load(ckpt_path, weights_only=True)
+    assert config["model_type"] == "sddlm" and "model_config" not in config
+    assert {k: config[k] for k in saved["model_config"]} == saved["model_config"]
+    # the first format, as main 283effe wrote it
+    old = tmp_path / "old"
+    os.makedirs(old)
+    for name in ("model.safetensors", "tokenizer.model"):
+        open(old / name, "wb").write(open(os.path.join(folder, name), "rb").read())
+    nested = {k: v for k, v in config.items() if k not in saved["model_config"] and k != "model_type"}
+    json.dump({**nested, "format": "sddlm-model-1", "model_config": saved["model_config"]},
+              open(old / "config.json", "w"))
+    model_old, info = load_model(str(old), "cpu")
+    assert torch.equal(logits_of(model_old), logits_of(load_checkpoint(ckpt_path, use_ema=True)[0]))
+    assert info["train_config"]["noise_schedule"] == "cosine" and info["step"] == 7
+    code, _, err = export_py("--ckpt", old, "--out", tmp_path / "new")
+    assert code == 0, err
+    new = json.load(open(tmp_path / "new" / "config.json"))
+    assert new["model_type"] == "sddlm" and new["format"] == "sddlm-model-2" and new["n_layer"] == 2
+    assert torch.equal(logits_of(load_model(str(tmp_path / "new"), "cpu")[0]), logits_of(model_old))
+
+
+def card_header(text):
+    """The YAML metadata block at the top of a model card -> {key: value or list of values}."""
+    lines = text.split("\n")
+    assert lines[0] == "---"
+    end = lines.index("---", 1)
+    out, key = {}, None
+    for line in lines[1:end]:
+        if line.startswith("- "):
+            out[key].append(line[2:])
+        else:
+            key, _, value = line.partition(":")
+            out[key] = value.strip() or []
+    return out, "\n".join(lines[end + 1:])
+
+
+def test_every_folder_has_a_model_card_with_the_hubs_header_the_run_and_its_measured_validation(tmp_path, tok_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt_path = fake_checkpoint(run / "ckpt.pt", tok_path, loss="sddlm_v1", schedule="cosine")
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    ckpt["train_config"].update(dataset="lm1b", block_size=32)
+    torch.save(ckpt, ckpt_path)
+    # the run's log: evaluations at steps 4 and 7 (the checkpoint's step) and a later one that is not this model's
+    records = [{"step": 4, "val_nelbo": 6.5, "val_ppl": 665.1}, {"step": 7, "val_nelbo": 6.125, "val_ppl": 457.1},
+               {"step": 9, "val_nelbo": 6.0, "val_ppl": 403.4}]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 8, "val_ne')
+    code, out, err = export_py("--ckpt", ckpt_path)
+    assert code == 0, err
+    card = (run / "model" / "README.md").read_text()
+    header, body = card_header(card)
+    assert header["library_name"] == "sddlm" and header["license"] == "mit"
+    assert {"sddlm", "diffusion-language-model", "arxiv:2510.22926"} <= set(header["tags"])
+    for words in ("| objective | `sddlm_v1` |", "| noise schedule | `cosine` |", "| training steps | 7 |",
+                  "| data | lm1b, sequences of 32 tokens |", "vocabulary 300", sha256(tok_path)[:16],
+                  "6.1250 nats/token (NELBO, an upper bound on the NLL), PPL 457.10, at step 7",
+                  "from hub.pretrained import SDDLM", f'lm = SDDLM.from_pretrained("{run / "model"}")',
+                  "print(lm.generate(2)[0]", "Simple Denoising Diffusion Language Models", "arXiv:2510.22926"):
+        assert words in body, words
+    config = json.load(open(run / "model" / "config.json"))
+    assert config["validation"] == {"step": 7, "nelbo": 6.125, "ppl": 457.1}
+    # a folder exported again from the folder keeps what the run measured; without a log nothing is invented
+    SDDLM.from_pretrained(run / "model").save_pretrained(tmp_path / "copy")
+    assert "PPL 457.10, at step 7" in (tmp_path / "copy" / "README.md").read_text()
+    (run / "log.jsonl").unlink()
+    pretrained.export(ckpt_path, tmp_path / "nolog")
+    assert "validation | not recorded" in (tmp_path / "nolog" / "README.md").read_text()
+    assert "validation" not in json.load(open(tmp_path / "nolog" / "config.json"))
+
+
+def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_path):
+    """--model_args pretrained=out/model, as lm-eval names a model for every other backend, through lm-eval's own
+    argument parsing (create_from_arg_string): the same model as ckpt=; both at once naming two models is refused."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    from lm_eval.api.registry import get_model
+    from downstream import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
+    from downstream.eval_downstream import EvalError
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    cls = get_model("sddlm")
+    extra = {"batch_size": 2, "device": "cpu"}
+    by_name = cls.create_from_arg_string(f"pretrained={folder},mc_draws=2,seed=3", extra)
+    by_ckpt = cls.create_from_arg_string(f"ckpt={ckpt_path},mc_draws=2,seed=3", extra)
+    pair = [("the cat", " sees the dog")]
+    assert by_name.scorer.loglikelihood(pair) == by_ckpt.scorer.loglikelihood(pair)
+    assert torch.equal(logits_of(by_name.scorer.model), logits_of(load_checkpoint(ckpt_path, use_ema=True)[0]))
+    with pytest.raises(EvalError, match="name two models"):
+        cls.create_from_arg_string(f"pretrained={folder},ckpt={ckpt_path}", extra)
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_with_pretrained_scores_as_with_ckpt(tmp_path, tok_path):
+    """python -m downstream.lm_eval_sddlm --model_args pretrained=FOLDER (refused before: 'unknown sddlm model
+    argument(s) pretrained') logs the same responses on a local task as ckpt=CHECKPOINT."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    import glob
+    ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
+    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                  ("the cat sees the dog", "the bird likes the fish")))
+    (tmp_path / "facts.yaml").write_text(
+        f"task: facts\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'facts.jsonl'}\n"
+        f"test_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\ndoc_to_target: \"{{' ' + text.split(' ')[-1]}}\"\n"
+        "metric_list:\n  - metric: perplexity\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    responses = []
+    for i, model in enumerate((f"pretrained={folder}", f"ckpt={ckpt_path}")):
+        p = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", "--model", "sddlm", "--model_args",
+                            f"{model},mc_draws=2,seed=3", "--tasks", "facts", "--include_path", str(tmp_path),
+                            "--device", "cpu", "--batch_size", "2", "--output_path", str(tmp_path / f"out{i}"),
+                            "--log_samples"], cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        path, = glob.glob(str(tmp_path / f"out{i}" / "**" / "samples_facts_*.jsonl"), recursive=True)
+        responses.append([json.loads(line)["resps"] for line in open(path)])
+    assert responses[0] == responses[1] and len(responses[0]) == 2

@@ -200,11 +200,12 @@ def test_existing_run_is_never_overwritten_and_incompatible_resume_refused(corpu
     r = cli(["--max_iters", "2"], tmp_path, corpus)
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "out"               # the last lines say where the checkpoint, the model folder, the samples went
-    assert r.stdout.strip().splitlines()[-4:] == [
+    assert r.stdout.strip().splitlines()[-5:] == [
         f"training finished at step 2; log: {out / 'log.jsonl'}",
         f"  checkpoint:   {out / 'ckpt.pt'} (--resume 1 with a higher --max_iters continues it)",
         f"  model folder: {out / 'model'} (python sample.py --ckpt {out / 'model'}; pretrained.SDDLM.from_pretrained)",
-        "  samples:      none (--num_samples 0)"]
+        "  samples:      none (--num_samples 0)",
+        f"  curves:       python figures/plot.py --runs {out} (PNGs in {out / 'plots'})"]
     assert (out / "model" / "model.safetensors").is_file()
     ckpt = tmp_path / "out" / "ckpt.pt"
     before = ckpt.read_bytes()
