@@ -88,6 +88,19 @@ def parse_bool(s):
     raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
 
 
+def finite_float(s):
+    """A float flag's value: a finite number. nan, inf and -inf are refused here, once for every script's flags
+    (a nan guidance weight or learning rate would run to the end and write garbage)."""
+    import math
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {s!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return value
+
+
 def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None):
     """One --flag per field of the dataclass `cls`, described and grouped in --help from its source comments
     (field_help); argparse errors become UsageError. presets: {name: {field: value}}; the field `preset` picks one,
@@ -115,6 +128,7 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
                                         help=help_text)
         else:
             kind = f.type if callable(f.type) else {"int": int, "float": float}.get(f.type, str)
+            kind = finite_float if kind is float else kind
             parents[group].add_argument(f"--{f.name}", type=kind, metavar=f.name.upper(), help=help_text)
 
     def error(message):
