@@ -54,14 +54,17 @@ def bar_hidden(show=True):
 
 
 def is_out_of_memory(e):
-    """torch's CUDA out-of-memory error, or a failed CPU allocation (a RuntimeError from the CPU allocator)."""
+    """torch's CUDA out-of-memory error, a failed CPU allocation (a RuntimeError from the CPU allocator) or
+    Python's own MemoryError (an allocation refused under `ulimit -v`, in numpy or the interpreter)."""
     import torch
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
 
 
 def oom_summary(e):
     """torch's out-of-memory message -> its first line in short: 'CUDA out of memory (tried to allocate
     12.27 GiB; 1.20 GiB of 79.19 GiB free)'."""
+    if isinstance(e, MemoryError):
+        return "CPU out of memory (Python's MemoryError" + (f": {first_line(e)})" if first_line(e) else ")")
     text = first_line(e) or type(e).__name__
     cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
     if cpu:
@@ -310,20 +313,46 @@ def install():
     set_stop_handlers(_raise)
 
 
+_REPORTED = []       # the error line this process printed (run_cli's _fail), so a late signal adds no second one
+
+
 def _exit_now(signum, frame):
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
+    if not _REPORTED and os.environ.get("RANK", "0") == "0":
+        try:
+            os.write(2, f"error: interrupted by {signal_name(signum)} while exiting\n".encode())
+        except OSError:
+            pass
     os._exit(EXIT_CODE)
 
 
 def exiting():
     """The script's outcome is decided (its result, or its one error line): a stop signal from now on ends the
-    process at once with exit code 130, instead of raising inside the interpreter's shutdown (atexit, finalizers),
-    where it would print a traceback."""
+    process at once with exit code 130 and one line (none when the error line is out already), instead of raising
+    inside the interpreter's shutdown (atexit, finalizers), where it would print a traceback."""
     set_stop_handlers(_exit_now)
+
+
+def _ignore_at_shutdown():
+    """The last exit handler (registered first, atexit runs them in reverse): the interpreter's shutdown then puts
+    SIG_DFL back in place of every Python handler before it frees its modules (torch's take a while), so a stop
+    signal there would kill the process by the signal (exit 143 for SIGTERM, no message). Ignored from here on, the
+    process ends with the exit code its script chose (130 after a stop)."""
+    set_stop_handlers(signal.SIG_IGN)
+
+
+_AT_SHUTDOWN = []
+
+
+def _register_shutdown():
+    if not _AT_SHUTDOWN:
+        import atexit
+        atexit.register(_ignore_at_shutdown)
+        _AT_SHUTDOWN.append(True)
 
 
 def ignore_stop_signals():
@@ -337,6 +366,7 @@ def stop_at_once(name):
     "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once; nothing
     has been written yet, so there is nothing to clean up. Imported as a library, it does nothing."""
     if name == "__main__":
+        _register_shutdown()
         set_stop_handlers(_exit_while_starting)
 
 
@@ -355,11 +385,12 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
     signal (STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
     install()
+    _register_shutdown()
     try:
         code = main()
     except OutOfMemory as e:
         _fail(str(e), any_rank=True)
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
         _fail(f"out of memory: {oom_summary(e)}; {oom_hint}", any_rank=True)
@@ -384,6 +415,7 @@ def _fail(message, code=2, any_rank=False):
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
             bar.close()
         try:
+            _REPORTED.append(message)
             print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
         except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
             pass
