@@ -437,7 +437,28 @@ def _open_split(data_dir, split, meta):
                             f"it again")
         return np.memmap(path, dtype=dtype, mode="r", shape=(n, L)) if n else np.zeros((0, L), dtype)
     mask = None if meta["wrap"] else open_array(f"{split}_mask.bin", np.uint8)
-    return open_array(f"{split}.bin", meta["dtype"]), mask
+    return CheckedIds(open_array(f"{split}.bin", meta["dtype"]), meta["vocab_size"],
+                      os.path.join(data_dir, f"{split}.bin")), mask
+
+
+class CheckedIds:
+    """A split's (N, L) token memmap whose every read is checked: each id below the vocabulary K of its meta.json.
+    A file changed after it was prepared (its size and time kept, so its start-up check trusts it) would otherwise
+    index past the embedding; one max per batch (B x L ids) costs nothing next to the model."""
+
+    def __init__(self, array, vocab_size, path):
+        self.array, self.vocab_size, self.path = array, vocab_size, path
+
+    def __len__(self):
+        return len(self.array)
+
+    def __getitem__(self, rows):
+        ids = self.array[rows]
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise DataError(f"{self.path} holds token id {int(ids.max())}, not below its vocab_size {self.vocab_size} "
+                            f"(meta.json): it was changed after it was prepared; delete "
+                            f"{os.path.dirname(self.path)} to prepare it again")
+        return ids
 
 
 def _to_tensors(tokens, mask, rows, device):
