@@ -326,12 +326,14 @@ def _read_samples(path):
 
 def run_nelbo(cfg, model, ckpt, device, dtype):
     from data import DataError, check_tokenizer, eval_batches, load_meta, verify_prepared
+    from plumbing.integrity import check_data_tokenizer
     recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
     data_dir = cfg.data_dir or recorded
     if not data_dir:
         raise UsageError("--data_dir is needed: the checkpoint does not record its prepared data folder")
     try:
         meta = load_meta(data_dir)
+        check_data_tokenizer(data_dir, meta, ckpt, cfg.ckpt, need_tokenizer=False)   # the checkpoint's, by content
         check_tokenizer(meta, model.config.vocab_size)
     except DataError as e:
         raise UsageError(str(e)) from None

@@ -60,6 +60,7 @@ from data import data_identity, full_data_key, key_digest, same_data_on_every_no
 from plumbing.checkpoint import check_resume_data
 from plumbing.distributed import on_each_node
 from plumbing.files import refuse_overwrite, remove_stale_temps
+from plumbing.integrity import check_data_tokenizer
 from plumbing.signals import deferred_signals, ignore_stop_signals
 
 # -----------------------------------------------------------------------------
@@ -781,6 +782,7 @@ def _check_reusable(data_dir, key, verify=False):
         raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; use another --data_dir or "
                         f"delete it")
     verify_prepared(data_dir, old, full=verify)
+    check_data_tokenizer(data_dir, old)            # meta.json still describes its tokenizer (an edited vocab_size)
     return data_dir
 
 

@@ -99,7 +99,7 @@ class TrainConfig(OptimConfig):
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
     data_dir: str = ""               # prepared memmaps; "" = prepare.prepared_dir(dataset, tokenizer, L, wrap)
     block_size: int = 128            # sequence length L
-    vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
+    vocab_size: int = 0              # model K: 0 or the tokenizer's (--vocab_multiple pads the output layer)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # OWT-style packing (True) or LM1B-style per-sentence padding (False)
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO), as prepare.py
@@ -225,12 +225,13 @@ def validate(cfg, world_size):
         raise ConfigError(f"--gamma_min {cfg.gamma_min} must be below --gamma_max {cfg.gamma_max}")
     check_settings(cfg.num_proc)                      # the data preparation's own flags
     resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
-    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
+    model_config_for(cfg, cfg.vocab_size or 2)        # an impossible model (e.g. n_embd % n_head) too
 
 
 def model_config_for(cfg, vocab_size):
-    if cfg.vocab_size and cfg.vocab_size < vocab_size:
-        raise ConfigError(f"--vocab_size {cfg.vocab_size} is smaller than the tokenizer's vocabulary {vocab_size}")
+    if cfg.vocab_size and cfg.vocab_size != vocab_size:   # above: samples would hold ids no tokenizer decodes
+        raise ConfigError(f"--vocab_size {cfg.vocab_size} is {'smaller than' if cfg.vocab_size < vocab_size else 'above'}"
+                          f" the tokenizer's vocabulary {vocab_size}; leave it 0 (--vocab_multiple pads the output)")
     vocab_size = cfg.vocab_size or vocab_size
     base = dict(PRESETS[cfg.preset])
     base.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)})
