@@ -53,13 +53,13 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from plumbing.cli import ConfigError, first_line, os_error_line
+from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
 from data import data_identity, full_data_key, key_digest, same_data_on_every_node
 from plumbing.checkpoint import check_resume_data
 from plumbing.distributed import on_each_node
-from plumbing.files import refuse_overwrite, remove_stale_temps
+from plumbing.files import refuse_overwrite, remove_stale_temps, run_outputs
 from plumbing.integrity import check_data_tokenizer
 from plumbing.signals import deferred_signals, ignore_stop_signals
 
@@ -1099,6 +1099,11 @@ def prepare_for_run(cfg, env):
                                             text_field=cfg.text_field))
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
+            # the default folder too (an explicit --data_dir is checked with the other inputs at start)
+            try:
+                refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--data_dir": data_dir})
+            except UsageError as e:
+                raise ConfigError(str(e)) from None
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
                             num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
         except OSError as e:
