@@ -40,7 +40,7 @@ from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights,  # noqa
                                  keep_checkpoint, load_resume_checkpoint, open_out_dir, restore, save)
 from plumbing.distributed import (Env, agree, any_rank, on_rank0, run_distributed,  # noqa: F401
                                   setup_distributed)
-from plumbing.files import refuse_overwrite, run_outputs, write_json
+from plumbing.files import refuse_overwrite, run_outputs, write_json, writing
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines, truncate_log  # noqa: F401
 from hub.pretrained import export
@@ -467,7 +467,8 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                 return 130
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
-            folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
+            folder, _ = writing(os.path.join(cfg.out_dir, "model"), export, ckpt_path, os.path.join(cfg.out_dir, "model"),
+                                then=f"{ckpt_path} is saved: python hub/pretrained.py --ckpt {ckpt_path} --out FOLDER")
         try:
             with interruptible(stop):                  # also a signal during the final save
                 if env.master and cfg.num_samples > 0:
