@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.cli import bar_hidden, first_line
+from plumbing.cli import UsageError, bar_hidden, first_line
 
 
 class DataError(ValueError):
@@ -58,8 +59,38 @@ class Tokenizer:
     fingerprint: str = ""    # sha256 of what defines the ids (model file, vocabulary): a renamed copy matches,
                              # a retrained model with the same name does not
 
+    def __post_init__(self):
+        encode_batch = self.encode_batch
+
+        def checked(texts):
+            texts = list(texts)
+            for text in texts:
+                check_text(text)
+            return encode_batch(texts)
+        self.encode_batch = checked
+
     def encode(self, text):
         return self.encode_batch([text])[0]
+
+
+class TextError(DataError, UsageError):
+    """Text that is no Unicode (a lone surrogate): bad input wherever it comes from, a flag or a corpus."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text, where="the text to encode"):
+    """Text a tokenizer can encode: a str without lone surrogates (a JSON escape such as \\ud800 decodes to one, and
+    so does a byte that is not UTF-8 in a command-line argument); else TextError naming where and the character."""
+    if not isinstance(text, str):
+        raise TextError(f"{where} is {type(text).__name__}, not text")
+    if not text.isascii():
+        bad = _SURROGATE.search(text)
+        if bad:
+            raise TextError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
+                            f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
+                            f"or drop it")
 
 
 GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",

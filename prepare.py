@@ -56,7 +56,7 @@ from tqdm import tqdm
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
-from data import data_identity, full_data_key, key_digest, same_data_on_every_node
+from data import check_text, data_identity, full_data_key, key_digest, same_data_on_every_node
 from plumbing.checkpoint import check_resume_data
 from plumbing.distributed import on_each_node
 from plumbing.files import refuse_overwrite, remove_stale_temps, run_outputs
@@ -517,6 +517,8 @@ def _records(path, field):
         if not isinstance(row[field], (str, type(None))):         # null: a missing document, skipped
             raise DataError(f"{path} record {n}: field {field!r} holds {type(row[field]).__name__}, not text "
                             f"(--text_field)")
+        if row[field] is not None:
+            check_text(row[field], f"{path} record {n}: field {field!r}")
         yield row[field]
 
 
