@@ -128,6 +128,29 @@ def run_outputs(out_dir):
     return [os.path.join(out_dir, name) for name in RUN_OUTPUTS] if out_dir else []
 
 
+def remove_unfinished(out_dir, before):
+    """A run that ends without a checkpoint in out_dir (it failed, or was stopped, before its first save) leaves
+    out_dir as it found it: the run outputs it wrote (config.json, log.jsonl, tensorboard/, ...) that were not there
+    before (before: out_dir's entries when the run began) are removed. Nothing else is touched."""
+    if before is None or os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        return
+    try:
+        entries = os.listdir(out_dir)
+    except OSError:
+        return
+    for entry in entries:
+        if entry in before or entry == ".lock" or not any(fnmatch.fnmatchcase(entry, n) for n in RUN_OUTPUTS):
+            continue
+        path = os.path.join(out_dir, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
 def refuse_overwrite(outputs, inputs):
     """Before any work: no output of a script is one of its inputs. outputs, inputs: {flag: path or list of paths}
     ('' and None are skipped; an input spec's "sp:" / "duo:" prefix is dropped, and an input not on disk, e.g. a
