@@ -56,8 +56,10 @@ def bar_hidden(show=True):
 def is_out_of_memory(e):
     """torch's CUDA out-of-memory error, a failed CPU allocation (a RuntimeError from the CPU allocator) or
     Python's own MemoryError (an allocation refused under `ulimit -v`, in numpy or the interpreter)."""
+    if isinstance(e, MemoryError):
+        return True
     import torch
-    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
 def oom_summary(e):
