@@ -390,6 +390,9 @@ def train(cfg, env):
     mcfg = model_config_for(cfg, meta["vocab_size"])
     ckpt = open_out_dir(cfg, mcfg, meta)
     if ckpt is not None and ckpt["step"] == cfg.max_iters:   # nothing written, config.json untouched
+        model_dir = os.path.join(cfg.out_dir, "model")
+        if env.master and not os.path.isdir(model_dir):   # the export the stopped run did not finish (a full disk)
+            writing(model_dir, export, os.path.join(cfg.out_dir, "ckpt.pt"), model_dir)
         if env.master:
             print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
                   f"to do (raise --max_iters to train on)")
@@ -468,7 +471,7 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
             folder, _ = writing(os.path.join(cfg.out_dir, "model"), export, ckpt_path, os.path.join(cfg.out_dir, "model"),
-                                then=f"{ckpt_path} is saved: python hub/pretrained.py --ckpt {ckpt_path} --out FOLDER")
+                                then=f"{ckpt_path} is saved: free space and run the same command with --resume 1")
         try:
             with interruptible(stop):                  # also a signal during the final save
                 if env.master and cfg.num_samples > 0:

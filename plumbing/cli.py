@@ -58,6 +58,8 @@ def is_out_of_memory(e):
     Python's own MemoryError (an allocation refused under `ulimit -v`, in numpy or the interpreter)."""
     if isinstance(e, MemoryError):
         return True
+    if "std::bad_alloc" in str(e):     # a C++ allocation refused (under `ulimit -v`), as torch passes it on
+        return True
     import torch
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
@@ -67,6 +69,8 @@ def oom_summary(e):
     12.27 GiB; 1.20 GiB of 79.19 GiB free)'."""
     if isinstance(e, MemoryError):
         return "CPU out of memory (Python's MemoryError" + (f": {first_line(e)})" if first_line(e) else ")")
+    if "std::bad_alloc" in str(e):
+        return "CPU out of memory (std::bad_alloc)"
     text = first_line(e) or type(e).__name__
     cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
     if cpu:
@@ -370,6 +374,24 @@ def stop_at_once(name):
     if name == "__main__":
         _register_shutdown()
         set_stop_handlers(_exit_while_starting)
+        sys.excepthook = _out_of_memory_while_starting
+
+
+def _out_of_memory_while_starting(kind, e, trace):
+    """An exception no handler caught (the imports before run_cli, torch's own among them): running out of memory
+    there (`ulimit -v`) is one line and exit code 2 as everywhere else; anything else is a bug and shows its trace."""
+    try:
+        memory = isinstance(e, (MemoryError, RuntimeError)) and is_out_of_memory(e)
+    except Exception:           # torch itself failed to import
+        memory = False
+    if not memory:
+        return sys.__excepthook__(kind, e, trace)
+    try:
+        print(f"error: out of memory while starting: {oom_summary(e)}; free memory or raise the limit (ulimit -v)",
+              file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    os._exit(2)
 
 
 def _exit_while_starting(signum, frame):
