@@ -128,18 +128,22 @@ def run_outputs(out_dir):
     return [os.path.join(out_dir, name) for name in RUN_OUTPUTS] if out_dir else []
 
 
+def run_output_names(out_dir):
+    """The names in out_dir that match a run's outputs (RUN_OUTPUTS, kept checkpoints included)."""
+    try:
+        return [e for e in os.listdir(out_dir) if any(fnmatch.fnmatchcase(e, n) for n in RUN_OUTPUTS)]
+    except OSError:
+        return []
+
+
 def remove_unfinished(out_dir, before):
     """A run that ends without a checkpoint in out_dir (it failed, or was stopped, before its first save) leaves
     out_dir as it found it: the run outputs it wrote (config.json, log.jsonl, tensorboard/, ...) that were not there
     before (before: out_dir's entries when the run began) are removed. Nothing else is touched."""
     if before is None or os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         return
-    try:
-        entries = os.listdir(out_dir)
-    except OSError:
-        return
-    for entry in entries:
-        if entry in before or entry == ".lock" or not any(fnmatch.fnmatchcase(entry, n) for n in RUN_OUTPUTS):
+    for entry in run_output_names(out_dir):
+        if entry in before or entry == ".lock":
             continue
         path = os.path.join(out_dir, entry)
         if os.path.isdir(path) and not os.path.islink(path):

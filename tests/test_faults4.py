@@ -118,13 +118,19 @@ def test_the_default_data_folder_as_out_dir_and_a_changed_train_bin_are_refused_
     ids.flush()
     del ids
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    before = md5s(t / default), md5s(bad)
+    mine = t / "mine"                                             # a user's folder, with a config.json and a model
+    (mine / "model").mkdir(parents=True)
+    (mine / "config.json").write_text("my own settings")
+    (mine / "model" / "weights.bin").write_text("my own model")
+    before = md5s(t / default), md5s(bad), md5s(mine)
     cases = [case("train.py", *TINY, "--dataset", base.corpus, "--out_dir", default, "--max_iters", "4", cwd=t,
                   expect="lies inside the input folder --data_dir"),
+             case("train.py", *base.train, "--out_dir", mine, "--max_iters", "4", cwd=t,
+                  expect=f"{mine / 'config.json'} exists and a new run would replace it"),
              case("train.py", *TINY, "--dataset", base.corpus, "--data_dir", bad, "--out_dir", t / "bad_run",
                   "--max_iters", "200", "--eval_interval", "1000", cwd=t, expect="holds token id 9999")]
     check(run_batches(cases))
-    assert (md5s(t / default), md5s(bad)) == before                # no checkpoint written into the data
+    assert (md5s(t / default), md5s(bad), md5s(mine)) == before    # no checkpoint written into the data
     assert not (t / "bad_run").exists()                            # nor config.json or log.jsonl left behind
 
 
