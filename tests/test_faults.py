@@ -226,7 +226,7 @@ def test_refused_resumes_change_nothing_in_out_dir(base, tmp_path):
         d = tmp_path / name
         d.mkdir()
         for f in files:
-            shutil.copy(os.path.join(base.out, f), d / f)
+            (shutil.copytree if f == "model" else shutil.copy)(os.path.join(base.out, f), d / f)
         if edit is not None:
             edit(d / "ckpt.pt")
         return d
@@ -240,7 +240,9 @@ def test_refused_resumes_change_nothing_in_out_dir(base, tmp_path):
         return edit
     dirs = {
         "below": (run_dir("below"), ["--resume", "1", "--max_iters", "2"], "below the checkpoint's step 4"),
-        "noop": (run_dir("noop"), ["--resume", "1", "--max_iters", "4"], ["ok", "already at step 4"]),
+        # a finished run, its model folder included (a resume of one whose export failed writes it: test_faults4)
+        "noop": (run_dir("noop", files=("ckpt.pt", "log.jsonl", "config.json", "model")),
+                 ["--resume", "1", "--max_iters", "4"], ["ok", "already at step 4"]),
         # a pickle's protocol byte of 129: torch warns before it fails, and the report stays one line
         "corrupt": (run_dir("corrupt", lambda p: p.write_bytes(b"\x80\x81" + os.urandom(1998))), ["--resume", "1"],
                     "not a readable checkpoint (not a torch checkpoint, or a damaged one"),
