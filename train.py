@@ -230,8 +230,9 @@ def validate(cfg, world_size):
 
 def model_config_for(cfg, vocab_size):
     if cfg.vocab_size and cfg.vocab_size != vocab_size:   # above: samples would hold ids no tokenizer decodes
-        raise ConfigError(f"--vocab_size {cfg.vocab_size} is {'smaller than' if cfg.vocab_size < vocab_size else 'above'}"
-                          f" the tokenizer's vocabulary {vocab_size}; leave it 0 (--vocab_multiple pads the output)")
+        how = "smaller than" if cfg.vocab_size < vocab_size else "above"
+        raise ConfigError(f"--vocab_size {cfg.vocab_size} is {how} the tokenizer's vocabulary {vocab_size}; leave it 0 "
+                          f"(--vocab_multiple pads the output)")
     vocab_size = cfg.vocab_size or vocab_size
     base = dict(PRESETS[cfg.preset])
     base.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)})
@@ -470,7 +471,8 @@ def guarded_loop(run, cfg, env, log, step, evals, save, samples, what, nonfinite
                 return 130
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
-            folder, _ = writing(os.path.join(cfg.out_dir, "model"), export, ckpt_path, os.path.join(cfg.out_dir, "model"),
+            model_dir = os.path.join(cfg.out_dir, "model")
+            folder, _ = writing(model_dir, export, ckpt_path, model_dir,
                                 then=f"{ckpt_path} is saved: free space and run the same command with --resume 1")
         try:
             with interruptible(stop):                  # also a signal during the final save

@@ -64,7 +64,8 @@ def write_failure(e, path, then=""):
         free = ""
     kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
     number = getattr(e, "errno", None) or (int(m.group(1)) if (m := re.search(r"os error (\d+)", str(e))) else None)
-    return OSError(number or errno.EIO, f"could not write {path} ({reason}{free}); {kept}" + (f"; {then}" if then else ""))
+    return OSError(number or errno.EIO,
+                   f"could not write {path} ({reason}{free}); {kept}" + (f"; {then}" if then else ""))
 
 
 def writing(path, write, *args, then=""):

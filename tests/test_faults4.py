@@ -276,9 +276,9 @@ def test_a_disk_that_fills_during_the_model_export_is_one_line_and_keeps_the_che
     room = os.path.getsize(base.ckpt) + 300_000           # the checkpoint fits, its model folder does not
     args = " ".join([sys.executable, os.path.join(HERE, "train.py"), *TINY, "--dataset", base.corpus, "--data_dir",
                      base.data_dir, "--out_dir", str(mnt / "run"), "--max_iters", "4", "--eval_interval", "4"])
-    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                        f"mount -t tmpfs -o size={room // 1024}k tmpfs {mnt} && {args}; echo rc=$?; ls -A {mnt / 'run'}; "
-                        f"mount -o remount,size=20m {mnt} && {args} --resume 1; echo rc=$?; ls -A {mnt / 'run' / 'model'}"],
+    script = (f"mount -t tmpfs -o size={room // 1024}k tmpfs {mnt} && {args}; echo rc=$?; ls -A {mnt / 'run'}; "
+              f"mount -o remount,size=20m {mnt} && {args} --resume 1; echo rc=$?; ls -A {mnt / 'run' / 'model'}")
+    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
                        capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
