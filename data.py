@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -56,8 +57,38 @@ class Tokenizer:
     fingerprint: str = ""    # sha256 of what defines the ids (model file, vocabulary): a renamed copy matches,
                              # a retrained model with the same name does not
 
+    def __post_init__(self):
+        encode_batch = self.encode_batch
+
+        def checked(texts):
+            texts = list(texts)
+            for text in texts:
+                check_text(text)
+            return encode_batch(texts)
+        self.encode_batch = checked
+
     def encode(self, text):
         return self.encode_batch([text])[0]
+
+
+class TextError(DataError):
+    """Text that is no Unicode (a lone surrogate): bad input wherever it comes from, a flag or a corpus."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text, where="the text to encode"):
+    """Text a tokenizer can encode: a str without lone surrogates (a JSON escape such as \\ud800 decodes to one, and
+    so does a byte that is not UTF-8 in a command-line argument); else TextError naming where and the character."""
+    if not isinstance(text, str):
+        raise TextError(f"{where} is {type(text).__name__}, not text")
+    if not text.isascii():
+        bad = _SURROGATE.search(text)
+        if bad:
+            raise TextError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
+                            f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
+                            f"or drop it")
 
 
 GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -438,7 +469,28 @@ def _open_split(data_dir, split, meta):
                             f"it again")
         return np.memmap(path, dtype=dtype, mode="r", shape=(n, L)) if n else np.zeros((0, L), dtype)
     mask = None if meta["wrap"] else open_array(f"{split}_mask.bin", np.uint8)
-    return open_array(f"{split}.bin", meta["dtype"]), mask
+    return CheckedIds(open_array(f"{split}.bin", meta["dtype"]), meta["vocab_size"],
+                      os.path.join(data_dir, f"{split}.bin")), mask
+
+
+class CheckedIds:
+    """A split's (N, L) token memmap whose every read is checked: each id below the vocabulary K of its meta.json.
+    A file changed after it was prepared (its size and time kept, so its start-up check trusts it) would otherwise
+    index past the embedding; one max per batch (B x L ids) costs nothing next to the model."""
+
+    def __init__(self, array, vocab_size, path):
+        self.array, self.vocab_size, self.path = array, vocab_size, path
+
+    def __len__(self):
+        return len(self.array)
+
+    def __getitem__(self, rows):
+        ids = self.array[rows]
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise DataError(f"{self.path} holds token id {int(ids.max())}, not below its vocab_size {self.vocab_size} "
+                            f"(meta.json): it was changed after it was prepared; delete "
+                            f"{os.path.dirname(self.path)} to prepare it again")
+        return ids
 
 
 def _to_tensors(tokens, mask, rows, device):

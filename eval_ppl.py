@@ -321,6 +321,12 @@ def _read_samples(path):
                 not all(isinstance(i, int) and not isinstance(i, bool) for i in record["ids"]):
             raise UsageError(f"--samples {path}:{n}: expected a JSON object with 'ids' (a list of integers) and "
                              f"'text', as sample.py writes")
+        if not record["ids"] or min(record["ids"]) < 0 or not isinstance(record.get("text"), (str, type(None))) \
+                or not isinstance(record.get("settings"), (dict, type(None))):
+            what = ("an empty sample (no ids)" if not record["ids"] else "a negative token id" if
+                    min(record["ids"]) < 0 else "'text' that is not a string" if
+                    not isinstance(record.get("text"), (str, type(None))) else "'settings' that is not an object")
+            raise UsageError(f"--samples {path}:{n}: {what}; sample.py writes none such: drop or fix that line")
         records.append(record)
     if not records:
         raise UsageError(f"--samples {path}: no samples in it")
@@ -329,12 +335,14 @@ def _read_samples(path):
 
 def run_nelbo(cfg, model, ckpt, device, dtype):
     from data import DataError, check_tokenizer, eval_batches, load_meta, verify_prepared
+    from plumbing.integrity import check_data_tokenizer
     recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
     data_dir = cfg.data_dir or recorded
     if not data_dir:
         raise UsageError("--data_dir is needed: the checkpoint does not record its prepared data folder")
     try:
         meta = load_meta(data_dir)
+        check_data_tokenizer(data_dir, meta, ckpt, cfg.ckpt, need_tokenizer=False)   # the checkpoint's, by content
         check_tokenizer(meta, model.config.vocab_size)
     except DataError as e:
         raise UsageError(str(e)) from None
@@ -445,6 +453,10 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
     retokenized), batch_size sequences per judge forward, and entropy of the sampler's own ids."""
     max_length = max(map(len, ids))
     if judge_shares_tokenizer(judge, tok):
+        top = max(max(row) for row in ids)
+        if top >= tok.vocab_size:
+            raise UsageError(f"the samples of {label} hold token id {top}, not below their tokenizer's vocabulary "
+                             f"{tok.vocab_size}: not samples of that tokenizer")
         result = gen_ppl(ids, judge, max_length=max_length, batch_size=batch_size, device=device,
                          show_progress=show_progress)
         how = "ids scored directly: the judge uses the sampler's tokenizer"

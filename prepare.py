@@ -53,13 +53,14 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from plumbing.cli import ConfigError, first_line, os_error_line
+from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, get_tokenizer, load_meta, unlisted_checksums,
                   train_sentencepiece, verify_prepared, wrap_blocks)
-from data import data_identity, full_data_key, key_digest, same_data_on_every_node
+from data import check_text, data_identity, full_data_key, key_digest, same_data_on_every_node
 from plumbing.checkpoint import check_resume_data
 from plumbing.distributed import on_each_node
-from plumbing.files import refuse_overwrite, remove_stale_temps
+from plumbing.files import refuse_overwrite, remove_stale_temps, run_outputs
+from plumbing.integrity import check_data_tokenizer
 from plumbing.signals import deferred_signals, ignore_stop_signals
 
 # -----------------------------------------------------------------------------
@@ -314,7 +315,18 @@ def _is_arrow_folder(path):
 
 
 def _walk(folder):
-    return (os.path.join(root, f) for root, _, files in os.walk(folder) for f in files)
+    for root, _, files in os.walk(folder):
+        for f in files:
+            yield _regular(os.path.join(root, f))
+
+
+def _regular(path):
+    """path, unless it exists as something other than a regular file or folder (a named pipe, a device, a socket:
+    read once it is gone, and a second read, which every preparation makes, would wait forever) -> DataError."""
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise DataError(f"{path} is not a regular file or folder (a named pipe, device or socket can be read only "
+                        f"once, and a preparation reads its corpus twice); save its content to a file and give that")
+    return path
 
 
 def _folder_files(folder):
@@ -505,6 +517,8 @@ def _records(path, field):
         if not isinstance(row[field], (str, type(None))):         # null: a missing document, skipped
             raise DataError(f"{path} record {n}: field {field!r} holds {type(row[field]).__name__}, not text "
                             f"(--text_field)")
+        if row[field] is not None:
+            check_text(row[field], f"{path} record {n}: field {field!r}")
         yield row[field]
 
 
@@ -602,7 +616,7 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
                 load_hf_split(name, "val", text_field, val_fraction))
-    if not os.path.exists(name):
+    if not os.path.exists(_regular(name)):
         if name.endswith(_TEXT + _RECORDS) or os.sep in name:
             raise DataError(f"no such file or folder: {name}")
         raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
@@ -656,7 +670,7 @@ def corpus_fingerprint(name, text_field="text"):
     elif name.startswith("hf:"):
         repo, config, revision = _parse_hub_name(name)
         h.update(f"hf:{repo}:{config}@{revision}:{text_field}".encode())
-    elif os.path.isdir(name):
+    elif os.path.isdir(_regular(name)):
         files = sorted(_walk(name)) if _is_arrow_folder(name) else _folder_files(name)
         for path in files:
             h.update(f"{os.path.relpath(path, name)}\0{file_sha256(path)}\0".encode())
@@ -728,14 +742,43 @@ def _unverifiable(data_dir, key):
     return unlisted_checksums(meta)
 
 
-def _swap_in(tmp, out_dir):
-    """Replace an unverifiable prepared folder by the freshly prepared tmp: the old one is moved aside first, so a
-    reader sees the old folder or the new one, and a stop signal cannot fall between the two renames."""
-    old = f"{out_dir}.old{os.getpid()}"
+def _ours(data_dir):
+    """The files a preparation wrote into data_dir, as its meta.json names them (meta.json itself, the token files,
+    the tokenizer it trained, every file it lists a sha256 or stat for): all that a new preparation may replace."""
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return {"meta.json"}
+    if not isinstance(meta, dict):
+        return {"meta.json"}
+    parts = ("",) if meta.get("wrap", True) else ("", "_mask")
+    names = {"meta.json", *(f"{split}{part}.bin" for split in ("train", "val") for part in parts)}
+    if isinstance(meta.get("tokenizer_file"), str):
+        names.add(meta["tokenizer_file"])
+    for field in ("sha256", "stat"):
+        if isinstance(meta.get(field), dict):
+            names.update(k for k in meta[field] if isinstance(k, str))
+    return {n for n in names if os.path.basename(n) == n}
+
+
+def _replace_ours(tmp, out_dir):
+    """Replace an unverifiable prepared folder's files by the fresh ones in tmp, file by file: only what an earlier
+    preparation wrote there (_ours) is replaced, and everything else in out_dir (a user's own files) is kept. A
+    file of the new preparation whose name a user's file holds -> DataError, before anything changes. meta.json
+    goes first and comes back last, so no reader takes old and new files for one folder; a stop signal waits."""
+    ours, names = _ours(out_dir), sorted(os.listdir(tmp), key=lambda n: n == "meta.json")
+    theirs = [n for n in names if os.path.lexists(os.path.join(out_dir, n)) and
+              (n not in ours or not os.path.isfile(os.path.join(out_dir, n)))]
+    if theirs:
+        raise DataError(f"{os.path.join(out_dir, theirs[0])} was not written by prepare.py, and preparing {out_dir} "
+                        f"again would replace it; move it elsewhere or use another --data_dir")
     with deferred_signals():
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(os.path.join(out_dir, "meta.json")):
+            os.remove(os.path.join(out_dir, "meta.json"))
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    os.rmdir(tmp)
 
 
 def _check_reusable(data_dir, key, verify=False):
@@ -754,6 +797,7 @@ def _check_reusable(data_dir, key, verify=False):
         raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; use another --data_dir or "
                         f"delete it")
     verify_prepared(data_dir, old, full=verify)
+    check_data_tokenizer(data_dir, old)            # meta.json still describes its tokenizer (an edited vocab_size)
     return data_dir
 
 
@@ -963,7 +1007,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                               val_fraction, progress, num_proc or default_num_proc(), text_field)
                 try:
                     if redo:
-                        _swap_in(tmp, out_dir)
+                        _replace_ours(tmp, out_dir)
                     else:
                         os.rename(tmp, out_dir)     # atomic: readers see no folder or a finished one
                 except OSError:
@@ -1073,6 +1117,11 @@ def prepare_for_run(cfg, env):
                                             text_field=cfg.text_field))
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
+            # the default folder too (an explicit --data_dir is checked with the other inputs at start)
+            try:
+                refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--data_dir": data_dir})
+            except UsageError as e:
+                raise ConfigError(str(e)) from None
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
                             num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
         except OSError as e:

@@ -52,6 +52,7 @@ import torch
 from tqdm import tqdm
 
 import diffusion
+from data import DataError
 from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite
@@ -583,4 +584,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main, oom_hint="lower --batch_size (sequences per sampler call)")
+    run_cli(main, DataError, oom_hint="lower --batch_size (sequences per sampler call)")

@@ -35,7 +35,7 @@ from plumbing.checkpoint import ema_weights, keep_checkpoint, open_out_dir, rest
 from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_dtype, run_cli
 from plumbing.distributed import (Env, any_rank, compiles, micro_batches, run_distributed,  # noqa: F401  (Env: tests)
                                   torchrun_on_cuda, wrap_model)
-from plumbing.files import refuse_overwrite, run_outputs, write_json
+from plumbing.files import refuse_overwrite, run_outputs, write_json, writing
 from plumbing.flags import check_train_flags
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines
@@ -95,7 +95,7 @@ class TrainConfig(OptimConfig):
     data_dir: str = ""               # the prepared data folder; "" = data/<dataset>-<tokenizer>-<L>-<digest>,
                                      # prepared on first use
     block_size: int = 128            # sequence length L
-    vocab_size: int = 0              # model K; 0 = the tokenizer's (a larger K leaves unused output rows)
+    vocab_size: int = 0              # model K: 0 or the tokenizer's (--vocab_multiple pads the output layer)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # 1: pack documents into full blocks (OWT-style); 0: one padded sequence per
                                      # sentence (LM1B-style)
@@ -173,8 +173,10 @@ FLAGSHIP_NOTE = ("torchrun on CUDA without --preset: training the paper's recipe
 
 
 def model_config_for(cfg, vocab_size):
-    if cfg.vocab_size and cfg.vocab_size < vocab_size:
-        raise ConfigError(f"--vocab_size {cfg.vocab_size} is smaller than the tokenizer's vocabulary {vocab_size}")
+    if cfg.vocab_size and cfg.vocab_size != vocab_size:   # above: samples would hold ids no tokenizer decodes
+        how = "smaller than" if cfg.vocab_size < vocab_size else "above"
+        raise ConfigError(f"--vocab_size {cfg.vocab_size} is {how} the tokenizer's vocabulary {vocab_size}; leave it 0 "
+                          f"(--vocab_multiple pads the output)")
     vocab_size = cfg.vocab_size or vocab_size
     base = dict(PRESETS[cfg.preset])
     base.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)})
@@ -303,7 +305,7 @@ def main(argv=None):
                                                                "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
     check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # once, before out_dir is locked or made
     check_settings(cfg.num_proc)                      # the data preparation's own flags
-    model_config_for(cfg, 2)                          # an impossible model (e.g. n_embd % n_head) too
+    model_config_for(cfg, cfg.vocab_size or 2)        # an impossible model (e.g. n_embd % n_head) too
 
     def work(env):
         if flagship and env.master:
@@ -320,6 +322,9 @@ def train(cfg, env):
     ckpt = open_out_dir(cfg, mcfg, meta)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     if ckpt is not None and ckpt["step"] == cfg.max_iters:   # nothing written, config.json untouched
+        model_dir = os.path.join(cfg.out_dir, "model")
+        if env.master and not os.path.isdir(model_dir):   # the export the stopped run did not finish (a full disk)
+            writing(model_dir, export, os.path.join(cfg.out_dir, "ckpt.pt"), model_dir)
         if env.master:
             print(f"{ckpt_path} is already at step {cfg.max_iters} = --max_iters; nothing to do (raise --max_iters "
                   f"to train on)")
@@ -369,7 +374,9 @@ def train(cfg, env):
                 return log.stopped(stop["signal"], run.it, "training", finished=last)
         log.close()
         if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
-            folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
+            model_dir = os.path.join(cfg.out_dir, "model")
+            folder, _ = writing(model_dir, export, ckpt_path, model_dir,
+                                then=f"{ckpt_path} is saved: free space and run the same command with --resume 1")
         try:
             with interruptible(stop):                  # a stop signal abandons the samples
                 if env.master and cfg.num_samples > 0:

@@ -716,7 +716,7 @@ def validate(cfg):
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p)
     if cfg.rolling_context < 0:
         raise EvalError(f"--rolling_context must be >= 0, got {cfg.rolling_context}")
-    if not os.path.isfile(cfg.ckpt):
+    if not cfg.ckpt.startswith("duo:") and not os.path.exists(cfg.ckpt):   # a file or a model folder; duo: loads later
         raise EvalError(f"checkpoint not found: {cfg.ckpt}")
 
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from data import DataError, full_data_key, get_tokenizer
 from model import ModelConfig, build_model
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
-from plumbing.files import check_writable, remove_stale_temps, save_atomic
+from plumbing.files import check_writable, remove_stale_temps, run_output_names, save_atomic
+from plumbing.lock import LOCK
 from plumbing.integrity import check_checkpoint_fields, check_finite_weights, check_tokenizer_identity
 from plumbing.signals import deferred_signals
 
@@ -125,6 +126,10 @@ def load_resume_checkpoint(cfg):
         if os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):
             raise ConfigError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
                               f"checkpoint; delete it or choose another --out_dir")
+        theirs = sorted(set(os.listdir(cfg.out_dir)) & set(run_output_names(cfg.out_dir)) - {LOCK})
+        if theirs:      # a fresh run would write over them: a user's file, or what another run left
+            raise ConfigError(f"{os.path.join(cfg.out_dir, theirs[0])} exists and a new run would replace it; move "
+                              f"it elsewhere or choose another --out_dir")
         return None
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")

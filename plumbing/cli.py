@@ -54,7 +54,12 @@ def bar_hidden(show=True):
 
 
 def is_out_of_memory(e):
-    """torch's CUDA out-of-memory error, or a failed CPU allocation (a RuntimeError from the CPU allocator)."""
+    """torch's CUDA out-of-memory error, a failed CPU allocation (a RuntimeError from the CPU allocator) or
+    Python's own MemoryError (an allocation refused under `ulimit -v`, in numpy or the interpreter)."""
+    if isinstance(e, MemoryError):
+        return True
+    if "std::bad_alloc" in str(e):     # a C++ allocation refused (under `ulimit -v`), as torch passes it on
+        return True
     import torch
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
@@ -62,6 +67,10 @@ def is_out_of_memory(e):
 def oom_summary(e):
     """torch's out-of-memory message -> its first line in short: 'CUDA out of memory (tried to allocate
     12.27 GiB; 1.20 GiB of 79.19 GiB free)'."""
+    if isinstance(e, MemoryError):
+        return "CPU out of memory (Python's MemoryError" + (f": {first_line(e)})" if first_line(e) else ")")
+    if "std::bad_alloc" in str(e):
+        return "CPU out of memory (std::bad_alloc)"
     text = first_line(e) or type(e).__name__
     cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
     if cpu:
@@ -86,6 +95,19 @@ def parse_bool(s):
     if str(s).strip().lower() in ("0", "false", "no", "n"):
         return False
     raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
+
+
+def finite_float(s):
+    """A float flag's value: a finite number. nan, inf and -inf are refused here, once for every script's flags
+    (a nan guidance weight or learning rate would run to the end and write garbage)."""
+    import math
+    try:
+        value = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {s!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return value
 
 
 def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None):
@@ -115,6 +137,7 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
                                         help=help_text)
         else:
             kind = f.type if callable(f.type) else {"int": int, "float": float}.get(f.type, str)
+            kind = finite_float if kind is float else kind
             parents[group].add_argument(f"--{f.name}", type=kind, metavar=f.name.upper(), help=help_text)
 
     def error(message):
@@ -296,20 +319,46 @@ def install():
     set_stop_handlers(_raise)
 
 
+_REPORTED = []       # the error line this process printed (run_cli's _fail), so a late signal adds no second one
+
+
 def _exit_now(signum, frame):
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
+    if not _REPORTED and os.environ.get("RANK", "0") == "0":
+        try:
+            os.write(2, f"error: interrupted by {signal_name(signum)} while exiting\n".encode())
+        except OSError:
+            pass
     os._exit(EXIT_CODE)
 
 
 def exiting():
     """The script's outcome is decided (its result, or its one error line): a stop signal from now on ends the
-    process at once with exit code 130, instead of raising inside the interpreter's shutdown (atexit, finalizers),
-    where it would print a traceback."""
+    process at once with exit code 130 and one line (none when the error line is out already), instead of raising
+    inside the interpreter's shutdown (atexit, finalizers), where it would print a traceback."""
     set_stop_handlers(_exit_now)
+
+
+def _ignore_at_shutdown():
+    """The last exit handler (registered first, atexit runs them in reverse): the interpreter's shutdown then puts
+    SIG_DFL back in place of every Python handler before it frees its modules (torch's take a while), so a stop
+    signal there would kill the process by the signal (exit 143 for SIGTERM, no message). Ignored from here on, the
+    process ends with the exit code its script chose (130 after a stop)."""
+    set_stop_handlers(signal.SIG_IGN)
+
+
+_AT_SHUTDOWN = []
+
+
+def _register_shutdown():
+    if not _AT_SHUTDOWN:
+        import atexit
+        atexit.register(_ignore_at_shutdown)
+        _AT_SHUTDOWN.append(True)
 
 
 def ignore_stop_signals():
@@ -323,7 +372,26 @@ def stop_at_once(name):
     "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once; nothing
     has been written yet, so there is nothing to clean up. Imported as a library, it does nothing."""
     if name == "__main__":
+        _register_shutdown()
         set_stop_handlers(_exit_while_starting)
+        sys.excepthook = _out_of_memory_while_starting
+
+
+def _out_of_memory_while_starting(kind, e, trace):
+    """An exception no handler caught (the imports before run_cli, torch's own among them): running out of memory
+    there (`ulimit -v`) is one line and exit code 2 as everywhere else; anything else is a bug and shows its trace."""
+    try:
+        memory = isinstance(e, (MemoryError, RuntimeError)) and is_out_of_memory(e)
+    except Exception:           # torch itself failed to import
+        memory = False
+    if not memory:
+        return sys.__excepthook__(kind, e, trace)
+    try:
+        print(f"error: out of memory while starting: {oom_summary(e)}; free memory or raise the limit (ulimit -v)",
+              file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    os._exit(2)
 
 
 def _exit_while_starting(signum, frame):
@@ -341,11 +409,12 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
     signal (STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
     install()
+    _register_shutdown()
     try:
         code = main()
     except OutOfMemory as e:
         _fail(str(e), any_rank=True)
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
         _fail(f"out of memory: {oom_summary(e)}; {oom_hint}", any_rank=True)
@@ -370,6 +439,7 @@ def _fail(message, code=2, any_rank=False):
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
             bar.close()
         try:
+            _REPORTED.append(message)
             print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
         except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
             pass

@@ -49,15 +49,38 @@ def save_atomic(path, write):
             os.remove(tmp)
         if not isinstance(e, (OSError, RuntimeError)):
             raise
-        reason = os_error_line(e) if isinstance(e, OSError) else \
-            re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", first_line(e) or type(e).__name__)
-        try:
-            free = f"; {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2 ** 30:.2f} GiB free there"
-        except OSError:
-            free = ""
-        kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
-        raise OSError(getattr(e, "errno", None) or errno.EIO, f"could not write {path} ({reason}{free}); {kept}"
-                      ) from None
+        raise write_failure(e, path) from None
+
+
+def write_failure(e, path, then=""):
+    """A failed write of `path` (OSError, torch.save's RuntimeError, a library's error carrying the OS's, such as
+    safetensors' 'No space left on device (os error 28)') -> one OSError: what failed, the free space there, what
+    is kept, and `then` (what to do next)."""
+    reason = os_error_line(e) if isinstance(e, OSError) else \
+        re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", first_line(e) or type(e).__name__)
+    try:
+        free = f"; {shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free / 2 ** 30:.2f} GiB free there"
+    except OSError:
+        free = ""
+    kept = f"the previous {path} is kept" if os.path.exists(path) else "nothing was written"
+    number = getattr(e, "errno", None) or (int(m.group(1)) if (m := re.search(r"os error (\d+)", str(e))) else None)
+    return OSError(number or errno.EIO,
+                   f"could not write {path} ({reason}{free}); {kept}" + (f"; {then}" if then else ""))
+
+
+def writing(path, write, *args, then=""):
+    """write(*args), which writes `path` (a file or a folder, e.g. hub/pretrained.export): a write that fails for
+    lack of space or another OS fault, in whatever error its library raises, -> one OSError (write_failure);
+    any other error passes through."""
+    try:
+        return write(*args)
+    except UsageError:
+        raise
+    except Exception as e:
+        if not (isinstance(e, OSError) or re.search(r"os error \d+|No space left|file write failed|Disk quota",
+                                                     str(e))):
+            raise
+        raise write_failure(e, path, then) from None
 
 
 def remove_stale_temps(path):
@@ -104,6 +127,33 @@ RUN_OUTPUTS = ("ckpt.pt", "ckpt_*.pt", "config.json", "log.jsonl", "model", "ten
 def run_outputs(out_dir):
     """The paths a run writes into out_dir (a glob for the kept checkpoints), for refuse_overwrite."""
     return [os.path.join(out_dir, name) for name in RUN_OUTPUTS] if out_dir else []
+
+
+def run_output_names(out_dir):
+    """The names in out_dir that match a run's outputs (RUN_OUTPUTS, kept checkpoints included)."""
+    try:
+        return [e for e in os.listdir(out_dir) if any(fnmatch.fnmatchcase(e, n) for n in RUN_OUTPUTS)]
+    except OSError:
+        return []
+
+
+def remove_unfinished(out_dir, before):
+    """A run that ends without a checkpoint in out_dir (it failed, or was stopped, before its first save) leaves
+    out_dir as it found it: the run outputs it wrote (config.json, log.jsonl, tensorboard/, ...) that were not there
+    before (before: out_dir's entries when the run began) are removed. Nothing else is touched."""
+    if before is None or os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        return
+    for entry in run_output_names(out_dir):
+        if entry in before or entry == ".lock":
+            continue
+        path = os.path.join(out_dir, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def refuse_overwrite(outputs, inputs):

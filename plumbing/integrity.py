@@ -2,6 +2,7 @@
 its weights are finite, the tokenizer is the one its ids came from; and the rule by which a training loss counts
 as diverged. Each failure is one line naming the field or file and the fix."""
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import fields
@@ -116,7 +117,7 @@ def check_finite_weights(ckpt, path):
 # -----------------------------------------------------------------------------------------------
 # the tokenizer a checkpoint's ids came from
 
-def check_tokenizer_identity(tok, ckpt, path):
+def check_tokenizer_identity(tok, ckpt, path, fix=None):
     """The tokenizer loaded for a checkpoint is the one it was trained with: its content hash equals the recorded
     meta['tokenizer_sha256'] where both are known; its vocabulary and special ids equal the recorded ones; and it
     has no more ids than the model's vocabulary. Otherwise another tokenizer lies at the recorded path: its ids
@@ -124,8 +125,8 @@ def check_tokenizer_identity(tok, ckpt, path):
     -> UsageError naming the tokenizer's file, the checkpoint and the fix."""
     meta = ckpt.get("meta") or {}
     where = tok.spec.removeprefix("sp:") if tok.spec.startswith("sp:") else f"tokenizer {tok.spec!r}"
-    fix = (f"put back the tokenizer {path} was trained with (or give a model folder, which carries its own: "
-           f"python hub/pretrained.py --ckpt CKPT --out FOLDER, run where the original tokenizer is)")
+    fix = fix or (f"put back the tokenizer {path} was trained with (or give a model folder, which carries its own: "
+                  f"python hub/pretrained.py --ckpt CKPT --out FOLDER, run where the original tokenizer is)")
     recorded = meta.get("tokenizer_sha256")
     if recorded and tok.fingerprint and tok.fingerprint != recorded:
         raise UsageError(f"{where} is not the tokenizer {path} was trained with (sha256 {tok.fingerprint[:12]}..., "
@@ -138,6 +139,42 @@ def check_tokenizer_identity(tok, ckpt, path):
         diff.append(f"vocab_size {tok.vocab_size} > the model's {model_vocab}")
     if diff:
         raise UsageError(f"{where} is not the tokenizer {path} was trained with ({'; '.join(diff)}); {fix}")
+
+
+def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True):
+    """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
+    (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
+    given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
+    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text).
+    need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
+    check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
+    line naming the folder and the fix)."""
+    from data import DataError, check_tokenizer, get_tokenizer
+    record = (ckpt or {}).get("meta") or {}
+    ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
+    fix = f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its tokenizer"
+    if ours and theirs and ours != theirs:
+        raise UsageError(f"{data_dir} was prepared with another tokenizer ({meta.get('tokenizer')}, sha256 "
+                         f"{ours[:12]}...) than {path} was trained with (sha256 {theirs[:12]}...); {fix}")
+    try:
+        tok = get_tokenizer(meta["tokenizer"])
+    except DataError:
+        if need_tokenizer:
+            raise
+        return None
+    own = dict(vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    diff = [f"{k} {meta.get(k)!r}, its tokenizer's {v!r}" for k, v in own.items() if meta.get(k) != v]
+    if not diff:
+        try:
+            check_tokenizer(meta, tok)         # the probe text's ids and the content hash
+        except DataError:
+            diff = ["the tokenizer's ids or content"]
+    if diff:
+        raise DataError(f"{os.path.join(data_dir, 'meta.json')} does not describe its tokenizer {meta['tokenizer']} "
+                        f"({'; '.join(diff)}: edited?); delete {data_dir} to prepare it again")
+    if ckpt is not None:
+        check_tokenizer_identity(tok, ckpt, path, fix=f"{data_dir} was prepared with it; {fix}")
+    return tok
 
 
 # -----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import sys
 import time
 
 from plumbing.cli import UsageError
-from plumbing.files import check_writable, pid_alive
+from plumbing.files import check_writable, pid_alive, remove_unfinished
 
 LOCK = ".lock"
 
@@ -19,12 +19,13 @@ class FolderLock:
     """out_dir/.lock held by this process (acquire_folder); release() unlocks it, removes the lock file and the
     folders this run created if they are empty."""
 
-    def __init__(self, path, fd, created):
-        self.path, self.fd, self.created = path, fd, created
+    def __init__(self, path, fd, created, before=None):
+        self.path, self.fd, self.created, self.before = path, fd, created, before
 
     def release(self):
         if self.fd is None:
             return
+        remove_unfinished(os.path.dirname(self.path), self.before)     # a run that saved nothing leaves nothing
         try:
             if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 os.unlink(self.path)
@@ -97,4 +98,4 @@ def acquire_folder(out_dir):
                          "command": " ".join([os.path.basename(sys.argv[0] or "python")] + sys.argv[1:])[:300]})
     os.ftruncate(fd, 0)
     os.pwrite(fd, (record + "\n").encode(), 0)
-    return FolderLock(path, fd, created)
+    return FolderLock(path, fd, created, before=set(os.listdir(out_dir)) - {LOCK})

@@ -196,9 +196,9 @@ def test_bad_flags_fail_at_start_and_create_nothing(base, tmp_path):
              (["--ckpt_interval", "0"], "--ckpt_interval must be >= 1"),
              (["--eval_iters", "-1"], "--eval_iters (0 = the whole split)"),
              (["--eps", "-1"], "--eps must be in (0, inf)"),
-             (["--lr", "nan"], "--lr must be in (0, inf), got nan"),
+             (["--lr", "nan"], "--lr: expected a finite number, got 'nan'"),
              (["--lr", "-1"], "--lr must be in (0, inf)"),
-             (["--lr", "inf"], "--lr must be in (0, inf), got inf"),
+             (["--lr", "inf"], "--lr: expected a finite number, got 'inf'"),
              (["--beta1", "1.5"], "--beta1 must be in [0, 1)"),
              (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
              (["--n_head", "3"], "n_embd=64 must split into n_head=3"),
@@ -227,7 +227,7 @@ def test_refused_resumes_change_nothing_in_out_dir(base, tmp_path):
         d = tmp_path / name
         d.mkdir()
         for f in files:
-            shutil.copy(os.path.join(base.out, f), d / f)
+            (shutil.copytree if f == "model" else shutil.copy)(os.path.join(base.out, f), d / f)
         if edit is not None:
             edit(d / "ckpt.pt")
         return d
@@ -241,7 +241,9 @@ def test_refused_resumes_change_nothing_in_out_dir(base, tmp_path):
         return edit
     dirs = {
         "below": (run_dir("below"), ["--resume", "1", "--max_iters", "2"], "below the checkpoint's step 4"),
-        "noop": (run_dir("noop"), ["--resume", "1", "--max_iters", "4"], ["ok", "already at step 4"]),
+        # a finished run, its model folder included (a resume of one whose export failed writes it: test_faults4)
+        "noop": (run_dir("noop", files=("ckpt.pt", "log.jsonl", "config.json", "model")),
+                 ["--resume", "1", "--max_iters", "4"], ["ok", "already at step 4"]),
         # a pickle's protocol byte of 129: torch warns before it fails, and the report stays one line
         "corrupt": (run_dir("corrupt", lambda p: p.write_bytes(b"\x80\x81" + os.urandom(1998))), ["--resume", "1"],
                     "not a readable checkpoint (not a torch checkpoint, or a damaged one"),
