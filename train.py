@@ -34,6 +34,7 @@ from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_device,
 from data import BatchLoader, DataError, get_tokenizer
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
+from kernels.fused_head import HEADS
 from diffusion import (FULL_LOGITS, OBJECTIVES, Corrupted, corrupt, draw_noise, loss_terms,  # noqa: F401
                        token_mean, unwrap)
 from plumbing.checkpoint import (RESUME_KEYS, check_resume, ema_weights,  # noqa: F401
@@ -94,6 +95,7 @@ class TrainConfig(OptimConfig):
     preset: str = "tiny"             # tiny | owt (= small) | lm1b | medium | large (model + recipe), TRAIN_PRESETS
     loss: str = "sddlm"              # a key of OBJECTIVES: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
+    head: str = "auto"               # auto (fused on CUDA) | plain (logits) | fused | fused_recompute: kernels/fused_head.py
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
@@ -189,6 +191,8 @@ def validate(cfg, world_size):
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, large")
+    if cfg.head not in HEADS:
+        raise ConfigError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
     if cfg.lr_schedule not in ("constant", "linear", "cosine"):
         raise ConfigError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
     if cfg.noise_schedule not in diffusion.SCHEDULES:
