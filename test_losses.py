@@ -1,6 +1,7 @@
-"""Tests for losses.py. Every loss is checked against an independent route: brute-force float64 formulas
-written from the paper with explicit loops, hand-derived gradients, central finite differences, Monte Carlo
-with a stated tolerance, and (for the Duo NELBO) the discrete-time ELBO built from explicit transition matrices."""
+"""Tests for losses.py, which travel with it: copy the two files alone, `python -m pytest test_losses.py`.
+Every loss is checked against an independent route: brute-force float64 formulas written from the paper with
+explicit loops, hand-derived gradients, central finite differences, Monte Carlo with a stated tolerance, and (for
+the Duo NELBO) the discrete-time ELBO built from explicit transition matrices."""
 
 import math
 
@@ -9,8 +10,6 @@ import torch
 
 from losses import (EPS, ar_loss, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
                     sddlm_v2_loss, usdm_nelbo_loss)
-from diffusion import log_linear_schedule
-from tests.conftest import bayes_posterior, transition_matrix
 
 B, L, V = 2, 6, 7
 
@@ -87,6 +86,32 @@ def usdm_printed_torch(logits, x0, xt, alpha, dalpha):
 
 def kl(p, q):
     return (p * (p / q).log()).sum(-1)
+
+
+# the uniform-state process written out: explicit K x K matrices (tests/ share these through conftest.py)
+
+def log_linear_schedule(t, eps=1e-3):
+    """Duo's log-linear schedule alpha_t = 1 - (1 - eps) t and alpha'_t, in float64 (as diffusion.py's, which
+    tests/test_losses_travel.py checks this copy against: test_losses.py imports nothing from the project)."""
+    t = torch.as_tensor(t, dtype=torch.float64)
+    return 1 - (1 - eps) * t, torch.full_like(t, -(1 - eps))
+
+
+def transition_matrix(alpha, K):
+    """Q[x, y] = q(y | x) = alpha 1[x = y] + (1 - alpha) / K, float64; alpha a float or (n,) -> (K, K) or (n, K, K)."""
+    alpha = torch.as_tensor(alpha, dtype=torch.float64)[..., None, None]
+    return alpha * torch.eye(K, dtype=torch.float64) + (1 - alpha) / K
+
+
+def bayes_posterior(xt, x0_probs, alpha_t, alpha_s, K):
+    """q(x_s | x_t) under the prior x0 ~ x0_probs, by Bayes' rule on explicit matrices:
+    proportional to sum_x x0(x) Q_s[x, x_s] Q_{t|s}[x_s, x_t].
+    xt (n,), x0_probs (n, K), alphas floats or (n,) -> (n, K)."""
+    alpha_t, alpha_s = (torch.as_tensor(a, dtype=torch.float64).expand(xt.shape) for a in (alpha_t, alpha_s))
+    prior_s = torch.einsum("nx,nxy->ny", x0_probs.double(), transition_matrix(alpha_s, K))
+    likelihood = transition_matrix(alpha_t / alpha_s, K)[torch.arange(xt.numel()), :, xt]
+    joint = prior_s * likelihood
+    return joint / joint.sum(-1, keepdim=True)
 
 
 # -----------------------------------------------------------------------------
