@@ -169,11 +169,10 @@ def _own_dtypes(x):
 
 def _add_product_(acc, a, b):
     """acc += a @ b with the product summed into acc's dtype (float32), never rounded to a's (bf16) first."""
-    if a.dtype == acc.dtype:
-        return acc.addmm_(a, b)
-    if acc.device.type == "cuda":
+    if a.dtype != acc.dtype and acc.device.type == "cuda":
         return acc.add_(torch.mm(a, b, out_dtype=acc.dtype))   # bf16 inputs, float32 output (cuBLAS)
-    return acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))         # the CPU has no mixed-dtype product
+    a, b = a.to(acc.dtype), b.to(acc.dtype)                     # the CPU has no mixed-dtype product
+    return torch.addmm(acc, a, b, out=acc)                      # (addmm_ would hide from torch's FLOP counter)
 
 
 def _backprop_logits(dz, x, weight, grads, j):
