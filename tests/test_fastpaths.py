@@ -516,6 +516,10 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert out["sampler"]["psi_vs_ancestral"] > 0 and math.isfinite(out["sampler"]["psi_overhead"])
     table = bench.markdown(out)
     assert all(f"| {name} |" in table for name in out["losses"]) and "n/a" in table and "(psi, kappa = 0.9)" in table
+    head = out["head"]                      # the fused head: 3 output-layer products with kept logits, else 4
+    assert head["kept"]["products"] == pytest.approx(3, rel=0.02) and head["chunks"] == 8
+    assert head["recomputed"]["products"] == pytest.approx(4, rel=0.02) and head["kept"]["ms"] > 0
+    assert "| kept logits | " in table and "| recomputed logits | " in table and "kept / recomputed time: " in table
 
 
 def test_bench_rejects_bad_flags_in_one_line():
