@@ -5,6 +5,7 @@ Benchmark train.py's training step for every objective, and the ancestral sample
     python bench/bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
     python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
+    python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
 
 Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
 per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
@@ -69,7 +70,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import diffusion
 import losses
-from kernels.fused_head import Head
+from kernels.fused_head import HEADS, Head
 from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
@@ -97,6 +98,7 @@ class BenchConfig:
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
+    head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
     head_chunks: int = 8            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
     seed: int = 1                   # seeds the weights and the random tokens, times and noise of every row
     json: bool = False              # print one JSON object instead of the markdown tables
@@ -115,6 +117,8 @@ def parse_args(argv=None):
             or cfg.head_chunks < 0):
         raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads, "
                          "--head_chunks >= 0")
+    if cfg.head not in HEADS:
+        raise UsageError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
     if cfg.block_size and cfg.block_size < 2:
         raise UsageError("--block_size must be >= 2")
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -133,7 +137,7 @@ def train_config_for(cfg, loss, curriculum=False):
                           "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
                           "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                           "vocab_multiple": cfg.vocab_multiple, "curriculum_iters": 10 ** 9 if curriculum else 0,
-                          "seed": cfg.seed, "compile": cfg.compile})
+                          "seed": cfg.seed, "compile": cfg.compile, "head": cfg.head})
 
 
 def cpu_step_peak_bytes(fn):

@@ -64,7 +64,9 @@ class Head:
 def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25):
     """losses.usdm_nelbo_loss computed chunk_elems // V rows at a time, each chunk's float32 graph recomputed in
     backward: the same numbers (to float32 rounding, values and gradients) without its (B, L, V) float32 tensors,
-    and, given a Head, without the (B, L, V) logits. logits (B, L, V) or a Head; the rest as usdm_nelbo_loss."""
+    and, given a Head, without the (B, L, V) logits (a Head's chunks too are chunk_elems logits here: its own
+    chunk_elems sizes log_probs, whose chunks hold fewer float32 temporaries than this graph's several).
+    logits (B, L, V) or a Head; the rest as usdm_nelbo_loss -> (B, L)."""
     shape = x0.shape
     if isinstance(logits, Head):
         x, weight, bias, keep = (logits.hidden.reshape(-1, logits.hidden.shape[-1]), logits.weight, logits.bias,
