@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from losses import (EPS, ar_loss, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
+from losses import (EPS, ar_loss, log_probs, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
                     sddlm_v2_loss, usdm_nelbo_loss)
 
 B, L, V = 2, 6, 7
@@ -188,6 +188,25 @@ def test_ar_loss_matches_bruteforce_and_ignores_last_logits():
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
     grad, = torch.autograd.grad(loss.sum(), logits)
     assert (grad[:, -1] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 12])   # 5: a ragged last chunk; 12: every row in one chunk
+def test_bf16_logits_are_scored_in_float32_in_chunks_of_rows(chunk_rows):
+    """log_probs lifts bf16 logits to float32 a chunk of rows at a time: the log-probabilities of the bf16 values
+    to float32 rounding, and the gradient onehot - softmax formed in float32 and rounded once to bf16 (each entry
+    within one bf16 rounding of the exact one), whatever the chunk size."""
+    logits, x0, xt, neg = make_case(scale=1.0)
+    logits.scatter_(-1, x0[..., None], 5.0)          # p(x0) ~ 0.95: p - 1 rounded twice would err by ~20 roundings
+    bf = logits.bfloat16().requires_grad_(True)
+    exact = bf.detach().double()                                   # the same values, in float64
+    log_p_x0, log_p_neg = log_probs(bf, x0, neg, chunk_elems=chunk_rows * V)
+    assert log_p_x0.dtype == torch.float32
+    torch.testing.assert_close(log_p_x0.double(), -brute(naive_ref, exact, x0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_p_neg.double(), -brute(naive_ref, exact, neg), rtol=1e-6, atol=1e-6)
+    grad, = torch.autograd.grad(log_p_x0.sum(), bf)
+    ref = onehot(x0) - torch.softmax(exact, -1)
+    assert grad.dtype == torch.bfloat16
+    assert ((grad.double() - ref).abs() <= 2.0 ** -8 * ref.abs() * (1 + 1e-3)).all()    # bf16: 8 significant bits
 
 
 # -----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ FUSED = {**PLAIN,  # ... and given a Head: the same functions, Duo's NELBO by it
 CHUNK_ROWS = [1, 5, 24, 48]   # 5: chunks straddle the two sequences (ragged last); 24: a sequence; 48: all rows
 
 
-def values_and_grads(fn, out, upstream, params):
+def values_and_grads(out, upstream, params):
     return (out.detach(),) + torch.autograd.grad((out * upstream.to(out.dtype)).sum(), params)
 
 
@@ -56,9 +56,9 @@ def values_and_grads(fn, out, upstream, params):
 def test_every_loss_on_a_head_equals_the_plain_loss_on_its_logits_in_float64(name, rows, keep):
     hidden, weight, bias, x0, xt, neg, up = case(torch.float64)
     params = (hidden, weight, bias)
-    ref = values_and_grads(None, PLAIN[name](F.linear(hidden, weight, bias)[..., :V], x0, xt, neg), up, params)
+    ref = values_and_grads(PLAIN[name](F.linear(hidden, weight, bias)[..., :V], x0, xt, neg), up, params)
     head = Head(hidden, weight, bias, V, keep_logits=keep, chunk_elems=rows * V_PAD)
-    got = values_and_grads(None, FUSED[name](head, x0, xt, neg), up, params)
+    got = values_and_grads(FUSED[name](head, x0, xt, neg), up, params)
     for a, b, what in zip(got, ref, ("loss", "hidden", "W", "b")):
         assert a.dtype == b.dtype == torch.float64
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=what)
@@ -73,9 +73,9 @@ def test_every_loss_on_a_bf16_head_equals_the_plain_loss_on_its_bf16_logits(name
     hidden, W and b within a few bf16 roundings (W's and b's summed in float32, rounded once at the end)."""
     hidden, weight, bias, x0, xt, neg, up = case(torch.bfloat16)
     params = (hidden, weight, bias)
-    ref = values_and_grads(None, PLAIN[name](F.linear(hidden, weight, bias)[..., :V], x0, xt, neg), up, params)
+    ref = values_and_grads(PLAIN[name](F.linear(hidden, weight, bias)[..., :V], x0, xt, neg), up, params)
     head = Head(hidden, weight, bias, V, keep_logits=keep, chunk_elems=rows * V_PAD)
-    got = values_and_grads(None, FUSED[name](head, x0, xt, neg), up, params)
+    got = values_and_grads(FUSED[name](head, x0, xt, neg), up, params)
     assert got[0].dtype == ref[0].dtype == torch.float32
     scale = ref[0].abs().max().item()
     torch.testing.assert_close(got[0], ref[0], rtol=2e-5, atol=2e-5 * scale)
@@ -88,7 +88,7 @@ def test_every_loss_on_a_bf16_head_equals_the_plain_loss_on_its_bf16_logits(name
 @pytest.mark.parametrize("name", ["sddlm_v1", "duo"])
 def test_kept_and_recomputed_logits_give_the_same_bits(name, dtype):
     hidden, weight, bias, x0, xt, neg, up = case(dtype)
-    out = [values_and_grads(None, FUSED[name](Head(hidden, weight, bias, V, keep_logits=keep, chunk_elems=5 * V_PAD),
+    out = [values_and_grads(FUSED[name](Head(hidden, weight, bias, V, keep_logits=keep, chunk_elems=5 * V_PAD),
                                               x0, xt, neg), up, (hidden, weight, bias)) for keep in (True, False)]
     for a, b in zip(*out):
         assert torch.equal(a, b)
@@ -105,7 +105,7 @@ def test_kept_logits_cost_three_output_layer_products_and_recomputed_ones_four(n
     for keep, products in ((True, 3), (False, 4)):
         head = Head(hidden, weight, bias, V, keep_logits=keep, chunk_elems=8 * v_pad)     # 6 chunks
         with FlopCounterMode(display=False) as counter:
-            values_and_grads(None, FUSED[name](head, x0, xt, neg), up, (hidden, weight, bias))
+            values_and_grads(FUSED[name](head, x0, xt, neg), up, (hidden, weight, bias))
         assert abs(counter.get_total_flops() / (products * product) - 1) < 0.02, (keep, counter.get_total_flops())
 
 

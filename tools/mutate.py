@@ -75,7 +75,8 @@ MUTATIONS = [
     M(name="bf16_logit_gradient_rounded_twice", file="losses.py",
       old="return z.gather(-1, tokens) - torch.logsumexp(",
       new="return logits.gather(-1, tokens).to(z.dtype) - torch.logsumexp(",
-      tests=["tests/test_fastpaths.py::test_sddlm_target_logit_gradient_is_rounded_once_in_bf16"]),
+      tests=["test_losses.py::test_bf16_logits_are_scored_in_float32_in_chunks_of_rows",
+             "tests/test_fastpaths.py::test_sddlm_target_logit_gradient_is_rounded_once_in_bf16"]),
     # --- the fused head: kept logits, W's gradient summed in float32 -----------------------------------------------
     M(name="fused_head_never_keeps_its_logits", file="kernels/fused_head.py",
       old="                if keep or len(chunks) == 1:", new="                if len(chunks) == 1:",
