@@ -16,7 +16,6 @@ from bench import bench
 import diffusion
 from kernels import gumbel
 import losses
-import diffusion as objective
 from kernels import fused_head
 from model import ModelConfig, build_model
 import train

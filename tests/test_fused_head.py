@@ -2,7 +2,6 @@
 stands for (values, and the gradients of hidden, W and b), in float64 and bf16, for chunks of rows that split the
 sequences and for kept and recomputed logits; kept logits save one output-layer product of four (FLOPs counted by
 torch's counter); W's gradient is summed over chunks in float32; the memory probe picks keep or recompute."""
-import dataclasses
 
 import pytest
 import torch
