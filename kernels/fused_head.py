@@ -57,7 +57,7 @@ class Head:
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
         out = _HeadLogProbs.apply(hidden, self.weight, self.bias, tokens.reshape(tokens.shape[0], -1),
                                   self.shape[-1], _chunk_rows(self.weight.shape[0], self.chunk_elems),
-                                  self.keep_logits)
+                                  self.keep_logits and torch.is_grad_enabled())   # in evaluation: nothing to keep
         return tuple(out.view(tokens.shape))
 
 
@@ -70,7 +70,7 @@ def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25)
     shape = x0.shape
     if isinstance(logits, Head):
         x, weight, bias, keep = (logits.hidden.reshape(-1, logits.hidden.shape[-1]), logits.weight, logits.bias,
-                                 logits.keep_logits)
+                                 logits.keep_logits and torch.is_grad_enabled())
     else:
         x, weight, bias, keep = logits.reshape(-1, logits.shape[-1]), None, None, False
     acc = _acc_dtype(x.dtype)
@@ -242,12 +242,13 @@ class _HeadLogProbs(torch.autograd.Function):
         picked = torch.empty(tok.shape, dtype=lse.dtype, device=hidden.device)
         kernel = _fused(_lse_and_picked, hidden)
         chunks = _chunks(hidden.shape[0], chunk_rows)
+        keep = (keep or len(chunks) == 1) and any(ctx.needs_input_grad[:3])
         kept = []
         with _own_dtypes(hidden):
             for j in chunks:
                 z = F.linear(hidden[j], weight, bias)
                 lse[j], picked[:, j] = kernel(z, tok[:, j], V)
-                if keep or len(chunks) == 1:
+                if keep:
                     kept.append(z)
         ctx.save_for_backward(hidden, weight, bias, tok, lse, *kept)
         ctx.V, ctx.chunk_rows = V, chunk_rows
@@ -277,12 +278,13 @@ class _RowChunks(torch.autograd.Function):
         out = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
         fn = _fused(per_row, x)
         chunks = _chunks(x.shape[0], chunk_rows)
+        keep = weight is not None and (keep or len(chunks) == 1) and any(ctx.needs_input_grad[4:7])
         kept = []
         with _own_dtypes(x):
             for j in chunks:
                 z = x[j] if weight is None else F.linear(x[j], weight, bias)
                 out[j] = fn(z[:, :V], *(a[j] for a in row_args))
-                if weight is not None and (keep or len(chunks) == 1):
+                if keep:
                     kept.append(z)
         ctx.save_for_backward(x, weight, bias, *row_args, *kept)
         ctx.per_row, ctx.chunk_rows, ctx.V, ctx.n_args = per_row, chunk_rows, V, len(row_args)

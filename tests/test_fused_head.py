@@ -108,6 +108,31 @@ def test_kept_logits_cost_three_output_layer_products_and_recomputed_ones_four(n
         assert abs(counter.get_total_flops() / (products * product) - 1) < 0.02, (keep, counter.get_total_flops())
 
 
+@pytest.mark.parametrize("name", ["sddlm_v1", "duo"])
+def test_logits_are_kept_only_for_a_backward(name, monkeypatch):
+    """With keep_logits every chunk's logits stay alive through forward when a gradient is wanted; in evaluation
+    (no gradient) each chunk's logits are freed before the next chunk's are made."""
+    import types
+    import weakref
+    hidden, weight, bias, x0, xt, neg, _ = case(torch.float32)
+    made, alive = [], []
+
+    def linear(*args):
+        alive.append(sum(r() is not None for r in made))      # earlier chunks' logits still held at this call
+        z = F.linear(*args)
+        made.append(weakref.ref(z))
+        return z
+
+    monkeypatch.setattr(fused_head, "F", types.SimpleNamespace(linear=linear))
+    head = Head(hidden, weight, bias, V, keep_logits=True, chunk_elems=8 * V_PAD)     # 6 chunks
+    with torch.no_grad():
+        FUSED[name](head, x0, xt, neg)
+    assert len(made) == 6 and max(alive) <= 1
+    made.clear(), alive.clear()
+    FUSED[name](head, x0, xt, neg)
+    assert alive == [0, 1, 2, 3, 4, 5]
+
+
 def test_w_gradient_is_summed_over_chunks_in_float32():
     """bf16 Head in 48 one-row chunks: W's gradient is the one-chunk gradient up to one final bf16 rounding (each
     chunk's product added to a float32 sum, not first rounded to bf16)."""

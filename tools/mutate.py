@@ -79,7 +79,7 @@ MUTATIONS = [
              "tests/test_fastpaths.py::test_sddlm_target_logit_gradient_is_rounded_once_in_bf16"]),
     # --- the fused head: kept logits, W's gradient summed in float32 -----------------------------------------------
     M(name="fused_head_never_keeps_its_logits", file="kernels/fused_head.py",
-      old="                if keep or len(chunks) == 1:", new="                if len(chunks) == 1:",
+      old="keep = (keep or len(chunks) == 1) and", new="keep = (len(chunks) == 1) and",
       tests=["tests/test_fused_head.py::test_kept_logits_cost_three_output_layer_products_and_recomputed_ones_four"]),
     M(name="w_gradient_summed_through_bf16", file="kernels/fused_head.py",
       old="a, b = a.to(acc.dtype), b.to(acc.dtype)",
