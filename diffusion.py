@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 import losses
+from kernels import fused_head
 from kernels.gumbel import block_logsumexp, gumbel_argmax, sample_categorical  # noqa: F401  (exact draws over K)
 
 T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
@@ -352,7 +353,7 @@ def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=No
 # noisy tokens xt, score its output with the per-token loss of losses.py named by --loss (OBJECTIVES):
 #     draws = draw_noise(...)                     # keep-uniforms, replacement tokens, SDDLM-V1 negatives
 #     c = corrupt(cfg, x0, t, it, K, gen, draws)  # xt ~ q_t(. | x0), Eq. (discrete_marginal), or Duo's curriculum
-#     out = model(c.net_in, sigma(alpha_t))       # a Head (or the logits, for FULL_LOGITS)
+#     out = model(c.net_in, sigma(alpha_t))       # the logits (or a fused Head: --head)
 #     per_token = OBJECTIVES[cfg.loss](out, c, cfg.eps)
 # loss_terms is those four lines; train.py takes the token mean and the optimizer step.
 
@@ -370,15 +371,16 @@ class Corrupted:
 
 
 # --loss -> per-token loss (B, L) of the model's output and the corrupted batch c: the one place a loss is chosen.
-# The output is a losses.Head (the last hidden state and the output layer: the loss computes the logits chunk by
-# chunk and never holds all of them), except for the objectives in FULL_LOGITS, which get the (B, L, V) logits.
+# The output is the (B, L, V) logits, or with --head fused (auto: on CUDA) a kernels.fused_head.Head (the last
+# hidden state and the output layer: the loss computes the logits chunk by chunk and never holds all of them),
+# except for the objectives in FULL_LOGITS, which always get the logits.
 OBJECTIVES = {
     "sddlm": lambda out, c, eps: losses.sddlm_loss(out, c.x0, c.xt),
     "sddlm_v1": lambda out, c, eps: losses.sddlm_v1_loss(out, c.x0, c.xt, neg=c.neg, eps=eps),
     "sddlm_v2": lambda out, c, eps: losses.sddlm_v2_loss(out, c.x0, c.xt, eps=eps),
     "naive": lambda out, c, eps: losses.naive_denoising_loss(out, c.x0),
     "duo": lambda out, c, eps: losses.usdm_nelbo_loss(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
-    "duo_lean": lambda out, c, eps: losses.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
+    "duo_lean": lambda out, c, eps: fused_head.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
     "ar": lambda out, c, eps: losses.ar_loss(out, c.x0),
 }
 FULL_LOGITS = {"duo"}   # Duo's NELBO computed as Duo does (the reference); duo_lean is the same, memory-lean
@@ -410,18 +412,20 @@ def corrupt(cfg, x0, t, it, vocab_size, generator, draws):
 
 def loss_terms(model, cfg, x0, t, it, generator, draws=None):
     """Per-token training loss (B, L) (B, L - 1 for 'ar') of clean x0 (B, L) at times t (B,), and the model's
-    output (the logits (B, L, V), or a losses.Head, see OBJECTIVES). draws: this micro-batch's slice of
+    output (the logits (B, L, V), or a fused_head.Head, see OBJECTIVES). draws: this micro-batch's slice of
     draw_noise (else drawn from generator)."""
     V = model.config.vocab_size
     if draws is None:
         draws = draw_noise(x0.shape[0], x0.shape[1], V, generator, x0.device)
-    head = cfg.loss not in FULL_LOGITS
+    head = cfg.loss not in FULL_LOGITS and fused_head.fused_head_wanted(cfg.head, x0.device)
     if cfg.loss == "ar":
         c = Corrupted(x0, x0, x0, draws[2], None, None)
         out = model(x0, return_head=head)
     else:
         c = corrupt(cfg, x0, t, it, V, generator, draws)
         out = model(c.net_in, sigma_from_alpha(c.alpha_t.squeeze(-1)), return_head=head)
+    if head:
+        out.keep_logits = cfg.head != "fused_recompute"
     return OBJECTIVES[cfg.loss](out, c, cfg.eps), out
 
 

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 import diffusion
 import losses
+from kernels import fused_head
 from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
 from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
@@ -104,13 +105,13 @@ def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=
 def nelbo_per_token(model, x0, t, vocab_size, autocast, generator=None, draws=None):
     """The NELBO's per-token terms (B, L) of x0 (B, L) at times t (B,) under the log-linear schedule, one draw
     xt ~ q_t(. | x0) (Eq. (discrete_marginal)) from generator, or from draws (u, replacement ids), each (B, L);
-    losses.usdm_nelbo_loss_lean, so no (B, L, V) float32."""
+    fused_head.usdm_nelbo_loss_lean, so no (B, L, V) float32."""
     alpha_t, dalpha_t = diffusion.log_linear_schedule(t)
     alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
     xt = diffusion.sample_xt(x0, alpha_t, vocab_size, generator, draws)
     with autocast:
         logits = model(xt, diffusion.sigma_from_alpha(alpha_t.squeeze(-1)))
-    return losses.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t)
+    return fused_head.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t)
 
 
 # -----------------------------------------------------------------------------------------------

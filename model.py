@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from losses import Head
+from kernels.fused_head import Head
 
 
 @dataclass
@@ -299,7 +299,7 @@ class DiffusionTransformer(nn.Module):
     def forward(self, x, sigma=None, return_head=False):
         """x: (B, L) token ids, (B, L, V) probabilities, or (ids, probs) each (B, L, k): probabilities given on k
         tokens per position (zero elsewhere); sigma: (B,) noise level -log(alpha_t).
-        -> logits (B, L, V), or with return_head a losses.Head (the final hidden state and the output layer, in
+        -> logits (B, L, V), or with return_head a kernels.fused_head.Head (the final hidden state and the output layer, in
         the dtype the logits would be computed in) for the losses that never build the logits."""
         config = self.config
         B, L = (x[0] if isinstance(x, tuple) else x).shape[:2]

@@ -1,16 +1,15 @@
-"""Tests for losses.py. Every loss is checked against an independent route: brute-force float64 formulas
-written from the paper with explicit loops, hand-derived gradients, central finite differences, Monte Carlo
-with a stated tolerance, and (for the Duo NELBO) the discrete-time ELBO built from explicit transition matrices."""
+"""Tests for losses.py, which travel with it: copy the two files alone, `python -m pytest test_losses.py`.
+Every loss is checked against an independent route: brute-force float64 formulas written from the paper with
+explicit loops, hand-derived gradients, central finite differences, Monte Carlo with a stated tolerance, and (for
+the Duo NELBO) the discrete-time ELBO built from explicit transition matrices."""
 
 import math
 
 import pytest
 import torch
 
-from losses import (EPS, ar_loss, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
+from losses import (EPS, ar_loss, log_probs, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
                     sddlm_v2_loss, usdm_nelbo_loss)
-from diffusion import log_linear_schedule
-from tests.conftest import bayes_posterior, transition_matrix
 
 B, L, V = 2, 6, 7
 
@@ -89,6 +88,32 @@ def kl(p, q):
     return (p * (p / q).log()).sum(-1)
 
 
+# the uniform-state process written out: explicit K x K matrices (tests/ share these through conftest.py)
+
+def log_linear_schedule(t, eps=1e-3):
+    """Duo's log-linear schedule alpha_t = 1 - (1 - eps) t and alpha'_t, in float64 (as diffusion.py's, which
+    tests/test_losses_travel.py checks this copy against: test_losses.py imports nothing from the project)."""
+    t = torch.as_tensor(t, dtype=torch.float64)
+    return 1 - (1 - eps) * t, torch.full_like(t, -(1 - eps))
+
+
+def transition_matrix(alpha, K):
+    """Q[x, y] = q(y | x) = alpha 1[x = y] + (1 - alpha) / K, float64; alpha a float or (n,) -> (K, K) or (n, K, K)."""
+    alpha = torch.as_tensor(alpha, dtype=torch.float64)[..., None, None]
+    return alpha * torch.eye(K, dtype=torch.float64) + (1 - alpha) / K
+
+
+def bayes_posterior(xt, x0_probs, alpha_t, alpha_s, K):
+    """q(x_s | x_t) under the prior x0 ~ x0_probs, by Bayes' rule on explicit matrices:
+    proportional to sum_x x0(x) Q_s[x, x_s] Q_{t|s}[x_s, x_t].
+    xt (n,), x0_probs (n, K), alphas floats or (n,) -> (n, K)."""
+    alpha_t, alpha_s = (torch.as_tensor(a, dtype=torch.float64).expand(xt.shape) for a in (alpha_t, alpha_s))
+    prior_s = torch.einsum("nx,nxy->ny", x0_probs.double(), transition_matrix(alpha_s, K))
+    likelihood = transition_matrix(alpha_t / alpha_s, K)[torch.arange(xt.numel()), :, xt]
+    joint = prior_s * likelihood
+    return joint / joint.sum(-1, keepdim=True)
+
+
 # -----------------------------------------------------------------------------
 # values against the paper's formulas
 
@@ -163,6 +188,25 @@ def test_ar_loss_matches_bruteforce_and_ignores_last_logits():
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
     grad, = torch.autograd.grad(loss.sum(), logits)
     assert (grad[:, -1] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 12])   # 5: a ragged last chunk; 12: every row in one chunk
+def test_bf16_logits_are_scored_in_float32_in_chunks_of_rows(chunk_rows):
+    """log_probs lifts bf16 logits to float32 a chunk of rows at a time: the log-probabilities of the bf16 values
+    to float32 rounding, and the gradient onehot - softmax formed in float32 and rounded once to bf16 (each entry
+    within one bf16 rounding of the exact one), whatever the chunk size."""
+    logits, x0, xt, neg = make_case(scale=1.0)
+    logits.scatter_(-1, x0[..., None], 5.0)          # p(x0) ~ 0.95: p - 1 rounded twice would err by ~20 roundings
+    bf = logits.bfloat16().requires_grad_(True)
+    exact = bf.detach().double()                                   # the same values, in float64
+    log_p_x0, log_p_neg = log_probs(bf, x0, neg, chunk_elems=chunk_rows * V)
+    assert log_p_x0.dtype == torch.float32
+    torch.testing.assert_close(log_p_x0.double(), -brute(naive_ref, exact, x0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_p_neg.double(), -brute(naive_ref, exact, neg), rtol=1e-6, atol=1e-6)
+    grad, = torch.autograd.grad(log_p_x0.sum(), bf)
+    ref = onehot(x0) - torch.softmax(exact, -1)
+    assert grad.dtype == torch.bfloat16
+    assert ((grad.double() - ref).abs() <= 2.0 ** -8 * ref.abs() * (1 + 1e-3)).all()    # bf16: 8 significant bits
 
 
 # -----------------------------------------------------------------------------

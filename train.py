@@ -89,6 +89,8 @@ class TrainConfig(OptimConfig):
                                      # --preset: tiny, but small for a torchrun launch on CUDA
     loss: str = "sddlm"              # the training objective: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
+    head: str = "auto"               # output layer + loss: auto (fused on CUDA, plain on CPU) | plain (full logits) |
+                                     # fused (in chunks, logits kept) | fused_recompute (recomputed in backward)
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)

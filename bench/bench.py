@@ -5,6 +5,7 @@ Benchmark train.py's training step for every objective, and the ancestral sample
     python bench/bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
     python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
+    python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
 
 Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
 per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
@@ -45,6 +46,10 @@ time / (its forwards x forward time) - 1. The last table puts the curriculum's a
 bare computation side by side, both from this one run.
 The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
 same rounds, and its time per step over the ancestral sampler's.
+Fused head (--head_chunks): the output layer fused with sddlm_v1 (kernels/fused_head.py) on the model's B L
+rows cut into that many chunks, forward + backward, with each chunk's logits kept for backward or recomputed
+there: median time, and the FLOPs torch's counter sees over the formula's 2 N d V_pad of one output-layer product
+(N = B L rows; kept: 3 products, recomputed: 4).
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -61,8 +66,11 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import diffusion
+import losses
+from kernels.fused_head import HEADS, Head
 from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
@@ -90,6 +98,8 @@ class BenchConfig:
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
+    head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
+    head_chunks: int = 8            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
     seed: int = 1                   # seeds the weights and the random tokens, times and noise of every row
     json: bool = False              # print one JSON object instead of the markdown tables
 
@@ -103,8 +113,12 @@ def parse_args(argv=None):
     if cfg.curriculum and (cfg.curriculum not in OBJECTIVES or cfg.curriculum == "ar"):
         raise UsageError(f"--curriculum must be a diffusion loss of {', '.join(OBJECTIVES)} (not ar) or '', "
                          f"got {cfg.curriculum!r}")
-    if cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0:
-        raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads >= 0")
+    if (cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0
+            or cfg.head_chunks < 0):
+        raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads, "
+                         "--head_chunks >= 0")
+    if cfg.head not in HEADS:
+        raise UsageError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
     if cfg.block_size and cfg.block_size < 2:
         raise UsageError("--block_size must be >= 2")
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -123,7 +137,7 @@ def train_config_for(cfg, loss, curriculum=False):
                           "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
                           "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                           "vocab_multiple": cfg.vocab_multiple, "curriculum_iters": 10 ** 9 if curriculum else 0,
-                          "seed": cfg.seed, "compile": cfg.compile})
+                          "seed": cfg.seed, "compile": cfg.compile, "head": cfg.head})
 
 
 def cpu_step_peak_bytes(fn):
@@ -356,6 +370,43 @@ def bench_sampler(cfg, model, raw, device, dtype, L):
                 psi_vs_ancestral=psi_s / generate_s)
 
 
+def bench_head(cfg, mc, device, dtype, L):
+    """The fused output layer + sddlm_v1 on B L rows in cfg.head_chunks chunks, forward + backward, with the chunk
+    logits kept or recomputed: median ms (interleaved rounds) and torch-counted FLOPs. -> dict."""
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    B, d, V, V_pad = cfg.batch_size, mc.n_embd, mc.vocab_size, mc.padded_vocab_size
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=gen).to(dtype).requires_grad_(True)
+    hidden, weight = rand(B, L, d), rand(V_pad, d)
+    x0, xt, neg = (torch.randint(0, V, (B, L), device=device, generator=gen) for _ in range(3))
+    chunk_elems = -(-B * L // cfg.head_chunks) * V_pad
+    kinds = {"kept": True, "recomputed": False}
+
+    def step(keep):
+        head = Head(hidden, weight, None, V, keep_logits=keep, chunk_elems=chunk_elems)
+        losses.sddlm_v1_loss(head, x0, xt, neg=neg).sum().backward()
+        hidden.grad = weight.grad = None
+
+    flops = {}
+    for name, keep in kinds.items():
+        with FlopCounterMode(display=False) as counter:
+            step(keep)
+        flops[name] = counter.get_total_flops()
+    times = {name: [] for name in kinds}
+    for round_ in range(cfg.warmup + cfg.repeats):
+        for name, keep in kinds.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            step(keep)
+            synchronize(device)
+            if round_ >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    product = 2 * B * L * d * V_pad
+    out = {name: dict(ms=1e3 * statistics.median(times[name]), flops=flops[name], products=flops[name] / product)
+           for name in kinds}
+    return dict(rows=B * L, d=d, padded_vocab_size=V_pad, chunks=-(-B * L // (chunk_elems // V_pad)),
+                product_flops=product, kept_vs_recomputed=out["kept"]["ms"] / out["recomputed"]["ms"], **out)
+
+
 def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -390,13 +441,14 @@ def run(cfg):
                                              dtype, L), "sampler", failures)
     any_raw = next(iter(runs.values()))[1].raw_model
     mc = any_raw.config
+    head = fits(lambda: bench_head(cfg, mc, device, dtype, L), "fused head", failures) if cfg.head_chunks else None
     out = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
                bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
                model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
                           vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size,
                           params=any_raw.num_params(), non_embedding_params=any_raw.num_params(non_embedding=True)),
                peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler,
-               out_of_memory=failures)
+               head=head, out_of_memory=failures)
     return out
 
 
@@ -439,6 +491,15 @@ def markdown(out):
                   f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
                   "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
+    h = out.get("head")
+    if h is not None:
+        lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
+                      f"{h['chunks']} chunks, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {name} logits | {h[name]['ms']:.1f} | {h[name]['flops'] / 1e9:.3f} | {h[name]['products']:.2f} |"
+                  for name in ("kept", "recomputed")]
+        lines += ["", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
+                      f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
              for name, r in out["losses"].items() if name.endswith(CURRICULUM)]
     if s is not None:

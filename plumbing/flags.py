@@ -6,6 +6,7 @@ import torch
 
 import diffusion
 from diffusion import OBJECTIVES
+from kernels.fused_head import HEADS
 from model import PRESETS
 from plumbing.cli import ConfigError, resolve_dtype
 from plumbing.distributed import compiles
@@ -24,6 +25,8 @@ def check_train_flags(cfg, world_size):
     if cfg.preset not in PRESETS:
         raise ConfigError(f"--preset {cfg.preset!r} has no model preset; choose from tiny, small, owt, lm1b, medium, "
                           f"large")
+    if cfg.head not in HEADS:
+        raise ConfigError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
     if cfg.lr_schedule not in ("constant", "linear", "cosine"):
         raise ConfigError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
     if cfg.noise_schedule not in diffusion.SCHEDULES:

@@ -40,17 +40,22 @@ def fit_micro_batch(run, cfg, env, compile=False):
     will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP (compiled when the run
     compiles: probe_steps), leaving weights, optimizer and every random state as they were. The verdict is shared by
     all ranks. If it does not fit, --auto_accum 1 doubles --grad_accum (halving the micro-batch) until it does;
-    --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to set. Updates cfg.grad_accum."""
+    --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to set. With --head auto the
+    fused head keeps its chunk logits for backward where they fit, and recomputes them (--head fused_recompute) where
+    only that fits: tried at each micro-batch before a smaller one. Updates cfg.grad_accum and cfg.head."""
     if env.device.type != "cuda":
         return
     accum, first = cfg.grad_accum, cfg.grad_accum
     while True:
         micro = cfg.batch_size // (env.world_size * accum)
-        fits = _probe_fits(run, cfg, env, micro, compile)
-        if env.ddp:
-            flag = torch.tensor([float(fits)], device=env.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            fits = bool(flag.item())
+        fits = _fits_on_every_rank(run, cfg, env, micro, compile)
+        if not fits and cfg.head == "auto" and cfg.loss not in diffusion.FULL_LOGITS:
+            cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
+            fits = _fits_on_every_rank(run, cfg, env, micro, compile)
+            if fits and env.master:
+                print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing its "
+                      f"logits in backward: --head fused_recompute (one more output-layer product a step)", flush=True)
+            cfg.head = "fused_recompute" if fits else "auto"
         if fits and accum == first:
             return
         if fits:
@@ -68,6 +73,15 @@ def fit_micro_batch(run, cfg, env, compile=False):
         print(f"micro-batch {first_micro} does not fit in GPU memory ({_gpu_gib(env)}): training with --grad_accum "
               f"{accum} (micro-batch {micro}, the same global batch {cfg.batch_size})", flush=True)
     cfg.grad_accum = accum
+
+
+def _fits_on_every_rank(run, cfg, env, micro, compile):
+    fits = _probe_fits(run, cfg, env, micro, compile)
+    if env.ddp:
+        flag = torch.tensor([float(fits)], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
+    return fits
 
 
 def _gpu_gib(env):

@@ -1,12 +1,14 @@
 """Shared by the tests: the one-thread fixture, the test process's own signal handlers kept (a script's run_cli
 called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
-(Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices)."""
+(Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices), which live
+in test_losses.py (it travels alone with losses.py) and are shared from here."""
 import signal
 
 import pytest
 import torch
 
 from plumbing.signals import STOP_SIGNALS
+from test_losses import bayes_posterior, transition_matrix  # noqa: F401  (the oracles, for the tests)
 
 
 @pytest.fixture(autouse=True)
@@ -26,20 +28,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def transition_matrix(alpha, K):
-    """Q[x, y] = q(y | x) = alpha 1[x = y] + (1 - alpha) / K, float64; alpha a float or (n,) -> (K, K) or (n, K, K)."""
-    alpha = torch.as_tensor(alpha, dtype=torch.float64)[..., None, None]
-    return alpha * torch.eye(K, dtype=torch.float64) + (1 - alpha) / K
-
-
-def bayes_posterior(xt, x0_probs, alpha_t, alpha_s, K):
-    """q(x_s | x_t) under the prior x0 ~ x0_probs, by Bayes' rule on explicit matrices:
-    proportional to sum_x x0(x) Q_s[x, x_s] Q_{t|s}[x_s, x_t].
-    xt (n,), x0_probs (n, K), alphas floats or (n,) -> (n, K)."""
-    alpha_t, alpha_s = (torch.as_tensor(a, dtype=torch.float64).expand(xt.shape) for a in (alpha_t, alpha_s))
-    prior_s = torch.einsum("nx,nxy->ny", x0_probs.double(), transition_matrix(alpha_s, K))
-    likelihood = transition_matrix(alpha_t / alpha_s, K)[torch.arange(xt.numel()), :, xt]
-    joint = prior_s * likelihood
-    return joint / joint.sum(-1, keepdim=True)

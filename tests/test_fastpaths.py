@@ -1,6 +1,7 @@
 """Every fast path against the plain path it replaces: the chunked float32 log-sum-exp on bf16 logits, the SDDLM
 losses on bf16 logits, bf16 autocast, torch.compile, seeded determinism of the training step, and bench/bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
 Tolerances are stated where they are used; the bf16 ones follow from one rounding to 8 significant bits."""
+import dataclasses
 import json
 import math
 import shutil
@@ -15,7 +16,7 @@ from bench import bench
 import diffusion
 from kernels import gumbel
 import losses
-import diffusion as objective
+from kernels import fused_head
 from model import ModelConfig, build_model
 import train
 from train import TrainConfig, loss_terms, model_config_for, token_mean
@@ -67,12 +68,12 @@ def lse_case():
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 30, 64])  # 4 and 7 leave a ragged last chunk; 64 > 30 rows
 def test_logsumexp_fp32_matches_float64_logsumexp_for_every_chunk_size(chunk_rows):
     x = lse_case().requires_grad_(True)
-    lse = losses.logsumexp_fp32(x, chunk_elems=chunk_rows * x.shape[-1])
+    lse = fused_head.logsumexp_fp32(x, chunk_elems=chunk_rows * x.shape[-1])
     x64 = x.detach().double().requires_grad_(True)
     ref = torch.logsumexp(x64, -1)
     assert lse.dtype == torch.float32 and lse.shape == (5, 6)
     torch.testing.assert_close(lse.double(), ref.detach(), rtol=1e-6, atol=1e-6)
-    assert torch.equal(lse, losses.logsumexp_fp32(x.detach(), chunk_elems=x.numel()))  # chunking changes no bit
+    assert torch.equal(lse, fused_head.logsumexp_fp32(x.detach(), chunk_elems=x.numel()))  # chunking changes no bit
     w = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
     grad, = torch.autograd.grad((lse * w).sum(), x)
     ref_grad, = torch.autograd.grad((ref * w.double()).sum(), x64)      # softmax(x) * w
@@ -86,7 +87,7 @@ def test_logsumexp_fp32_saves_only_the_bf16_logits_and_one_float_per_row():
     x = lse_case().requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        losses.logsumexp_fp32(x, chunk_elems=4 * x.shape[-1])
+        fused_head.logsumexp_fp32(x, chunk_elems=4 * x.shape[-1])
     assert sorted((str(t.dtype), t.numel()) for t in saved) == [("torch.bfloat16", x.numel()), ("torch.float32", 30)]
 
 
@@ -175,7 +176,7 @@ def test_sddlm_family_keeps_no_float32_vocabulary_sized_tensor_for_backward(name
 
 
 # -----------------------------------------------------------------------------
-# the output layer fused with the loss (losses.Head) against logits computed in full
+# the output layer fused with the loss (kernels/fused_head.py's Head) against logits computed in full
 
 def head_case(dtype, V=61, V_pad=64, B=2, L=24, d=16, seed=9):
     """A Head (hidden, W, b) with padding rows, tokens, and the plain logits F.linear(h, W, b)[..., :V]."""
@@ -193,7 +194,7 @@ HEAD_LOSSES = {
     "sddlm_v1": lambda z, x0, xt, neg: losses.sddlm_v1_loss(z, x0, xt, neg=neg),
     "sddlm_v2": lambda z, x0, xt, neg: losses.sddlm_v2_loss(z, x0, xt),
     "ar": lambda z, x0, xt, neg: F.pad(losses.ar_loss(z, x0), (0, 1)),
-    "duo_lean": lambda z, x0, xt, neg: losses.usdm_nelbo_loss_lean(z, x0, xt, torch.tensor([[0.3], [0.8]]), -0.999,
+    "duo_lean": lambda z, x0, xt, neg: fused_head.usdm_nelbo_loss_lean(z, x0, xt, torch.tensor([[0.3], [0.8]]), -0.999,
                                                                    chunk_elems=7 * 64),
 }
 
@@ -209,7 +210,7 @@ def test_loss_on_a_head_equals_the_loss_on_its_logits(name, dtype):
     hidden, weight, bias, x0, xt, neg, upstream = head_case(dtype)
     call = HEAD_LOSSES[name]
     ref = call(F.linear(hidden, weight, bias)[..., :61], x0, xt, neg)
-    got = call(losses.Head(hidden, weight, bias, 61), x0, xt, neg)
+    got = call(fused_head.Head(hidden, weight, bias, 61), x0, xt, neg)
     g_ref = torch.autograd.grad((ref * upstream).sum(), (hidden, weight, bias))
     g_got = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
     tol = 1e-12 if dtype == torch.float64 else 2e-5
@@ -223,9 +224,9 @@ def test_loss_on_a_head_equals_the_loss_on_its_logits(name, dtype):
 
 def test_head_log_probs_in_row_chunks_equal_one_chunk():
     hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.float64)
-    head = losses.Head(hidden, weight, bias, 61)
-    one = losses.log_probs(head, x0, neg)
-    many = losses.log_probs(head, x0, neg, chunk_elems=5 * 64)      # 5 rows a chunk: 10 chunks, a ragged last
+    head = fused_head.Head(hidden, weight, bias, 61)
+    one = head.log_probs(x0, neg)
+    many = dataclasses.replace(head, chunk_elems=5 * 64).log_probs(x0, neg)   # 5 rows a chunk: 10 chunks, ragged last
     for a, b in zip(one, many):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
     g_one = torch.autograd.grad((one[0] * upstream + one[1]).sum(), (hidden, weight, bias))
@@ -236,23 +237,25 @@ def test_head_log_probs_in_row_chunks_equal_one_chunk():
 
 @pytest.mark.parametrize("name", ["log_probs", "duo_lean"])
 def test_losses_on_a_head_keep_no_vocabulary_sized_tensor_for_backward(name):
-    """The point of the Head: with the logits in several chunks nothing of (B, L, V) size is kept for backward
-    (only hidden, W, b and per-row values); logits that fit in one chunk are kept whole (no recomputation)."""
+    """The point of the Head: with the logits in several chunks and keep_logits off nothing of (B, L, V) size is
+    kept for backward (only hidden, W, b and per-row values); with keep_logits on, or logits that fit in one
+    chunk, exactly the chunks' logits are kept, in the Head's dtype (no float32 copy)."""
     hidden, weight, bias, x0, xt, neg, _ = head_case(torch.bfloat16, V=2000, V_pad=2048, L=64)
-    head = losses.Head(hidden, weight, bias, 2000)
-    call = {"log_probs": lambda chunk: losses.log_probs(head, x0, neg, chunk_elems=chunk),
-            "duo_lean": lambda chunk: losses.usdm_nelbo_loss_lean(head, x0, xt, 0.3, -0.999, chunk_elems=chunk)}[name]
-    for chunk, kept in ((20 * 2048, False), (1 << 27, name == "log_probs")):
-        big = []
+    call = {"log_probs": lambda head: head.log_probs(x0, neg),
+            "duo_lean": lambda head: fused_head.usdm_nelbo_loss_lean(head, x0, xt, 0.3, -0.999,
+                                                                     chunk_elems=head.chunk_elems)}[name]
+    for chunk, keep, kept in ((20 * 2048, False, []), (20 * 2048, True, [(20, 2048)] * 6 + [(8, 2048)]),
+                              (1 << 27, False, [(128, 2048)])):
+        saved = []
 
         def pack(t):
-            if t.numel() >= hidden.shape[0] * hidden.shape[1] * 1000:
-                big.append((t.dtype, tuple(t.shape)))
+            if t.dim() == 2 and t.shape[-1] == 2048:
+                saved.append((t.dtype, tuple(t.shape)))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            call(chunk)
-        assert big == ([(torch.bfloat16, (128, 2048))] if kept else []), chunk
+            call(fused_head.Head(hidden, weight, bias, 2000, keep_logits=keep, chunk_elems=chunk))
+        assert saved == [(torch.bfloat16, s) for s in kept], (chunk, keep)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
@@ -263,7 +266,7 @@ def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype, tol):
     logits = logits.to(dtype).requires_grad_(True)
     for a, da in ((alpha_t, torch.tensor([[-0.999], [-0.5]])), (0.42, -1.0)):
         ref = losses.usdm_nelbo_loss(logits, x0, xt, a, da)
-        lean = losses.usdm_nelbo_loss_lean(logits, x0, xt, a, da, chunk_elems=3 * 300)
+        lean = fused_head.usdm_nelbo_loss_lean(logits, x0, xt, a, da, chunk_elems=3 * 300)
         assert lean.dtype == ref.dtype
         torch.testing.assert_close(lean, ref, rtol=tol, atol=tol)
         g_ref, = torch.autograd.grad((ref * upstream).sum(), logits)
@@ -277,7 +280,7 @@ def test_lean_nelbo_keeps_only_the_logits_for_backward():
     logits.requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        losses.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, -0.999)
+        fused_head.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, -0.999)
     big = [t for t in saved if t.numel() >= logits.shape[0] * logits.shape[1] * 100]
     assert len(big) == 1 and big[0].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
 
@@ -286,7 +289,7 @@ def test_lean_nelbo_keeps_only_the_logits_for_backward():
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
-    """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (losses._fused); here the
+    """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (fused_head._fused); here the
     same compilation runs on the CPU (TorchInductor's C++ backend) and must give the eager numbers: values and
     gradients of the SDDLM losses and the lean NELBO on bf16 logits and on a bf16 Head, and the sampler's
     log-sum-exps (of whole rows, and of blocks of the vocabulary)."""
@@ -295,20 +298,20 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
 
     def run():
         out = {}
-        for name, z in (("logits", logits), ("head", losses.Head(hidden, weight, bias, 61))):
+        for name, z in (("logits", logits), ("head", fused_head.Head(hidden, weight, bias, 61))):
             loss = losses.sddlm_v1_loss(z, x0, xt, neg=neg, eps=0.01)
             out[name] = (loss, *torch.autograd.grad((loss * upstream).sum(), (logits,) if name == "logits" else
                                                     (hidden, weight, bias)))
-            nelbo = losses.usdm_nelbo_loss_lean(z, x0, xt, 0.3, -0.999, chunk_elems=7 * 64)
+            nelbo = fused_head.usdm_nelbo_loss_lean(z, x0, xt, 0.3, -0.999, chunk_elems=7 * 64)
             out[name + " nelbo"] = (nelbo, *torch.autograd.grad((nelbo * upstream).sum(), (
                 logits,) if name == "logits" else (hidden, weight, bias)))
-        out["lse"] = (losses.logsumexp_fp32(logits.detach()),)
+        out["lse"] = (fused_head.logsumexp_fp32(logits.detach()),)
         out["block lse"] = (diffusion.block_logsumexp(logits.detach(), 16, chunk_elems=7 * 61),)
         return out
 
     eager = run()
     compiled = {}
-    monkeypatch.setattr(losses, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
+    monkeypatch.setattr(fused_head, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
     got = run()
     assert len(compiled) == 5
     for key in eager:
@@ -322,29 +325,33 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
 
 @pytest.mark.parametrize("name", ["sddlm_v1", "ar", "duo_lean"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast, monkeypatch):
-    """loss_terms gives the objectives a Head (diffusion.FULL_LOGITS aside); the loss and every parameter gradient
-    equal the same objective on the model's logits (float64, or bf16 autocast within bf16 rounding)."""
+def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast):
+    """--head fused gives the objectives a Head (kept or recomputed logits); the loss and every parameter
+    gradient equal the same objective on the model's logits, --head plain (float64, or bf16 autocast within bf16
+    rounding)."""
     model, tcfg = small_model(name, vocab_size=61, vocab_multiple=16)
     model = model if autocast else model.double()
     x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
     out = {}
-    for route in ("head", "logits"):
-        monkeypatch.setattr(objective, "FULL_LOGITS", {name} if route == "logits" else set())
+    for route in ("fused", "fused_recompute", "plain"):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            per_token, _ = loss_terms(model, tcfg, x0, t, 0, torch.Generator().manual_seed(3))
+            per_token, output = loss_terms(model, dataclasses.replace(tcfg, head=route), x0, t, 0,
+                                           torch.Generator().manual_seed(3))
             loss = token_mean(per_token, None)
+        assert isinstance(output, torch.Tensor) == (route == "plain")
         loss.backward()
         out[route] = (loss.detach().double(), grads(model).double())
-    (l_h, g_h), (l_l, g_l) = out["head"], out["logits"]
-    if autocast:
-        assert abs(l_h - l_l) < 1e-4 * abs(l_l)
-        assert (g_h - g_l).norm() < 2e-2 * g_l.norm()
-    else:
-        torch.testing.assert_close(l_h, l_l, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(g_h, g_l, rtol=1e-9, atol=1e-11)
+    l_l, g_l = out["plain"]
+    for route in ("fused", "fused_recompute"):
+        l_h, g_h = out[route]
+        if autocast:
+            assert abs(l_h - l_l) < 1e-4 * abs(l_l)
+            assert (g_h - g_l).norm() < 2e-2 * g_l.norm()
+        else:
+            torch.testing.assert_close(l_h, l_l, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(g_h, g_l, rtol=1e-9, atol=1e-11)
 
 
 def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
@@ -429,7 +436,8 @@ def test_bf16_autocast_training_gradients_are_close_to_float32():
 def test_torch_compile_matches_eager_logits_and_training_gradients(name, curriculum):
     """The compiled model (the Head output, the full logits for 'duo', the curriculum's top-k input) gives the
     eager logits, losses and gradients; under bf16 autocast too."""
-    model, tcfg = small_model(name, n_layer=1, vocab_size=61, vocab_multiple=16, curriculum_iters=curriculum)
+    model, tcfg = small_model(name, n_layer=1, vocab_size=61, vocab_multiple=16, curriculum_iters=curriculum,
+                              head="fused")
     compiled = torch.compile(model)
     x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
@@ -440,7 +448,8 @@ def test_torch_compile_matches_eager_logits_and_training_gradients(name, curricu
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss, output = loss_terms(m, tcfg, x0, t, 0, torch.Generator().manual_seed(3))
             token_mean(loss, None).backward()
-            logits = output if isinstance(output, torch.Tensor) else F.linear(*output[:3])[..., :61]
+            logits = output if isinstance(output, torch.Tensor) else F.linear(output.hidden, output.weight,
+                                                                              output.bias)[..., :61]
             out[kind] = (logits.detach().float(), loss.detach(), grads(model))
         tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out["compiled"][0], out["eager"][0], **tol)
@@ -506,6 +515,10 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert out["sampler"]["psi_vs_ancestral"] > 0 and math.isfinite(out["sampler"]["psi_overhead"])
     table = bench.markdown(out)
     assert all(f"| {name} |" in table for name in out["losses"]) and "n/a" in table and "(psi, kappa = 0.9)" in table
+    head = out["head"]                      # the fused head: 3 output-layer products with kept logits, else 4
+    assert head["kept"]["products"] == pytest.approx(3, rel=0.02) and head["chunks"] == 8
+    assert head["recomputed"]["products"] == pytest.approx(4, rel=0.02) and head["kept"]["ms"] > 0
+    assert "| kept logits | " in table and "| recomputed logits | " in table and "kept / recomputed time: " in table
 
 
 def test_bench_rejects_bad_flags_in_one_line():
@@ -513,6 +526,9 @@ def test_bench_rejects_bad_flags_in_one_line():
         bench.parse_args(["--losses", "sddlm,elbo"])
     with pytest.raises(bench.UsageError, match="--preset"):
         bench.parse_args(["--preset", "huge"])
+    with pytest.raises(bench.UsageError, match="unknown --head 'lean'; choose from auto, plain, fused, fused_recompute"):
+        bench.parse_args(["--head", "lean"])
+    assert bench.train_config_for(bench.parse_args(["--head", "fused_recompute"]), "sddlm").head == "fused_recompute"
     assert bench.parse_args(["--json", "--compile"]).json is True
 
 

@@ -132,11 +132,12 @@ def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus,
 
 
 @pytest.mark.slow
-def test_two_process_torchrun_matches_one_process(corpus, tmp_path):
+@pytest.mark.parametrize("head", ["auto", "fused"])      # the CPU's plain logits, and the fused head CUDA takes
+def test_two_process_torchrun_matches_one_process(head, corpus, tmp_path):
     path, data_dir = corpus
     assert run(["--max_iters", "1"], tmp_path / "prep", corpus) == 0       # prepare the data once
     common = TINY + ["--dataset", path, "--data_dir", data_dir, "--loss", "sddlm_v1", "--max_iters", "4",
-                     "--eval_interval", "1000", "--lr_schedule", "constant", "--device", "cpu"]
+                     "--eval_interval", "1000", "--lr_schedule", "constant", "--device", "cpu", "--head", head]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "train.py", *common, "--out_dir", str(tmp_path / "one")],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
