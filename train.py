@@ -97,7 +97,7 @@ class TrainConfig(OptimConfig):
     data_dir: str = ""               # the prepared data folder; "" = data/<dataset>-<tokenizer>-<L>-<digest>,
                                      # prepared on first use
     block_size: int = 128            # sequence length L
-    vocab_size: int = 0              # model K: 0 or the tokenizer's (--vocab_multiple pads the output layer)
+    vocab_size: int = 0              # model K (0 = the tokenizer's size; --vocab_multiple pads the output layer)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
     wrap: bool = True                # 1: pack documents into full blocks (OWT-style); 0: one padded sequence per
                                      # sentence (LM1B-style)
