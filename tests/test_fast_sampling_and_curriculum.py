@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import diffusion
+import curriculum
 import sample
-from diffusion import SoftTokens, _distinct_uniform
+from curriculum import SoftTokens, _distinct_uniform
 from model import ModelConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
@@ -81,7 +81,7 @@ def test_soft_token_embedding_runs_in_the_autocast_dtype_and_exactly_in_float32(
     model = build_model(ModelConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=32, cond_dim=8)).eval()
     g = torch.Generator().manual_seed(2)
     x0 = torch.randint(0, 300, (2, 16), generator=g)
-    _, soft = diffusion.curriculum_input(x0, torch.full((2, 1), -3.0), 300, 1e-3, g)
+    _, soft = curriculum.curriculum_input(x0, torch.full((2, 1), -3.0), 300, 1e-3, g)
     x = SoftTokens(soft.ids, torch.softmax(torch.randn(soft.probs.shape, generator=g), -1))   # several weights count
     E = model.wte.weight.detach()
     flat_ids, flat_w = x.ids.reshape(32, -1), x.probs.reshape(32, -1)

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import bench
+import curriculum
 import diffusion
 from kernels import gumbel
 import losses
@@ -355,14 +356,14 @@ def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast)
 
 
 def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
-    """During the curriculum the model gets diffusion.SoftTokens and the loss reaches E through them exactly
+    """During the curriculum the model gets curriculum.SoftTokens and the loss reaches E through them exactly
     as through the dense soft input (float64, same draws)."""
     model, tcfg = small_model("sddlm", vocab_size=64, curriculum_iters=10)
     model = model.double()
     x0 = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
     c = diffusion.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), train.draw_noise(4, 16, 64, None, "cpu"))
-    assert isinstance(c.net_in, diffusion.SoftTokens)
+    assert isinstance(c.net_in, curriculum.SoftTokens)
     dense = torch.zeros(4, 16, 64, dtype=torch.float64).scatter_(-1, c.net_in.ids, c.net_in.probs.double())
     sigma = diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1))
     result = []

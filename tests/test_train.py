@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import curriculum
 import diffusion
 import eval_ppl
 import losses
@@ -110,12 +111,12 @@ def test_resume_mid_curriculum_continues_bit_identically(corpus, tmp_path):
 
 
 def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus, tmp_path, monkeypatch):
-    calls, inputs, real = [], [], train.diffusion.curriculum_sample
+    calls, inputs, real = [], [], curriculum.curriculum_sample
 
     def spy(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
         calls.append((gamma_min, gamma_max, tau))
         return real(x0, t, vocab_size, gamma_min, gamma_max, tau, generator)
-    monkeypatch.setattr(train.diffusion, "curriculum_sample", spy)
+    monkeypatch.setattr(curriculum, "curriculum_sample", spy)
     real_loss_terms = train.loss_terms
 
     def record(model, cfg, x0, t, it, *args):
@@ -321,7 +322,7 @@ def test_training_conditions_the_model_on_minus_log_alpha_t():
     model, _, state = spy_step("sddlm", 11, n, 8, curriculum_iters=1)
     u = torch.rand(n, generator=torch.Generator().set_state(state)).double()
     t = 1e-3 + (1 - 1e-3) * (u + torch.arange(n)) / n
-    alpha_t = diffusion.gamma_to_alpha(-3.55 + t * (-1.85 + 3.55), 11)[0]
+    alpha_t = curriculum.gamma_to_alpha(-3.55 + t * (-1.85 + 3.55), 11)[0]
     (_, sigma), = model.calls
     torch.testing.assert_close(sigma.double(), -torch.log(alpha_t), rtol=1e-5, atol=1e-6)
 
