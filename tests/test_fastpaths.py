@@ -19,6 +19,7 @@ from kernels import gumbel
 import losses
 from kernels import fused_head
 from model import ModelConfig, build_model
+from plumbing.distributed import Env
 import train
 from train import TrainConfig, loss_terms, model_config_for, token_mean
 
@@ -369,7 +370,7 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
     result = []
     for net_in in (c.net_in, dense):
         model.zero_grad()
-        train.OBJECTIVES["sddlm"](model(net_in, sigma, return_head=True), c, 0.0).mean().backward()
+        diffusion.OBJECTIVES["sddlm"](model(net_in, sigma, return_head=True), c, 0.0).mean().backward()
         result.append(model.wte.weight.grad.clone())
     assert result[0].abs().max() > 0
     torch.testing.assert_close(result[0], result[1], rtol=1e-10, atol=1e-13)
@@ -462,7 +463,7 @@ def test_torch_compile_matches_eager_logits_and_training_gradients(name, curricu
 # -----------------------------------------------------------------------------
 # the full training step: finite and reproducible from its seeds
 
-@pytest.mark.parametrize("name", list(train.OBJECTIVES))
+@pytest.mark.parametrize("name", list(diffusion.OBJECTIVES))
 def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
     """train.train_step (the step train.py and bench/bench.py run): only its explicit generators may matter."""
     runs = []
@@ -475,7 +476,7 @@ def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
         step_losses = []
         for it in range(2):
             x0 = torch.randint(0, 61, (4, 16), generator=gen)
-            step_losses.append(train.train_step(run, tcfg, train.Env(torch.device("cpu")), x0))
+            step_losses.append(train.train_step(run, tcfg, Env(torch.device("cpu")), x0))
         ema = run.ema
         runs.append((torch.stack(step_losses), [p.detach().clone() for p in model.parameters()], ema))
     (losses_a, params_a, ema_a), (losses_b, params_b, ema_b) = runs
