@@ -1,6 +1,7 @@
-"""Tests for diffusion.py. The forward process and posterior are checked against explicit K x K transition
-matrices and Bayes' rule in float64; samplers against their target distributions by chi-square tests on many
-seeded draws; schedules against finite differences; the curriculum against Duo's reference table and Monte Carlo."""
+"""Tests for diffusion.py and curriculum.py. The forward process and posterior are checked against explicit K x K
+transition matrices and Bayes' rule in float64; samplers against their target distributions by chi-square tests on
+many seeded draws; schedules against finite differences; the curriculum against Duo's reference table and Monte
+Carlo."""
 
 import math
 
