@@ -1,6 +1,7 @@
 """
 The uniform-state diffusion process: noise schedules, the forward marginal, the reverse posterior,
-one ancestral (or Psi predictor-corrector) sampling step, and Duo's Gaussian-guided curriculum.
+one ancestral (or Psi predictor-corrector) sampling step, and Algorithm 1's objective (Duo's Gaussian-guided
+curriculum, which replaces the forward process early in training, is curriculum.py).
 
 Each token x0 is kept with probability alpha_t and otherwise replaced by a token drawn uniformly from
 the whole vocabulary of size K (which may be x0 itself):
@@ -10,13 +11,12 @@ the whole vocabulary of size K (which may be x0 itself):
   Psi step (Duo, Ch. II)   kappa Eq. (reverse) + (1 - kappa) q(x0 | x_t, x_theta) renoised to s -> psi_weights
 Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, (B, 1) or a float.
 """
-import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+import curriculum
 import losses
 from kernels import fused_head
 from kernels.gumbel import block_logsumexp, gumbel_argmax, sample_categorical  # noqa: F401  (exact draws over K)
@@ -175,180 +175,6 @@ def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None, kap
 
 
 # -----------------------------------------------------------------------------------------------
-# Duo's Gaussian-guided curriculum (Duo spec section 2)
-# A Gaussian latent w = alpha~ e_x0 + sigma~ eps over the K one-hot coordinates, with
-# alpha~^2 = sigmoid(-gamma), sigma~^2 = sigmoid(gamma), has argmax distributed exactly as the uniform-state
-# marginal with alpha = T(gamma) (the "diffusion transformation operator"), a 1-D integral.
-
-@functools.lru_cache(maxsize=8)
-def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
-    """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached).
-    P(gamma) = Pr[argmax w = x0] = int phi(z - nu) Phi(z)^(K-1) dz,  nu = exp(-gamma/2),
-    dP/dgamma = int -nu/2 (z - nu) phi(z - nu) Phi(z)^(K-1) dz,   alpha = (K P - 1) / (K - 1).
-    -> (gamma grid, alpha, dalpha/dgamma), each (n_points,) float64."""
-    K = vocab_size
-    gamma = torch.linspace(gamma_min, gamma_max, n_points, dtype=torch.float64)
-    z = torch.linspace(-10.0, math.exp(-gamma_min / 2) + 10.0, 8001, dtype=torch.float64)
-    log_cdf = (K - 1) * torch.special.log_ndtr(z)
-    P, dP = [], []
-    for g in gamma.split(256):
-        nu = torch.exp(-g / 2)[:, None]
-        dens = torch.exp(-0.5 * (z - nu) ** 2 - 0.5 * math.log(2 * math.pi) + log_cdf)
-        P.append(torch.trapezoid(dens, z, dim=-1))
-        dP.append(torch.trapezoid(-0.5 * nu * (z - nu) * dens, z, dim=-1))
-    P, dP = torch.cat(P), torch.cat(dP)
-    return gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP
-
-
-@functools.lru_cache(maxsize=8)
-def _alpha_table_on(vocab_size, gamma_min, gamma_max, device):
-    """alpha_table copied once to `device`, so a training step's lookup needs no host round trip."""
-    return tuple(x.to(device) for x in alpha_table(vocab_size, gamma_min, gamma_max))
-
-
-def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
-    """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table.
-    gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""
-    grid, alpha, dalpha = _alpha_table_on(vocab_size, float(gamma_min), float(gamma_max), str(gamma.device))
-    g = gamma.detach().double().clamp(gamma_min, gamma_max)
-    pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
-    lo = pos.floor().long().clamp(max=grid.numel() - 2)
-    frac = pos - lo
-    out_a = alpha[lo] * (1 - frac) + alpha[lo + 1] * frac
-    out_d = dalpha[lo] * (1 - frac) + dalpha[lo + 1] * frac
-    return out_a.to(gamma.dtype), out_d.to(gamma.dtype)
-
-
-def gaussian_latent(x0, gamma, vocab_size, generator=None):
-    """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K), alpha~ = sqrt(sigmoid(-gamma)), sigma~ = sqrt(sigmoid(gamma)).
-    x0 (B, L); gamma (B, 1) -> w (B, L, K) float32. This is Duo's exact (and memory-hungry) method: a
-    (B, L, K) float32 tensor (6.6 GB at B=32, L=1024, K=50258)."""
-    g = gamma.float().unsqueeze(-1)
-    w = torch.randn(*x0.shape, vocab_size, generator=generator, device=x0.device) * torch.sqrt(torch.sigmoid(g))
-    return w.scatter_add_(-1, x0.unsqueeze(-1), torch.sqrt(torch.sigmoid(-g)).expand(*x0.shape, 1))
-
-
-def soft_input(w, tau):
-    """Tempered softmax softmax(w / tau) over the vocabulary: the curriculum's network input (the model
-    embeds it as softmax @ E). As tau -> 0 it becomes one-hot at argmax w, i.e. the discrete process."""
-    return torch.softmax(w / tau, dim=-1)
-
-
-def tau_schedule(step, log10_tau_start=-3.0, log10_tau_end=-3.0, start=0, end=500_000):
-    """Softmax temperature of the curriculum: log10 tau constant before `start`, linear in log10 on
-    [start, end), Duo's scripts use tau = 1e-3 throughout with the curriculum ending at 500K steps."""
-    if step < start:
-        return 10 ** log10_tau_start
-    if step >= end:
-        return 10 ** log10_tau_end
-    f = (step - start) / max(1, end - start)
-    return 10 ** (log10_tau_start + f * (log10_tau_end - log10_tau_start))
-
-
-class SoftTokens(NamedTuple):
-    """A probability vector over the vocabulary given on its k largest entries per position (zero elsewhere):
-    ids (B, L, k) int64, probs (B, L, k) float32. The model embeds it as sum_j probs_j E[ids_j]."""
-    ids: torch.Tensor
-    probs: torch.Tensor
-
-
-CURRICULUM_TOP_K = 32       # latent coordinates kept per position by curriculum_input
-TOP_K_MAX_TAU = 2e-3        # above this temperature curriculum_input keeps the whole (B, L, K) soft input
-
-
-def _distinct_uniform(n, k, rows, generator=None, device=None):
-    """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (a
-    uniform k-subset: for j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) in a uniformly random
-    order (argsort of iid uniform keys), all k draws at once. t_i is taken exactly when it equals an earlier t
-    (that value is in the set, as t or as its j) or the j of an earlier i' whose t was taken; each t_i equals at
-    most one j, so "taken" runs along a chain of earlier indices, resolved by ceil(log2 k) rounds of pointer
-    jumping. O(k log k) per row (a sort finds the repeated t's), no O(n) work and no loop over k.
-    -> (rows, k) int64."""
-    j = torch.arange(n - k, n, device=device)
-    t = torch.randint(0, 1 << 62, (rows, k), generator=generator, device=device) % (j + 1)   # U{0..j} (bias < n / 2^62)
-    sorted_t, at = t.sort(dim=-1, stable=True)                        # equal values in drawing order
-    repeat = torch.cat([torch.zeros_like(sorted_t[:, :1], dtype=torch.bool), sorted_t[:, 1:] == sorted_t[:, :-1]], -1)
-    taken = torch.zeros_like(repeat).scatter(-1, at, repeat)                               # t_i equals an earlier t
-    i = torch.arange(k, device=device)
-    parent = t - (n - k)                                                                   # t_i = j_parent
-    parent = torch.where((parent >= 0) & (parent < i), parent, i)                          # an earlier j, or itself
-    for _ in range(max(1, (k - 1).bit_length())):
-        taken, parent = taken | taken.gather(-1, parent), parent.gather(-1, parent)
-    picked = torch.where(taken, j, t)
-    order = torch.rand(rows, k, generator=generator, device=device, dtype=torch.float64).argsort(-1)
-    return picked.gather(-1, order)
-
-
-def top_k_latent(x0, gamma, vocab_size, k=CURRICULUM_TOP_K, generator=None):
-    """The k largest coordinates of the curriculum's Gaussian latent w = alpha~ e_x0 + sigma~ eps (gaussian_latent),
-    drawn exactly in law in O(k) per position, without the other K - k coordinates:
-
-    1. The n = K - 1 coordinates other than x0 are iid N(0, sigma~^2). With U_i = 1 - Phi(w_i / sigma~) (iid
-       U(0, 1), decreasing in w_i), their k largest values are those of the k smallest U. The smallest of n
-       uniforms has P(U_(1) > u) = (1 - u)^n, so -log(1 - U_(1)) ~ Exp(1) / n; given U_(1), the other n - 1 are
-       iid uniform on (U_(1), 1), i.e. 1 - U = (1 - U_(1)) (1 - U') with U' ~ U(0, 1) (Renyi). By induction
-           S_j = -log(1 - U_(j)) = sum_{i <= j} E_i / (n - i + 1),   E_i iid Exp(1),
-           U_(j) = -expm1(-S_j),   w_(j) = sigma~ Phi^-1(1 - U_(j)) = -sigma~ ndtri(U_(j)),
-       in float64 and through the small tail probability U_(j) (no 1 - U cancellation: the top values keep
-       full precision however far in the tail).
-    2. The n coordinates are exchangeable and the ranks of iid continuous variables are a uniform permutation
-       independent of their sorted values, so the tokens carrying w_(1) > ... > w_(k) are a uniformly random
-       ordered k-tuple of distinct tokens of the other K - 1 (_distinct_uniform), independent of the values.
-    3. x0's own coordinate w_x0 = alpha~ + sigma~ eps_0 is independent of both. Every coordinate below w_(k)
-       is below k others, so the k largest of all K are the k largest of {w_x0, w_(1..k)}: w_x0 is among them
-       exactly when it exceeds w_(k) (and then w_(k) drops out), and argmax w = x0 exactly when w_x0 > w_(1).
-    Given these k coordinates the remaining K - k are independent, each with its own law (N(0, sigma~^2), or
-    N(alpha~, sigma~^2) at x0) truncated below the k-th value: what a test completes w with.
-    x0 (B, L); gamma (B, 1); 1 <= k < K -> (values (B, L, k) float64, descending; ids (B, L, k) int64)."""
-    B, L = x0.shape
-    n, N, dev = vocab_size - 1, x0.numel(), x0.device
-    g = gamma.double().expand(B, L).reshape(-1, 1)
-    scale, signal = torch.sqrt(torch.sigmoid(g)), torch.sqrt(torch.sigmoid(-g))
-    E = torch.empty(N, k, device=dev, dtype=torch.float64).exponential_(generator=generator)
-    S = (E / torch.arange(n, n - k, -1, device=dev, dtype=torch.float64)).cumsum(-1)
-    U = (-torch.expm1(-S)).clamp_min(1e-300)                     # U > 0 keeps w finite should an E_i be 0
-    others = -scale * torch.special.ndtri(U)                                      # (N, k), descending
-    other_ids = _distinct_uniform(n, k, N, generator, dev)
-    x0 = x0.reshape(-1, 1)
-    other_ids = other_ids + (other_ids >= x0)                                    # skip x0's own token
-    at_x0 = signal + scale * torch.randn(N, 1, generator=generator, device=dev, dtype=torch.float64)
-    values, order = torch.cat([others, at_x0], dim=-1).topk(k, dim=-1)
-    ids = torch.cat([other_ids, x0], dim=-1).gather(-1, order)
-    return values.view(B, L, k), ids.view(B, L, k)
-
-
-def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULUM_TOP_K):
-    """The curriculum's latent xt = argmax w and soft input softmax(w / tau) of the Gaussian latent w
-    (gaussian_latent), kept on the top_k largest coordinates of w per position (SoftTokens), which top_k_latent
-    draws exactly in O(top_k) per position: no (B, L, K) tensor and no O(K) work.
-    Exactness: xt and the kept coordinates are exact in law; the soft input (softmax over the kept coordinates,
-    in float64, rounded to float32) equals the dense softmax(w / tau) to float32 rounding whenever the
-    (top_k+1)-th largest coordinate is more than tau (log K + 24 log 2) below the largest (every weight beyond
-    it is then under 2^-24 of the total). The gaps between the top order statistics of K Gaussians of scale
-    sigma~ <= 1 are ~ sigma~ / sqrt(2 log K), so at tau <= TOP_K_MAX_TAU and top_k = 32 that fails with
-    probability < 1e-20 per position; above TOP_K_MAX_TAU (or K <= top_k) this draws the dense (B, L, K) w and
-    returns the dense soft input.
-    x0 (B, L); gamma (B, 1) -> xt (B, L), SoftTokens (or the (B, L, K) float32 soft input)."""
-    if tau > TOP_K_MAX_TAU or vocab_size <= top_k:
-        w = gaussian_latent(x0, gamma, vocab_size, generator)
-        return w.argmax(-1), soft_input(w, tau)
-    values, ids = top_k_latent(x0, gamma, vocab_size, top_k, generator)
-    return ids[..., 0], SoftTokens(ids, torch.softmax(values / tau, dim=-1).float())
-
-
-def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
-    """One curriculum corruption: gamma_t = gamma_min + t (gamma_max - gamma_min), the Gaussian latent,
-    the hard latent xt = argmax w (used by the loss), the soft network input softmax(w / tau) (curriculum_input:
-    SoftTokens, or the dense (B, L, K) tensor at high tau), and the discrete alpha_t = T(gamma_t),
-    d alpha_t / dt = (gamma_max - gamma_min) dT/dgamma.
-    x0 (B, L), t (B,) -> xt (B, L), soft input, alpha_t (B, 1), dalpha_t (B, 1)."""
-    gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)
-    xt, soft = curriculum_input(x0, gamma, vocab_size, tau, generator)
-    alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))
-    return xt, soft, alpha_t, dalpha_dgamma * (gamma_max - gamma_min)
-
-
-# -----------------------------------------------------------------------------------------------
 # Algorithm 1: the objective of one training step. Corrupt clean tokens x0 at times t, run the model on the
 # noisy tokens xt, score its output with the per-token loss of losses.py named by --loss (OBJECTIVES):
 #     draws = draw_noise(...)                     # keep-uniforms, replacement tokens, SDDLM-V1 negatives
@@ -400,8 +226,8 @@ def corrupt(cfg, x0, t, it, vocab_size, generator, draws):
     curriculum (it < curriculum_iters) the input is the tempered softmax of a Gaussian latent (drawn from
     `generator`, per rank) and xt its argmax; afterwards Eq. (discrete_marginal) under cfg.noise_schedule."""
     if it < cfg.curriculum_iters:
-        tau = tau_schedule(it, cfg.log10_tau_start, cfg.log10_tau_end, 0, cfg.curriculum_iters)
-        xt, net_in, alpha_t, dalpha_t = curriculum_sample(
+        tau = curriculum.tau_schedule(it, cfg.log10_tau_start, cfg.log10_tau_end, 0, cfg.curriculum_iters)
+        xt, net_in, alpha_t, dalpha_t = curriculum.curriculum_sample(
             x0, t, vocab_size, cfg.gamma_min, cfg.gamma_max, tau, generator)
     else:
         alpha_t, dalpha_t = SCHEDULES[cfg.noise_schedule](t)

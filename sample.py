@@ -52,9 +52,9 @@ import torch
 from tqdm import tqdm
 
 import diffusion
-from data import DataError
+from data import DataError, get_tokenizer
 from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
-from plumbing.checkpoint import load_model, load_tokenizer
+from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
@@ -447,6 +447,26 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
         probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)
         x = torch.cat([x, diffusion.sample_categorical(probs, generator)[:, None]], dim=1)
     return x
+
+
+def print_samples(run, cfg, meta, env):
+    """train.py's end of a run: a few samples from the EMA weights with the ancestral sampler, so a newcomer sees
+    text (cfg.num_samples of cfg.block_size tokens, cfg.sample_steps steps, the run's --dtype). -> the texts."""
+    tok = get_tokenizer(meta["tokenizer"])
+    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
+    with ema_weights(run) as model:
+        model.eval()
+        if cfg.loss == "ar":
+            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen, dtype=dtype)
+        else:
+            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
+                           alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device, dtype=dtype)
+        model.train()
+    texts = [tok.decode(row) for row in ids.tolist()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
+    return texts
 
 
 # -----------------------------------------------------------------------------------------------

@@ -27,20 +27,20 @@ import torch
 import diffusion
 import losses
 from data import BatchLoader, DataError, get_tokenizer
-from diffusion import OBJECTIVES, draw_noise, loss_terms, token_mean  # noqa: F401  (OBJECTIVES: tests, bench)
+from diffusion import draw_noise, loss_terms, token_mean
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
 from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
-from plumbing.checkpoint import ema_weights, keep_checkpoint, open_out_dir, restore, save
+from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
 from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_dtype, run_cli
-from plumbing.distributed import (Env, any_rank, compiles, micro_batches, run_distributed,  # noqa: F401  (Env: tests)
-                                  torchrun_on_cuda, wrap_model)
+from plumbing.distributed import any_rank, compiles, micro_batches, run_distributed, torchrun_on_cuda, wrap_model
 from plumbing.files import refuse_overwrite, run_outputs, write_json, writing
 from plumbing.flags import check_train_flags
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 from prepare import check_settings, prepare_for_run
+from sample import print_samples
 
 
 @dataclass
@@ -388,26 +388,6 @@ def train(cfg, env):
     if env.master:                                     # last, after the trackers have closed
         print(finish_lines(cfg, "training", run.it, ckpt_path, folder))
     return 0
-
-
-def print_samples(run, cfg, meta, env):
-    """A few samples from the EMA weights with the ancestral sampler, so a newcomer sees text."""
-    from sample import generate, generate_ar
-    tok = get_tokenizer(meta["tokenizer"])
-    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
-    with ema_weights(run) as model:
-        model.eval()
-        if cfg.loss == "ar":
-            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen, dtype=dtype)
-        else:
-            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
-                           alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device, dtype=dtype)
-        model.train()
-    texts = [tok.decode(row) for row in ids.tolist()]
-    for i, text in enumerate(texts):
-        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
-    return texts
 
 
 if __name__ == "__main__":

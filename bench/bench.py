@@ -37,7 +37,7 @@ Columns:
                are included). The device-independent part of the memory that the loss changes.
   x duo        ratio to the 'duo' row (Duo's NELBO computed as Duo does, usdm_nelbo_loss); 'duo_lean' is the
                same NELBO computed in chunks of rows (usdm_nelbo_loss_lean)
-Rows: the objectives of train.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
+Rows: the objectives of diffusion.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
 with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one. A row or
 a measurement that does not fit in memory prints n/a and the table still comes out, with what did not fit.
 Sampler: sample.generate (ancestral: float64 per-token mixture weights, two-stage Gumbel-max on block

@@ -9,7 +9,7 @@ few-step generation. Works for every objective (sddlm, sddlm_v1, sddlm_v2, duo, 
 
 One step: x0 ~ data, t stratified in [1e-3, 1], dt = 2^round / T, t <- min(t + dt, 1), s = t - dt; the two
 times become Gaussian log-SNRs gamma = gamma_min + t (gamma_max - gamma_min) and discrete levels
-alpha = T(gamma) (Duo's diffusion transformation operator, diffusion.gamma_to_alpha). ONE Gaussian noise
+alpha = T(gamma) (Duo's diffusion transformation operator, curriculum.gamma_to_alpha). ONE Gaussian noise
 eps ~ N(0, I_K) per token gives both noisy tokens, z_t = argmax(alpha~_t e_x0 + sigma~_t eps) and
 z_s = argmax(alpha~_s e_x0 + sigma~_s eps) (a deterministic coupling: z_s is z_t with some of its noise
 removed). Loss = KL(x_theta(z_t, sigma_t) || x_teacher(z_s, sigma_s)) per token (Duo's default 'kl-bwd'),
@@ -42,6 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
+import curriculum
 import diffusion
 import train
 from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_dtype, run_cli
@@ -194,8 +195,8 @@ def dcd_loss_terms(student, teacher, cfg, x0, t, it, noise):
     s = t - dt
     gamma_t, gamma_s = gamma_of(t, cfg).unsqueeze(-1), gamma_of(s, cfg).unsqueeze(-1)
     table = (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
-    alpha_t, _ = diffusion.gamma_to_alpha(gamma_t, K, *table)
-    alpha_s, _ = diffusion.gamma_to_alpha(gamma_s, K, *table)
+    alpha_t, _ = curriculum.gamma_to_alpha(gamma_t, K, *table)
+    alpha_s, _ = curriculum.gamma_to_alpha(gamma_s, K, *table)
     zt, zs = coupled_pair(x0, gamma_t, gamma_s, noise)
     with torch.no_grad():
         teacher_logits = teacher(zs, diffusion.sigma_from_alpha(alpha_s.squeeze(-1)))
@@ -449,7 +450,7 @@ def distill(cfg, env):
               vocab_size=run.raw_model.config.vocab_size)
     if env.master:
         K, table = mcfg.vocab_size, (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
-        a_lo, a_hi = (float(diffusion.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
+        a_lo, a_hi = (float(curriculum.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
                       for g in (cfg.gamma_max, cfg.gamma_min))
         rounds = (cfg.max_iters + cfg.round_iters - 1) // cfg.round_iters
         log.pbar.write(f"DCD of {cfg.init} (loss {base_loss}, step {init_ckpt.get('step')}, "

@@ -20,6 +20,8 @@ import diffusion
 from distillation import distill
 import train
 from model import ModelConfig, build_model
+from plumbing.checkpoint import ema_weights
+from plumbing.distributed import Env
 from sample import default_final_step, generate
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
@@ -265,19 +267,19 @@ def toy_batch(n, generator):
 @pytest.fixture(scope="module")
 def toy_base():
     """A small DiT trained with Duo's NELBO on the toy (EMA weights)."""
-    env = train.Env(torch.device("cpu"))
+    env = Env(torch.device("cpu"))
     cfg = train.TrainConfig(loss="duo", batch_size=256, lr=3e-3, warmup_iters=20, max_iters=300, ema=0.99,
                             lr_schedule="constant", seed=2)
     run = train.build_run(cfg, TOY_MODEL, env)
     g = gen(0)
     for _ in range(cfg.max_iters):
         train.train_step(run, cfg, env, toy_batch(cfg.batch_size, g))
-    with train.ema_weights(run) as model:
+    with ema_weights(run) as model:
         return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def distill_toy(weights, rounds=2):
-    env = train.Env(torch.device("cpu"))
+    env = Env(torch.device("cpu"))
     cfg = distill.DistillConfig(batch_size=256, gamma_min=-4.0, gamma_max=6.0, lr=3e-4, warmup_iters=10, ema=0.99,
                                 round_iters=100, T=64, max_iters=100 * rounds, seed=3)
     run = train.build_run(cfg, TOY_MODEL, env)
@@ -286,7 +288,7 @@ def distill_toy(weights, rounds=2):
     g = gen(1)
     for _ in range(cfg.max_iters):
         distill.dcd_step(run, teacher, cfg, env, toy_batch(cfg.batch_size, g))
-    with train.ema_weights(run) as model:
+    with ema_weights(run) as model:
         return few_step_tv(model)
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import diffusion
+import curriculum
 import sample
-from diffusion import SoftTokens, _distinct_uniform
+from curriculum import SoftTokens, _distinct_uniform
 from model import ModelConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
@@ -81,7 +81,7 @@ def test_soft_token_embedding_runs_in_the_autocast_dtype_and_exactly_in_float32(
     model = build_model(ModelConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=32, cond_dim=8)).eval()
     g = torch.Generator().manual_seed(2)
     x0 = torch.randint(0, 300, (2, 16), generator=g)
-    _, soft = diffusion.curriculum_input(x0, torch.full((2, 1), -3.0), 300, 1e-3, g)
+    _, soft = curriculum.curriculum_input(x0, torch.full((2, 1), -3.0), 300, 1e-3, g)
     x = SoftTokens(soft.ids, torch.softmax(torch.randn(soft.probs.shape, generator=g), -1))   # several weights count
     E = model.wte.weight.detach()
     flat_ids, flat_w = x.ids.reshape(32, -1), x.probs.reshape(32, -1)
@@ -129,7 +129,8 @@ def test_the_sampling_loop_never_waits_for_the_device(psi):
 
 
 def test_end_of_run_samples_use_the_runs_autocast_dtype(monkeypatch):
-    """train.py's print_samples hands the run's --dtype (bf16 autocast on CUDA by default) to the sampler."""
+    """sample.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
+    CUDA by default) to the sampler."""
     import contextlib
     import types
     import train
@@ -139,10 +140,10 @@ def test_end_of_run_samples_use_the_runs_autocast_dtype(monkeypatch):
         seen.update(kwargs)
         return torch.zeros(1, 4, dtype=torch.long)
     monkeypatch.setattr(sample, "generate", fake_generate)
-    monkeypatch.setattr(train, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
-    monkeypatch.setattr(train, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
+    monkeypatch.setattr(sample, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
+    monkeypatch.setattr(sample, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
     model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
     cfg = train.TrainConfig(loss="sddlm", dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2)
-    train.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
-                        types.SimpleNamespace(device=torch.device("cpu")))
+    sample.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
+                         types.SimpleNamespace(device=torch.device("cpu")))
     assert seen["dtype"] == torch.bfloat16

@@ -13,11 +13,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import bench
+import curriculum
 import diffusion
 from kernels import gumbel
 import losses
 from kernels import fused_head
 from model import ModelConfig, build_model
+from plumbing.distributed import Env
 import train
 from train import TrainConfig, loss_terms, model_config_for, token_mean
 
@@ -355,20 +357,20 @@ def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast)
 
 
 def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
-    """During the curriculum the model gets diffusion.SoftTokens and the loss reaches E through them exactly
+    """During the curriculum the model gets curriculum.SoftTokens and the loss reaches E through them exactly
     as through the dense soft input (float64, same draws)."""
     model, tcfg = small_model("sddlm", vocab_size=64, curriculum_iters=10)
     model = model.double()
     x0 = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
     c = diffusion.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), train.draw_noise(4, 16, 64, None, "cpu"))
-    assert isinstance(c.net_in, diffusion.SoftTokens)
+    assert isinstance(c.net_in, curriculum.SoftTokens)
     dense = torch.zeros(4, 16, 64, dtype=torch.float64).scatter_(-1, c.net_in.ids, c.net_in.probs.double())
     sigma = diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1))
     result = []
     for net_in in (c.net_in, dense):
         model.zero_grad()
-        train.OBJECTIVES["sddlm"](model(net_in, sigma, return_head=True), c, 0.0).mean().backward()
+        diffusion.OBJECTIVES["sddlm"](model(net_in, sigma, return_head=True), c, 0.0).mean().backward()
         result.append(model.wte.weight.grad.clone())
     assert result[0].abs().max() > 0
     torch.testing.assert_close(result[0], result[1], rtol=1e-10, atol=1e-13)
@@ -461,7 +463,7 @@ def test_torch_compile_matches_eager_logits_and_training_gradients(name, curricu
 # -----------------------------------------------------------------------------
 # the full training step: finite and reproducible from its seeds
 
-@pytest.mark.parametrize("name", list(train.OBJECTIVES))
+@pytest.mark.parametrize("name", list(diffusion.OBJECTIVES))
 def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
     """train.train_step (the step train.py and bench/bench.py run): only its explicit generators may matter."""
     runs = []
@@ -474,7 +476,7 @@ def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
         step_losses = []
         for it in range(2):
             x0 = torch.randint(0, 61, (4, 16), generator=gen)
-            step_losses.append(train.train_step(run, tcfg, train.Env(torch.device("cpu")), x0))
+            step_losses.append(train.train_step(run, tcfg, Env(torch.device("cpu")), x0))
         ema = run.ema
         runs.append((torch.stack(step_losses), [p.detach().clone() for p in model.parameters()], ema))
     (losses_a, params_a, ema_a), (losses_b, params_b, ema_b) = runs

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import losses
 import plumbing.memory
+from plumbing.distributed import Env
 import train
 from kernels import fused_head
 from kernels.fused_head import Head
@@ -175,7 +176,7 @@ def probe_stand_in(monkeypatch, fits):
     monkeypatch.setattr(plumbing.memory, "_probe_fits",
                         lambda run_, cfg, env, micro: asked.append((micro, cfg.head)) or fits(micro, cfg.head))
     monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
-    return train.Env(torch.device("cuda"), world_size=2), asked
+    return Env(torch.device("cuda"), world_size=2), asked
 
 
 def test_the_probe_keeps_the_logits_where_they_fit(monkeypatch, capsys):

@@ -7,6 +7,7 @@ import torch
 from plumbing import cli
 import plumbing.distributed
 import plumbing.memory
+from plumbing.distributed import Env
 import test_train
 import train
 
@@ -81,7 +82,7 @@ def test_out_of_memory_in_training_names_the_micro_batch_and_keeps_the_checkpoin
 def fake_cuda_fit(monkeypatch, fits_up_to):
     monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, compile: micro <= fits_up_to)
     monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
-    return train.Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
+    return Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
 
 
 def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypatch, capsys):
@@ -95,7 +96,7 @@ def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypat
     train.fit_micro_batch(None, cfg, fake_cuda_fit(monkeypatch, fits_up_to=64))
     assert cfg.grad_accum == 2                                 # it fits: nothing changes
     cpu = train.TrainConfig(batch_size=128)
-    train.fit_micro_batch(None, cpu, train.Env(torch.device("cpu")))   # no probe on the CPU
+    train.fit_micro_batch(None, cpu, Env(torch.device("cpu")))   # no probe on the CPU
     assert cpu.grad_accum == 1
 
 
@@ -115,7 +116,7 @@ def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch,
     first; a preset given, a CPU device or a plain `python train.py` keep what was asked."""
     seen = []
     monkeypatch.setattr(plumbing.distributed, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
-    monkeypatch.setattr(plumbing.distributed, "setup_distributed", lambda cfg: train.Env(torch.device("cpu")))
+    monkeypatch.setattr(plumbing.distributed, "setup_distributed", lambda cfg: Env(torch.device("cpu")))
     monkeypatch.setattr(train, "train", lambda cfg, env: seen.append(cfg) or 0)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)

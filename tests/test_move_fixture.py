@@ -11,6 +11,7 @@ import os
 import torch
 
 import train
+from plumbing.distributed import Env
 from sample import generate
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "move_fixture.pt")
@@ -45,7 +46,7 @@ def record():
         cfg = train.TrainConfig(loss=loss, head="fused", n_layer=2, n_head=2, n_embd=32, block_size=16,
                                 batch_size=4, grad_accum=2, warmup_iters=2, lr=1e-2, ema=0.9, device="cpu",
                                 dtype="float32", curriculum_iters=0 if loss == "ar" else 1, seed=3)
-        env = train.Env(torch.device("cpu"))
+        env = Env(torch.device("cpu"))
         mcfg = train.model_config_for(cfg, 64)
         run = train.build_run(cfg, mcfg, env)
         data = torch.Generator().manual_seed(11)

@@ -10,10 +10,12 @@ import sys
 import pytest
 import torch
 
+import curriculum
 import diffusion
 import eval_ppl
 import losses
 from model import ModelConfig
+from plumbing.distributed import Env
 import train
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
@@ -110,12 +112,12 @@ def test_resume_mid_curriculum_continues_bit_identically(corpus, tmp_path):
 
 
 def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus, tmp_path, monkeypatch):
-    calls, inputs, real = [], [], train.diffusion.curriculum_sample
+    calls, inputs, real = [], [], curriculum.curriculum_sample
 
     def spy(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
         calls.append((gamma_min, gamma_max, tau))
         return real(x0, t, vocab_size, gamma_min, gamma_max, tau, generator)
-    monkeypatch.setattr(train.diffusion, "curriculum_sample", spy)
+    monkeypatch.setattr(curriculum, "curriculum_sample", spy)
     real_loss_terms = train.loss_terms
 
     def record(model, cfg, x0, t, it, *args):
@@ -254,7 +256,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pat
 
 
 def test_objectives_table_gives_each_loss_its_own_arguments():
-    """train.OBJECTIVES is the one place --loss picks a function: each entry must pass that loss the right
+    """diffusion.OBJECTIVES is the one place --loss picks a function: each entry must pass that loss the right
     tensors (V1 its negatives and eps, V2 eps, the NELBO alpha_t and its derivative)."""
     g = torch.Generator().manual_seed(0)
     V = 11
@@ -269,9 +271,9 @@ def test_objectives_table_gives_each_loss_its_own_arguments():
                 "duo": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),
                 "duo_lean": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),   # the same, memory-lean
                 "ar": losses.ar_loss(logits, x0)}
-    assert list(train.OBJECTIVES) == list(expected) and diffusion.FULL_LOGITS == {"duo"}
+    assert list(diffusion.OBJECTIVES) == list(expected) and diffusion.FULL_LOGITS == {"duo"}
     for name, ref in expected.items():
-        torch.testing.assert_close(train.OBJECTIVES[name](logits, c, 0.01), ref, rtol=0, atol=1e-12 * (name == "duo_lean"),
+        torch.testing.assert_close(diffusion.OBJECTIVES[name](logits, c, 0.01), ref, rtol=0, atol=1e-12 * (name == "duo_lean"),
                                    msg=name)
     assert not torch.equal(expected["sddlm_v1"], losses.sddlm_v1_loss(logits, x0, xt, neg=neg))   # eps matters
 
@@ -302,7 +304,7 @@ def spy_step(loss, vocab_size, batch, length, seed=0, **overrides):
                     gen_shared=torch.Generator().manual_seed(seed), gen_local=torch.Generator().manual_seed(seed + 1))
     x0 = torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed + 2))
     state = run.gen_shared.get_state()
-    train.train_step(run, cfg, train.Env(torch.device("cpu")), x0)
+    train.train_step(run, cfg, Env(torch.device("cpu")), x0)
     return model, x0, state
 
 
@@ -321,7 +323,7 @@ def test_training_conditions_the_model_on_minus_log_alpha_t():
     model, _, state = spy_step("sddlm", 11, n, 8, curriculum_iters=1)
     u = torch.rand(n, generator=torch.Generator().set_state(state)).double()
     t = 1e-3 + (1 - 1e-3) * (u + torch.arange(n)) / n
-    alpha_t = diffusion.gamma_to_alpha(-3.55 + t * (-1.85 + 3.55), 11)[0]
+    alpha_t = curriculum.gamma_to_alpha(-3.55 + t * (-1.85 + 3.55), 11)[0]
     (_, sigma), = model.calls
     torch.testing.assert_close(sigma.double(), -torch.log(alpha_t), rtol=1e-5, atol=1e-6)
 
