@@ -5,6 +5,7 @@ every phase (preparation, start-up, training, evaluation, sampling), ends a scri
 130, training saved, and no temp folder, lock or empty out_dir left behind."""
 import json
 import glob
+import ast
 import os
 import random
 import shutil
@@ -240,11 +241,16 @@ def _catches(pid, sig):
 def test_every_script_handles_stop_signals_before_its_imports():
     assert len(SCRIPTS) >= 10
     for name in SCRIPTS:
-        lines = open(os.path.join(HERE, name)).read().split("\n")
-        first = next(i for i, line in enumerate(lines) if i > 0 and line.startswith(("import ", "from "))
-                     and not line.startswith("import os, sys"))   # a folder's script: the root on the path first
-        assert lines[first].startswith("from plumbing import cli") and lines[first + 1] == "cli.stop_at_once(__name__)", \
-            name
+        source = open(os.path.join(HERE, name)).read()
+        body = ast.parse(source).body
+        body = body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+        imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))
+                   and not (isinstance(n, ast.Import) and [a.name for a in n.names] == ["os", "sys"])]
+        first = imports[0]                                  # a folder's script puts the root on the path first
+        after = body[body.index(first) + 1]
+        assert ast.get_source_segment(source, first) == "from plumbing import cli", name
+        assert ast.get_source_segment(source, after) == "cli.stop_at_once(__name__)", name
+        assert all(n.lineno >= first.lineno for n in imports), name
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import losses
 import plumbing.memory
 from plumbing.distributed import Env
+from plumbing.flags import check_train_flags
 import train
 from kernels import fused_head
 from kernels.fused_head import Head
@@ -164,7 +165,7 @@ def test_training_uses_the_fused_head_on_cuda_and_the_plain_logits_on_the_cpu():
     assert not fused_head.fused_head_wanted("plain", "cuda")
     with pytest.raises(train.ConfigError, match="unknown --head 'lean'; choose from auto, plain, fused, "
                                                 "fused_recompute"):
-        train.validate(train.TrainConfig(head="lean"), 1)
+        check_train_flags(train.TrainConfig(head="lean"), 1)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def probe_stand_in(monkeypatch, fits):
     """plumbing.memory's probe answering fits(micro-batch, --head) on 2 ranks of a 79.2 GiB GPU; records the asks."""
     asked = []
     monkeypatch.setattr(plumbing.memory, "_probe_fits",
-                        lambda run_, cfg, env, micro: asked.append((micro, cfg.head)) or fits(micro, cfg.head))
+                        lambda run_, cfg, env, micro, compile=False: asked.append((micro, cfg.head)) or fits(micro, cfg.head))
     monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
     return Env(torch.device("cuda"), world_size=2), asked
 
