@@ -287,7 +287,8 @@ def test_a_disk_that_fills_during_the_model_export_is_one_line_and_keeps_the_che
     lines = p.stdout.splitlines()
     first = lines.index("rc=2")
     assert lines[first:first + 4] == ["rc=2", "ckpt.pt", "config.json", "log.jsonl"]   # no half model folder
-    assert lines[-4:] == ["rc=0", "config.json", "model.safetensors", "tokenizer.model"]   # --resume 1 exports it
+    assert lines[-5:] == ["rc=0", "README.md", "config.json", "model.safetensors",   # --resume 1 exports it
+                          "tokenizer.model"]
 
 
 # -----------------------------------------------------------------------------------------------
