@@ -146,7 +146,8 @@ def _gpt2_tokenizer(threads=None):
 def _sentencepiece_tokenizer(path, threads=None):
     import sentencepiece as spm
     if not os.path.isfile(path):
-        raise DataError(f"SentencePiece model not found: {path}")
+        from plumbing.cli import not_a_file
+        raise DataError(not_a_file(path, f"SentencePiece model not found: {path}", "the SentencePiece model"))
     try:
         sp = spm.SentencePieceProcessor(model_file=path)
     except (RuntimeError, OSError) as e:

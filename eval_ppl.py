@@ -48,7 +48,8 @@ from tqdm import tqdm
 import diffusion
 import losses
 from kernels import fused_head
-from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import (UsageError, autocast_for, first_line, not_a_file, parse_flags, resolve_device, resolve_dtype,
+                          run_cli)
 from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
@@ -132,6 +133,8 @@ def zero_shot_documents(name):
     from prepare import load_hf_split
     if os.path.isfile(name):
         return [read_text(name)]      # not UTF-8 -> one line naming the byte
+    if special := not_a_file(name, None, "--dataset"):   # a named pipe: what it is, not "neither a file nor ..."
+        raise UsageError(special)
     if name not in ZERO_SHOT_SETS:
         raise UsageError(f"--dataset {name!r} is neither a file nor one of {', '.join(ZERO_SHOT_SETS)}")
     docs = list(load_hf_split(name, "val"))
@@ -219,6 +222,8 @@ def load_judge(spec, device):
     """An AR checkpoint of this repo (a path: a file, a name ending in .pt or a model folder; or duo:PATH, Duo's
     released AR baseline) or a Hugging Face causal LM (hub name or local folder, needs transformers). Never falls
     back to another judge."""
+    if special := not_a_file(spec, None, "--judge"):     # a named pipe: what it is, not "no hub model of that name"
+        raise UsageError(special)
     if spec.endswith(".pt") or spec.startswith("duo:") or os.path.isfile(spec) or is_model_folder(spec):
         model, ckpt = load_model(spec, device, use_ema=True)
         if not model.config.causal:
@@ -314,7 +319,7 @@ def _fmt(v):
 
 def _read_samples(path):
     if not os.path.isfile(path):
-        raise UsageError(f"--samples {path}: no such file")
+        raise UsageError(not_a_file(path, f"--samples {path}: no such file", "--samples"))
     records = []
     for n, record in jsonl_records(path, lambda n, e: UsageError(f"--samples {path}:{n}: not a JSON line ({e}); "
                                                                  f"a truncated file?")):

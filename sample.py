@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 import diffusion
 from data import DataError, get_tokenizer
-from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite
 
@@ -312,11 +312,7 @@ def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loo
     if grid not in GRIDS:
         raise UsageError(f"--psi_grid must be one of {', '.join(GRIDS)}, got {grid!r}")
     modes = tuple(str(kappa).replace(" ", "").split(","))
-    try:
-        etas = tuple(float(e) for e in str(eta).replace(" ", "").split(","))
-        fr = tuple(float(f) for f in str(fracs).replace(" ", "").split(","))
-    except ValueError:
-        raise UsageError(f"--psi_eta and --psi_fracs must be comma-separated numbers, got {eta!r}, {fracs!r}") from None
+    etas, fr = finite_floats(eta, "--psi_eta"), finite_floats(fracs, "--psi_fracs")   # nan, inf: one line each
     phases = 3 if profile == "loop" or 3 in (len(modes), len(etas)) else 1
     modes, etas = (modes * phases if len(modes) == 1 else modes), (etas * phases if len(etas) == 1 else etas)
     if len(modes) != phases or len(etas) != phases:

@@ -66,7 +66,8 @@ from tqdm import tqdm
 import diffusion
 import losses
 from data import DataError
-from plumbing.cli import UsageError, autocast_for, first_line, parse_bool, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import (UsageError, autocast_for, finite_float, first_line, not_a_file, parse_bool, parse_flags,
+                          resolve_device, resolve_dtype, run_cli)
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import refuse_overwrite, save_atomic, write_json
 from plumbing.runlog import jsonl_records
@@ -327,7 +328,7 @@ class Scorer:
 def read_jsonl(path):
     """-> (kind, items) with kind "multiple_choice" or "lambada"; every line is checked, errors name the line."""
     if not os.path.isfile(path):
-        raise EvalError(f"JSONL file not found: {path}")
+        raise EvalError(not_a_file(path, f"JSONL file not found: {path}", "the JSONL file"))
     items, kinds = [], set()
     for n, item in jsonl_records(path, lambda n, e: EvalError(f"{path}:{n}: not JSON ({e.msg})")):
         if isinstance(item, dict) and "choices" in item:
@@ -414,12 +415,15 @@ def note_once(key, message):
 
 def coerce(value, typ, name):
     """lm-eval passes model_args as strings or already coerced: '16' -> 16, 'true' -> True."""
-    if value is None or isinstance(value, typ) and not (typ is int and isinstance(value, bool)):
+    if value is None or isinstance(value, typ) and not (typ is int and isinstance(value, bool)) and \
+            not (typ is float and not math.isfinite(value)):
         return value
     s = str(value).strip().lower()
     try:
         if typ is bool:
             return parse_bool(s)
+        if typ is float:
+            return finite_float(s)      # nan, inf: refused, as every float flag
         return typ(float(s)) if typ is int and float(s).is_integer() else typ(s)
     except (ValueError, argparse.ArgumentTypeError):
         raise EvalError(f"sddlm model argument {name}={value!r} is not a valid {typ.__name__}") from None
@@ -480,8 +484,9 @@ class _Harness:
         if batch_size == 1 and mc_draws > 1:
             note_once("batch", f"--batch_size 1 (lm-eval's default) runs one of the {mc_draws} Monte Carlo draws "
                                f"per forward; --batch_size 16 or more is much faster")
-        if not str(ckpt).startswith("duo:") and not os.path.exists(str(ckpt)):   # the file first, then the device
-            raise EvalError(f"checkpoint not found: {ckpt} (--model_args ckpt=PATH)")
+        if not str(ckpt).startswith("duo:") and not (os.path.isfile(str(ckpt)) or os.path.isdir(str(ckpt))):
+            raise EvalError(not_a_file(str(ckpt), f"checkpoint not found: {ckpt} (--model_args ckpt=PATH)",
+                                       "the checkpoint"))     # the file first, then the device
         name = str(device or "auto")
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
@@ -672,9 +677,9 @@ def task_weights(cfg, tasks):
             continue
         name, _, value = part.partition("=")
         try:
-            w = float(value)
-        except ValueError:
-            raise EvalError(f"--cfg_w_task: expected NAME=W or 'smdm', got {part!r}") from None
+            w = finite_float(value)
+        except argparse.ArgumentTypeError:
+            raise EvalError(f"--cfg_w_task: expected NAME=W (W a finite number) or 'smdm', got {part!r}") from None
         if name.strip() not in weights:
             raise EvalError(f"--cfg_w_task: {name.strip()!r} is not one of the tasks ({', '.join(weights)})")
         weights[name.strip()] = w
@@ -699,7 +704,7 @@ def plan_tasks(cfg):
                             f"give its items with --jsonl PATH")
     for path in filter(None, (p.strip() for p in cfg.jsonl.split(","))):
         if not os.path.isfile(path):
-            raise EvalError(f"--jsonl: file not found: {path}")
+            raise EvalError(not_a_file(path, f"--jsonl: file not found: {path}", "--jsonl"))
         plan.append((os.path.splitext(os.path.basename(path))[0], "builtin", path))
     if not plan:
         raise EvalError("nothing to evaluate: give --tasks (e.g. --tasks paper) and/or --jsonl PATH[,PATH]")
@@ -716,8 +721,8 @@ def validate(cfg):
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p)
     if cfg.rolling_context < 0:
         raise EvalError(f"--rolling_context must be >= 0, got {cfg.rolling_context}")
-    if not cfg.ckpt.startswith("duo:") and not os.path.exists(cfg.ckpt):   # a file or a model folder; duo: loads later
-        raise EvalError(f"checkpoint not found: {cfg.ckpt}")
+    if not cfg.ckpt.startswith("duo:") and not (os.path.isfile(cfg.ckpt) or os.path.isdir(cfg.ckpt)):   # duo: later
+        raise EvalError(not_a_file(cfg.ckpt, f"checkpoint not found: {cfg.ckpt}", "--ckpt"))
 
 
 def markdown_table(rows):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing.files import remove_stale_temps
+from plumbing.files import remove_stale_temps, writing
 from plumbing.signals import deferred_signals
 from plumbing.folder import (CARD, CARD_MARK, CONFIG, FORMAT, MODEL_TYPE, TOKENIZER, WEIGHTS, _sha256,  # noqa: F401
                              check_target, is_model_folder, is_our_card, load_folder, our_files)
@@ -321,7 +321,7 @@ class SDDLM:
         """Write this model as a model folder (its loaded weights; the tokenizer file travels with it), replacing
         only what an earlier export wrote there (save_folder). name: the model's name in the card's loading lines."""
         weights = "ema" if self.ckpt.get("ema") is not None or self.ckpt.get("used_ema") else "raw"
-        return save_folder(folder, self.model.state_dict(), folder_config(self.ckpt, weights), name)
+        return writing(folder, save_folder, folder, self.model.state_dict(), folder_config(self.ckpt, weights), name)
 
     def push_to_hub(self, repo_id, private=False, token=None):
         """save_pretrained into a temporary folder, then upload it (push_to_hub)."""
@@ -385,7 +385,7 @@ def main(argv=None):
     refuse_overwrite({"--out": out}, {"--ckpt": cfg.ckpt})
     check_writable(out, "--out", folder=True)
     check_target(out, "--out")
-    folder, used = export(cfg.ckpt, out, cfg.weights)
+    folder, used = writing(out, export, cfg.ckpt, out, cfg.weights)   # a full disk: one line, nothing half-written
     note = " (the checkpoint has no EMA)" if used != cfg.weights else ""
     print(f"wrote {folder}: {used} weights{note}, " + ", ".join(sorted(os.listdir(folder))))
     return 0

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from data import DataError, full_data_key, get_tokenizer
 from model import ModelConfig, build_model
-from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
+from plumbing.cli import ConfigError, UsageError, first_line, not_a_file, os_error_line
 from plumbing.files import check_writable, remove_stale_temps, run_output_names, save_atomic
+from plumbing.folder import check_target
 from plumbing.lock import LOCK
 from plumbing.integrity import check_checkpoint_fields, check_finite_weights, check_tokenizer_identity
 from plumbing.signals import deferred_signals
@@ -115,7 +116,8 @@ def read_checkpoint(path, map_location="cpu", mmap=False):
 def load_resume_checkpoint(cfg):
     """What train.py and distillation/distill.py share at start: out_dir writable and cleared of a killed save's temp file;
     a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
-    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable)."""
+    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable), refused
+    when out_dir/model, which the run's end writes, holds what is not a model folder of ours (folder.check_target)."""
     check_writable(cfg.out_dir, "--out_dir", folder=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -133,6 +135,9 @@ def load_resume_checkpoint(cfg):
         return None
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
+    # the run ends by exporting out_dir/model: a folder there of the user's is refused now, not after the training
+    check_target(os.path.join(cfg.out_dir, "model"), f"--out_dir {cfg.out_dir}: its model folder",
+                 "move them elsewhere, then resume")
     try:
         ckpt = read_checkpoint(path)
     except ValueError as e:
@@ -264,7 +269,7 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     use_ema and the checkpoint has them. Read with weights_only=True: a checkpoint holds tensors, dicts, lists
     and numbers only (RNG states are tensors), so loading one runs no code."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise FileNotFoundError(not_a_file(path, f"checkpoint not found: {path}", "the checkpoint"))
     try:
         ckpt = read_checkpoint(path, device)
     except ValueError as e:

@@ -42,9 +42,10 @@ def our_files(folder):
     return [name for name in ours if os.path.lexists(os.path.join(folder, name))]
 
 
-def check_target(folder, flag="the output folder"):
+def check_target(folder, flag="the output folder", fix="choose another"):
     """A model folder may be written into a new or empty folder, or over a model folder of ours (replacing only
-    our_files); a folder holding anything else is the user's: one line (UsageError) before any work."""
+    our_files); a folder holding anything else is the user's: one line (UsageError, ending in `fix`) before any
+    work."""
     from plumbing.cli import UsageError
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise UsageError(f"{flag} {folder} is a file, not a folder")
@@ -54,7 +55,7 @@ def check_target(folder, flag="the output folder"):
     if entries:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise UsageError(f"{flag} {folder} already holds files that are not an sddlm model folder ({shown}); a model "
-                         f"folder is written only into a new or empty folder or over an earlier one: choose another")
+                         f"folder is written only into a new or empty folder or over an earlier one: {fix}")
 
 
 def model_config_of(config):

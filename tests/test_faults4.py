@@ -19,7 +19,7 @@ import pytest
 
 import prepare
 import train
-from test_faults import ENV, HERE, case, md5s, run_batches
+from test_faults import ENV, HERE, RUNNER, case, md5s, run_batches
 from test_faults3 import _unshare_available, check
 from test_train import TINY, _corpus
 
@@ -287,4 +287,111 @@ def test_a_disk_that_fills_during_the_model_export_is_one_line_and_keeps_the_che
     lines = p.stdout.splitlines()
     first = lines.index("rc=2")
     assert lines[first:first + 4] == ["rc=2", "ckpt.pt", "config.json", "log.jsonl"]   # no half model folder
-    assert lines[-4:] == ["rc=0", "config.json", "model.safetensors", "tokenizer.model"]   # --resume 1 exports it
+    assert lines[-5:] == ["rc=0", "README.md", "config.json", "model.safetensors",   # --resume 1 exports it
+                          "tokenizer.model"]
+
+
+# -----------------------------------------------------------------------------------------------
+# the rest of issue 30: hub/pretrained.py on a full disk, float lists, a resumed run's model folder, named pipes
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _unshare_available(), reason="needs unshare (a user namespace) to mount a small tmpfs")
+def test_a_full_disk_during_pretrained_export_is_one_line_and_writes_nothing(base, tmp_path):
+    """hub/pretrained.py --out (a new folder, and over an earlier model folder) and SDDLM.save_pretrained on a
+    disk without room for the weights: one line (an OSError for the API), nothing half-written, the earlier
+    folder and a user's file as they were."""
+    mnt, model = tmp_path / "mnt", os.path.join(base.out, "model")
+    mnt.mkdir()
+    room = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)) + 300_000
+    export = f"{sys.executable} {os.path.join(HERE, 'hub', 'pretrained.py')} --ckpt {base.ckpt} --out"
+    api = (f"{sys.executable} -c 'from hub.pretrained import SDDLM; "
+           f"SDDLM.from_pretrained(\"{model}\").save_pretrained(\"{mnt / 'api'}\")'")
+    script = (f"mount -t tmpfs -o size={room // 1024}k tmpfs {mnt} && cp -r {model} {mnt / 'old'} && "
+              f"echo 'my thesis' > {mnt / 'thesis.tex'} && md5sum {mnt / 'old'}/* {mnt / 'thesis.tex'} > {tmp_path}/a"
+              f" && {export} {mnt / 'new'} 2> {tmp_path}/new.err; echo rc=$?; "
+              f"{export} {mnt / 'old'} 2> {tmp_path}/old.err; echo rc=$?; "
+              f"{api} 2> {tmp_path}/api.err; echo rc=$?; "
+              f"md5sum {mnt / 'old'}/* {mnt / 'thesis.tex'} > {tmp_path}/b; ls -A {mnt}")
+    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                       capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    assert p.stdout.splitlines() == ["rc=2", "rc=2", "rc=1", "old", "thesis.tex"], (p.stdout, p.stderr)
+    for name, kept in (("new", "nothing was written"), ("old", f"the previous {mnt / 'old'} is kept")):
+        err = SimpleNamespace(returncode=2, stderr=(tmp_path / f"{name}.err").read_text())
+        line = one_error(err)
+        assert line.startswith(f"error: could not write {mnt / name} (") and "No space left" in line and kept in line
+    api_err = (tmp_path / "api.err").read_text()      # the Python API raises one OSError, its message one line
+    assert api_err.splitlines()[-1].startswith(f"OSError: [Errno 28] could not write {mnt / 'api'} (")
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text()
+
+
+@pytest.mark.slow
+def test_float_lists_refuse_nan_and_inf_naming_the_flag(base, tmp_path):
+    t = tmp_path
+    psi = ["--sampler", "psi", "--psi_profile", "loop", "--steps", "4", "--num_samples", "1"]
+    cases = [case("sample.py", "--ckpt", base.ckpt, *psi, "--psi_fracs", "nan,0.5,0.5", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_fracs: expected a finite number, got 'nan' in 'nan,0.5,0.5'"),
+             case("sample.py", "--ckpt", base.ckpt, *psi, "--psi_fracs", "0.5,0.5,-inf", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_fracs: expected a finite number, got '-inf'"),
+             case("sample.py", "--ckpt", base.ckpt, *psi, "--psi_eta", "0.9,nan,0.9", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_eta: expected a finite number, got 'nan'"),
+             case("eval_ppl.py", "--ckpt", base.ckpt, "--metric", "genppl", "--judge", base.ar, *psi,
+                  "--psi_fracs", "0.5,nan,0.5", cwd=t, expect="--psi_fracs: expected a finite number, got 'nan'"),
+             case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "mc.jsonl", "--cfg", "on",
+                  "--cfg_w_task", "mc=nan", cwd=t, expect="--cfg_w_task: expected NAME=W (W a finite number)")]
+    (t / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
+    before = md5s(base.root)
+    check(run_batches(cases))
+    assert not (t / "s.jsonl").exists() and md5s(base.root) == before
+    # lm-eval's --model_args of eval_downstream's model: strings, or values lm-eval already made floats
+    from downstream import eval_downstream as ed
+    for args, flag in (({"cfg_w": float("nan")}, "cfg_w"), ({"cfg_w": "inf"}, "cfg_w"),
+                       ({"top_p": "nan"}, "top_p"), ({"psi_loop_t": float("inf")}, "psi_loop_t"),
+                       ({"sampler": "psi", "psi_profile": "loop", "psi_fracs": "nan/0.5/0.5"}, "psi_fracs")):
+        with pytest.raises(ed.EvalError, match=f"sddlm model argument {flag}"):
+            ed._Harness(ckpt=base.ckpt, **args)
+
+
+@pytest.mark.slow
+def test_a_resume_refuses_a_users_model_folder_before_training(base, tmp_path):
+    """--resume 1 into an out_dir whose model/ holds a user's file: refused at start (was: trained to the end,
+    then refused the export), the checkpoint and the user's file unchanged."""
+    out = tmp_path / "run"
+    shutil.copytree(base.out, out, copy_function=shutil.copy2)
+    shutil.rmtree(out / "model")
+    (out / "model").mkdir()
+    (out / "model" / "notes.txt").write_text("my notes")
+    before = md5s(out)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *base.train, "--out_dir", out, "--resume",
+                        "1", "--max_iters", "8", "--eval_interval", "4"], capture_output=True, text=True, env=ENV,
+                       cwd=tmp_path, timeout=300)
+    line = one_error(p)
+    assert f"--out_dir {out}: its model folder {out / 'model'} already holds files" in line and "notes.txt" in line
+    assert md5s(out) == before
+
+
+def test_named_pipes_as_inputs_say_what_they_are_and_never_wait(tmp_path):
+    """A named pipe as --ckpt, --tokenizer sp:PATH, --samples, --jsonl, --judge: one line saying it is a named pipe
+    (was: 'not found'), without opening it (no writer: an open would wait forever)."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "corpus.txt").write_text("the cat sees the dog .\n" * 50)
+    (tmp_path / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
+    said = "pipe is a named pipe, not a regular file; save it to a file first"
+    cases = [case("sample.py", "--ckpt", "pipe", cwd=tmp_path, expect=f"the checkpoint {said}"),
+             case("hub/pretrained.py", "--ckpt", "pipe", "--out", "m", cwd=tmp_path, expect=f"the checkpoint {said}"),
+             case("eval_ppl.py", "--metric", "genppl", "--samples", "pipe", "--judge", "pipe", cwd=tmp_path,
+                  expect=f"--samples {said}"),
+             case("eval_ppl.py", "--metric", "genppl", "--ckpt", "m.pt", "--judge", "pipe", cwd=tmp_path,
+                  expect=f"--judge {said}"),
+             case("downstream/eval_downstream.py", "--ckpt", "pipe", "--jsonl", "mc.jsonl", cwd=tmp_path,
+                  expect=f"--ckpt {said}"),
+             case("downstream/eval_downstream.py", "--ckpt", "corpus.txt", "--jsonl", "pipe", cwd=tmp_path,
+                  expect=f"--jsonl {said}"),
+             case("prepare.py", "--dataset", "corpus.txt", "--tokenizer", "sp:pipe", "--data_dir", "d", cwd=tmp_path,
+                  expect=f"the SentencePiece model {said}"),
+             case("train.py", "--dataset", "corpus.txt", "--tokenizer", "sp:pipe", "--out_dir", "r", cwd=tmp_path,
+                  expect=f"the SentencePiece model {said}")]
+    p = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(cases), capture_output=True, text=True,
+                       env=ENV, cwd=HERE, timeout=240)      # a read of the pipe would wait: the timeout fails it
+    assert p.returncode == 0, p.stderr[-3000:]
+    check(json.loads(p.stdout))
+    assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "mc.jsonl", "pipe"]
