@@ -1,7 +1,7 @@
 """
 The uniform-state diffusion process: noise schedules, the forward marginal, the reverse posterior,
 one ancestral (or Psi predictor-corrector) sampling step, and Algorithm 1's objective (Duo's Gaussian-guided
-curriculum, which replaces the forward process early in training, is curriculum.py).
+curriculum, which replaces the forward process early in training, is curriculum/gaussian.py).
 
 Each token x0 is kept with probability alpha_t and otherwise replaced by a token drawn uniformly from
 the whole vocabulary of size K (which may be x0 itself):
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-import curriculum
+import curriculum.gaussian as curriculum
 import losses
 from kernels import fused_head
 from kernels.gumbel import block_logsumexp, gumbel_argmax, sample_categorical  # noqa: F401  (exact draws over K)

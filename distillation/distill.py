@@ -42,7 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
-import curriculum
+import curriculum.gaussian as curriculum
 import diffusion
 import train
 from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_dtype, run_cli

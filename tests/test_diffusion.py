@@ -1,4 +1,4 @@
-"""Tests for diffusion.py and curriculum.py. The forward process and posterior are checked against explicit K x K
+"""Tests for diffusion.py and curriculum/gaussian.py. The forward process and posterior are checked against explicit K x K
 transition matrices and Bayes' rule in float64; samplers against their target distributions by chi-square tests on
 many seeded draws; schedules against finite differences; the curriculum against Duo's reference table and Monte
 Carlo."""
@@ -11,7 +11,7 @@ import torch
 from conftest import bayes_posterior, transition_matrix
 import diffusion
 from kernels import gumbel
-from curriculum import (TOP_K_MAX_TAU, SoftTokens, alpha_table, curriculum_input, curriculum_sample, gamma_to_alpha,
+from curriculum.gaussian import (TOP_K_MAX_TAU, SoftTokens, alpha_table, curriculum_input, curriculum_sample, gamma_to_alpha,
                         gaussian_latent, soft_input, tau_schedule, top_k_latent)
 from diffusion import (SCHEDULES, T_MIN, ancestral_step, ancestral_step_from_logits, corrector_weights,
                        cosine_schedule, log_linear_schedule, reverse_posterior, sample_t, sample_xt, sigma_from_alpha)

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import curriculum
+import curriculum.gaussian as curriculum
 import sample
-from curriculum import SoftTokens, _distinct_uniform
+from curriculum.gaussian import SoftTokens, _distinct_uniform
 from model import ModelConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import bench
-import curriculum
+import curriculum.gaussian as curriculum
 import diffusion
 from kernels import gumbel
 import losses

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import curriculum
+import curriculum.gaussian as curriculum
 import diffusion
 import eval_ppl
 import losses

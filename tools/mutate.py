@@ -98,7 +98,7 @@ MUTATIONS = [
       old="return a_s * (1 - a_t) / Z, (1 - a_s) * torch.ones_like(p_z)", new="return (1 - a_t) / Z, 0 * p_z",
       tests=["tests/test_diffusion.py::test_psi_step_frequencies_match_kappa_predictor_plus_corrector",
              "tests/test_diffusion.py::test_psi_corrector_is_the_posterior_to_level_zero_renoised_to_s"]),
-    M(name="top_k_tokens_in_drawing_order", file="curriculum.py",
+    M(name="top_k_tokens_in_drawing_order", file="curriculum/gaussian.py",
       old="dtype=torch.float64).argsort(-1)", new="dtype=torch.float64).argsort(-1).sort(-1).values",
       tests=["tests/test_diffusion.py::test_top_k_latent_has_the_joint_law_of_the_dense_top_k"]),
     M(name="times_not_stratified", file="diffusion.py",
