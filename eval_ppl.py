@@ -48,8 +48,9 @@ from tqdm import tqdm
 import diffusion
 import losses
 from kernels import fused_head
-from plumbing.cli import (UsageError, autocast_for, first_line, not_a_file, parse_flags, resolve_device, resolve_dtype,
+from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype,
                           run_cli)
+from data import not_a_file
 from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json

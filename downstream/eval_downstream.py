@@ -65,8 +65,8 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from data import DataError
-from plumbing.cli import (UsageError, autocast_for, finite_float, first_line, not_a_file, parse_bool, parse_flags,
+from data import DataError, not_a_file
+from plumbing.cli import (UsageError, autocast_for, finite_float, first_line, parse_bool, parse_flags,
                           resolve_device, resolve_dtype, run_cli)
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import refuse_overwrite, save_atomic, write_json

@@ -12,9 +12,9 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from data import DataError, full_data_key, get_tokenizer
+from data import DataError, full_data_key, get_tokenizer, not_a_file
 from model import ModelConfig, build_model
-from plumbing.cli import ConfigError, UsageError, first_line, not_a_file, os_error_line
+from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from plumbing.files import check_writable, remove_stale_temps, run_output_names, save_atomic
 from plumbing.folder import check_target
 from plumbing.lock import LOCK

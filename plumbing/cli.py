@@ -122,30 +122,6 @@ def finite_floats(s, flag, sep=","):
     return tuple(values)
 
 
-def special_file(path):
-    """What `path` is when it exists but is neither a regular file nor a folder: 'a named pipe', 'a socket', 'a
-    device', else None. Asked of the file system (stat), it never opens the path, so it never waits for a writer."""
-    import stat
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return None
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    return ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
-
-
-def not_a_file(path, missing, flag=""):
-    """The line for an input file that cannot be read as one: `missing` (the script's own 'not found' line) when
-    nothing regular is there, or, when `path` is a named pipe, socket or device, what it is (a pipe would be read
-    once, or wait for a writer forever, and every reader here reads its inputs whole, some twice)."""
-    kind = special_file(path)
-    if kind is None:
-        return missing
-    return f"{flag + ' ' if flag else ''}{path} is {kind}, not a regular file; save it to a file first and give that"
-
-
 def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None):
     """One --flag per field of the dataclass `cls`, described and grouped in --help from its source comments
     (field_help); argparse errors become UsageError. presets: {name: {field: value}}; the field `preset` picks one,
