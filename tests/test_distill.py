@@ -422,7 +422,7 @@ def test_init_from_a_model_folder_distils_exactly_as_from_its_checkpoint(base_ck
     (["--resume", "1", "CORRUPT"], "not a readable checkpoint"),
     (["LOG"], "holds the log of an earlier run"),
     (["--eval_interval", "0"], "must be >= 1"),
-    (["--lr", "nan"], "--lr must be finite"),
+    (["--lr", "nan"], "--lr: expected a finite number"),
     (["--eval_iters", "-1"], "--eval_iters"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_lost(args, words, base_ckpts, tmp_path):

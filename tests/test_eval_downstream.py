@@ -519,7 +519,7 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     import glob
     import re
-    from sample import generate
+    from sample import default_final_step, generate
     items = write_tasks(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf")}
@@ -556,12 +556,16 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
             assert results[task]["acc"] == pytest.approx(sum(acc) / len(acc))
         lls = [float(s["resps"][0][0][0]) for s in logged("colours_lambada")]
         assert results["colours_lambada"]["perplexity"] == pytest.approx(math.exp(-sum(lls) / len(lls)))
-        # generate_until: 6 tokens after [BOS] + context by sample.generate, then cut at EOS and at "."
+        # generate_until: 6 tokens after [BOS] + context by sample.generate, then cut at EOS and at "."; the
+        # final step the harness's final_step=auto picks for this checkpoint (a NELBO model: greedy)
+        final_step = default_final_step(torch.load(trained["ckpt"], map_location="cpu", weights_only=True))
+        assert final_step == "greedy"
         right = []
         for s in logged("colours_gen"):
             ctx = [tok.bos_id] + tok.encode(s["doc"]["context"])
             ids = generate(model, 1, len(ctx) + 6, model.config.vocab_size, 6, prompt_ids=torch.tensor(ctx),
-                           generator=torch.Generator().manual_seed(3), show_progress=False)[0, len(ctx):].tolist()
+                           final_step=final_step, generator=torch.Generator().manual_seed(3),
+                           show_progress=False)[0, len(ctx):].tolist()
             ids = ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids
             text = tok.decode(ctx + ids)[len(tok.decode(ctx)):].split(".")[0]
             assert s["resps"] == [[text]], (s["resps"], text)
