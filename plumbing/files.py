@@ -98,14 +98,18 @@ def remove_stale_temps(path):
             pid = pid[len(host) + 2:].split("-")[0]
         if not pid.isdigit() or pid_alive(int(pid)):
             continue
-        target = os.path.join(folder, entry)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            try:
-                os.remove(target)
-            except OSError:
-                pass
+        remove_path(os.path.join(folder, entry))
+
+
+def remove_path(path):
+    """Remove a file, a link or a folder (quietly: what cannot be removed stays)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def pid_alive(pid):
@@ -146,14 +150,7 @@ def remove_unfinished(out_dir, before):
     for entry in run_output_names(out_dir):
         if entry in before or entry == ".lock":
             continue
-        path = os.path.join(out_dir, entry)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+        remove_path(os.path.join(out_dir, entry))
 
 
 def refuse_overwrite(outputs, inputs):
