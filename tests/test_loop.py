@@ -212,9 +212,17 @@ def test_expandable_segments_are_set_before_the_first_cuda_allocation_unless_the
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    # setup_distributed sets TF32 on CUDA: put it back by hand (monkeypatch cannot undo these properties in pytest 9.2)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     threads = torch.get_num_threads()
+    try:
+        _setup_on_a_stand_in_cuda(monkeypatch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.set_num_threads(threads)
+
+
+def _setup_on_a_stand_in_cuda(monkeypatch):
     distributed.setup_distributed(train.TrainConfig(device="cpu", threads=1))
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ                 # the CPU: nothing to set
     at_first_cuda_call = []
@@ -226,4 +234,3 @@ def test_expandable_segments_are_set_before_the_first_cuda_allocation_unless_the
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     distributed.setup_distributed(train.TrainConfig())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"   # the user's own is kept
-    torch.set_num_threads(threads)
