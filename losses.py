@@ -115,18 +115,20 @@ def log_probs(logits, *token_sets, chunk_elems=1 << 25):
         return logits.log_probs(*token_sets)
     tokens = torch.stack(token_sets, dim=-1)                                 # (B, L, k)
     if logits.dtype in (torch.float32, torch.float64):
-        return tuple(_picked_minus_lse(logits, tokens).unbind(-1))
+        return tuple(_picked_log_softmax(logits, tokens).unbind(-1))
     flat, tok = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, tokens.shape[-1])
     rows = max(1, chunk_elems // flat.shape[-1])
-    out = [checkpoint(_picked_minus_lse, z, t, use_reentrant=False, preserve_rng_state=False)
+    out = [checkpoint(_picked_log_softmax, z, t, use_reentrant=False, preserve_rng_state=False)
            for z, t in zip(flat.split(rows), tok.split(rows))]
     return tuple(torch.cat(out).view(tokens.shape).unbind(-1))
 
 
-def _picked_minus_lse(logits, tokens):
-    """logits (..., V) any float dtype, tokens (..., k) -> log p of each token, (..., k) in at least float32."""
+def _picked_log_softmax(logits, tokens):
+    """logits (..., V) any float dtype, tokens (..., k) -> log p of each token, (..., k) in at least float32.
+    log_softmax saves only its output for backward, like logsumexp saves its input, and runs as one fused
+    kernel each way (on CPU half the time of logsumexp's composite of max, exp, sum and its backward)."""
     z = logits.to(_at_least_fp32(logits.dtype))
-    return z.gather(-1, tokens) - torch.logsumexp(z, dim=-1, keepdim=True)
+    return torch.log_softmax(z, dim=-1).gather(-1, tokens)
 
 
 def log_p_plus_eps(log_p, eps):

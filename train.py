@@ -163,9 +163,13 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 # config
 
 def parse_config(argv=None):
-    return parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
-                       preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
-                                                f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
+                      preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
+                                               f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
+    if cfg.loss == "ar" and not any(a.split("=")[0] == "--curriculum_iters" for a in argv):
+        cfg.curriculum_iters = 0     # a preset's curriculum is for the diffusion losses (given with ar: refused)
+    return cfg
 
 
 FLAGSHIP_PRESET = "small"

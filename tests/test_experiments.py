@@ -44,6 +44,19 @@ def test_paper_presets_are_the_appendix_table_and_duo_data():
             assert DiffusionTransformer(ModelConfig(**PRESETS[name])).num_params() == params
 
 
+def test_a_presets_curriculum_is_for_the_diffusion_losses_and_an_explicit_one_with_ar_is_refused(tmp_path):
+    """--preset owt --loss ar (the paper's AR baseline) trains without the preset's curriculum; the diffusion losses
+    keep it; --curriculum_iters given with --loss ar is still refused before any work."""
+    for preset in ("owt", "lm1b", "small"):
+        assert train.parse_config(["--preset", preset, "--loss", "ar"]).curriculum_iters == 0
+        assert train.parse_config(["--preset", preset, "--loss", "sddlm"]).curriculum_iters == 500_000
+    for given in (["--curriculum_iters", "5"], ["--curriculum_iters=5"]):
+        assert train.parse_config(["--loss", "ar"] + given).curriculum_iters == 5
+        with pytest.raises(train.ConfigError, match="--curriculum_iters applies to diffusion losses"):
+            train.main(TINY + ["--loss", "ar", "--dataset", str(tmp_path / "none.txt"),
+                               "--out_dir", str(tmp_path / "o")] + given)
+
+
 @pytest.mark.parametrize("args, words", [(["--keep_every", "-1"], "--keep_every"), (["--eval_iters", "-2"], "--eval_iters"),
                                          (["--gen_interval", "5", "--gen_num_samples", "0"], "--gen_num_samples")])
 def test_bad_experiment_flags_fail_before_any_work(args, words, tmp_path):

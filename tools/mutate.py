@@ -73,8 +73,8 @@ MUTATIONS = [
       new="return -dalpha_t / (alpha_t * x_bar_z) * (r_term + kl)",
       tests=["test_losses.py::test_usdm_nelbo_matches_printed_formula_with_duo_sign"]),
     M(name="bf16_logit_gradient_rounded_twice", file="losses.py",
-      old="return z.gather(-1, tokens) - torch.logsumexp(",
-      new="return logits.gather(-1, tokens).to(z.dtype) - torch.logsumexp(",
+      old="return torch.log_softmax(z, dim=-1).gather(-1, tokens)",
+      new="return (logits.gather(-1, tokens).to(z.dtype) - torch.logsumexp(z, dim=-1, keepdim=True))",
       tests=["test_losses.py::test_bf16_logits_are_scored_in_float32_in_chunks_of_rows",
              "tests/test_fastpaths.py::test_sddlm_target_logit_gradient_is_rounded_once_in_bf16"]),
     # --- the fused head: kept logits, W's gradient summed in float32 -----------------------------------------------
