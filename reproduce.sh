@@ -16,7 +16,7 @@
 # count, 1 on CPU), PAR (runs trained at the same time; default 1), JUDGE (Gen PPL judge; tiny: the AR run,
 # owt/lm1b: gpt2-large as in the paper, which needs transformers and the network; or an AR ckpt.pt, offline).
 # TRAIN_EXTRA (flags added to every training run, e.g. "--max_iters 30" for a quick check of the script),
-# ITERS (tiny: steps of the objectives and ε runs, default the tiny preset's 1000; curves every ITERS / 4),
+# ITERS (tiny: steps of the objectives and ε runs, default the tiny preset's 800; curves every ITERS / 4),
 # SAMPLES (Gen PPL samples per evaluation), FINAL_STEP (the sampler's final step, default ancestral for every
 # objective, as the paper's comparison; auto gives each objective its measured better one), EPS_LOSSES and EPS_VALUES (the ε sweep; default V1 and V2 at
 # 1e-3 and 1e-8: at paper scale each is a full run). The psi stage: PSI_LOSSES (default sddlm_v1 duo), PSI_STEPS
@@ -41,9 +41,10 @@ PSI_LOSSES=${PSI_LOSSES:-sddlm_v1 duo}
 PSI_STEPS=${PSI_STEPS:-16,64,256,1024}
 PSI_SETTINGS=${PSI_SETTINGS:---sampler ancestral;--sampler psi --psi_kappa eta --psi_eta 0.9;--sampler psi --psi_profile loop --psi_kappa eta,max_capped,eta --psi_eta 1,0.02,1 --psi_loop_t 0.1}
 case $SCALE in
-  tiny)   # train.py's tiny preset (1.55M params, 1000 steps x 32 x 128 tokens, SentencePiece 2048)
+  tiny)   # train.py's tiny preset (3 layers, 1.31M params, 800 steps x 32 x 128 tokens, the curriculum for the
+          # first half of any --max_iters, SentencePiece 2048)
     TRAIN="--preset tiny --data_dir $RUNS/data --num_samples 0"
-    ITERS=${ITERS:-1000}                # steps of the objectives and ε runs (the AR judge: the preset's 1000)
+    ITERS=${ITERS:-800}                 # steps of the objectives and ε runs (the AR judge: the preset's 800)
     OBJ="--max_iters $ITERS"
     CURVES="--gen_interval $(( ITERS / 4 )) --gen_num_samples 32 --gen_steps 128 --keep_every $(( ITERS / 4 ))"
     AR_FLAGS=""

@@ -446,8 +446,9 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 
 
 def print_samples(run, cfg, meta, env):
-    """train.py's end of a run: a few samples from the EMA weights with the ancestral sampler, so a newcomer sees
-    text (cfg.num_samples of cfg.block_size tokens, cfg.sample_steps steps, the run's --dtype). -> the texts."""
+    """train.py's end of a run: a few samples from the EMA weights (the live ones with --ema 0) with the ancestral
+    sampler, so a newcomer sees text (cfg.num_samples of cfg.block_size tokens, cfg.sample_steps steps, the run's
+    --dtype). -> the texts."""
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)

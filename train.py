@@ -116,7 +116,8 @@ class TrainConfig(OptimConfig):
     noise_schedule: str = "loglinear"  # alpha_t of the forward process: loglinear (1 - (1 - 1e-3) t) | cosine
     # Duo's Gaussian-guided curriculum
     # the first curriculum_iters steps corrupt through a Gaussian latent (Duo's curriculum); 0 steps = off
-    curriculum_iters: int = 0        # steps of curriculum at the start of training (0 = off; the paper's: 500K)
+    curriculum_iters: int = 0        # steps of curriculum at the start of training (0 = off; the paper's: 500K of 1M);
+                                     # a preset's covers the same share of the run when --max_iters changes
     gamma_min: float = -3.55         # the Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min): at t = 0
     gamma_max: float = -1.85         # ... and at t = 1
     log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
@@ -136,7 +137,9 @@ class TrainConfig(OptimConfig):
 
 # Appendix Table (hyperparameters) for small/medium; SMDM's 1.1B recipe for large; tiny = CPU demo.
 TRAIN_PRESETS = {
-    "tiny": {},
+    # the CPU demo (python train.py): 3 of the tiny model's 4 layers, Duo's curriculum for the first half; for a run
+    # this short a higher lr, beta2 = 0.95, a short warm-up and the live weights (an EMA would lag)
+    "tiny": dict(n_layer=3, max_iters=800, lr=2e-3, beta2=0.95, warmup_iters=50, curriculum_iters=400, ema=0.0),
     "small": dict(dataset="openwebtext", tokenizer="gpt2", block_size=1024, max_iters=1_000_000, batch_size=512,
                   lr=3e-4, lr_schedule="linear", warmup_iters=2500, beta2=0.999, weight_decay=0.0, ema=0.9999,
                   dropout=0.1,
@@ -167,8 +170,15 @@ def parse_config(argv=None):
     cfg = parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
                       preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
                                                f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
-    if cfg.loss == "ar" and not any(a.split("=")[0] == "--curriculum_iters" for a in argv):
-        cfg.curriculum_iters = 0     # a preset's curriculum is for the diffusion losses (given with ar: refused)
+    given = {a.split("=")[0] for a in argv}
+    cfg.curriculum_given = "--curriculum_iters" in given   # not a field: a resumed run keeps its own (train)
+    preset = TRAIN_PRESETS.get(cfg.preset, {})
+    if "--curriculum_iters" not in given and preset.get("curriculum_iters"):   # the preset's curriculum:
+        if cfg.loss == "ar":         # it is for the diffusion losses (--curriculum_iters given with ar: refused)
+            cfg.curriculum_iters = 0
+        elif cfg.max_iters != preset.get("max_iters", OptimConfig.max_iters):   # the same share of a longer/shorter run
+            cfg.curriculum_iters = round(preset["curriculum_iters"] * cfg.max_iters
+                                         / preset.get("max_iters", OptimConfig.max_iters))
     return cfg
 
 
@@ -337,6 +347,8 @@ def train(cfg, env):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
+        if not getattr(cfg, "curriculum_given", True):    # resumed with another --max_iters: the same curriculum
+            cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
         restore(run, ckpt, env)
     compile = compiles(cfg.compile, cfg.preset, env.device)   # --compile auto: the paper's presets on CUDA
     fit_micro_batch(run, cfg, env, compile)      # CUDA: raise --grad_accum until the micro-batch fits

@@ -321,7 +321,8 @@ def test_distillation_brings_the_few_step_sampler_closer_to_the_toy_distribution
 
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
         "--warmup_iters", "5", "--lr", "3e-3", "--num_samples", "0", "--eval_iters", "2", "--ema", "0.9",
-        "--log_interval", "5", "--tokenizer", "sp_train:320", "--eval_interval", "1000"]
+        "--log_interval", "5", "--tokenizer", "sp_train:320", "--eval_interval", "1000",
+        "--curriculum_iters", "0"]
 DCD = ["--batch_size", "8", "--eval_iters", "2", "--num_samples", "0", "--log_interval", "2", "--round_iters", "3",
        "--T", "16", "--warmup_iters", "2", "--lr", "1e-3"]
 

@@ -47,7 +47,8 @@ def trained(tmp_path_factory):
             "--tokenizer", "sp_train:320", "--block_size", "32", "--n_layer", "2", "--n_head", "2", "--n_embd", "64",
             "--batch_size", "16", "--max_iters", "600", "--warmup_iters", "10", "--lr", "6e-3", "--loss", "duo",
             "--ema", "0", "--num_samples", "0", "--eval_iters", "1", "--eval_interval", "100000",
-            "--ckpt_interval", "100000", "--log_interval", "100", "--seed", "1"])
+            "--ckpt_interval", "100000", "--log_interval", "100", "--seed", "1", "--beta2", "0.999",
+            "--curriculum_iters", "0"])
         assert rc == 0
         ckpt_path = str(d / "out" / "ckpt.pt")
         model, ckpt = load_checkpoint(ckpt_path)

@@ -32,8 +32,9 @@ def test_paper_presets_are_the_appendix_table_and_duo_data():
     assert (owt.dataset, owt.tokenizer, owt.block_size, owt.wrap) == ("openwebtext", "gpt2", 1024, True)
     assert (owt.gamma_min, owt.gamma_max) == (-3.55, -1.85)
     assert (lm1b.dataset, lm1b.tokenizer, lm1b.block_size, lm1b.wrap) == ("lm1b", "hf:bert-base-uncased", 128, False)
-    assert (lm1b.gamma_min, lm1b.gamma_max, lm1b.curriculum_iters) == (-3.5, -1.75, 500_000)
-    assert lm1b.max_iters == 7                                      # explicit flags win
+    assert (lm1b.gamma_min, lm1b.gamma_max) == (-3.5, -1.75)
+    assert lm1b.max_iters == 7 and lm1b.curriculum_iters == 4       # explicit flags win; the curriculum keeps its half
+    assert train.parse_config(["--preset", "lm1b"]).curriculum_iters == 500_000
     small = train.parse_config(["--preset", "small"])               # the OWT recipe without the judge
     assert small.gen_interval == 0 and {k: v for k, v in vars(small).items() if not k.startswith(("gen_", "judge",
                                         "keep", "preset"))} == {k: v for k, v in vars(owt).items()
@@ -55,6 +56,27 @@ def test_a_presets_curriculum_is_for_the_diffusion_losses_and_an_explicit_one_wi
         with pytest.raises(train.ConfigError, match="--curriculum_iters applies to diffusion losses"):
             train.main(TINY + ["--loss", "ar", "--dataset", str(tmp_path / "none.txt"),
                                "--out_dir", str(tmp_path / "o")] + given)
+
+
+def test_a_presets_curriculum_keeps_its_share_of_a_shorter_run_and_a_resumed_run_keeps_its_own(tmp_path):
+    """The tiny preset's curriculum is half of its run (the paper's 500K of 1M): --max_iters moves it along unless
+    --curriculum_iters is given; a run resumed with a higher --max_iters keeps the curriculum it started with."""
+    tiny = train.TRAIN_PRESETS["tiny"]
+    assert 0 < tiny["curriculum_iters"] < tiny["max_iters"]
+    assert train.parse_config([]).curriculum_iters == tiny["curriculum_iters"]
+    assert train.parse_config(["--max_iters", str(2 * tiny["max_iters"])]).curriculum_iters == 2 * tiny["curriculum_iters"]
+    assert train.parse_config(["--preset", "small", "--max_iters", "1000"]).curriculum_iters == 500
+    assert train.parse_config(["--max_iters", "60", "--curriculum_iters", "7"]).curriculum_iters == 7
+    assert TINY[-2:] == ["--curriculum_iters", "0"]
+    _corpus(tmp_path / "corpus.txt")
+    base = TINY[:-2] + ["--dataset", str(tmp_path / "corpus.txt"), "--data_dir", str(tmp_path / "data"),
+                        "--out_dir", str(tmp_path / "o"), "--eval_interval", "1000"]
+    config = lambda: json.loads((tmp_path / "o" / "config.json").read_text())["train_config"]
+    assert train.main(base + ["--max_iters", "4"]) == 0
+    assert config()["curriculum_iters"] == 2
+    assert train.main(base + ["--max_iters", "12", "--resume", "1"]) == 0   # the share of 12 steps would be 6
+    assert config()["curriculum_iters"] == 2
+    assert torch.load(tmp_path / "o" / "ckpt.pt", weights_only=False)["train_config"]["curriculum_iters"] == 2
 
 
 @pytest.mark.parametrize("args, words", [(["--keep_every", "-1"], "--keep_every"), (["--eval_iters", "-2"], "--eval_iters"),

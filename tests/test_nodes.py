@@ -19,7 +19,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
         "--warmup_iters", "5", "--num_samples", "0", "--eval_iters", "2", "--log_interval", "2",
         "--tokenizer", "sp_train:320", "--dataset", "corpus.txt", "--max_iters", "4", "--eval_interval", "1000",
-        "--device", "cpu", "--threads", "1", "--loss", "sddlm_v1", "--lr_schedule", "constant"]
+        "--device", "cpu", "--threads", "1", "--loss", "sddlm_v1", "--lr_schedule", "constant",
+        "--curriculum_iters", "0"]
 
 
 def write_corpus(path, seed=0):

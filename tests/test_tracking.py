@@ -16,7 +16,8 @@ from plumbing.runlog import Log
 
 TINY = ["--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--block_size", "16", "--batch_size", "4",
         "--warmup_iters", "2", "--num_samples", "0", "--eval_iters", "1", "--log_interval", "5",
-        "--eval_interval", "10", "--ckpt_interval", "10", "--tokenizer", "sp_train:300"]
+        "--eval_interval", "10", "--ckpt_interval", "10", "--tokenizer", "sp_train:300",
+        "--curriculum_iters", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ import train
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
         "--warmup_iters", "5", "--lr", "3e-3", "--num_samples", "0", "--eval_iters", "2", "--ema", "0.9",
-        "--log_interval", "5", "--tokenizer", "sp_train:320"]
+        "--log_interval", "5", "--tokenizer", "sp_train:320",
+        "--curriculum_iters", "0"]
 
 
 def _corpus(path):

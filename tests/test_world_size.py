@@ -15,7 +15,8 @@ from plumbing.distributed import Env
 
 ARGS = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
         "--warmup_iters", "2", "--lr", "3e-3", "--num_samples", "0", "--ema", "0.9", "--tokenizer", "sp_train:320",
-        "--eval_interval", "1000", "--device", "cpu", "--threads", "1", "--gen_steps", "4", "--gen_num_samples", "6"]
+        "--eval_interval", "1000", "--device", "cpu", "--threads", "1", "--gen_steps", "4", "--gen_num_samples", "6",
+        "--curriculum_iters", "0"]
 
 
 @pytest.fixture(scope="module")
