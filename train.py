@@ -35,7 +35,7 @@ from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
 from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_dtype, run_cli
 from plumbing.distributed import any_rank, compiles, micro_batches, run_distributed, torchrun_on_cuda, wrap_model
 from plumbing.files import refuse_overwrite, run_outputs, write_json, writing
-from plumbing.flags import check_train_flags
+from plumbing.flags import check_train_flags, preset_curriculum
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
@@ -116,8 +116,7 @@ class TrainConfig(OptimConfig):
     noise_schedule: str = "loglinear"  # alpha_t of the forward process: loglinear (1 - (1 - 1e-3) t) | cosine
     # Duo's Gaussian-guided curriculum
     # the first curriculum_iters steps corrupt through a Gaussian latent (Duo's curriculum); 0 steps = off
-    curriculum_iters: int = 0        # steps of curriculum at the start of training (0 = off; the paper's: 500K of 1M);
-                                     # a preset's covers the same share of the run when --max_iters changes
+    curriculum_iters: int = 0        # curriculum steps at the start (0 = off; paper: 500K of 1M; a preset's: its share)
     gamma_min: float = -3.55         # the Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min): at t = 0
     gamma_max: float = -1.85         # ... and at t = 1
     log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
@@ -137,8 +136,7 @@ class TrainConfig(OptimConfig):
 
 # Appendix Table (hyperparameters) for small/medium; SMDM's 1.1B recipe for large; tiny = CPU demo.
 TRAIN_PRESETS = {
-    # the CPU demo (python train.py): 3 of the tiny model's 4 layers, Duo's curriculum for the first half; for a run
-    # this short a higher lr, beta2 = 0.95, a short warm-up and the live weights (an EMA would lag)
+    # CPU demo: 3 of the tiny model's 4 layers, curriculum for the first half, no EMA (RESULTS.md: the demo recipe)
     "tiny": dict(n_layer=3, max_iters=800, lr=2e-3, beta2=0.95, warmup_iters=50, curriculum_iters=400, ema=0.0),
     "small": dict(dataset="openwebtext", tokenizer="gpt2", block_size=1024, max_iters=1_000_000, batch_size=512,
                   lr=3e-4, lr_schedule="linear", warmup_iters=2500, beta2=0.999, weight_decay=0.0, ema=0.9999,
@@ -170,16 +168,7 @@ def parse_config(argv=None):
     cfg = parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
                       preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
                                                f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
-    given = {a.split("=")[0] for a in argv}
-    cfg.curriculum_given = "--curriculum_iters" in given   # not a field: a resumed run keeps its own (train)
-    preset = TRAIN_PRESETS.get(cfg.preset, {})
-    if "--curriculum_iters" not in given and preset.get("curriculum_iters"):   # the preset's curriculum:
-        if cfg.loss == "ar":         # it is for the diffusion losses (--curriculum_iters given with ar: refused)
-            cfg.curriculum_iters = 0
-        elif cfg.max_iters != preset.get("max_iters", OptimConfig.max_iters):   # the same share of a longer/shorter run
-            cfg.curriculum_iters = round(preset["curriculum_iters"] * cfg.max_iters
-                                         / preset.get("max_iters", OptimConfig.max_iters))
-    return cfg
+    return preset_curriculum(cfg, argv, TRAIN_PRESETS.get(cfg.preset, {}), OptimConfig.max_iters)
 
 
 FLAGSHIP_PRESET = "small"

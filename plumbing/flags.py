@@ -13,6 +13,19 @@ from plumbing.distributed import compiles
 from plumbing.tracking import require_trackers
 
 
+def preset_curriculum(cfg, argv, preset, default_steps):
+    """The curriculum a preset sets (--curriculum_iters not in argv) is for the diffusion losses (--loss ar: none) and
+    covers the same share of the run when --max_iters differs from the preset's (default_steps if it sets none). Marks
+    cfg.curriculum_given (not a field): a run resumed without the flag keeps its checkpoint's curriculum (train.py)."""
+    cfg.curriculum_given = any(a.split("=")[0] == "--curriculum_iters" for a in argv)
+    if not cfg.curriculum_given and preset.get("curriculum_iters"):
+        if cfg.loss == "ar":           # --curriculum_iters given with ar is refused by check_train_flags
+            cfg.curriculum_iters = 0
+        elif cfg.max_iters != (steps := preset.get("max_iters", default_steps)):
+            cfg.curriculum_iters = round(preset["curriculum_iters"] * cfg.max_iters / steps)
+    return cfg
+
+
 def check_train_flags(cfg, world_size):
     """train.py's flags (train.TrainConfig) at start-up, each against the values it may take (world_size: the
     torchrun job's ranks) -> ConfigError naming the flag and what it accepts. train.main adds the data
