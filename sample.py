@@ -447,18 +447,20 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 
 def print_samples(run, cfg, meta, env):
     """train.py's end of a run: a few samples from the EMA weights (the live ones with --ema 0) with the ancestral
-    sampler, so a newcomer sees text (cfg.num_samples of cfg.block_size tokens, cfg.sample_steps steps, the run's
-    --dtype). -> the texts."""
+    sampler, so a newcomer sees text (cfg.num_samples of cfg.block_size tokens, cfg.sample_steps steps, nucleus
+    cfg.sample_top_p, the run's --dtype). -> the texts."""
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
     with ema_weights(run) as model:
         model.eval()
         if cfg.loss == "ar":
-            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, generator=gen, dtype=dtype)
+            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
+                              generator=gen, dtype=dtype)
         else:
             ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
-                           alpha_schedule=cfg.noise_schedule, generator=gen, device=env.device, dtype=dtype)
+                           alpha_schedule=cfg.noise_schedule, top_p=cfg.sample_top_p, generator=gen,
+                           device=env.device, dtype=dtype)
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
     for i, text in enumerate(texts):

@@ -227,8 +227,9 @@ def validate(cfg, world_size):
            cfg.log_interval, cfg.ckpt_interval) < 1:
         raise UsageError("--max_iters, --round_iters, --T, --batch_size, --grad_accum, --eval_interval, "
                          "--log_interval and --ckpt_interval must be >= 1")
-    if cfg.eval_iters < 0 or cfg.num_samples < 0 or cfg.sample_steps < 1:
-        raise UsageError("--eval_iters (0 = the whole split) and --num_samples must be >= 0, --sample_steps >= 1")
+    if cfg.eval_iters < 0 or cfg.num_samples < 0 or cfg.sample_steps < 1 or not 0 < cfg.sample_top_p <= 1:
+        raise UsageError("--eval_iters (0 = the whole split) and --num_samples must be >= 0, --sample_steps >= 1, "
+                         "--sample_top_p in (0, 1]")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0 and 0 <= cfg.min_lr <= cfg.lr and cfg.warmup_iters >= 0):
         raise UsageError(f"--lr must be finite and > 0 (got {cfg.lr}), --min_lr in [0, lr], --warmup_iters >= 0")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.weight_decay >= 0 and cfg.grad_clip >= 0):
@@ -504,7 +505,8 @@ def print_samples(run, cfg, init_ckpt, tok, env):
     with ema_weights(run) as model:
         model.eval()
         ids = generate(model, cfg.num_samples, model.config.block_size, model.config.vocab_size, cfg.sample_steps,
-                       alpha_schedule=schedule, final_step=final_step, generator=gen, device=env.device)
+                       alpha_schedule=schedule, final_step=final_step, top_p=cfg.sample_top_p, generator=gen,
+                       device=env.device)
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
     for i, text in enumerate(texts):

@@ -69,6 +69,8 @@ def check_train_flags(cfg, world_size):
         v = getattr(cfg, name)
         if not (low <= v if closed else low < v) or not v < high:
             raise ConfigError(f"--{name} must be in {'[' if closed else '('}{low}, {high}), got {v}")
+    if not 0 < cfg.sample_top_p <= 1:
+        raise ConfigError(f"--sample_top_p must be in (0, 1] (1 = off), got {cfg.sample_top_p}")
     if cfg.eval_iters < 0 or cfg.keep_every < 0 or cfg.gen_interval < 0:
         raise ConfigError("--eval_iters (0 = the whole split), --keep_every and --gen_interval (0 = off) must be >= 0")
     if cfg.gen_interval and (cfg.gen_num_samples < 1 or cfg.gen_steps < 1):

@@ -173,7 +173,9 @@ def finish_lines(cfg, what, step, ckpt_path, folder):
     """The last lines of a finished run: where its checkpoint, its model folder and its samples went, and how to
     open its curves (figures/plot.py; tensorboard when --tensorboard 1 logged them)."""
     if cfg.num_samples > 0:
-        samples = f"the {cfg.num_samples} printed above ({'EMA' if cfg.ema else 'live'} weights, {cfg.sample_steps} steps)"
+        nucleus = f", top-p {cfg.sample_top_p:g}" if cfg.sample_top_p < 1 else ""
+        samples = (f"the {cfg.num_samples} printed above ({'EMA' if cfg.ema else 'live'} weights, "
+                   f"{cfg.sample_steps} steps{nucleus})")
         samples += ", also in the wandb run" if cfg.wandb else ""
         samples += f", also in {os.path.join(cfg.out_dir, 'tensorboard')}" if cfg.tensorboard else ""
     else:

@@ -80,7 +80,9 @@ def test_a_presets_curriculum_keeps_its_share_of_a_shorter_run_and_a_resumed_run
 
 
 @pytest.mark.parametrize("args, words", [(["--keep_every", "-1"], "--keep_every"), (["--eval_iters", "-2"], "--eval_iters"),
-                                         (["--gen_interval", "5", "--gen_num_samples", "0"], "--gen_num_samples")])
+                                         (["--gen_interval", "5", "--gen_num_samples", "0"], "--gen_num_samples"),
+                                         (["--sample_top_p", "0"], r"--sample_top_p must be in \(0, 1\]"),
+                                         (["--sample_top_p", "1.5"], "--sample_top_p")])
 def test_bad_experiment_flags_fail_before_any_work(args, words, tmp_path):
     with pytest.raises(train.ConfigError, match=words):
         train.main(TINY + ["--dataset", str(tmp_path / "none.txt"), "--out_dir", str(tmp_path / "o")] + args)
