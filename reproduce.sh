@@ -41,10 +41,10 @@ PSI_LOSSES=${PSI_LOSSES:-sddlm_v1 duo}
 PSI_STEPS=${PSI_STEPS:-16,64,256,1024}
 PSI_SETTINGS=${PSI_SETTINGS:---sampler ancestral;--sampler psi --psi_kappa eta --psi_eta 0.9;--sampler psi --psi_profile loop --psi_kappa eta,max_capped,eta --psi_eta 1,0.02,1 --psi_loop_t 0.1}
 case $SCALE in
-  tiny)   # train.py's tiny preset (3 layers, 1.31M params, 800 steps x 32 x 128 tokens, the curriculum for the
+  tiny)   # train.py's tiny preset (96 wide, 1.02M params, 900 steps x 32 x 128 tokens, the curriculum for the
           # first half of any --max_iters, SentencePiece 2048)
     TRAIN="--preset tiny --data_dir $RUNS/data --num_samples 0"
-    ITERS=${ITERS:-800}                 # steps of the objectives and ε runs (the AR judge: the preset's 800)
+    ITERS=${ITERS:-900}                 # steps of the objectives and ε runs (the AR judge: the preset's 900)
     OBJ="--max_iters $ITERS"
     CURVES="--gen_interval $(( ITERS / 4 )) --gen_num_samples 32 --gen_steps 128 --keep_every $(( ITERS / 4 ))"
     AR_FLAGS=""

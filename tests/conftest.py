@@ -28,3 +28,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# CI's stage 2 (.ci/run): the fast suite has just passed on README's install, so of the fast tests it reruns only
+# those that run skipped (for want of an optional extra, now installed); the slow tests all run.
+
+def pytest_addoption(parser):
+    parser.addoption("--skipped_before", action="store_true",
+                     help="of the fast tests run only those the last run without this flag skipped (CI's stage 2)")
+
+
+SKIPPED = set()                                  # node ids of the tests (and modules) this run skipped
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        SKIPPED.add(report.nodeid)
+
+
+def pytest_collectreport(report):
+    if report.skipped:                           # a module-level importorskip skips the whole module
+        SKIPPED.add(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if config.cache is not None and session.testscollected and not config.option.collectonly and \
+            not hasattr(config, "workerinput") and not config.getoption("skipped_before"):
+        config.cache.set("sddlm/skipped", sorted(SKIPPED))
+
+
+def pytest_collection_modifyitems(config, items):
+    skipped = config.cache.get("sddlm/skipped", None) if config.getoption("skipped_before") and config.cache else None
+    if skipped is None:                          # no flag, or no earlier run recorded: everything selected runs
+        return
+    wanted = lambda item: item.get_closest_marker("slow") or any(
+        item.nodeid == s or item.nodeid.startswith(s + "::") for s in skipped)
+    config.hook.pytest_deselected(items=[item for item in items if not wanted(item)])
+    items[:] = [item for item in items if wanted(item)]

@@ -96,6 +96,34 @@ def test_readme_install_and_test_lines_are_what_ci_runs_first():
     assert readme[-1] == "python -m pytest -q"
 
 
+@pytest.mark.slow
+def test_ci_stage_two_reruns_of_the_fast_tests_only_those_stage_one_skipped(tmp_path):
+    """tests/conftest.py: a run records the tests (and whole modules) it skipped; --skipped_before (CI's stage 2,
+    after the extras are installed) keeps of the fast tests only those, and every slow test."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\naddopts = -m \"not slow\"\n")
+    (tmp_path / "test_a.py").write_text("import pytest, os\n"
+                                        "def test_fast(): pass\n"
+                                        "def test_extra(): pytest.importorskip(os.environ['EXTRA'])\n"
+                                        "@pytest.mark.slow\ndef test_slow(): pass\n")
+    (tmp_path / "test_b.py").write_text("import pytest, os\npytest.importorskip(os.environ['EXTRA'])\n"
+                                        "def test_module_of_an_extra(): pass\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = lambda extra, *args: subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-v", *args],
+                                              cwd=tmp_path, env={**env, "EXTRA": extra}, capture_output=True, text=True)
+    first = run("no_such_module_here")                        # stage 1: the extra is missing
+    assert first.returncode == 0 and "1 passed, 2 skipped" in first.stdout, first.stdout[-2000:]
+    second = run("json", "-m", "slow or not slow", "--skipped_before")   # stage 2: the extra is there
+    assert second.returncode == 0, second.stdout[-2000:]
+    ran = set(re.findall(r"^(test_\w+\.py::\w+) PASSED", second.stdout, re.M))
+    assert ran == {"test_a.py::test_extra", "test_a.py::test_slow", "test_b.py::test_module_of_an_extra"}, ran
+    assert "1 deselected" in second.stdout
+    assert run("json", "-m", "slow or not slow").stdout.count(" PASSED") == 4   # without the flag: everything
+
+
 def commands_of(text):
     block = re.search(r"^```bash\n(.*?)^```", text, re.M | re.S).group(1)
     return [c.split(" #")[0].strip() for c in block.splitlines() if c.strip()]
