@@ -137,8 +137,7 @@ class TrainConfig(OptimConfig):
 
 # Appendix Table (hyperparameters) for small/medium; SMDM's 1.1B recipe for large; tiny = CPU demo.
 TRAIN_PRESETS = {
-    # CPU demo: the tiny model 96 wide, curriculum for the first half, no EMA; its samples with top-p 0.8, whose token
-    # entropy is the corpus's own (RESULTS.md: the demo recipe)
+    # CPU demo: the tiny model 96 wide, curriculum for the first half, no EMA, samples at top-p 0.8 (RESULTS.md)
     "tiny": dict(n_embd=96, max_iters=900, lr=2e-3, beta2=0.95, warmup_iters=50, curriculum_iters=450, ema=0.0,
                  sample_top_p=0.8),
     "small": dict(dataset="openwebtext", tokenizer="gpt2", block_size=1024, max_iters=1_000_000, batch_size=512,

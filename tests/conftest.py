@@ -1,7 +1,7 @@
 """Shared by the tests: the one-thread fixture, the test process's own signal handlers kept (a script's run_cli
 called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
 (Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices), which live
-in test_losses.py (it travels alone with losses.py) and are shared from here."""
+in test_losses.py (it travels alone with losses.py) and are shared from here; and CI's --skipped_before (below)."""
 import signal
 
 import pytest
@@ -52,14 +52,15 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session):
-    config = session.config
-    if config.cache is not None and session.testscollected and not config.option.collectonly and \
+    config = session.config                      # (-p no:cacheprovider: no cache, nothing recorded)
+    if getattr(config, "cache", None) is not None and session.testscollected and not config.option.collectonly and \
             not hasattr(config, "workerinput") and not config.getoption("skipped_before"):
         config.cache.set("sddlm/skipped", sorted(SKIPPED))
 
 
 def pytest_collection_modifyitems(config, items):
-    skipped = config.cache.get("sddlm/skipped", None) if config.getoption("skipped_before") and config.cache else None
+    cache = getattr(config, "cache", None)
+    skipped = cache.get("sddlm/skipped", None) if cache is not None and config.getoption("skipped_before") else None
     if skipped is None:                          # no flag, or no earlier run recorded: everything selected runs
         return
     wanted = lambda item: item.get_closest_marker("slow") or any(

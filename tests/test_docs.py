@@ -99,7 +99,8 @@ def test_readme_install_and_test_lines_are_what_ci_runs_first():
 @pytest.mark.slow
 def test_ci_stage_two_reruns_of_the_fast_tests_only_those_stage_one_skipped(tmp_path):
     """tests/conftest.py: a run records the tests (and whole modules) it skipped; --skipped_before (CI's stage 2,
-    after the extras are installed) keeps of the fast tests only those, and every slow test."""
+    after the extras are installed) keeps of the fast tests only those, and every slow test; without pytest's cache
+    (tools/mutate.py runs -p no:cacheprovider) nothing is recorded and everything selected runs."""
     import shutil
     import subprocess
     import sys
@@ -121,7 +122,8 @@ def test_ci_stage_two_reruns_of_the_fast_tests_only_those_stage_one_skipped(tmp_
     ran = set(re.findall(r"^(test_\w+\.py::\w+) PASSED", second.stdout, re.M))
     assert ran == {"test_a.py::test_extra", "test_a.py::test_slow", "test_b.py::test_module_of_an_extra"}, ran
     assert "1 deselected" in second.stdout
-    assert run("json", "-m", "slow or not slow").stdout.count(" PASSED") == 4   # without the flag: everything
+    no_cache = run("json", "-m", "slow or not slow", "--skipped_before", "-p", "no:cacheprovider")
+    assert no_cache.stdout.count(" PASSED") == 4, no_cache.stdout[-2000:]   # nothing recorded: everything runs
 
 
 def commands_of(text):
