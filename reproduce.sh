@@ -16,7 +16,7 @@
 # count, 1 on CPU), PAR (runs trained at the same time; default 1), JUDGE (Gen PPL judge; tiny: the AR run,
 # owt/lm1b: gpt2-large as in the paper, which needs transformers and the network; or an AR ckpt.pt, offline).
 # TRAIN_EXTRA (flags added to every training run, e.g. "--max_iters 30" for a quick check of the script),
-# ITERS (tiny: steps of the objectives and ε runs, default the tiny preset's 800; curves every ITERS / 4),
+# ITERS (tiny: steps of the objectives and ε runs, default the tiny preset's 900; curves every ITERS / 4),
 # SAMPLES (Gen PPL samples per evaluation), FINAL_STEP (the sampler's final step, default ancestral for every
 # objective, as the paper's comparison; auto gives each objective its measured better one), EPS_LOSSES and EPS_VALUES (the ε sweep; default V1 and V2 at
 # 1e-3 and 1e-8: at paper scale each is a full run). The psi stage: PSI_LOSSES (default sddlm_v1 duo), PSI_STEPS
