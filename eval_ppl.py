@@ -129,9 +129,9 @@ def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
 
 def zero_shot_documents(name):
     """A local text file (one document: the whole file) or a named zero-shot set: its evaluation split via
-    prepare.load_hf_split (Duo's splits, text fields and detokenizers; needs `datasets` and the network)."""
+    corpora.load_hf_split (Duo's splits, text fields and detokenizers; needs `datasets` and the network)."""
     from data import DataError, read_text
-    from prepare import load_hf_split
+    from corpora import load_hf_split
     if os.path.isfile(name):
         return [read_text(name)]      # not UTF-8 -> one line naming the byte
     if special := not_a_file(name, None, "--dataset"):   # a named pipe: what it is, not "neither a file nor ..."

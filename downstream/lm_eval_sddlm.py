@@ -32,7 +32,7 @@ lm_eval.simple_evaluate(model="sddlm", model_args=...).
   dtype=auto, add_bos=true
 --batch_size is Monte Carlo draws per forward (SMDM's meaning; 2 x rows with CFG), not requests per batch;
 --device cpu|cuda|cuda:N.
-Request types (downstream/eval_downstream.py does the work; its docstrings give the estimates exactly):
+Request types (downstream/scoring.py does the work; its docstrings give the estimates exactly):
   loglikelihood          (context, continuation) -> (lower bound on log p(continuation | context), is_greedy)
   loglikelihood_rolling  (text,) -> a LOWER BOUND on log p(text) over windows of block_size tokens: the word and
                          byte perplexities lm-eval reports from it are upper bounds (the paper's zero-shot PPL too)
@@ -51,7 +51,8 @@ import sys
 import torch
 from lm_eval.api.registry import register_model
 
-from downstream import eval_downstream as ed
+from downstream import lm_eval_adapter as adapter
+from downstream.scoring import EvalError
 from plumbing.cli import UsageError, run_cli
 from data import DataError
 
@@ -60,7 +61,7 @@ from data import DataError
 importlib.import_module("lm_eval.models")
 
 
-SDDLMHarness = register_model("sddlm")(ed.lm_eval_model_class())
+SDDLMHarness = register_model("sddlm")(adapter.lm_eval_model_class())
 
 
 def model_help():
@@ -73,7 +74,7 @@ def main():
     """The harness's command line (sys.argv as given) with "sddlm" registered; lm-eval's own failures (a dataset
     that cannot be reached, ...) become one line. --help (-h): the harness's help, then the sddlm model's."""
     asks_help = any(a in ("-h", "--help") for a in sys.argv[1:])
-    offline = None if asks_help else ed.hub_offline_check()     # before lm-eval imports `datasets`
+    offline = None if asks_help else adapter.hub_offline_check()     # before lm-eval imports `datasets`
     if offline:
         print(offline, file=sys.stderr)
     from lm_eval.__main__ import cli_evaluate
@@ -87,7 +88,7 @@ def main():
     except (UsageError, DataError, torch.OutOfMemoryError):    # ours, reported by run_cli
         raise
     except Exception as e:
-        raise ed.EvalError(ed.lm_eval_failure(e)) from None
+        raise EvalError(adapter.lm_eval_failure(e)) from None
     return 0
 
 

@@ -284,7 +284,7 @@ def test_lm_eval_sddlm_help_prints_the_harness_help_and_then_the_sddlm_model_arg
         for words in ("pretrained=PATH is the same argument", "ckpt=out/ckpt.pt", "mc_draws=128", "cfg_w=0",
                       "--batch_size is Monte Carlo draws per forward", "loglikelihood_rolling"):
             assert words in ours, words
-        from downstream.eval_downstream import MODEL_ARGS           # its argument names are the users' words here
+        from downstream.lm_eval_adapter import MODEL_ARGS           # its argument names are the users' words here
         assert help_problems("lm_eval_sddlm", ours, dict.fromkeys(MODEL_ARGS, "")) == []
 
 

@@ -1,5 +1,5 @@
-"""Tests for data.py and prepare.py: tokenizers, wrapping / padding layout, deterministic resumable batches, errors,
-detokenizers, corpora of every format, parallel preparation, integrity checks."""
+"""Tests for data.py, corpora.py and prepare.py: tokenizers, wrapping / padding layout, deterministic resumable
+batches, errors, detokenizers, corpora of every format, parallel preparation, integrity checks."""
 import importlib.util
 import os
 import subprocess
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import data
+import corpora
 import prepare
 from data import DataError
 
@@ -26,7 +27,7 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
-    train, _ = prepare.load_corpus("pydoc")
+    train, _ = corpora.load_corpus("pydoc")
     return data.train_sentencepiece(train, str(tmp_path_factory.mktemp("sp") / "tok"), 512)
 
 
@@ -71,7 +72,7 @@ def test_sentencepiece_round_trips_unseen_text_and_is_deterministic(sp_model, tm
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
-    again = data.get_tokenizer(data.train_sentencepiece(prepare.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
+    again = data.get_tokenizer(data.train_sentencepiece(corpora.load_corpus("pydoc")[0], str(tmp_path / "again"), 512))
     assert all(again.encode(t) == tok.encode(t) for t in TEXTS)
 
 
@@ -83,7 +84,7 @@ def test_wrapped_blocks_are_bos_stream_eos_of_the_concatenated_documents(owt_sty
     rows = np.fromfile(os.path.join(owt_style, "train.bin"), dtype=np.uint16).reshape(-1, L)
     assert rows.shape[0] == meta["train_sequences"] > 0
     assert (rows[:, 0] == 50256).all() and (rows[:, -1] == 50256).all()
-    train_docs, _ = prepare.load_corpus("pydoc")
+    train_docs, _ = corpora.load_corpus("pydoc")
     stream = [t for doc in train_docs for t in gpt2.encode(doc) + [50256]]  # one document at a time
     n = len(stream) // (L - 2)
     assert rows.shape[0] == n and len(stream) - n * (L - 2) == meta["train_dropped_tokens"] < L - 2
@@ -187,7 +188,7 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
         data.check_tokenizer(meta, 512)
     sp_meta = data.load_meta(prepare.prepare_dataset("pydoc", "sp:" + sp_model, str(tmp_path / "d"), 64,
                                                      progress=False))
-    other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
+    other = data.train_sentencepiece(corpora.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)  # trained on val
     with pytest.raises(DataError, match="does not match"):  # same vocab size, different pieces
         data.check_tokenizer(sp_meta, "sp:" + other)
 
@@ -195,12 +196,12 @@ def test_tokenizer_that_does_not_match_the_data_is_refused(owt_style, sp_model, 
 def test_missing_or_empty_inputs_raise_data_error(tmp_path):
     for bad in ["/no/such/corpus.txt", str(tmp_path / "missing_dir" / "x")]:
         with pytest.raises(DataError, match="no such file"):
-            prepare.load_corpus(bad)
+            corpora.load_corpus(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="empty"):
-        prepare.load_corpus(str(tmp_path / "empty"))
+        corpora.load_corpus(str(tmp_path / "empty"))
     with pytest.raises(DataError, match="unknown dataset"):
-        prepare.load_corpus("nonsense")
+        corpora.load_corpus("nonsense")
     with pytest.raises(DataError, match="meta.json missing"):
         data.BatchLoader(str(tmp_path), "train", 4)
     with pytest.raises(DataError, match="not found"):
@@ -241,7 +242,7 @@ def test_an_unreachable_hub_is_our_one_line_not_the_hub_clients_log(monkeypatch,
         raise ConnectionError("Couldn't reach 'foo/bar' on the Hub (LocalEntryNotFoundError)")
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match=r"could not load hf:foo/bar .*offline: a local corpus \(\.txt, \.jsonl"):
-        prepare._load_dataset("hf:foo/bar", "foo/bar")
+        corpora._load_dataset("hf:foo/bar", "foo/bar")
     assert capsys.readouterr().err == ""
     logging.getLogger("huggingface_hub.utils._http").warning("after the load")   # the level is given back
     assert "after the load" in capsys.readouterr().err
@@ -251,24 +252,24 @@ def test_an_unreachable_hub_is_our_one_line_not_the_hub_clients_log(monkeypatch,
 
 def test_wikitext_detokenizer():
     raw = 'The tower \'s height is 1 @,@ 000 ft @-@ 3 @.@ 5 m ( approx ) ; see " Notes " .\n = = History = = \n'
-    assert prepare.wt_detokenizer(raw) == \
+    assert corpora.wt_detokenizer(raw) == \
         'The tower\'s height is 1,000 ft-3.5 m (approx); see "Notes" .\n== History ==\n'
 
 
 def test_ptb_detokenizer():
     raw = "the company 's N N shares fell to $ N a share , analysts did n't say 1\\/2 N <unk> ."
-    assert prepare.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
+    assert corpora.ptb_detokenizer(raw) == "the company's 1 1 shares fell to $1 a share , analysts didn't say 1/2 1 ? ."
 
 
 def test_lm1b_detokenizer():
     raw = 'He said " it \'s fine , really " ( see http : / / example.com / page ) and left .'
-    assert prepare.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
-    assert prepare.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
+    assert corpora.lm1b_detokenizer(raw) == 'He said "it\'s fine, really" (see http://example.com/page) and left.'
+    assert corpora.lm1b_detokenizer("It costs $ 5 or £ 3 ? Yes !") == "It costs $5 or £3? Yes!"
 
 
 def test_lambada_and_scientific_papers_detokenizers():
-    assert prepare.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
-    assert prepare.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
+    assert corpora.lambada_detokenizer("  \u201cHi,\u201d she said.  ") == '\n"Hi," she said.'
+    assert corpora.scientific_papers_detokenizer("a @-@ b , c ( d )") == "a-b, c (d)"
 
 
 # --- optional packages (never installed for tests: faked or absent) --------------------------------
@@ -287,10 +288,10 @@ def test_hf_corpora_are_loaded_with_duo_splits_and_detokenized(monkeypatch, tmp_
         return Split({"text": f"{split} doc {i} @-@ x , y"} for i in range(3))
     monkeypatch.setitem(sys.modules, "datasets", type(sys)("datasets"))
     monkeypatch.setattr(sys.modules["datasets"], "load_dataset", load_dataset, raising=False)
-    train, val = prepare.load_corpus("wikitext2")
+    train, val = corpora.load_corpus("wikitext2")
     assert list(val) == ["validation doc 0-x, y", "validation doc 1-x, y", "validation doc 2-x, y"]
     assert len(list(train)) == 3 and calls == [("Salesforce/wikitext", "train"), ("Salesforce/wikitext", "validation")]
-    prepare.load_corpus("openwebtext")
+    corpora.load_corpus("openwebtext")
     assert calls[-2:] == [("Skylion007/openwebtext", "train[:-100000]"), ("Skylion007/openwebtext", "train[-100000:]")]
     out = prepare.prepare_dataset("lambada", "gpt2", str(tmp_path / "lambada"), 8, progress=False)  # eval-only set
     meta = data.load_meta(out)
@@ -303,7 +304,7 @@ def test_missing_optional_packages_give_one_line_errors(monkeypatch):
     with pytest.raises(DataError, match="needs the transformers package"):
         data.get_tokenizer("hf:bert-base-uncased")
     with pytest.raises(DataError, match="needs the datasets package"):
-        prepare.load_corpus("lm1b")
+        corpora.load_corpus("lm1b")
 
 
 # --- prepared data keyed by content, built atomically, verified on reuse --------------------------
@@ -407,12 +408,12 @@ def test_failed_preparations_leave_nothing_behind(tmp_path, sp_model, monkeypatc
 def test_non_utf8_binary_and_corrupt_inputs_name_the_file_and_byte(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("naïve café\n\nzwei\n".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 0xef at offset 2\)"):
-        prepare.load_corpus(str(tmp_path / "latin1.txt"))
+        corpora.load_corpus(str(tmp_path / "latin1.txt"))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "a.txt").write_bytes(b"fine text\n")
     (tmp_path / "bin" / "b.txt").write_bytes(b"ELF\x01\x00\x00abc")
     with pytest.raises(DataError, match=r"b.txt: a binary file, not text \(NUL byte at offset 4\)"):
-        prepare.load_corpus(str(tmp_path / "bin"))
+        corpora.load_corpus(str(tmp_path / "bin"))
     (tmp_path / "crlf.txt").write_bytes("one\r\ntwo\rthree\n".encode())
     assert data.read_text(str(tmp_path / "crlf.txt")) == "one\ntwo\nthree\n"   # as open() reads text
     (tmp_path / "bad.model").write_bytes(b"not a protobuf")
@@ -425,7 +426,7 @@ def test_tokenizer_fingerprint_is_its_content(tmp_path, sp_model):
     shutil.copy(sp_model, tmp_path / "copy.model")
     a, b = data.get_tokenizer("sp:" + sp_model), data.get_tokenizer("sp:" + str(tmp_path / "copy.model"))
     assert a.fingerprint == b.fingerprint == data.file_sha256(sp_model)       # a copy elsewhere matches
-    other = data.train_sentencepiece(prepare.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
+    other = data.train_sentencepiece(corpora.load_corpus("pydoc")[1], str(tmp_path / "o"), 512)
     assert data.get_tokenizer("sp:" + other).fingerprint != a.fingerprint     # same name and size, new pieces
     assert data.get_tokenizer("gpt2").fingerprint == data.get_tokenizer("gpt2").fingerprint != ""
 
@@ -467,7 +468,7 @@ def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
         norm = text.replace("\r\n", "\n").replace("\r", "\n")
         want = [d.strip("\n") for d in re.split(r"\n\s*\n", norm) if d.strip()]
         for block in (1, 2, 3, 9, 1 << 20):
-            assert list(prepare._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
+            assert list(corpora._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
 
 
 def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
@@ -484,9 +485,9 @@ def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
         want = n - min(min(holding) if holding else n - 1, n - 1)
         cuts = sorted(rng.sample(range(n + 1), rng.randint(0, min(n, 8))))
         batches = [lengths[a:b] for a, b in zip([0, *cuts], [*cuts, n])]      # some empty
-        assert prepare._tail_split(batches, vf, "c") == (n, want), (lengths, vf, batches)
+        assert corpora._tail_split(batches, vf, "c") == (n, want), (lengths, vf, batches)
     with pytest.raises(DataError, match="has 1 document"):
-        prepare._tail_split([[], [5]], 0.05, "c")
+        corpora._tail_split([[], [5]], 0.05, "c")
 
 
 def test_txt_pieces_are_the_bytes_workers_read_and_crlf_prepares_as_lf(tmp_path):
@@ -500,15 +501,15 @@ def test_txt_pieces_are_the_bytes_workers_read_and_crlf_prepares_as_lf(tmp_path)
     (tmp_path / "t.txt").write_text(text)
     raw = (tmp_path / "t.txt").read_bytes()
     for block in (7, 64, 1 << 20):
-        pieces, begin = list(prepare._paragraph_pieces(str(tmp_path / "t.txt"), block)), 0
+        pieces, begin = list(corpora._paragraph_pieces(str(tmp_path / "t.txt"), block)), 0
         assert "".join(p for p, _ in pieces) == text and len(pieces) > (block < 100)
         for piece, end in pieces:
-            assert raw[begin:end].decode() == piece == prepare._read_piece(str(tmp_path / "t.txt"), begin, end)
+            assert raw[begin:end].decode() == piece == corpora._read_piece(str(tmp_path / "t.txt"), begin, end)
             begin = end
     doc = "".join(f"paragraph {i}: " + "word " * (i % 30) + "\n\n" for i in range(400))
     (tmp_path / "lf.txt").write_bytes(doc.encode())
     (tmp_path / "crlf.txt").write_bytes(doc.replace("\n", "\r\n").encode())
-    assert all(end is None for _, end in prepare._paragraph_pieces(str(tmp_path / "crlf.txt"), 64))
+    assert all(end is None for _, end in corpora._paragraph_pieces(str(tmp_path / "crlf.txt"), 64))
     outs = [prepare.prepare_dataset(str(tmp_path / f), "gpt2", str(tmp_path / ("o" + f)), 32, progress=False,
                                     num_proc=2) for f in ("lf.txt", "crlf.txt")]
     assert _bins(outs[0]) == _bins(outs[1])
@@ -550,10 +551,10 @@ def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp
             assert _bins(out) == ref_padded, name
     for name in ["c.jsonl", "c.parquet"][:1 + (pa is not None)]:   # the field is named, with the fields that exist
         with pytest.raises(DataError, match=r"no text field 'text'; (its fields are|it has) .*body"):
-            list(prepare.load_corpus(str(tmp_path / name))[0])
+            list(corpora.load_corpus(str(tmp_path / name))[0])
     (tmp_path / "c.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"c.csv: not a corpus format prepare.py reads; expected .txt, .jsonl"):
-        prepare.load_corpus(str(tmp_path / "c.csv"))
+        corpora.load_corpus(str(tmp_path / "c.csv"))
 
 
 def test_a_utf8_byte_order_mark_is_not_text_and_damaged_or_foreign_files_are_one_line(tmp_path):
@@ -652,7 +653,7 @@ def _fake_hub(root, field_rows):
     """A folder shaped like the hub repositories of HF_CORPORA: each split's files where its glob points."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    for name, src in prepare.HF_CORPORA.items():
+    for name, src in corpora.HF_CORPORA.items():
         for split, pattern in src.data_files.items():
             path = root / src.repo / pattern.replace("chunk*", "chunk1").replace("*", "00000-of-00001")
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -672,9 +673,9 @@ def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path,
     datasets = pytest.importorskip("datasets")
     try:
         import zstandard  # noqa: F401
-        names = list(prepare.HF_CORPORA)
+        names = list(corpora.HF_CORPORA)
     except ImportError:
-        names = [n for n in prepare.HF_CORPORA if not prepare.HF_CORPORA[n].streaming]
+        names = [n for n in corpora.HF_CORPORA if not corpora.HF_CORPORA[n].streaming]
     rows = lambda name, split: [f"{name} {split} {i} : it 's @-@ ( x ) N"
                                 for i in range(100_003 if name == "openwebtext" else 6)]   # OWT holds out 100k
     _fake_hub(tmp_path / "hub", lambda name, split: rows(name, split) if name in names else [])
@@ -683,8 +684,8 @@ def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path,
     calls, real = [], datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: calls.append((path, kw)) or real(path, **kw))
     for name in names:
-        src = prepare.HF_CORPORA[name]
-        train, val = prepare.load_corpus(name)
+        src = corpora.HF_CORPORA[name]
+        train, val = corpora.load_corpus(name)
         detok = src.detokenizer or (lambda s: s)
         if name == "openwebtext":                      # Duo's train[:-100000] / train[-100000:]
             assert list(train) == rows(name, "train")[:3] and list(val) == rows(name, "train")[3:]
@@ -697,7 +698,7 @@ def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path,
         assert all(p.endswith((".parquet", ".jsonl.zst")) for p in kw["data_files"].values())
     assert not [p for p in (tmp_path / "hub").rglob("*.py")]
     assert all(len(s.revision) == 40 or s.revision in ("main", "refs/convert/parquet")
-               for s in prepare.HF_CORPORA.values())
+               for s in corpora.HF_CORPORA.values())
     out = prepare.prepare_dataset("ptb", "gpt2", str(tmp_path / "ptb"), 8, progress=False)
     assert data.load_meta(out)["source"]["repo"] == "ptb-text-only/ptb_text_only"
 
@@ -711,14 +712,14 @@ def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
     pq.write_table(pa.table({"body": [f"train doc {i}" for i in range(20)]}), repo / "train-00000-of-00001.parquet")
     monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    train, val = prepare.load_corpus("hf:someone/corpus", val_fraction=0.1, text_field="body")
+    train, val = corpora.load_corpus("hf:someone/corpus", val_fraction=0.1, text_field="body")
     assert list(train) == [f"train doc {i}" for i in range(18)] and list(val) == ["train doc 18", "train doc 19"]
     with pytest.raises(DataError, match=r"has no text field 'text'; its fields are body \(--text_field\)"):
-        prepare.load_corpus("hf:someone/corpus")
+        corpora.load_corpus("hf:someone/corpus")
     with pytest.raises(DataError, match="expected hf:OWNER/NAME"):
-        prepare.load_corpus("hf:corpus")
+        corpora.load_corpus("hf:corpus")
     pq.write_table(pa.table({"body": ["held out"] * 3}), repo / "test-00000-of-00001.parquet")
-    assert list(prepare.load_corpus("hf:someone/corpus", text_field="body")[1]) == ["held out"] * 3
+    assert list(corpora.load_corpus("hf:someone/corpus", text_field="body")[1]) == ["held out"] * 3
     assert prepare.prepared_dir("hf:someone/corpus", "gpt2", 16, text_field="body").startswith(
         os.path.join("data", "corpus-gpt2-16-"))
 
@@ -735,11 +736,11 @@ def test_workers_reading_hub_rows_write_the_bytes_of_documents_sent_to_them(tmp_
     pq.write_table(pa.table({"body": docs}), repo / "train-00000-of-00001.parquet")
     monkeypatch.setenv("SDDLM_HF_MIRROR", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    train, _ = prepare.load_corpus("hf:someone/corpus", text_field="body")
+    train, _ = corpora.load_corpus("hf:someone/corpus", text_field="body")
     assert [d for u in train.units() for d in u[0](*u[1:])] == docs[:len(train)] and len(list(train.units())) == 3
     outs = [prepare.prepare_dataset("hf:someone/corpus", "gpt2", str(tmp_path / f"n{n}"), 16, progress=False,
                                     num_proc=n, text_field="body") for n in (1, 2)]
-    monkeypatch.setattr(prepare, "_row_units", lambda ds, field: None)     # documents sent by the main process
+    monkeypatch.setattr(corpora, "_row_units", lambda ds, field: None)     # documents sent by the main process
     sent = prepare.prepare_dataset("hf:someone/corpus", "gpt2", str(tmp_path / "sent"), 16, progress=False,
                                    num_proc=2, text_field="body")
     assert _bins(outs[0]) == _bins(outs[1]) == _bins(sent)
@@ -775,7 +776,7 @@ def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_p
 def test_a_txt_piece_edited_after_the_scan_is_one_data_error(tmp_path):
     path = tmp_path / "c.txt"
     path.write_bytes("héllo wörld\n\nabc\n".encode())
-    assert prepare._read_piece(str(path), 0, 6) == "héllo"
+    assert corpora._read_piece(str(path), 0, 6) == "héllo"
     for begin, end in ((0, 2), (0, 500)):          # a cut character, or a file shorter than the scan found
         with pytest.raises(data.DataError, match="changed while it was being prepared"):
-            prepare._read_piece(str(path), begin, end)
+            corpora._read_piece(str(path), begin, end)

@@ -1,11 +1,12 @@
-"""downstream/eval_downstream.py, offline: a tiny DiT trained here (train.py, Duo NELBO, ~600 steps) on a corpus with an
-obvious rule ("the sky is blue", "the grass is green", ... in random order) must rank the right colour first and
-recover it as LAMBADA's last word; the estimator is checked on stand-in denoisers (only the continuation is
-noised, t is stratified, both CFG branches see the same noisy continuation, the guided distribution is
-p_c^(1+w)/p_u^w); generation is cut at EOS and stop strings as computed by hand, the rolling bound is the sum of
-its windows'; the JSONL runner's acc/acc_norm against a hand computation; the CLI end to end and its one-line
-errors; when lm-eval is installed, the adapter with lm-eval's own classes and the harness's own command line on
-four local tasks (one per request type), each logged response equal to the same request computed without it."""
+"""downstream/ (eval_downstream.py, the estimator scoring.py, the adapter lm_eval_adapter.py), offline: a tiny DiT
+trained here (train.py, Duo NELBO, ~600 steps) on a corpus with an obvious rule ("the sky is blue", "the grass is
+green", ... in random order) must rank the right colour first and recover it as LAMBADA's last word; the estimator
+is checked on stand-in denoisers (only the continuation is noised, t is stratified, both CFG branches see the
+same noisy continuation, the guided distribution is p_c^(1+w)/p_u^w); generation is cut at EOS and stop strings
+as computed by hand, the rolling bound is the sum of its windows'; the JSONL runner's acc/acc_norm against a hand
+computation; the CLI end to end and its one-line errors; when lm-eval is installed, the adapter with lm-eval's own
+classes and the harness's own command line on four local tasks (one per request type), each logged response equal
+to the same request computed without it."""
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from downstream import eval_downstream as ed
+from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scoring
 from data import get_tokenizer
 from model import ModelConfig, build_model
 from plumbing.checkpoint import load_checkpoint
@@ -97,7 +98,7 @@ CTX, CONT = [1, 5, 2, 7, 3], [4, 9, 6]
 
 def test_only_the_continuation_is_noised_and_t_is_stratified_over_the_draws():
     model, J = StubDenoiser(), 64
-    nelbo = ed.conditional_nelbo(model, CTX, CONT, mc_draws=J, batch_size=24, seed=0)
+    nelbo = scoring.conditional_nelbo(model, CTX, CONT, mc_draws=J, batch_size=24, seed=0)
     assert nelbo.shape == (J,) and (nelbo >= 0).all()
     x = torch.cat([x for x, _ in model.inputs])
     sigma = torch.cat([s for _, s in model.inputs])
@@ -125,14 +126,14 @@ def test_continuation_tokens_survive_with_probability_alpha_t_plus_its_uniform_s
     """4000 draws x 3 tokens: the law separates alpha_t + (1 - alpha_t)/V from alpha_t alone (a replacement that
     never redraws x0) by 0.5 x 12000 / 13 = 460 tokens, ~9 standard deviations (sd ~ 49)."""
     model, J = StubDenoiser(), 4000
-    ed.conditional_nelbo(model, CTX, CONT, mc_draws=J, batch_size=J, seed=3)
+    scoring.conditional_nelbo(model, CTX, CONT, mc_draws=J, batch_size=J, seed=3)
     (x, sigma), = model.inputs
     assert_survival_law(x[:, len(CTX):], (1 - torch.exp(-sigma.double())) / (1 - 1e-3), model.config.vocab_size)
 
 
 def test_cfg_branches_share_the_noisy_continuation_in_one_forward():
     model = StubDenoiser()
-    ed.conditional_nelbo(model, CTX, CONT, mc_draws=4, batch_size=4, cfg_w=1.1, seed=0)
+    scoring.conditional_nelbo(model, CTX, CONT, mc_draws=4, batch_size=4, cfg_w=1.1, seed=0)
     (x, sigma), = model.inputs                                    # ONE forward of 2 x 4 rows
     cond, uncond = x.chunk(2)
     n = len(CTX)
@@ -148,7 +149,7 @@ def test_guided_distribution_is_the_normalised_power_ratio():
     xt = torch.tensor([CTX + [0, 11, 6]] * 2)
     null = torch.tensor([[8, 8, 0, 12, 4], [3, 3, 3, 3, 3]])
     sigma = torch.tensor([0.5, 2.0])
-    log_p = ed.guided_log_probs(model, xt, sigma, len(CTX), cfg_w=w, null_ctx=null)
+    log_p = scoring.guided_log_probs(model, xt, sigma, len(CTX), cfg_w=w, null_ctx=null)
     # independent route: two separate forwards, probabilities in float64, p_c^(1+w) / p_u^w renormalised
     p_c = torch.softmax(model(xt, sigma).double(), -1)[:, len(CTX):]
     p_u = torch.softmax(model(torch.cat([null, xt[:, len(CTX):]], 1), sigma).double(), -1)[:, len(CTX):]
@@ -158,31 +159,31 @@ def test_guided_distribution_is_the_normalised_power_ratio():
 
 def test_cfg_with_w0_equals_no_cfg_exactly_and_is_continuous_in_w():
     model = StubDenoiser()
-    plain = ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3)
-    assert torch.equal(ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=0.0), plain)
+    plain = scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3)
+    assert torch.equal(scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=0.0), plain)
     # a vanishing w through the two-branch path gives the same numbers: the null prompt has its own generator,
     # so the continuation's noise is identical with and without CFG
-    tiny = ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1e-7)
+    tiny = scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1e-7)
     torch.testing.assert_close(tiny, plain, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(ed.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1.1), plain)
+    assert not torch.allclose(scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1.1), plain)
 
 
 def test_a_perfect_denoiser_has_log_likelihood_zero_and_passes_the_argmax_check():
     gold = torch.tensor(CTX + CONT)
     perfect = StubDenoiser(favour=gold)
-    assert -1e-6 < ed.conditional_loglik(perfect, CTX, CONT, mc_draws=16, seed=0) <= 0
-    assert ed.argmax_at_t1(perfect, CTX, CONT, seed=0)
+    assert -1e-6 < scoring.conditional_loglik(perfect, CTX, CONT, mc_draws=16, seed=0) <= 0
+    assert scoring.argmax_at_t1(perfect, CTX, CONT, seed=0)
     wrong = StubDenoiser(favour=gold.roll(1))
-    assert ed.conditional_loglik(wrong, CTX, CONT, mc_draws=16, seed=0) < -10
-    assert not ed.argmax_at_t1(wrong, CTX, CONT, seed=0)
+    assert scoring.conditional_loglik(wrong, CTX, CONT, mc_draws=16, seed=0) < -10
+    assert not scoring.argmax_at_t1(wrong, CTX, CONT, seed=0)
 
 
 def test_context_is_cut_from_the_left_and_a_too_long_continuation_is_an_error():
-    x0, n_ctx = ed.join_context(list(range(10)), [20, 21, 22], block_size=8)
+    x0, n_ctx = scoring.join_context(list(range(10)), [20, 21, 22], block_size=8)
     assert x0.tolist() == [[5, 6, 7, 8, 9, 20, 21, 22]] and n_ctx == 5
-    assert ed.join_context([1, 2], [3] * 8, block_size=8)[1] == 0
-    with pytest.raises(ed.EvalError, match="does not fit"):
-        ed.join_context([1], [3] * 9, block_size=8)
+    assert scoring.join_context([1, 2], [3] * 8, block_size=8)[1] == 0
+    with pytest.raises(scoring.EvalError, match="does not fit"):
+        scoring.join_context([1], [3] * 9, block_size=8)
 
 
 def test_a_model_without_time_conditioning_ignores_sigma():
@@ -191,7 +192,7 @@ def test_a_model_without_time_conditioning_ignores_sigma():
                              n_embd=16)).eval()
     x = torch.randint(0, 17, (2, 8))
     assert torch.equal(model(x, torch.tensor([0.1, 5.0])), model(x, None))
-    ll = ed.conditional_loglik(model, CTX, CONT, mc_draws=4, cfg_w=1.1, seed=0)
+    ll = scoring.conditional_loglik(model, CTX, CONT, mc_draws=4, cfg_w=1.1, seed=0)
     assert math.isfinite(ll) and ll < 0
 
 
@@ -219,7 +220,7 @@ def test_lm_eval_model_args_choose_the_psi_sampler():
     from types import SimpleNamespace
     from downstream.lm_eval_sddlm import SDDLMHarness
     from sample import parse_psi
-    scorer = ed.Scorer(StubDenoiser(), CharTokenizer(), seed=0, progress=False)
+    scorer = scoring.Scorer(StubDenoiser(), CharTokenizer(), seed=0, progress=False)
     harness = SDDLMHarness(scorer=scorer, sampler="psi", psi_kappa="eta/max_capped/eta", psi_eta="1/0.3/1",
                            psi_profile="loop", psi_loop_t=0.5, steps=16)
     psi = parse_psi("psi", "eta,max_capped,eta", "1,0.3,1", "loop", 0.5, steps=16)
@@ -228,7 +229,7 @@ def test_lm_eval_model_args_choose_the_psi_sampler():
     got = harness.generate_until([SimpleNamespace(args=r) for r in requests])
     assert got == scorer.generate_until(requests, steps=16, final_step=harness.final_step, psi=psi)
     assert got != scorer.generate_until(requests, steps=16, final_step=harness.final_step)
-    with pytest.raises(ed.EvalError, match="psi_eta"):
+    with pytest.raises(scoring.EvalError, match="psi_eta"):
         SDDLMHarness(scorer=scorer, sampler="psi", psi_eta="2")
 
 
@@ -238,19 +239,19 @@ def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
     tok = CharTokenizer()
     ctx = [tok.bos_id] + tok.encode("xyxy")                 # 5 ids; with 8 generated: L = 13 <= block_size 16
     cont = tok.encode("ab.cd") + [tok.eos_id] + tok.encode("ef")
-    scorer = ed.Scorer(StubDenoiser(favour=torch.tensor(ctx + cont)), tok, seed=0, progress=False)
+    scorer = scoring.Scorer(StubDenoiser(favour=torch.tensor(ctx + cont)), tok, seed=0, progress=False)
     requests = [("xyxy", {"until": ["."], "max_gen_toks": 8}),
                 ("xyxy", {"until": "c", "max_gen_toks": 8, "do_sample": False}),
                 ("xyxy", {"until": ["zz"], "max_gen_toks": 8})]
     assert scorer.generate_until(requests, steps=4) == ["ab", "ab.", "ab.cd"]
     # max_gen_toks tokens exactly (the stand-in aligns its favourites with the end of its input)
-    three = ed.Scorer(StubDenoiser(favour=torch.tensor(ctx + tok.encode("ab."))), tok, seed=0, progress=False)
+    three = scoring.Scorer(StubDenoiser(favour=torch.tensor(ctx + tok.encode("ab."))), tok, seed=0, progress=False)
     assert three.generate_until([("xyxy", {"until": [], "max_gen_toks": 3})], steps=4) == ["ab."]
     # a context longer than the window is cut from the left: the favoured tokens are aligned at the end
-    long = ed.Scorer(StubDenoiser(favour=torch.tensor([5] * 30 + cont)), tok, seed=0, progress=False)
+    long = scoring.Scorer(StubDenoiser(favour=torch.tensor([5] * 30 + cont)), tok, seed=0, progress=False)
     assert long.generate_until([("ab" * 20, {"until": ["."], "max_gen_toks": 8})], steps=4) == ["ab"]
     # max_gen_toks beyond the window: block_size - 1 = 15 tokens are generated after one context token
-    free = ed.Scorer(StubDenoiser(), tok, seed=0, progress=False)
+    free = scoring.Scorer(StubDenoiser(), tok, seed=0, progress=False)
     text = free.generate_until([("x", {"until": [], "max_gen_toks": 100})], steps=2)[0]
     assert len(text) <= 15 and {x.shape[1] for x, _ in free.model.inputs} == {16}   # the text may stop at an EOS
 
@@ -259,7 +260,7 @@ def test_rolling_windows_partition_the_document_and_fill_the_window():
     for n_doc, block, context, n_prefix in [(40, 16, 1, 1), (40, 16, 5, 1), (15, 16, 1, 1), (7, 8, 0, 0),
                                             (33, 8, 7, 2), (1, 4, 3, 1)]:
         ids = list(range(100, 100 + n_prefix)) + list(range(n_doc))
-        windows = ed.rolling_windows(ids, n_prefix, block, context)
+        windows = scoring.rolling_windows(ids, n_prefix, block, context)
         assert sum((piece for _, piece in windows), []) == ids[n_prefix:]       # every token scored once
         start = n_prefix
         for k, (ctx, piece) in enumerate(windows):
@@ -267,8 +268,8 @@ def test_rolling_windows_partition_the_document_and_fill_the_window():
             assert ctx == ids[start - len(ctx):start]                           # the tokens just before
             assert len(ctx) == min(start, block - len(piece))                   # as many as fit
             start += len(piece)
-    with pytest.raises(ed.EvalError, match="rolling_context"):
-        ed.rolling_windows([1, 2, 3], 0, 8, 8)
+    with pytest.raises(scoring.EvalError, match="rolling_context"):
+        scoring.rolling_windows([1, 2, 3], 0, 8, 8)
 
 
 def test_rolling_loglikelihood_is_the_sum_of_the_window_bounds():
@@ -276,33 +277,33 @@ def test_rolling_loglikelihood_is_the_sum_of_the_window_bounds():
     text = "abcdefg.xy " * 3 + "abc"                       # 36 tokens: pieces of 15, 15, 6 after BOS
     ids = [tok.bos_id] + tok.encode(text)
     model = StubDenoiser()
-    scorer = ed.Scorer(model, tok, mc_draws=8, batch_size=8, seed=5, progress=False)
+    scorer = scoring.Scorer(model, tok, mc_draws=8, batch_size=8, seed=5, progress=False)
     # by hand: window k scores ids[1 + 15k : 1 + 15(k+1)] given the tokens before it that fit 16, seed 5 + k
     windows = [(ids[0:1], ids[1:16]), (ids[15:16], ids[16:31]), (ids[21:31], ids[31:37])]
-    expected = sum(ed.conditional_loglik(model, c, x, mc_draws=8, seed=5 + k) for k, (c, x) in enumerate(windows))
+    expected = sum(scoring.conditional_loglik(model, c, x, mc_draws=8, seed=5 + k) for k, (c, x) in enumerate(windows))
     got, empty = scorer.loglikelihood_rolling([text, ""], cfg_w=0.0, context=1)
     assert got == pytest.approx(expected, rel=1e-12) and got < 0 and empty == 0.0
     # a denoiser sure of every token of the document "aaa...": log p = 0 (the bound is tight) over all windows;
     # one sure of "b" everywhere: far below
     a, b = tok.encode("ab")
-    sure = ed.Scorer(StubDenoiser(favour=torch.full((16,), a)), tok, mc_draws=8, seed=5, progress=False)
+    sure = scoring.Scorer(StubDenoiser(favour=torch.full((16,), a)), tok, mc_draws=8, seed=5, progress=False)
     assert abs(sure.loglikelihood_rolling(["a" * 36])[0]) < 1e-5          # float32 rounding only
-    wrong = ed.Scorer(StubDenoiser(favour=torch.full((16,), b)), tok, mc_draws=8, seed=5, progress=False)
+    wrong = scoring.Scorer(StubDenoiser(favour=torch.full((16,), b)), tok, mc_draws=8, seed=5, progress=False)
     assert wrong.loglikelihood_rolling(["a" * 36])[0] < -100
 
 
 def test_offline_hub_is_detected_up_front_and_errors_name_the_variable(monkeypatch):
-    for v in (*ed.OFFLINE_VARS, "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for v in (*adapter.OFFLINE_VARS, "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")      # nothing listens on port 1: refused at once
-    assert ed.lm_eval_failure(ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub")).endswith(
+    assert adapter.lm_eval_failure(ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub")).endswith(
         "set HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 to fail at once instead of retrying)")
-    note = ed.hub_offline_check(timeout=1.0)
+    note = adapter.hub_offline_check(timeout=1.0)
     assert "127.0.0.1:1 is unreachable" in note and "HF_DATASETS_OFFLINE=1" in note
-    assert all(os.environ[v] == "1" for v in ed.OFFLINE_VARS)
-    assert "local Hugging Face cache" in ed.lm_eval_failure(ConnectionError("Couldn't reach 'x' on the Hub"), "t")
+    assert all(os.environ[v] == "1" for v in adapter.OFFLINE_VARS)
+    assert "local Hugging Face cache" in adapter.lm_eval_failure(ConnectionError("Couldn't reach 'x' on the Hub"), "t")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")                 # the user's choice is left alone: no probe
-    assert ed.hub_offline_check(timeout=1.0) is None
+    assert adapter.hub_offline_check(timeout=1.0) is None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
     path.write_text("\n".join(json.dumps(i) for i in items) + "\n")
     assert ed.read_jsonl(str(path)) == ("multiple_choice", items)
     path.write_text(json.dumps({"context": "c", "choices": ["a"], "gold": 3}) + "\n")
-    with pytest.raises(ed.EvalError, match=r"mc.jsonl:1"):
+    with pytest.raises(scoring.EvalError, match=r"mc.jsonl:1"):
         ed.read_jsonl(str(path))
     assert ed.lambada_request({"text": "the sky is blue"}) == ("the sky is", " blue")
 
@@ -338,7 +339,7 @@ def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
 
 @pytest.mark.slow
 def test_scorer_ranks_the_right_choice_first_well_above_chance(trained):
-    scorer = ed.Scorer(trained["model"], trained["tok"], mc_draws=16, batch_size=16, seed=0, progress=False)
+    scorer = scoring.Scorer(trained["model"], trained["tok"], mc_draws=16, batch_size=16, seed=0, progress=False)
     for w in (0.0, ed.PAPER_CFG_W):
         res = ed.run_multiple_choice(colour_items(), lambda pairs: scorer.loglikelihood(pairs, cfg_w=w))
         assert res["n"] == 8 and res["acc"] >= 0.75 and res["acc_norm"] >= 0.75, (w, res)   # chance: 0.25
@@ -349,11 +350,11 @@ def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
     """Std over 32 seeds of the J-draw estimate, J = 2 vs 128 (1/sqrt(J) predicts 8x). The per-draw NELBO is
     heavy-tailed (a noise token that happens to be another colour at small t costs ~ log(K/t)/t), so a
     10-token continuation and a 2x margin keep this robust."""
-    scorer = ed.Scorer(trained["model"], trained["tok"], progress=False)
+    scorer = scoring.Scorer(trained["model"], trained["tok"], progress=False)
     ctx, cont = scorer.encode("the coal is black . the sky is blue .", " the snow is white . the grass is green .")
 
     def spread(draws):
-        return torch.tensor([ed.conditional_loglik(trained["model"], ctx, cont, mc_draws=draws, batch_size=128,
+        return torch.tensor([scoring.conditional_loglik(trained["model"], ctx, cont, mc_draws=draws, batch_size=128,
                                                    seed=s) for s in range(32)]).std().item()
     few, many = spread(2), spread(128)
     assert many < few / 2, (few, many)
@@ -362,19 +363,19 @@ def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
 @pytest.mark.slow
 def test_estimate_is_deterministic_given_a_seed_and_independent_of_batch_size(trained):
     m = trained["model"]
-    scorer = ed.Scorer(m, trained["tok"], progress=False)
+    scorer = scoring.Scorer(m, trained["tok"], progress=False)
     ctx, cont = scorer.encode(colour_items()[3]["context"], " green")
     for w in (0.0, 1.1):
-        a = ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=7)
-        assert torch.equal(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=7))
-        torch.testing.assert_close(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=5, cfg_w=w, seed=7),
+        a = scoring.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=7)
+        assert torch.equal(a, scoring.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=7))
+        torch.testing.assert_close(a, scoring.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=5, cfg_w=w, seed=7),
                                    rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(a, ed.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=8))
+        assert not torch.allclose(a, scoring.conditional_nelbo(m, ctx, cont, mc_draws=12, batch_size=12, cfg_w=w, seed=8))
 
 
 @pytest.mark.slow
 def test_lambada_protocols_recover_an_obvious_last_word(trained):
-    scorer = ed.Scorer(trained["model"], trained["tok"], mc_draws=16, seed=0, lambada_steps=8, progress=False)
+    scorer = scoring.Scorer(trained["model"], trained["tok"], mc_draws=16, seed=0, lambada_steps=8, progress=False)
     rng = random.Random(2)
     items = [{"text": facts(rng, 4) + f" the {s} is {c}"} for s, c in FACTS.items()]
     for w in (0.0, ed.PAPER_CFG_W):
@@ -453,7 +454,7 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
     from downstream import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
-    cls = ed.lm_eval_model_class()
+    cls = adapter.lm_eval_model_class()
     assert get_model("sddlm") is cls and issubclass(cls, LM)
     assert get_model("dummy").__name__ == "DummyLM"        # registering ours does not hide the harness's models
     # as lm-eval builds it from --model_args and --batch_size: every value a string
@@ -469,7 +470,7 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     bad = {"unknown sddlm model argument\\(s\\) mc_draw;": "mc_draw=8", "rolling_context must be in": "rolling_context=32",
            "final_step must be one of": "final_step=best", "cfg_w='high' is not a valid float": "cfg_w=high"}
     for message, arg in bad.items():
-        with pytest.raises(ed.EvalError, match=message):
+        with pytest.raises(scoring.EvalError, match=message):
             cls.create_from_arg_string(f"ckpt={trained['ckpt']},{arg}", extras)
 
 
@@ -542,7 +543,7 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
     threads = torch.get_num_threads()
     torch.set_num_threads(1)     # as the subprocess: the same float32 sums, bit for bit
     try:
-        scorer = ed.Scorer(model, tok, mc_draws=4, batch_size=4, seed=3, progress=False)
+        scorer = scoring.Scorer(model, tok, mc_draws=4, batch_size=4, seed=3, progress=False)
         # loglikelihood: multiple choice and LAMBADA-style
         for task in ("colours_mc", "colours_lambada"):
             acc = []
@@ -577,7 +578,7 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
         for s in logged("colours_doc"):
             ids = [tok.bos_id] + tok.encode(s["doc"]["text"])
             starts = range(1, len(ids), 31)
-            bound = sum(ed.conditional_loglik(model, ids[max(0, a - (32 - len(ids[a:a + 31]))):a], ids[a:a + 31],
+            bound = sum(scoring.conditional_loglik(model, ids[max(0, a - (32 - len(ids[a:a + 31]))):a], ids[a:a + 31],
                                               mc_draws=4, batch_size=4, seed=3 + k) for k, a in enumerate(starts))
             assert float(s["resps"][0][0]) == pytest.approx(bound, rel=1e-6) and bound < 0
             words, total = words + len(re.split(r"\s+", s["doc"]["text"])), total + bound
@@ -610,7 +611,7 @@ def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
     out = tmp_path / "lm.json"
     argv = ["--ckpt", trained["ckpt"], "--tasks", "colours_mc,broken,colours_lambada", "--include_path", str(tmp_path),
             "--mc_draws", "8", "--cfg", "both", "--device", "cpu", "--out", str(out)]
-    with pytest.raises(ed.EvalError, match=r"2 of 6 task runs failed: broken \(no CFG\), broken \(CFG\); the other"):
+    with pytest.raises(scoring.EvalError, match=r"2 of 6 task runs failed: broken \(no CFG\), broken \(CFG\); the other"):
         ed.main(argv)
     res = json.loads(out.read_text())
     rows = {(r["task"], r["setting"]): r for r in res["results"]}
@@ -622,5 +623,5 @@ def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
     lam = rows["colours_lambada", "no CFG"]
     assert set(lam) >= {"acc_argmax", "perplexity"} and "acc" not in lam
     assert "FAILED broken (CFG)" in (tmp_path / "lm.md").read_text()
-    with pytest.raises(ed.EvalError, match="unknown lm-eval task\\(s\\) colours_mcq"):
+    with pytest.raises(scoring.EvalError, match="unknown lm-eval task\\(s\\) colours_mcq"):
         ed.main(argv[:3] + ["colours_mcq"] + argv[4:])

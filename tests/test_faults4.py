@@ -343,12 +343,12 @@ def test_float_lists_refuse_nan_and_inf_naming_the_flag(base, tmp_path):
     check(run_batches(cases))
     assert not (t / "s.jsonl").exists() and md5s(base.root) == before
     # lm-eval's --model_args of eval_downstream's model: strings, or values lm-eval already made floats
-    from downstream import eval_downstream as ed
+    from downstream import lm_eval_adapter as adapter, scoring
     for args, flag in (({"cfg_w": float("nan")}, "cfg_w"), ({"cfg_w": "inf"}, "cfg_w"),
                        ({"top_p": "nan"}, "top_p"), ({"psi_loop_t": float("inf")}, "psi_loop_t"),
                        ({"sampler": "psi", "psi_profile": "loop", "psi_fracs": "nan/0.5/0.5"}, "psi_fracs")):
-        with pytest.raises(ed.EvalError, match=f"sddlm model argument {flag}"):
-            ed._Harness(ckpt=base.ckpt, **args)
+        with pytest.raises(scoring.EvalError, match=f"sddlm model argument {flag}"):
+            adapter._Harness(ckpt=base.ckpt, **args)
 
 
 @pytest.mark.slow

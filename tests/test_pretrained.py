@@ -385,7 +385,7 @@ def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     from lm_eval.api.registry import get_model
     from downstream import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
-    from downstream.eval_downstream import EvalError
+    from downstream.scoring import EvalError
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
     folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
     cls = get_model("sddlm")

@@ -1,0 +1,655 @@
+"""
+The corpora sddlm reads, as documents (prepare.py tokenizes them): Duo's named corpora, any parquet set on the
+hub, and local files and folders, each split read lazily as Docs.
+
+    train, val = load_corpus("pydoc")     # or a local corpus, a name in HF_CORPORA, "hf:REPO[:CONFIG][@REVISION]"
+
+Corpora (load_corpus): "pydoc" (Python's help topics); a local file or folder (LOCAL_FORMATS); a name in
+HF_CORPORA (Duo's corpora, from parquet repositories pinned by revision, with Duo's splits, text fields and
+detokenizers); or "hf:REPO[:CONFIG][@REVISION]", any parquet dataset on the Hugging Face hub (its train split and
+its validation or test split, or the last --val_fraction of train). SDDLM_HF_MIRROR=/folder reads REPO from
+/folder/REPO (a downloaded snapshot) instead. A local corpus's val split is its trailing documents, found in one
+pass; a lone .txt is cut into ~1 MB pieces of whole paragraphs by that pass, and prepare.py's workers read and
+split the pieces themselves (Docs.units), as they read their rows of a hub split. corpus_fingerprint: the
+corpus's part of prepare.py's data key.
+"""
+import collections
+import gzip
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import sys
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from data import DataError, check_text, file_sha256
+from plumbing.cli import first_line
+
+# -----------------------------------------------------------------------------
+# Detokenizers (Duo applies them to raw text before tokenizing). Rules: (regex, replacement), in order.
+
+
+def _apply(rules, text):
+    for pattern, replacement in rules:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+_WT_RULES = [
+    (r"s ' ", "s' "),
+    *[(rf" @{re.escape(c)}@ ", c) for c in "-,."],               # "1 @,@ 000" -> "1,000"
+    *[(rf" {re.escape(p)} ", f"{p} ") for p in ":;.!?,"],         # one pass per mark, as Duo does
+    *[(rf"{re.escape(a)}\s*([^{re.escape(b)}]*?)\s*{re.escape(b)}", rf"{a}\1{b}")
+      for a, b in ["()", "[]", "{}", '""', "''"]],                # "( x )" -> "(x)"
+    (r"= = = =", "===="), (r"= = =", "==="), (r"= =", "=="),     # "= = Heading = =" -> "== Heading =="
+    (" \u00b0 ", "\u00b0"), (r" \n", "\n"), (r"\n ", "\n"),
+    (r" N ", " 1 "), (r" 's", "'s"),
+]
+_PTB_RULES = [(r" 's", "'s"), (r"s ' ", "s' "), (r" n't", "n't"), (r" \n ", "\n"), (r"\\/", "/"),
+              (r" N(?= )", " 1"),                                 # every " N " (also in runs "N N N") -> " 1 "
+              (r"\$ 1", "$1"), (r"# 1", "#1"), (r"<unk>", "?")]
+_LM1B_RULES = [
+    (r"http : / / ", "http://"), (r"https : / / ", "https://"),
+    (r" '(\w+)", r"'\1"), (r" (\w+) \. ", r" \1. "), (r" (\w+) \.$", r" \1."),
+    (r" \? ", "? "), (r" \?$", "?"), (r" ! ", "! "), (r" !$", "!"),
+    (r" , ", ", "), (r" : ", ": "), (r" ; ", "; "), (r" / ", "/"),
+    (r'" ([^"]+) "', r'"\1"'), (r"' ([^']+) '", r"'\1'"),
+    (r"\( ([^()]+) \)", r"(\1)"), (r"\[ ([^\[\]]+) \]", r"[\1]"),
+    (r"\$ ", "$"), ("\u00a3 ", "\u00a3"),
+]
+
+
+def wt_detokenizer(text):
+    return _apply(_WT_RULES, text)
+
+
+def ptb_detokenizer(text):
+    return _apply(_PTB_RULES, text)
+
+
+def lm1b_detokenizer(text):
+    return _apply(_LM1B_RULES, text)
+
+
+def lambada_detokenizer(text):
+    return "\n" + text.replace("\u201c", '"').replace("\u201d", '"').strip()
+
+
+def scientific_papers_detokenizer(text):
+    return lm1b_detokenizer(wt_detokenizer(text))
+
+
+# -----------------------------------------------------------------------------
+# Named corpora: Duo's splits, fields and detokenizers, read from parquet files (no loading script, which
+# `datasets` >= 4 refuses). docs/data.md says how each repository and revision was checked.
+
+@dataclass(frozen=True)
+class HFSource:
+    repo: str                 # hub dataset repository
+    revision: str             # a commit where known, else the branch holding the parquet files
+    data_files: dict          # split name -> glob of its files inside the repository
+    train: str | None         # Duo's train split expression (None: an evaluation-only set)
+    val: str
+    field: str                # the text column
+    detokenizer: Callable | None = None
+    streaming: bool = False   # read without a local Arrow copy (SlimPajama's 627B tokens)
+
+
+HF_CORPORA = {
+    "openwebtext": HFSource("Skylion007/openwebtext", "79d93d786212f7344586290adb811d4ae6a1762c",
+                            {"train": "plain_text/train-*.parquet"}, "train[:-100000]", "train[-100000:]", "text"),
+    "lm1b": HFSource("billion-word-benchmark/lm1b", "refs/convert/parquet",
+                     {"train": "plain_text/train/*.parquet", "test": "plain_text/test/*.parquet"}, "train", "test",
+                     "text", lm1b_detokenizer),
+    "wikitext2": HFSource("Salesforce/wikitext", "b08601e04326c79dfdd32d625aee71d232d685c3",
+                          {"train": "wikitext-2-raw-v1/train-*.parquet",
+                           "validation": "wikitext-2-raw-v1/validation-*.parquet"}, "train", "validation", "text",
+                          wt_detokenizer),
+    "wikitext103": HFSource("Salesforce/wikitext", "b08601e04326c79dfdd32d625aee71d232d685c3",
+                            {"train": "wikitext-103-raw-v1/train-*.parquet",
+                             "validation": "wikitext-103-raw-v1/validation-*.parquet"}, "train", "validation", "text",
+                            wt_detokenizer),
+    "ptb": HFSource("ptb-text-only/ptb_text_only", "6003d540889b95fc8c8403a3f04619f3b943fc8d",
+                    {"train": "penn_treebank/train/*.parquet", "validation": "penn_treebank/validation/*.parquet"},
+                    "train", "validation", "sentence", ptb_detokenizer),
+    "lambada": HFSource("EleutherAI/lambada_openai", "761609c75432cf25d076cd41b8182b7f3ceaae6e",
+                        {"test": "default/test/*.parquet"},
+                        None, "test", "text", lambada_detokenizer),
+    "ag_news": HFSource("fancyzhx/ag_news", "main",
+                        {"train": "data/train-*.parquet", "test": "data/test-*.parquet"}, "train", "test", "text"),
+    "arxiv": HFSource("ccdv/arxiv-summarization", "240aaf1a969b3f8cd0ade6986bfad0cd730ee288",
+                      {"train": "document/train-*.parquet", "validation": "document/validation-*.parquet"},
+                      "train", "validation", "article", scientific_papers_detokenizer),
+    "pubmed": HFSource("ccdv/pubmed-summarization", "6b30a2cae59b11ed77cb19959bffccbbd18e1106",
+                       {"train": "document/train-*.parquet", "validation": "document/validation-*.parquet"},
+                       "train", "validation", "article", scientific_papers_detokenizer),
+    "slimpajama": HFSource("cerebras/SlimPajama-627B", "main",
+                           {"train": "train/chunk*/*.jsonl.zst", "validation": "validation/chunk*/*.jsonl.zst"},
+                           "train", "validation", "text", streaming=True),
+}
+
+
+class Docs:
+    """The documents of one split, read lazily (the corpus itself stays on disk): iterating gives them as
+    training sees them; raw() gives them before `detokenizer`, which the tokenizing workers apply. units(), where
+    given, gives the same documents as work units for the workers, (reader, *args): a worker reads
+    reader(*args) itself (the paragraphs of a .txt piece, the rows of an Arrow split)."""
+
+    def __init__(self, raw, detokenizer=None, nbytes=None, length=None, units=None):
+        self.raw, self.detokenizer, self.nbytes, self.length = raw, detokenizer, nbytes, length  # raw: () -> iter
+        self.units = units
+
+    def __len__(self):
+        if self.length is None:
+            raise TypeError("a streamed split has no length")
+        return self.length
+
+    def __iter__(self):
+        return map(self.detokenizer, self.raw()) if self.detokenizer else self.raw()
+
+
+def _hf_texts(ds, field, name):
+    """Docs over a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
+    columns = ds.column_names or (list(ds.features) if ds.features else None)
+    if columns is None:                      # a streaming json split: columns are known from the first row
+        columns = list(next(iter(ds), {}))
+    if field not in columns:
+        raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
+    feature = ds.features.get(field) if ds.features else None
+    if getattr(feature, "dtype", "string") not in ("string", "large_string", "string_view"):
+        raise DataError(f"{name}: field {field!r} holds {feature.dtype}, not text (--text_field)")
+
+    def raw():
+        for batch in ds.iter(batch_size=1000):
+            yield from batch[field]
+    return raw
+
+
+def start_method():
+    """How prepare.py's tokenizing workers start: fork on Linux, where they start at once with the tokenizer
+    already loaded and inherit a loaded hub split, whose rows they read themselves (_row_units). They run only
+    the tokenizer (no torch, CUDA or NCCL), so the threads a torchrun rank 0 holds do not matter to them. spawn
+    elsewhere."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+_DATASETS = {}   # id -> a `datasets` split, kept for the workers, which fork after load_corpus and so hold it too
+
+
+def _row_units(ds, field, rows=1000):
+    """-> () -> work units (_dataset_rows, ...) over a `datasets` split's rows: its workers read their rows
+    from the memory-mapped Arrow files themselves. None where workers cannot inherit the split (no fork) or it
+    is not a `datasets.Dataset` (a streamed split has no row ranges)."""
+    import datasets
+    if start_method() != "fork" or not isinstance(ds, getattr(datasets, "Dataset", ())):
+        return None
+    _DATASETS[id(ds)] = ds
+    return lambda: ((_dataset_rows, id(ds), field, i, min(i + rows, len(ds))) for i in range(0, len(ds), rows))
+
+
+def _dataset_rows(key, field, start, stop):
+    return _DATASETS[key][start:stop][field]
+
+
+def _load_dataset(what, path, **kwargs):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"dataset {what!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
+    try:
+        with _quiet_loggers("huggingface_hub", "datasets"):     # a failed request is logged before it is raised
+            return datasets.load_dataset(path, **kwargs)
+    except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
+
+
+@contextmanager
+def _quiet_loggers(*names):
+    """Only errors from these loggers while inside: the failure itself becomes one line of ours."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _hub_path(repo, revision):
+    """-> (path for load_dataset, its revision kwargs): the hub, or the local mirror named by SDDLM_HF_MIRROR."""
+    mirror = os.environ.get("SDDLM_HF_MIRROR")
+    if mirror:
+        return os.path.join(mirror, repo), {}
+    return repo, dict(revision=revision)
+
+
+def load_hf_split(name, which, text_field=None, val_fraction=0.05):
+    """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers) or of
+    "hf:REPO[:CONFIG][@REVISION]"; [] where the set has no such split. Needs `datasets` (and the network, its
+    cache, or SDDLM_HF_MIRROR)."""
+    if name.startswith("hf:"):
+        return _load_hub_split(name, which, text_field or "text", val_fraction)
+    src = HF_CORPORA[name]
+    split = src.train if which == "train" else src.val
+    if split is None:
+        return []
+    path, rev = _hub_path(src.repo, src.revision)
+    ds = _load_dataset(name, path, data_files=src.data_files, split=split, streaming=src.streaming, **rev)
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
+                units=None if src.streaming else _row_units(ds, src.field))
+
+
+def _parse_hub_name(name):
+    """ "hf:REPO[:CONFIG][@REVISION]" -> (repo, config or None, revision)."""
+    spec, _, revision = name[3:].partition("@")
+    repo, _, config = spec.partition(":")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise DataError(f"--dataset {name!r}: expected hf:OWNER/NAME[:CONFIG][@REVISION], e.g. hf:Salesforce/wikitext:"
+                        f"wikitext-2-raw-v1")
+    return repo, config or None, revision or "main"
+
+
+def _load_hub_split(name, which, text_field, val_fraction):
+    """A hub dataset's train split and its validation (or test) split; without either, the last val_fraction
+    of train's rows is held out."""
+    repo, config, revision = _parse_hub_name(name)
+    path, rev = _hub_path(repo, revision)
+    splits = _load_dataset(name, path, name=config, **rev)
+    if "train" not in splits:
+        raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
+    held_out = next((s for s in ("validation", "test") if s in splits), None)
+    if held_out:
+        ds = splits["train" if which == "train" else held_out]
+    else:
+        n = len(splits["train"])
+        cut = n - max(1, round(val_fraction * n))
+        ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
+    return Docs(_hf_texts(ds, text_field, name), length=len(ds), units=_row_units(ds, text_field))
+
+
+# -----------------------------------------------------------------------------
+# Local corpora
+
+LOCAL_FORMATS = ".txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, an Arrow save_to_disk folder, or a folder of these"
+OFFLINE = (f"offline: a local corpus ({LOCAL_FORMATS}), or SDDLM_HF_MIRROR=/folder holding the repository's files as "
+           f"on the hub")
+_TEXT = (".txt", ".txt.gz")
+_RECORDS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
+
+
+def _is_arrow_folder(path):
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("state.json", "dataset_dict.json"))
+
+
+def _walk(folder):
+    for root, _, files in os.walk(folder):
+        for f in files:
+            yield _regular(os.path.join(root, f))
+
+
+def _regular(path):
+    """path, unless it exists as something other than a regular file or folder (a named pipe, a device, a socket:
+    read once it is gone, and a second read, which every preparation makes, would wait forever) -> DataError."""
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise DataError(f"{path} is not a regular file or folder (a named pipe, device or socket can be read only "
+                        f"once, and a preparation reads its corpus twice); save its content to a file and give that")
+    return path
+
+
+def _folder_files(folder):
+    """The corpus files of a folder, sorted by path (the order of its documents)."""
+    return sorted(p for p in _walk(folder) if p.endswith(_TEXT + _RECORDS))
+
+
+def _open_binary(path):
+    return _Gzip(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+class _Gzip(gzip.GzipFile):
+    """A .gz file whose damage (truncated, not gzip, a bad block) is a DataError naming it, not a traceback."""
+
+    def read(self, size=-1):
+        try:
+            return super().read(size)
+        except (EOFError, OSError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
+            raise DataError(f"{self.name}: a damaged gzip file ({first_line(e) or type(e).__name__}); compress or "
+                            f"download it again") from None
+
+
+_BOM = b"\xef\xbb\xbf"    # UTF-8's byte-order mark, which editors on Windows put first: not part of the text
+
+
+_SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
+_TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
+
+
+def _text_blocks(path, block=1 << 20):
+    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
+    normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
+    naming the file and the byte offset (of the uncompressed bytes for .gz)."""
+    return (text for text, _, _ in _decoded_blocks(path, block))
+
+
+def _decoded_blocks(path, block):
+    """_text_blocks, each with the number of bytes it was decoded from and whether it is exactly their
+    decoding (no "\\r" normalised away)."""
+    with _open_binary(path) as f:
+        pending, offset = b"", 0
+        while True:
+            raw = f.read(block)
+            pending += raw
+            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
+            if raw and not cut:
+                continue
+            piece, pending = pending[:cut], pending[cut:]
+            if offset == 0 and piece.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise DataError(f"{path}: UTF-16 text (byte-order mark at offset 0), not UTF-8; convert it, e.g. "
+                                f"iconv -f utf-16 -t utf-8")
+            nul = piece.find(b"\0")
+            try:
+                text = piece.decode("utf-8")
+                text = text[1:] if offset == 0 and piece.startswith(_BOM) else text
+            except UnicodeDecodeError as e:
+                if nul < 0 or nul > e.start:
+                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
+                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+            if nul >= 0:
+                raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
+            exact = "\r" not in text
+            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
+            offset += len(piece)
+            if not raw:
+                return
+
+
+def _paragraphs(path, block=1 << 20):
+    """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
+    of newlines and the empty ones dropped (_paragraph_pieces, each split)."""
+    for piece, _ in _paragraph_pieces(path, block):
+        yield from _split_paragraphs(piece)
+
+
+def _paragraph_pieces(path, block=1 << 20):
+    """A text file in pieces of whole paragraphs (~`block` bytes), read a block at a time: a block is cut at the
+    end of its last separator that more text cannot extend (one followed by a non-space on its line); the rest
+    waits. Splitting a piece is the workers' job, so the main process touches no document. -> (piece, end):
+    end, the byte offset where the piece ends in the file, so that a worker can read the piece itself; None
+    in a .gz or from the first "\\r" on, where the text's bytes are not the file's."""
+    carry, offset, exact = "", 0, not path.endswith(".gz")
+    for text, nbytes, same in _decoded_blocks(path, block):
+        text, offset, exact = carry + text, offset + nbytes, exact and same
+        end = _last_break(text)
+        carry = text[end:]
+        yield text[:end], offset - len(carry.encode()) if exact else None
+    yield carry, offset if exact else None
+
+
+def _piece_paragraphs(piece, a, b):
+    """Paragraphs a:b of a .txt piece, given as its text or as (path, begin, end): bytes the worker reads."""
+    return _split_paragraphs(piece if isinstance(piece, str) else _read_piece(*piece))[a:b]
+
+
+def _read_piece(path, begin, end):
+    """A piece that _paragraph_pieces cut at byte offsets begin:end, read by the worker that splits it."""
+    with open(path, "rb") as f:
+        f.seek(begin)
+        raw = f.read(end - begin)
+    try:
+        if len(raw) != end - begin:
+            raise ValueError("shorter")
+        return raw[len(_BOM) if begin == 0 and raw.startswith(_BOM) else 0:].decode("utf-8")
+    except ValueError:          # edited between the scan and this read (nothing half-written is kept)
+        raise DataError(f"{path} changed while it was being prepared; prepare it again once it is complete") from None
+
+
+def _split_paragraphs(text):
+    """text -> its paragraphs, each stripped of newlines, the blank ones dropped (map/filter: no Python loop)."""
+    return list(filter(str.strip, map(str.strip, _SEPARATOR.split(text), itertools.repeat("\n"))))
+
+
+def _piece_units(path, pieces, start, stop):
+    """Work units (_piece_paragraphs, piece, a, b) giving paragraphs start:stop of a text file. pieces:
+    (paragraphs, end byte) of each piece as _paragraph_pieces cuts it (found by load_corpus's scan). Where every
+    end is known a unit names the piece's bytes, (path, begin, end), and its worker reads them: the main process
+    reads nothing."""
+    by_bytes = all(end is not None for _, end in pieces)
+    texts = None if by_bytes else (piece for piece, _ in _paragraph_pieces(path))
+    first, begin = 0, 0
+    for count, end in pieces:
+        piece = (path, begin, end) if by_bytes else next(texts)
+        a, b = max(start - first, 0), min(stop - first, count)
+        if a < b:
+            yield _piece_paragraphs, piece, a, b
+        first, begin = first + count, end
+        if first >= stop:
+            return
+
+
+def _last_break(text):
+    """The end of the last separator in text followed by a non-space on its line (0: none). The end of a greedy
+    match does not depend on where the search started, so the text's last 64 KiB is searched first."""
+    for start in (max(0, len(text) - (1 << 16)), 0):
+        end = 0
+        for m in _SEPARATOR.finditer(text, start):
+            if _TEXT_AFTER.match(text, m.end()):
+                end = m.end()
+        if end or start == 0:
+            return end
+
+
+def _read_whole(path):
+    return "".join(_text_blocks(path))
+
+
+def _records(path, field):
+    """The `field` of each record of a .jsonl/.json(.gz) or .parquet file, in order."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs the pyarrow package (pip install pyarrow)") from None
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise DataError(f"{path}: not a parquet file ({type(e).__name__})") from None
+        if field not in pf.schema_arrow.names:
+            raise DataError(f"{path} has no text field {field!r}; its fields are {', '.join(pf.schema_arrow.names)} "
+                            f"(--text_field)")
+        kind = pf.schema_arrow.field(field).type
+        if str(kind) not in ("string", "large_string", "string_view"):
+            raise DataError(f"{path}: field {field!r} holds {kind}, not text (--text_field)")
+        try:
+            for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+                yield from batch.column(0).to_pylist()
+        except (OSError, ValueError) as e:            # pyarrow's ArrowIOError / ArrowInvalid: a damaged file
+            raise DataError(f"{path}: a damaged parquet file ({first_line(e) or type(e).__name__})") from None
+        return
+    with _open_binary(path) as f:
+        head = f.read(4096).removeprefix(_BOM).lstrip()
+    if head.startswith(b"["):            # a JSON array of records: read whole (JSON lines stream)
+        rows = json.loads(_read_whole(path))
+        lines = ((n, row) for n, row in enumerate(rows, 1))
+    else:
+        lines = ((n, line) for n, line in enumerate((ln for b in _text_blocks(path) for ln in b.split("\n")), 1)
+                 if line.strip())
+    for n, row in lines:
+        if isinstance(row, str):
+            try:
+                row = json.loads(row)
+            except ValueError as e:
+                raise DataError(f"{path} line {n}: not JSON ({e})") from None
+        if not isinstance(row, dict) or field not in row:
+            fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise DataError(f"{path} record {n} has no text field {field!r}; it has {fields} (--text_field)")
+        if not isinstance(row[field], (str, type(None))):         # null: a missing document, skipped
+            raise DataError(f"{path} record {n}: field {field!r} holds {type(row[field]).__name__}, not text "
+                            f"(--text_field)")
+        if row[field] is not None:
+            check_text(row[field], f"{path} record {n}: field {field!r}")
+        yield row[field]
+
+
+def _file_docs(path, field, in_folder):
+    """The documents of one local file: a .txt alone is split into paragraphs, a .txt in a folder is one
+    document; records give one document each."""
+    if path.endswith(_TEXT):
+        if not in_folder:
+            return _paragraphs(path)
+        text = _read_whole(path)
+        return iter([text] if text.strip() else [])
+    return (d for d in _records(path, field) if isinstance(d, str) and d.strip())
+
+
+def _arrow_docs(folder, field):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{folder} is an Arrow save_to_disk folder: reading it needs the datasets package") from None
+    ds = datasets.load_from_disk(folder)
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{folder} holds the splits {', '.join(ds)}, no train split")
+        ds = datasets.concatenate_datasets([ds[s] for s in ("train", "validation", "test") if s in ds])
+    raw = _hf_texts(ds, field, folder)
+    return (d for d in raw() if isinstance(d, str) and d.strip())
+
+
+def _local_docs(name, field):
+    """-> () -> iterator of the documents of a local corpus, in order."""
+    if _is_arrow_folder(name):
+        return lambda: _arrow_docs(name, field)
+    if os.path.isdir(name):
+        files = _folder_files(name)
+        if not files:
+            raise DataError(f"corpus {name} is empty: it holds no {LOCAL_FORMATS}")
+        return lambda: (d for p in files for d in _file_docs(p, field, True))
+    if name.endswith(_TEXT + _RECORDS):
+        return lambda: _file_docs(name, field, False)
+    raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
+
+
+def _tail_split(length_batches, val_fraction, name):
+    """One pass over the documents' lengths (in batches) -> (their number n, cut), where the val split is
+    documents [cut:], the trailing ones holding ~val_fraction of the characters (at least one, and at least one
+    left for train): the last document d with len(d:) >= val_fraction * total. Memory: the batches that may
+    still hold d, since a batch that the tail no longer needs is never needed again (the total, and so the
+    tail wanted, only grows by what follows it)."""
+    tail, tail_chars, total, n = collections.deque(), 0, 0, 0
+    for lengths in length_batches:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not len(lengths):
+            continue
+        chars = int(lengths.sum())
+        n, total, tail_chars = n + len(lengths), total + chars, tail_chars + chars
+        tail.append((lengths, chars))
+        while len(tail) > 1 and tail_chars - tail[0][1] >= val_fraction * total:
+            tail_chars -= tail.popleft()[1]
+    if n == 0:
+        raise DataError(f"corpus {name} is empty")
+    if n < 2:
+        raise DataError(f"corpus {name} has {n} document(s); need at least 2 for a train/val split")
+    suffix = np.cumsum(np.concatenate([t[0] for t in tail])[::-1])     # len(d:) for d = n-1, n-2, ...
+    enough = np.flatnonzero(suffix >= val_fraction * total)
+    k = min(int(enough[0]) + 1, n - 1) if len(enough) else n - 1
+    return n, n - k
+
+
+def _length_batches(docs, size=4096, text_bytes=None):
+    """The documents' lengths in lists of `size`: what _tail_split reads; each list's UTF-8 bytes appended to
+    text_bytes, where given (the progress bar's total)."""
+    docs = iter(docs)
+    while True:
+        batch = list(itertools.islice(docs, size))
+        if not batch:
+            return
+        if text_bytes is not None:
+            text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
+        yield list(map(len, batch))
+
+
+def load_corpus(name, val_fraction=0.05, text_field="text"):
+    """-> (train Docs, val Docs). name: "pydoc" (built-in: Python's help topics), a local corpus (LOCAL_FORMATS:
+    a lone .txt is split into paragraphs on blank lines, a .txt in a folder is one document, records are one
+    document each, in path order; the val split is the trailing documents holding ~val_fraction of the
+    characters), a name in HF_CORPORA, or "hf:REPO[:CONFIG][@REVISION]". A local corpus is read once here (its
+    text checked, its split found) and again, streaming, when the Docs are iterated."""
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        docs = [topics[k] for k in sorted(topics)]
+        n, cut = _tail_split([list(map(len, docs))], val_fraction, name)
+        size = lambda part: sum(len(d.encode()) for d in part)     # the progress bar's total: the text's bytes
+        return (Docs(lambda: iter(docs[:cut]), nbytes=size(docs[:cut]), length=cut),
+                Docs(lambda: iter(docs[cut:]), nbytes=size(docs[cut:]), length=n - cut))
+    if name in HF_CORPORA or name.startswith("hf:"):
+        return (load_hf_split(name, "train", text_field, val_fraction),
+                load_hf_split(name, "val", text_field, val_fraction))
+    if not os.path.exists(_regular(name)):
+        if name.endswith(_TEXT + _RECORDS) or os.sep in name:
+            raise DataError(f"no such file or folder: {name}")
+        raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
+                        f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
+    docs = _local_docs(name, text_field)
+    units = None
+    if os.path.isfile(name) and name.endswith(_TEXT):    # a lone .txt: its pieces go to the workers unsplit
+        pieces = []        # (paragraphs, end byte) of each piece: where a split starts and ends, for _piece_units
+
+        def piece_lengths():
+            for piece, end in _paragraph_pieces(name):
+                paragraphs = _split_paragraphs(piece)
+                pieces.append((len(paragraphs), end))
+                yield np.fromiter(map(len, paragraphs), np.int64, len(paragraphs))
+        n, cut = _tail_split(piece_lengths(), val_fraction, name)
+        units = lambda a, b: lambda: _piece_units(name, pieces, a, b)
+        nbytes = None if name.endswith(".gz") else os.path.getsize(name)    # a .gz's bytes are not the text's
+        share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total, shared out by documents
+        train_bytes, val_bytes = share(cut), share(n - cut)
+    else:                          # the progress bar's totals: the text's own bytes (a record file holds more)
+        batch_bytes = []
+        n, cut = _tail_split(_length_batches(docs(), text_bytes=batch_bytes), val_fraction, name)
+        whole, rest = divmod(cut, 4096)
+        train_bytes = sum(batch_bytes[:whole]) + (int(batch_bytes[whole] * rest / min(4096, n - whole * 4096))
+                                                  if rest else 0)
+        val_bytes = sum(batch_bytes) - train_bytes
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=train_bytes, length=cut, units=units and units(0, cut))
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=val_bytes, length=n - cut,
+               units=units and units(cut, n))
+    return train, val
+
+
+# -----------------------------------------------------------------------------
+# A corpus's content, as prepare.data_key names it
+
+def corpus_fingerprint(name, text_field="text"):
+    """sha256 of what load_corpus reads: a file's bytes; a folder's corpus files (relative paths and bytes);
+    pydoc's topics. For a Hugging Face source, its repository, revision, files, splits, field and detokenizer
+    (the hub's content is not hashed: the revision pins it)."""
+    h = hashlib.sha256()
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        h.update(json.dumps(topics, sort_keys=True).encode())
+    elif name in HF_CORPORA:
+        s = HF_CORPORA[name]
+        h.update(f"hf:{s.repo}@{s.revision}:{sorted(s.data_files.items())}:{s.train}:{s.val}:{s.field}:"
+                 f"{s.detokenizer and s.detokenizer.__name__}".encode())
+    elif name.startswith("hf:"):
+        repo, config, revision = _parse_hub_name(name)
+        h.update(f"hf:{repo}:{config}@{revision}:{text_field}".encode())
+    elif os.path.isdir(_regular(name)):
+        files = sorted(_walk(name)) if _is_arrow_folder(name) else _folder_files(name)
+        for path in files:
+            h.update(f"{os.path.relpath(path, name)}\0{file_sha256(path)}\0".encode())
+    elif os.path.isfile(name):
+        return file_sha256(name)
+    else:
+        load_corpus(name)   # raises its DataError for a missing file or an unknown name
+    return h.hexdigest()
