@@ -27,7 +27,8 @@ Columns:
                attention scores and values (full L x L, also for 'ar'), 6 d V T the output layer. The loss
                itself counts 0: what the NELBO spends over (B, L, V) shows up as lower MFU.
   peak MiB     CUDA only: torch.cuda.max_memory_allocated over one step, reset per loss (weights, gradients,
-               AdamW and EMA state included). 'n/a' on CPU: no allocator statistics to read there.
+               AdamW and EMA state of the table's models included: the diffusion rows share one, 'ar' has its
+               own). 'n/a' on CPU: no allocator statistics to read there.
   step MiB     the most memory the step's own tensors (activations, logits, loss temporaries, gradients)
                hold at once above what was allocated before it. CUDA: peak MiB - memory_allocated at the
                step's start; CPU: one extra profiled step per loss, from the allocation events of
@@ -38,10 +39,16 @@ Columns:
   x duo        ratio to the 'duo' row (Duo's NELBO computed as Duo does, usdm_nelbo_loss); 'duo_lean' is the
                same NELBO computed in chunks of rows (usdm_nelbo_loss_lean)
 Rows: the objectives of diffusion.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
-with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one. A row or
-a measurement that does not fit in memory prints n/a and the table still comes out, with what did not fit.
+with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one.
+Memory: every table (the training rows, the sampler, the fused head) starts from the same memory, and so does
+every step and measurement of a row after the first round (which makes what the runs keep: AdamW moments,
+compiled graphs): what one allocated is released before the next starts (Rows). On CUDA bench checks that
+torch.cuda.memory_allocated is back where it was after each and prints the result under the tables. A row or
+a measurement that does not fit in memory reads 'n/a (out of memory)', releases what it held, and the tables
+still come out, with what did not fit.
 Sampler: sample.generate (ancestral: float64 per-token mixture weights, two-stage Gumbel-max on block
-log-sum-exps, final ancestral step) vs no-grad forwards of the same model at the same batch: overhead = generate
+log-sum-exps, final ancestral step) vs no-grad forwards of the same model (a fresh one, built with the table) at
+the same batch: overhead = generate
 time / (its forwards x forward time) - 1. The last table puts the curriculum's and the sampler's costs over the
 bare computation side by side, both from this one run.
 The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
@@ -58,6 +65,7 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import datetime
+import gc
 import json
 import math
 import os
@@ -68,6 +76,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import curriculum.gaussian as curriculum
 import diffusion
 import losses
 from kernels.fused_head import HEADS, Head
@@ -75,6 +84,7 @@ from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory
 from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
 from plumbing.distributed import Env
+from plumbing.memory import cuda_allocator_env
 from train import TRAIN_PRESETS, Run, TrainConfig, make_optimizer, model_config_for, train_step
 
 ALL_LOSSES = ",".join(OBJECTIVES)
@@ -156,20 +166,73 @@ def cpu_step_peak_bytes(fn):
 
 
 def saved_activation_bytes(fn, params):
-    """Bytes of the storages autograd saves for backward while fn() builds its graph (parameters excluded)."""
+    """Bytes of the storages autograd saves for backward while fn() builds its graph (parameters excluded). The
+    pack hook keeps each storage, not the tensor, and gives autograd nothing back: a saved output handed back
+    would hold its own grad_fn, a reference cycle through C++ that Python's gc cannot see, and the whole graph
+    would outlive the measurement. The graph cannot run backward (it is not meant to)."""
     skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
+    kept = {}           # data_ptr -> storage, held until the graph is gone: no other storage takes its address
 
     def pack(x):
         s = x.untyped_storage()
         if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return x
+            kept[s.data_ptr()] = s
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    def unpack(_):
+        raise RuntimeError("bench: a graph built by saved_activation_bytes cannot run backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn()
     del out
-    return sum(seen.values())
+    return sum(s.nbytes() for s in kept.values())
+
+
+# -----------------------------------------------------------------------------------------------
+# one measurement at a time: each starts from the memory the one before it started from
+
+def allocated_bytes(device):
+    """Bytes the tensors on `device` hold: torch.cuda.memory_allocated on CUDA; None on CPU (no allocator
+    statistics to read there)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+class Rows:
+    """Runs the benchmark's measurements (a table's row, one cell of it, a whole table) so that each starts from
+    the memory the one before it started from. After each, what it allocated is released -- activations, autograd
+    graphs, optimizer temporaries, an out-of-memory error with its traceback and the frames and tensors those hold
+    (dropped outside the except clause, reference cycles collected) -- and allocated_bytes() is checked to be back
+    where it was: `left` {what: bytes} records what is not (CPU: not checked). A measurement that runs out of
+    memory gives None (it reads 'n/a (out of memory)'; `out_of_memory` {what: why}) and the rest still run.
+    lasting: what the measurement builds is meant to stay (a model; the AdamW moments of a first step): not checked.
+    end_of_table: the caches go too -- compiled graphs, the curriculum's alpha tables, the allocator's cached blocks
+    (not between a table's steps: handing blocks back to the device and taking them again would be timed in the
+    next step)."""
+
+    def __init__(self, device):
+        self.device, self.out_of_memory, self.left = device, {}, {}
+
+    def measure(self, what, fn, lasting=False, end_of_table=False):
+        before = allocated_bytes(self.device)
+        value, failed = None, False
+        try:
+            value = fn()
+        except (RuntimeError, MemoryError) as e:
+            if not is_out_of_memory(e):
+                raise
+            self.out_of_memory[what], failed = oom_summary(e), True
+        if end_of_table:        # what a table leaves to the process: compiled graphs, the curriculum's tables
+            curriculum.clear_alpha_tables()
+            if "torch._dynamo" in sys.modules:                  # imported: something was compiled
+                torch._dynamo.reset()
+        after = allocated_bytes(self.device)
+        if failed or end_of_table or (before is not None and after > before):
+            gc.collect()        # reference cycles (a traceback's frames, graphs); it costs ~0.1 s, so only here
+            after = allocated_bytes(self.device)
+        if (failed or end_of_table) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not lasting and before is not None and after > before:
+            self.left[what] = after - before
+        return value
 
 
 # -----------------------------------------------------------------------------------------------
@@ -221,99 +284,111 @@ def row_names(cfg):
     return names + ([cfg.curriculum + CURRICULUM] if cfg.curriculum else [])
 
 
-def fits(measure, what, failures):
-    """measure() -> its value, or None when it runs out of memory; failures[what] then says what did not fit.
-    Gradients and cached blocks are released, so the next measurement starts clean."""
+def configs_for(cfg, name):
+    """A row's TrainConfig and the ModelConfig of its model."""
+    tcfg = train_config_for(cfg, name.removesuffix(CURRICULUM), curriculum=name.endswith(CURRICULUM))
+    return tcfg, model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
+
+
+def random_tokens(run, tcfg, gen):
+    return torch.randint(0, run.raw_model.config.vocab_size, (tcfg.batch_size, tcfg.block_size),
+                         device=gen.device, generator=gen)
+
+
+def timed_step(run, tcfg, env, gen):
+    """One train_step on random tokens -> (seconds, its loss, CUDA: the step's peak bytes and their excess over
+    the memory at its start; CPU: None, None)."""
+    device, cuda = env.device, env.device.type == "cuda"
+    x0 = random_tokens(run, tcfg, gen)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     try:
-        return measure()
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise
-        failures[what] = oom_summary(e)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return None
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = train_step(run, tcfg, env, x0)
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        run.optimizer.zero_grad(set_to_none=True)       # a step cut short (out of memory) leaves gradients
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return seconds, loss.item(), peak, peak - before if cuda else None
 
 
-def bench_training(cfg, device, dtype):
-    """Interleaved timing of every row, and the matmul peak re-measured every round (the best is kept,
-    so a busy neighbour at start-up cannot inflate MFU). A row or measurement that runs out of memory is left
-    out (n/a) and the rest still run. -> (results per row, runs, L, peak FLOP/s, failures {what: why}).
-    runs: {row: (its TrainConfig, a train.Run)}; the diffusion rows share one model and optimizer."""
-    names, failures = row_names(cfg), {}
-    L, B, env = None, cfg.batch_size, Env(device)
+def bench_training(cfg, device, dtype, rows):
+    """The training rows: every row's step timed in interleaved rounds, the matmul peak re-measured every round
+    (the best is kept, so a busy neighbour at start-up cannot inflate MFU), then each row's saved activations and
+    (CPU) step memory; each through `rows` (what runs out of memory reads n/a, the rest still run). The diffusion
+    rows share one model and optimizer, 'ar' has its own: built before the first round, released with the table.
+    The first round makes what the runs keep (AdamW moments, compiled graphs): from the second on, every step
+    leaves the memory as it found it. -> (results per row, the model {config, params}, L, peak FLOP/s)."""
+    names, B, env = row_names(cfg), cfg.batch_size, Env(device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    models, runs = {}, {}
+    models, runs, model = {}, {}, None
     for name in names:
-        tcfg = train_config_for(cfg, name.removesuffix(CURRICULUM), curriculum=name.endswith(CURRICULUM))
-        L = tcfg.block_size
-        mcfg = model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
+        tcfg, mcfg = configs_for(cfg, name)
         key = json.dumps(asdict(mcfg), sort_keys=True)
         if key not in models:
             def build():
                 torch.manual_seed(cfg.seed)
                 raw = build_model(mcfg).to(device).train()
                 return (raw, torch.compile(raw) if cfg.compile else raw, *make_optimizer(raw, tcfg, device))
-            models[key] = fits(build, f"{name} model", failures)
+            models[key] = rows.measure(f"{name} model", build, lasting=True)
         if models[key] is not None:
             runs[name] = (tcfg, Run(*models[key], loader=None, gen_shared=gen, gen_local=gen))
-    times = {name: [] for name in runs}
-    peaks = {name: 0 for name in runs}         # CUDA: max_memory_allocated, and its excess over the step's start
-    step_peaks = {name: 0 for name in runs}
+            raw = models[key][0]
+            model = model or dict(config=mcfg, params=raw.num_params(),
+                                  non_embedding_params=raw.num_params(non_embedding=True))
+    times = {name: [] for name in runs}         # None once the row ran out of memory
+    peaks = dict.fromkeys(runs, 0)              # CUDA: max_memory_allocated, and its excess over the step's start
+    step_peaks = dict.fromkeys(runs, 0)
     peak_flops = measure_peak_flops(device, dtype)
     for round_ in range(cfg.warmup + cfg.repeats):
         peak_flops = max(peak_flops, measure_peak_flops(device, dtype, seconds=0.2))
         for name, (tcfg, run) in runs.items():
             if times[name] is None:
                 continue
-            x0 = torch.randint(0, run.raw_model.config.vocab_size, (B, L), device=device, generator=gen)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-
-            def step():
-                synchronize(device)
-                t0 = time.perf_counter()
-                loss = train_step(run, tcfg, env, x0)
-                synchronize(device)
-                return time.perf_counter() - t0, loss.item()
-            timed = fits(step, f"{name} step", failures)
+            timed = rows.measure(f"{name} step", lambda: timed_step(run, tcfg, env, gen), lasting=round_ == 0)
             if timed is None:
                 times[name] = None
-                run.optimizer.zero_grad(set_to_none=True)
                 continue
-            dt, loss = timed
+            seconds, loss, peak, step_peak = timed
             if not math.isfinite(loss):
                 raise FloatingPointError(f"bench: non-finite {name} loss at round {round_}")
             if round_ >= cfg.warmup:
-                times[name].append(dt)
-                if device.type == "cuda":
-                    peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
-                    step_peaks[name] = max(step_peaks[name], peaks[name] - before)
+                times[name].append(seconds)
+                if peak is not None:
+                    peaks[name], step_peaks[name] = max(peaks[name], peak), max(step_peaks[name], step_peak)
     results = {}
     for name in names:
         if name not in runs or times[name] is None:
             results[name] = dict(step_ms=None, step_ms_all=[], tokens_per_s=None, model_flops=None,
-                                 peak_mem_bytes=None, step_mem_bytes=None, act_bytes=None)
+                                 peak_mem_bytes=None, step_mem_bytes=None, act_bytes=None,
+                                 out_of_memory=["model" if name not in runs else "step"])
             continue
         tcfg, run = runs[name]
-        x0 = torch.randint(0, run.raw_model.config.vocab_size, (B, L), device=device, generator=gen)
-        t = diffusion.sample_t(B, gen, device=device)
 
         def forward_and_loss():
+            x0, t = random_tokens(run, tcfg, gen), diffusion.sample_t(B, gen, device=device)
             with autocast_for(device, dtype):
                 return token_mean(loss_terms(run.raw_model, tcfg, x0, t, 0, gen)[0], None)
 
-        act = fits(lambda: saved_activation_bytes(forward_and_loss, list(run.raw_model.parameters())),
-                   f"{name} act", failures)
+        def profiled_step():
+            x0 = random_tokens(run, tcfg, gen)
+            return cpu_step_peak_bytes(lambda: train_step(run, tcfg, env, x0))
+
+        act = rows.measure(f"{name} act", lambda: saved_activation_bytes(forward_and_loss,
+                                                                           list(run.raw_model.parameters())))
         if device.type == "cpu":
-            step_peaks[name] = cpu_step_peak_bytes(lambda: train_step(run, tcfg, env, x0))
+            step_peaks[name] = rows.measure(f"{name} step MiB", profiled_step)
         step = statistics.median(times[name])
-        flops = model_flops_per_step(run.raw_model, B, L)
+        flops = model_flops_per_step(run.raw_model, B, tcfg.block_size)
         results[name] = dict(step_ms=1e3 * step, step_ms_all=[1e3 * s for s in times[name]],
-                             tokens_per_s=B * L / step, model_flops=flops,
+                             tokens_per_s=B * tcfg.block_size / step, model_flops=flops,
                              peak_mem_bytes=peaks[name] if device.type == "cuda" else None,
-                             step_mem_bytes=step_peaks[name], act_bytes=act)
+                             step_mem_bytes=step_peaks[name], act_bytes=act,
+                             out_of_memory=[what for what, value in (("act", act), ("step MiB", step_peaks[name]))
+                                            if value is None])
     ratio = lambda r, ref, k: r[k] / ref[k] if ref is not None and r[k] and ref[k] else None
     for name, r in results.items():
         ref = results.get("duo")
@@ -323,12 +398,16 @@ def bench_training(cfg, device, dtype):
         r["act_vs_duo"] = ratio(r, ref, "act_bytes")
         r["step_vs_sddlm"] = ratio(r, results.get("sddlm"), "step_ms")
         r["step_vs_plain"] = ratio(r, results.get(name.removesuffix(CURRICULUM)), "step_ms")
-    return results, runs, L, peak_flops, failures
+    return results, model, configs_for(cfg, names[0])[0].block_size, peak_flops
 
 
-def bench_sampler(cfg, model, raw, device, dtype, L):
-    """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch. -> dict."""
+def bench_sampler(cfg, mcfg, device, dtype, L):
+    """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch, on a model
+    of its own (mcfg; compiled with --compile). -> dict."""
     from sample import Psi, generate
+    torch.manual_seed(cfg.seed)
+    raw = build_model(mcfg).to(device).eval()
+    model = torch.compile(raw) if cfg.compile else raw
     B, V = cfg.batch_size, raw.config.vocab_size
     calls = [0]
     hook = raw.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -336,7 +415,6 @@ def bench_sampler(cfg, model, raw, device, dtype, L):
     x = torch.randint(0, V, (B, L), device=device, generator=gen)
     sigma = torch.full((B,), 0.5, device=device)
     fwd, gen_time, psi_time, nfe = [], [], [], 0
-    raw.eval()
     try:
         for round_ in range(cfg.warmup + cfg.repeats):
             synchronize(device)
@@ -362,7 +440,6 @@ def bench_sampler(cfg, model, raw, device, dtype, L):
                 psi_time.append(t3 - t2)
     finally:
         hook.remove()
-        raw.train()
     forward_s, generate_s, psi_s = statistics.median(fwd), statistics.median(gen_time), statistics.median(psi_time)
     return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
                 ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1,
@@ -418,38 +495,45 @@ def device_name(device):
 
 
 def run(cfg):
-    """The whole benchmark -> one JSON-able dict."""
+    """The whole benchmark -> one JSON-able dict. Each table -- the training rows, the sampler, the fused head --
+    runs through one Rows from the same memory (on CUDA: memory_allocated back to its baseline after each)."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
+        os.environ.update(cuda_allocator_env(os.environ))      # train.py's allocator, before the first allocation
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     dtype = resolve_dtype(cfg.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    results, runs, L, peak, failures = bench_training(cfg, device, dtype)
-    if not runs:
-        raise OutOfMemory(f"no model of preset {cfg.preset} fits in memory ({'; '.join(failures.values())})")
+    if device.type == "cuda":       # cuBLAS keeps a workspace per thread from its first matmul on: make ours and
+        w = torch.ones(64, 64, device=device, requires_grad=True)     # autograd's backward thread's before the
+        (w @ w).sum().backward()                                    # baseline, which then holds nothing else
+        del w
+    rows, baseline = Rows(device), allocated_bytes(device)
+    training = rows.measure("training rows", lambda: bench_training(cfg, device, dtype, rows), end_of_table=True)
+    results, model, L, peak = training or (None, None, None, None)
+    if model is None:
+        raise OutOfMemory(f"no model of preset {cfg.preset} fits in memory ({'; '.join(rows.out_of_memory.values())})")
     n = PEAK_MATMUL_N[device.type]
     peak_how = f"{dtype_name} {n}x{n} matmul"
     for r in results.values():
         r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak if r["step_ms"] else None
-    diffusion_runs = [run for tcfg, run in runs.values() if tcfg.loss != "ar"]
-    sampler = None
-    if cfg.sample_steps and diffusion_runs:
-        sampler = fits(lambda: bench_sampler(cfg, diffusion_runs[0].model, diffusion_runs[0].raw_model, device,
-                                             dtype, L), "sampler", failures)
-    any_raw = next(iter(runs.values()))[1].raw_model
-    mc = any_raw.config
-    head = fits(lambda: bench_head(cfg, mc, device, dtype, L), "fused head", failures) if cfg.head_chunks else None
-    out = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
-               bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
-               model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
-                          vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size,
-                          params=any_raw.num_params(), non_embedding_params=any_raw.num_params(non_embedding=True)),
-               peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler,
-               head=head, out_of_memory=failures)
-    return out
+    diffusion_rows = [name for name in row_names(cfg) if name != "ar"]
+    sampler = head = None
+    if cfg.sample_steps and diffusion_rows:
+        mcfg = configs_for(cfg, diffusion_rows[0])[1]
+        sampler = rows.measure("sampler", lambda: bench_sampler(cfg, mcfg, device, dtype, L), end_of_table=True)
+    mc = model["config"]
+    if cfg.head_chunks:
+        head = rows.measure("fused head", lambda: bench_head(cfg, mc, device, dtype, L), end_of_table=True)
+    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
+                bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
+                model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
+                           vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size, params=model["params"],
+                           non_embedding_params=model["non_embedding_params"]),
+                peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler,
+                head=head, out_of_memory=rows.out_of_memory, memory_baseline=baseline, memory_left=rows.left)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -477,20 +561,26 @@ def markdown(out):
     ]
     mib = lambda b: None if b is None else b / 2 ** 20
     pct = lambda x: None if x is None else 100 * x
+    lost = "n/a (out of memory)"
     for name, r in out["losses"].items():
-        lines.append(f"| {name} | {fmt(r['step_ms'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} "
+        na = lambda *what: lost if set(what) & set(r.get("out_of_memory", ())) else "n/a"
+        lines.append(f"| {name} | {fmt(r['step_ms'], '.1f', na('model', 'step'))} | {fmt(r['tokens_per_s'], ',.0f')} "
                      f"| {fmt(pct(r['mfu']), '.1f')}{'%' if r['mfu'] is not None else ''} "
-                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {fmt(mib(r['step_mem_bytes']), ',.1f')} "
-                     f"| {fmt(mib(r['act_bytes']), ',.1f')} | {fmt(r['step_vs_duo'], '.2f')} | {fmt(r['peak_vs_duo'], '.2f')} "
-                     f"| {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
+                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {fmt(mib(r['step_mem_bytes']), ',.1f', na('step MiB'))} "
+                     f"| {fmt(mib(r['act_bytes']), ',.1f', na('act'))} | {fmt(r['step_vs_duo'], '.2f')} "
+                     f"| {fmt(r['peak_vs_duo'], '.2f')} | {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
+    oom = out.get("out_of_memory") or {}
     s = out["sampler"]
+    if s is not None or "sampler" in oom:
+        lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|"]
     if s is not None:
-        lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|",
-                  f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
+        lines += [f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
                   f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
                   "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
+    elif "sampler" in oom:
+        lines.append(f"| sample.generate | {lost} | n/a | n/a | n/a | n/a |")
     h = out.get("head")
     if h is not None:
         lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
@@ -500,6 +590,9 @@ def markdown(out):
                   for name in ("kept", "recomputed")]
         lines += ["", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
                       f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
+    elif "fused head" in oom:
+        lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
+                  "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
              for name, r in out["losses"].items() if name.endswith(CURRICULUM)]
     if s is not None:
@@ -507,9 +600,14 @@ def markdown(out):
     if costs:       # the two costs over the bare computation, from the same run (same machine load)
         lines += ["", "| cost over the bare computation, this run | ratio |", "|---|---:|"]
         lines += [f"| {what} | {ratio} |" for what, ratio in costs]
-    if out.get("out_of_memory"):
-        lines += ["", "n/a from running out of memory: "
-                  + "; ".join(f"{what}: {why}" for what, why in out["out_of_memory"].items())]
+    if oom:
+        lines += ["", "n/a from running out of memory: " + "; ".join(f"{what}: {why}" for what, why in oom.items())]
+    if out.get("memory_left"):
+        lines += ["", "memory NOT released (later rows ran with less): " + "; ".join(
+            f"{what} left {b / 2 ** 20:,.1f} MiB ({b:,} bytes) allocated" for what, b in out["memory_left"].items())]
+    elif out.get("memory_baseline") is not None:
+        lines += ["", "memory: every table, and every row after the first round, ended with memory_allocated where it "
+                      f"started ({out['memory_baseline'] / 2 ** 20:,.1f} MiB before the first table)"]
     return "\n".join(lines)
 
 

@@ -40,6 +40,13 @@ def _alpha_table_on(vocab_size, gamma_min, gamma_max, device):
     return tuple(x.to(device) for x in alpha_table(vocab_size, gamma_min, gamma_max))
 
 
+def clear_alpha_tables():
+    """Drop the cached alpha tables, on the host and on every device (bench/bench.py starts each table from the
+    memory the one before it started from)."""
+    alpha_table.cache_clear()
+    _alpha_table_on.cache_clear()
+
+
 def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
     """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table.
     gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""

@@ -2,9 +2,11 @@
 losses on bf16 logits, bf16 autocast, torch.compile, seeded determinism of the training step, and bench/bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
 Tolerances are stated where they are used; the bf16 ones follow from one rounding to 8 significant bits."""
 import dataclasses
+import gc
 import json
 import math
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -521,6 +523,12 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert head["kept"]["products"] == pytest.approx(3, rel=0.02) and head["chunks"] == 8
     assert head["recomputed"]["products"] == pytest.approx(4, rel=0.02) and head["kept"]["ms"] > 0
     assert "| kept logits | " in table and "| recomputed logits | " in table and "kept / recomputed time: " in table
+    assert out["memory_baseline"] is None and out["memory_left"] == {} and "memory" not in table   # CPU: no check
+    assert "\n\nmemory: every table, and every row after the first round, ended with memory_allocated where it " \
+           "started (1.5 MiB before the first table)" in bench.markdown({**out, "memory_baseline": 1536 * 1024})
+    assert "\n\nmemory NOT released (later rows ran with less): sddlm act left 0.0 MiB (4,000 bytes) allocated; " \
+           "training rows left 2.0 MiB (2,097,152 bytes) allocated" in \
+        bench.markdown({**out, "memory_left": {"sddlm act": 4000, "training rows": 2 ** 21}})
 
 
 def test_bench_rejects_bad_flags_in_one_line():
@@ -535,17 +543,26 @@ def test_bench_rejects_bad_flags_in_one_line():
 
 
 def test_bench_prints_n_a_for_what_does_not_fit_and_still_prints_the_table(monkeypatch, capsys):
-    """A row whose step, or a measurement whose tensors, run out of memory reads n/a; the other rows, the
-    sampler and the reason still come out."""
+    """A row whose step, or a measurement whose tensors, run out of memory reads 'n/a (out of memory)'; the other
+    rows, the sampler, the fused head and the reason still come out. What the failed step held -- a tensor in its
+    frame (the traceback holds it) and one in a reference cycle -- is gone before the next row starts: Python's
+    automatic collection is off here, so nothing but bench frees the cycle."""
     real_step, real_saved = bench.train_step, bench.saved_activation_bytes
+    refs, starts = [], []
 
     def step(run, tcfg, env, x0):
+        starts.append([r() is not None for r in refs])
         if tcfg.loss == "duo":
+            held = torch.ones(1 << 16)
+            cycle = [torch.ones(1 << 16)]
+            cycle.append(cycle)
+            refs.extend([weakref.ref(held), weakref.ref(cycle[0])])
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.27 GiB. GPU 0 has a total "
                                          "capacity of 79.19 GiB of which 1.20 GiB is free.")
         return real_step(run, tcfg, env, x0)
 
     def saved(fn, params):
+        starts.append([r() is not None for r in refs])
         if saved.calls == 0:
             saved.calls += 1
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1000 bytes")
@@ -554,11 +571,19 @@ def test_bench_prints_n_a_for_what_does_not_fit_and_still_prints_the_table(monke
     monkeypatch.setattr(bench, "train_step", step)
     monkeypatch.setattr(bench, "saved_activation_bytes", saved)
     argv = ["--preset", "tiny", "--block_size", "16", "--batch_size", "2", "--n_layer", "1", "--repeats", "1",
-            "--warmup", "0", "--sample_steps", "1", "--losses", "sddlm,duo,ar", "--curriculum", ""]
-    assert bench.main(argv) == 0
+            "--warmup", "0", "--sample_steps", "1", "--losses", "duo,sddlm,ar", "--curriculum", "", "--head_chunks", "2"]
+    gc.collect()
+    gc.disable()
+    try:
+        assert bench.main(argv) == 0
+    finally:
+        gc.enable()
     table = capsys.readouterr().out
+    assert len(refs) == 2 and len(starts) > 3 and all(alive == [False, False] for alive in starts[1:]), starts
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
-    assert rows["duo"].count("n/a") == 10 and "| sddlm | " in table and "| ar | " in table
-    assert " n/a | " in rows["sddlm"]                      # its act MiB measurement did not fit
+    assert rows["duo"].startswith("| duo | n/a (out of memory) | n/a | ") and rows["duo"].count("n/a") == 10
+    assert "| sddlm | " in table and "| ar | " in table and "(out of memory)" not in rows["ar"]
+    assert " n/a (out of memory) | " in rows["sddlm"]       # its act MiB measurement did not fit
     assert "duo step: CUDA out of memory (tried to allocate 12.27 GiB; 1.20 GiB of 79.19 GiB free)" in table
-    assert "sddlm act: CPU out of memory" in table and "sample.generate" in table
+    assert "sddlm act: CPU out of memory" in table and "| sample.generate (ancestral) | " in table
+    assert "| kept logits | " in table

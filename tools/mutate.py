@@ -122,6 +122,17 @@ MUTATIONS = [
     M(name="resume_of_the_other_scripts_folder", file="plumbing/checkpoint.py",
       old="if writer is None or writer == script:", new="if True:",
       tests=["tests/test_faults2.py::test_resume_refuses_the_other_scripts_folder"]),
+    # --- bench/bench.py: every row starts from the same memory (issue 36) -----------------------------------------
+    M(name="bench_act_count_keeps_its_graph", file="bench/bench.py",
+      old="            kept[s.data_ptr()] = s\n", new="            kept[s.data_ptr()] = s\n        return x\n",
+      tests=["tests/test_bench.py::test_saved_activation_bytes_leaves_no_graph_behind"]),
+    M(name="bench_rows_never_collect_cycles", file="bench/bench.py",
+      old="            gc.collect()        # reference cycles", new="            pass                # reference cycles",
+      tests=["tests/test_bench.py::test_rows_release_what_a_measurement_left_and_name_what_it_kept",
+             "tests/test_fastpaths.py::test_bench_prints_n_a_for_what_does_not_fit_and_still_prints_the_table"]),
+    M(name="bench_tables_keep_the_alpha_tables", file="bench/bench.py",
+      old="            curriculum.clear_alpha_tables()\n", new="",
+      tests=["tests/test_bench.py::test_rows_release_what_a_measurement_left_and_name_what_it_kept"]),
 ]
 
 

@@ -1,0 +1,133 @@
+"""bench/bench.py runs every row and table from the same memory: what one allocated (activations, autograd graphs,
+optimizer temporaries, an out-of-memory error's traceback and the tensors its frames hold) is gone before the next
+starts, and a row that runs out of memory reads n/a while the rest still run. The CPU has no allocator statistics,
+so these tests count what the interpreter holds instead: the bytes of the distinct storages of every live tensor
+(gc.get_objects), put where bench reads torch.cuda.memory_allocated on a GPU, and weak references to a row's
+tensors. Exact equalities: a count of bytes, no rounding."""
+import gc
+import itertools
+import json
+import weakref
+
+import pytest
+import torch
+
+from bench import bench
+import curriculum.gaussian as curriculum
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
+
+TINY = ["--preset", "tiny", "--block_size", "16", "--batch_size", "2", "--n_layer", "1", "--n_embd", "32",
+        "--n_head", "2", "--vocab_size", "64", "--repeats", "1", "--warmup", "1", "--head_chunks", "2"]
+
+
+def live_tensor_bytes(device=None):
+    """Bytes of the distinct storages of every tensor the interpreter holds, reachable or not (a tensor kept alive
+    by a reference cycle counts until the cycle is collected)."""
+    objs = gc.get_objects()
+    kinds = {t for t in set(map(type, objs)) if issubclass(t, torch.Tensor)}
+    storages = {}
+    for t in itertools.compress(objs, map(kinds.__contains__, map(type, objs))):     # (C-speed filter: ~0.1 s)
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):             # tensors without a storage of their own
+            continue
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def record_entries(monkeypatch, names, at_entry):
+    """Wrap bench's functions `names` so that at_entry(name, args) runs as each is called."""
+    for name in names:
+        real = getattr(bench, name)
+
+        def wrapped(*args, _real=real, _name=name, **kwargs):
+            at_entry(_name, args)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(bench, name, wrapped)
+
+
+@pytest.mark.slow
+def test_every_row_and_table_starts_from_the_same_memory(monkeypatch, capsys):
+    """The bytes of live tensors at the start of every training step after the first round (which makes the AdamW
+    moments the runs keep), and at the start of every table, are the same; bench's own check, given the same
+    count in place of memory_allocated, finds nothing left behind and says so. (Before: each activation count
+    left its autograd graph alive for good -- its pack hook handed each saved output back to autograd, a cycle
+    through C++ that gc cannot collect -- and the sampler ran beside every training model.)"""
+    entries = {"train_step": [], "table": []}
+    record_entries(monkeypatch, ["train_step"], lambda name, args: entries["train_step"].append(live_tensor_bytes()))
+    record_entries(monkeypatch, ["bench_training", "bench_sampler", "bench_head"],
+                   lambda name, args: entries["table"].append((name, live_tensor_bytes())))
+    monkeypatch.setattr(bench, "allocated_bytes", live_tensor_bytes, raising=False)
+    argv = TINY + ["--losses", "sddlm,ar", "--curriculum", "sddlm", "--sample_steps", "1", "--json"]
+    assert bench.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = 3                                   # sddlm, ar (a model of its own), sddlm+curriculum
+    assert len(entries["train_step"]) == 2 * rows + rows
+    later = entries["train_step"][rows:]       # round 2, then one profiled step each (CPU's step MiB)
+    assert later == [later[0]] * len(later), later
+    assert [name for name, _ in entries["table"]] == ["bench_training", "bench_sampler", "bench_head"]
+    assert [b for _, b in entries["table"]] == [entries["table"][0][1]] * 3, entries["table"]
+    assert out["memory_left"] == {} and out["memory_baseline"] == entries["table"][0][1]
+    assert out["out_of_memory"] == {} and all(r["step_ms"] > 0 and r["act_bytes"] > 0 for r in out["losses"].values())
+    assert "memory: every table, and every row after the first round, ended with memory_allocated where it started " \
+           f"({out['memory_baseline'] / 2 ** 20:,.1f} MiB before the first table)" in bench.markdown(out)
+
+
+def test_rows_release_what_a_measurement_left_and_name_what_it_kept(monkeypatch):
+    """bench.Rows with the count of live tensors in place of memory_allocated: a measurement that keeps a tensor
+    is named with its bytes; one whose tensor sits in a reference cycle, or that runs out of memory holding tensors
+    (in its frame, which the traceback holds, and in a cycle), leaves nothing (Python's automatic collection is off
+    here: nothing but Rows frees a cycle) and the latter gives None with the reason; a lasting one (a model) is not
+    checked; the end of a table drops the curriculum's cached alpha tables; any other error propagates."""
+    monkeypatch.setattr(bench, "allocated_bytes", live_tensor_bytes)
+    rows, kept, refs = bench.Rows(torch.device("cpu")), [], []
+
+    def cycle(n):
+        c = [torch.ones(n)]
+        c.append(c)
+        refs.append(weakref.ref(c[0]))
+
+    def out_of_memory():
+        held = torch.ones(1 << 14)
+        refs.append(weakref.ref(held))
+        cycle(1 << 14)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                     "of 139.80 GiB of which 147.00 MiB is free.")
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert rows.measure("keeps", lambda: kept.append(torch.zeros(1000)) or 7) == 7
+        assert rows.measure("cycle", lambda: cycle(1000) or 8) == 8
+        assert rows.measure("oom", out_of_memory) is None
+        assert rows.measure("model", lambda: kept.append(torch.zeros(10)), lasting=True) is None
+        assert rows.measure("table", lambda: len(curriculum.alpha_table(64, n_points=3)), end_of_table=True) == 3
+    finally:
+        gc.enable()
+    assert rows.left == {"keeps": 4000} and all(r() is None for r in refs) and len(refs) == 3
+    assert rows.out_of_memory == {"oom": "CUDA out of memory (tried to allocate 2.00 GiB; 147.00 MiB of 139.80 GiB "
+                                          "free)"}
+    assert curriculum.alpha_table.cache_info().currsize == 0
+    def bug():
+        raise RuntimeError("not a memory fault")
+    with pytest.raises(RuntimeError, match="not a memory fault"):
+        rows.measure("bug", bug)
+
+
+def test_saved_activation_bytes_leaves_no_graph_behind():
+    """The activation count's graph is gone when it returns (nothing but the result is left), and its count is
+    the bytes autograd saves: exp saves its output (4 n bytes), mul saves both inputs (the output of exp, counted
+    once, and x2's 4 n bytes); the parameter x is excluded."""
+    n = 1000
+    x = torch.randn(n, requires_grad=True)
+    x2 = torch.randn(n)
+    outs = []
+
+    def fn():
+        y = x.exp()
+        outs.append(weakref.ref(y))
+        return (y * (x2 + 1)).sum()
+    before = live_tensor_bytes()
+    assert bench.saved_activation_bytes(fn, [x]) == 4 * n + 4 * n
+    assert outs[0]() is None and live_tensor_bytes() == before
