@@ -6,6 +6,7 @@ Benchmark train.py's training step for every objective, and the ancestral sample
     python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
+    python bench/bench.py --losses sddlm_v1 --profile 1            # where a step spends its time (torch.profiler)
 
 Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
 per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
@@ -110,6 +111,7 @@ class BenchConfig:
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
     head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
     head_chunks: int = 8            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
+    profile: bool = False           # also profile one more step of each row (torch.profiler): its ops by self time
     seed: int = 1                   # seeds the weights and the random tokens, times and noise of every row
     json: bool = False              # print one JSON object instead of the markdown tables
 
@@ -148,6 +150,18 @@ def train_config_for(cfg, loss, curriculum=False):
                           "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                           "vocab_multiple": cfg.vocab_multiple, "curriculum_iters": 10 ** 9 if curriculum else 0,
                           "seed": cfg.seed, "compile": cfg.compile, "head": cfg.head})
+
+
+def profile_table(fn, device, rows=25):
+    """torch.profiler over fn(): its ops and kernels by self time on the device (CUDA; CPU: on the CPU), as the
+    profiler's own table of the first `rows`."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        synchronize(device)
+    return prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=rows, max_name_column_width=70)
 
 
 def cpu_step_peak_bytes(fn):
@@ -381,12 +395,14 @@ def bench_training(cfg, device, dtype, rows):
                                                                            list(run.raw_model.parameters())))
         if device.type == "cpu":
             step_peaks[name] = rows.measure(f"{name} step MiB", profiled_step)
+        profiled = rows.measure(f"{name} profile", lambda: profile_table(
+            lambda: train_step(run, tcfg, env, random_tokens(run, tcfg, gen)), device)) if cfg.profile else None
         step = statistics.median(times[name])
         flops = model_flops_per_step(run.raw_model, B, tcfg.block_size)
         results[name] = dict(step_ms=1e3 * step, step_ms_all=[1e3 * s for s in times[name]],
                              tokens_per_s=B * tcfg.block_size / step, model_flops=flops,
                              peak_mem_bytes=peaks[name] if device.type == "cuda" else None,
-                             step_mem_bytes=step_peaks[name], act_bytes=act,
+                             step_mem_bytes=step_peaks[name], act_bytes=act, profile=profiled,
                              out_of_memory=[what for what, value in (("act", act), ("step MiB", step_peaks[name]))
                                             if value is None])
     ratio = lambda r, ref, k: r[k] / ref[k] if ref is not None and r[k] and ref[k] else None
@@ -600,6 +616,10 @@ def markdown(out):
     if costs:       # the two costs over the bare computation, from the same run (same machine load)
         lines += ["", "| cost over the bare computation, this run | ratio |", "|---|---:|"]
         lines += [f"| {what} | {ratio} |" for what, ratio in costs]
+    for name, r in out["losses"].items():
+        if r.get("profile"):
+            lines += ["", f"One more {name} step under torch.profiler, after the timed rounds:", "", "```",
+                      r["profile"].strip("\n"), "```"]
     if oom:
         lines += ["", "n/a from running out of memory: " + "; ".join(f"{what}: {why}" for what, why in oom.items())]
     if out.get("memory_left"):

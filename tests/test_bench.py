@@ -131,3 +131,15 @@ def test_saved_activation_bytes_leaves_no_graph_behind():
     before = live_tensor_bytes()
     assert bench.saved_activation_bytes(fn, [x]) == 4 * n + 4 * n
     assert outs[0]() is None and live_tensor_bytes() == before
+
+
+def test_profile_prints_where_one_more_step_of_each_row_spends_its_time(capsys):
+    """--profile 1: one more step of each row under torch.profiler, its ops by self time (on CPU: the CPU's),
+    printed after the tables; the matmuls of the model are among them."""
+    argv = TINY + ["--losses", "sddlm", "--curriculum", "", "--sample_steps", "0", "--head_chunks", "0", "--warmup",
+                   "0", "--profile", "1"]
+    assert bench.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "One more sddlm step under torch.profiler, after the timed rounds:" in table
+    profile = table.split("One more sddlm step under torch.profiler")[1]
+    assert "Self CPU time total" in profile and "aten::mm" in profile and "aten::addmm" in profile
