@@ -238,6 +238,8 @@ class Rows:
             curriculum.clear_alpha_tables()
             if "torch._dynamo" in sys.modules:                  # imported: something was compiled
                 torch._dynamo.reset()
+        if self.device.type == "cuda":      # cuBLAS keeps a workspace per thread and stream in the allocator from
+            torch._C._cuda_clearCublasWorkspaces()      # its first matmul on: back to its cache (the next takes it)
         after = allocated_bytes(self.device)
         if failed or end_of_table or (before is not None and after > before):
             gc.collect()        # reference cycles (a traceback's frames, graphs); it costs ~0.1 s, so only here
@@ -522,10 +524,6 @@ def run(cfg):
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if device.type == "cuda":       # cuBLAS keeps a workspace per thread from its first matmul on: make ours and
-        w = torch.ones(64, 64, device=device, requires_grad=True)     # autograd's backward thread's before the
-        (w @ w).sum().backward()                                    # baseline, which then holds nothing else
-        del w
     rows, baseline = Rows(device), allocated_bytes(device)
     training = rows.measure("training rows", lambda: bench_training(cfg, device, dtype, rows), end_of_table=True)
     results, model, L, peak = training or (None, None, None, None)

@@ -115,6 +115,32 @@ def test_rows_release_what_a_measurement_left_and_name_what_it_kept(monkeypatch)
         rows.measure("bug", bug)
 
 
+def test_rows_on_cuda_check_memory_allocated_and_hand_back_cached_blocks_only_between_tables(monkeypatch):
+    """The CUDA path of bench.Rows, with memory_allocated, the cuBLAS workspaces and the allocator's cache faked
+    (no GPU here): every measurement hands cuBLAS's workspaces back before reading the count; what it kept is
+    named; the cached blocks go back to the device only after running out of memory and at a table's end (never
+    between a table's steps, where taking them again would be timed)."""
+    allocated, calls = [1024], []
+    monkeypatch.setattr(bench, "allocated_bytes", lambda device: allocated[0])
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def keep(n):
+        allocated[0] += n
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    rows = bench.Rows(torch.device("cuda"))
+    assert rows.measure("step", lambda: 5) == 5 and calls == ["workspaces"]
+    rows.measure("keeps", lambda: keep(512))
+    rows.measure("model", lambda: keep(256), lasting=True)
+    assert calls == ["workspaces"] * 3 and rows.left == {"keeps": 512}
+    assert rows.measure("oom", out_of_memory) is None and calls[-2:] == ["workspaces", "empty_cache"]
+    rows.measure("table", lambda: None, end_of_table=True)
+    assert calls[-2:] == ["workspaces", "empty_cache"] and rows.left == {"keeps": 512}
+    assert rows.out_of_memory == {"oom": "CUDA out of memory (tried to allocate 2.00 GiB)"}
+
+
 def test_saved_activation_bytes_leaves_no_graph_behind():
     """The activation count's graph is gone when it returns (nothing but the result is left), and its count is
     the bytes autograd saves: exp saves its output (4 n bytes), mul saves both inputs (the output of exp, counted
