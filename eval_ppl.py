@@ -5,7 +5,7 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
     python eval_ppl.py --ckpt out/ckpt.pt --metric zeroshot --dataset wikitext103,lambada   # or a .txt file
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --sampler psi --psi_eta 0.9 --steps 64,1024
-    python eval_ppl.py --metric genppl --samples samples.jsonl --judge out_ar/ckpt.pt   # score saved samples
+    python eval_ppl.py --metric genppl --samples out/samples.jsonl --judge out-ar/ckpt.pt   # sample.py's samples
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split: per batch one t per sequence,
           stratified within the batch (diffusion.sample_t, t in [1e-3, 1]), the log-linear schedule, one noise

@@ -36,13 +36,15 @@ Options, all acting on x_theta before the posterior:
              per sample, for the whole run); both branches go through ONE forward, concatenated on the batch,
              and p~ is proportional to p_c^(1+w) / p_u^w, i.e. softmax((1+w) log p_c - w log p_u).
 
-Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
+Writes one JSON line per sample (text, ids, settings) appended to --out (by default samples.jsonl beside the
+checkpoint or model folder sampled: out/ckpt.pt and out/model -> out/samples.jsonl), and prints the texts.
 """
 
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import math
+import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -55,7 +57,7 @@ import diffusion
 from data import DataError, get_tokenizer
 from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_writable, refuse_overwrite
+from plumbing.files import append_jsonl, check_appendable, check_writable, refuse_overwrite
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes
@@ -503,7 +505,9 @@ class SampleConfig:
     seed: int = 0                    # seeds the sampler's noise (the same seed gives the same samples)
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
-    out: str = "samples.jsonl"       # appended to; "" = print only
+    out: str = "auto"                # samples appended as JSON lines; auto = samples.jsonl beside the checkpoint
+                                     # file or model folder (out/ckpt.pt, out/model -> out/samples.jsonl; a hub
+                                     # name: the current folder); "" = print only
 
 
 def parse_prompt(cfg, tok, vocab_size):
@@ -527,8 +531,19 @@ def parse_prompt(cfg, tok, vocab_size):
     return ids or None
 
 
+def samples_path(out, ckpt):
+    """--out as given, or for "auto" samples.jsonl beside what --ckpt names: in the folder that holds the checkpoint
+    file or the model folder (duo:PATH: beside PATH); a hub name has no folder here: the current one."""
+    if out != "auto":
+        return out
+    path = ckpt.removeprefix("duo:")
+    folder = os.path.dirname(os.path.normpath(path)) if os.path.exists(path) else ""
+    return os.path.join(folder, "samples.jsonl")
+
+
 def main(argv=None):
     cfg = parse_flags(SampleConfig, argv, description=__doc__.split("\n\n")[0])
+    cfg.out = samples_path(cfg.out, cfg.ckpt)
     refuse_overwrite({"--out": cfg.out}, {"--ckpt": cfg.ckpt})
     check_sampler(cfg.steps, cfg.final_step, cfg.top_p, cfg.t_end, cfg.noise_schedule or "loglinear")
     psi = psi_from_flags(cfg, cfg.steps)
@@ -536,6 +551,7 @@ def main(argv=None):
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
     if cfg.out:
         check_writable(cfg.out, "--out")       # before minutes of sampling, not after
+        check_appendable(cfg.out, "--out", ("sample", "settings"), "sample.py")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)

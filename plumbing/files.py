@@ -211,6 +211,26 @@ def check_writable(path, flag, folder=False):
         raise UsageError(f"{flag} {path}: {target} is not writable")
 
 
+def check_appendable(path, flag, keys, writer):
+    """An existing file at `path` is appended to only when `writer` wrote it: its first line is a JSON object
+    holding `keys` (an empty file too). Anything else -> UsageError (one line): appending would change a file the
+    project did not write."""
+    if not os.path.isfile(path):           # absent, or a pipe or device: nothing written there to keep
+        return
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 26).strip()
+    except OSError as e:
+        raise UsageError(f"{flag} {path} cannot be read ({os_error_line(e)})") from None
+    try:
+        record = json.loads(first) if first else dict.fromkeys(keys)
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and all(k in record for k in keys)):
+        raise UsageError(f"{flag} {path} exists and was not written by {writer} (its first line is not a {writer} "
+                         f"record); appending would change it: choose another {flag}")
+
+
 def write_json(path, obj):
     """Atomically write obj as indented JSON."""
     def write(tmp):

@@ -583,6 +583,35 @@ def test_cli_writes_and_appends_jsonl(tiny_ckpt, tmp_path, capsys):
     assert [r["ids"] for r in records[:3]] == [r["ids"] for r in records[3:]]   # same seed, same samples
 
 
+def test_default_out_is_samples_jsonl_beside_the_checkpoint_or_model_folder_never_a_foreign_file(tiny_ckpt, tmp_path,
+                                                                                                  monkeypatch):
+    """Issue 36: README's sample command left samples.jsonl in the current folder (the repository). The default is
+    now beside what --ckpt names: run/ckpt.pt and the model folder run/model -> run/samples.jsonl; a samples.jsonl
+    there that sample.py did not write is refused (one line) and left as it was."""
+    import shutil
+    import sample
+    from hub.pretrained import export
+    from plumbing.cli import UsageError
+    ckpt, _ = tiny_ckpt
+    run, elsewhere, other = tmp_path / "run", tmp_path / "elsewhere", tmp_path / "other"
+    for d in (run, elsewhere, other):
+        d.mkdir()
+    shutil.copy(ckpt, run / "ckpt.pt")
+    shutil.copy(ckpt, other / "ckpt.pt")
+    export(str(run / "ckpt.pt"), str(run / "model"))
+    monkeypatch.chdir(elsewhere)
+    args = ["--num_samples", "1", "--steps", "2", "--seq_len", "8"]
+    assert sample.main(["--ckpt", str(run / "ckpt.pt"), *args]) == 0
+    assert sample.main(["--ckpt", str(run / "model") + os.sep, *args]) == 0       # a folder, named with its slash
+    records = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [r["settings"]["ckpt"] for r in records] == [str(run / "ckpt.pt"), str(run / "model") + os.sep]
+    assert os.listdir(elsewhere) == [] and not (run / "model" / "samples.jsonl").exists()
+    (other / "samples.jsonl").write_text("my own notes\n")
+    with pytest.raises(UsageError, match=r"other/samples.jsonl exists and was not written by sample.py"):
+        sample.main(["--ckpt", str(other / "ckpt.pt"), *args])
+    assert (other / "samples.jsonl").read_text() == "my own notes\n" and os.listdir(elsewhere) == []
+
+
 def test_cli_psi_sampler_records_its_settings_and_eta_one_is_ancestral(tiny_ckpt, tmp_path):
     """--sampler psi runs on a checkpoint and records its settings; --psi_eta 1 writes the ancestral samples."""
     import sample
