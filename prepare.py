@@ -255,6 +255,16 @@ def default_num_proc():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def worker_count(num_proc):
+    """The tokenizing processes for --num_proc: 0 or None = the usable cores, and more than the cores is capped to
+    them with a note (more workers would only wait for a core; the bytes are the same for any count)."""
+    cores = default_num_proc()
+    if num_proc and num_proc > cores:
+        print(f"note: --num_proc {num_proc} is more than the {cores} usable cores: preparing with {cores}",
+              file=sys.stderr)
+    return min(num_proc or cores, cores)
+
+
 def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress, pool=None, num_proc=1):
     """Tokenize docs and stream rows of length L = block_size to out_dir/{split}.bin (and {split}_mask.bin when
     un-wrapped) -> (counts, {file name: sha256}). out_dir is the private temp folder of one preparation, so the
@@ -344,9 +354,9 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                     val_fraction=0.05, progress=True, num_proc=None, text_field="text", verify=False):
     """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
     get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
-    out_dir/tokenizer.model. num_proc: tokenizing processes (None: the usable cores); the bytes do not depend
-    on it. An out_dir prepared from the same data_key is reused (its files checked by size and time, or hashed
-    when verify); a different one -> DataError. Safe to run concurrently: the folder is built in a temp folder
+    out_dir/tokenizer.model. num_proc: tokenizing processes (None: the usable cores; at most them); the bytes do
+    not depend on it. An out_dir prepared from the same data_key is reused (its files checked by size and time, or
+    hashed when verify); a different one -> DataError. Safe to run concurrently: the folder is built in a temp folder
     beside it and renamed into place when complete; a failed preparation leaves nothing behind."""
     if block_size < 3:
         raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
@@ -378,7 +388,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
             try:
                 os.mkdir(tmp)
                 _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
-                              val_fraction, progress, num_proc or default_num_proc(), text_field)
+                              val_fraction, progress, worker_count(num_proc), text_field)
                 try:
                     if redo:
                         _replace_ours(tmp, out_dir)
@@ -472,10 +482,8 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
 
 def check_settings(num_proc, val_fraction=0.05):
     """prepare.py's and train.py's preparation flags, before any work."""
-    cores = default_num_proc()
-    if not 0 <= num_proc <= 2 * cores:      # more workers than cores only wait; thousands exhaust the machine
-        raise ConfigError(f"--num_proc must be between 0 (the usable cores) and twice the {cores} usable cores, "
-                          f"got {num_proc}")
+    if num_proc < 0:                        # more than the cores is capped when preparing (worker_count)
+        raise ConfigError(f"--num_proc must be >= 0 (0 = the usable cores), got {num_proc}")
     if not 0 < val_fraction < 1:
         raise ConfigError(f"--val_fraction must be between 0 and 1 (a share of the characters), got {val_fraction}")
 
@@ -521,7 +529,8 @@ class PrepareConfig:
     insert_eos: bool = True          # EOS between wrapped documents
     val_fraction: float = 0.05       # local corpora: share of the characters held out for validation
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO)
-    num_proc: int = 0                # tokenizing processes (0 = the usable cores; the bytes are the same for any)
+    num_proc: int = 0                # tokenizing processes (0 = the usable cores, and at most them; the bytes are
+                                     # the same for any)
     verify: bool = False             # hash every file of an existing folder (a start checks size and time only)
 
 

@@ -63,8 +63,20 @@ case $SCALE in
     BENCH="--preset $SCALE --block_size $L --batch_size $([ "$SCALE" = owt ] && echo 32 || echo 64) --device cuda --compile 1";;
   *) echo "error: unknown scale '$SCALE' (tiny, owt or lm1b)" >&2; exit 2;;
 esac
+# what the chosen stages need beyond README's install, said now in one line rather than after hours of training
+needs() {   # needs MODULE WHAT: exit 2 naming the package when MODULE cannot be imported
+  python -c "import $1" 2>/dev/null || { echo "error: $2 needs $1, an optional extra: pip install $1" >&2; exit 2; }
+}
+case " $STAGES " in *" report "*) needs matplotlib "the report stage (figures/plot.py draws the figures)";; esac
+if [[ ! -e $JUDGE && $JUDGE != */* ]] && [[ " $STAGES " =~ \ (train|eval|psi)\  ]]; then
+  needs transformers "the Gen PPL judge $JUDGE (JUDGE=path/to/ar/ckpt.pt judges offline)"
+fi
 mkdir -p "$RUNS/logs" "$RUNS/evals"
 if (( NPROC > 1 )); then LAUNCH="torchrun --standalone --nproc_per_node=$NPROC train.py"; else LAUNCH="python train.py"; fi
+
+last_line() {   # the last line of a log (a failed script's one `error:` line), without progress-bar redraws
+  tr '\r' '\n' < "$1" | grep -v '^[[:space:]]*$' | tail -n 1
+}
 
 train() {   # train NAME FLAGS...: skip a finished run, continue an interrupted one; output in RUNS/logs/NAME.log
   local name=$1 out=$RUNS/$1
@@ -75,7 +87,8 @@ train() {   # train NAME FLAGS...: skip a finished run, continue an interrupted 
   echo "train  $out  (log: $RUNS/logs/$name.log)"
   mkdir -p "$(dirname "$RUNS/logs/$name.log")"
   $LAUNCH $TRAIN "$@" ${TRAIN_EXTRA:-} --out_dir "$out" $resume > "$RUNS/logs/$name.log" 2>&1 \
-    || { echo "error: training $name failed; see $RUNS/logs/$name.log" >&2; return 1; }
+    || { local code=$?; echo "error: training $name failed ($(last_line "$RUNS/logs/$name.log")); see" \
+           "$RUNS/logs/$name.log" >&2; return $code; }
   touch "$out/DONE"
 }
 
@@ -95,7 +108,8 @@ evaluate() {   # evaluate OUT.json RUN ARGS...: eval_ppl.py on RUN/ckpt.pt unles
   if [ -e "$out" ]; then echo "skip   $out"; return 0; fi
   [ -e "$run/DONE" ] || { echo "error: $run is not finished (no $run/DONE): run its training stage first" >&2; return 1; }
   echo "eval   $out"
-  python eval_ppl.py --ckpt "$run/ckpt.pt" "$@" --out "$out" > "$out.log" 2>&1 || { echo "error: see $out.log" >&2; return 1; }
+  python eval_ppl.py --ckpt "$run/ckpt.pt" "$@" --out "$out" > "$out.log" 2>&1 \
+    || { local code=$?; echo "error: evaluating $run failed ($(last_line "$out.log")); see $out.log" >&2; return $code; }
 }
 
 for stage in $STAGES; do
@@ -136,7 +150,9 @@ for stage in $STAGES; do
     bench)   # step time and memory per objective (Fig. time)
       if [ -e "$RUNS/bench.json" ]; then echo "skip   $RUNS/bench.json"; else
         echo "bench  $RUNS/bench.json"
-        python bench/bench.py --json 1 $BENCH > "$RUNS/bench.json.tmp" 2> "$RUNS/logs/bench.log"
+        python bench/bench.py --json 1 $BENCH > "$RUNS/bench.json.tmp" 2> "$RUNS/logs/bench.log" \
+          || { code=$?; echo "error: the benchmark failed ($(last_line "$RUNS/logs/bench.log")); see" \
+                 "$RUNS/logs/bench.log" >&2; exit $code; }
         mv "$RUNS/bench.json.tmp" "$RUNS/bench.json"
       fi;;
     report)  # the figures and the table (always redrawn: cheap)

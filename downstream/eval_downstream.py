@@ -37,7 +37,8 @@ import sys
 from dataclasses import dataclass
 
 from data import DataError, not_a_file
-from downstream.lm_eval_adapter import check_lm_eval_tasks, hub_offline_check, lm_eval_model_class, run_lm_eval
+from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
+                                        run_lm_eval)
 from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
 from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
@@ -209,7 +210,7 @@ def plan_tasks(cfg):
         elif os.path.isfile(path):
             plan.append((name, "builtin", path))
         else:
-            why = "--builtin 1 was given" if have_lm_eval else "lm-eval is not installed (pip install lm-eval)"
+            why = "--builtin 1 was given" if have_lm_eval else f"lm-eval is not installed (pip install {LM_EVAL})"
             raise EvalError(f"unknown task {name!r}: {why} and there is no local file {path}; "
                             f"give its items with --jsonl PATH")
     for path in filter(None, (p.strip() for p in cfg.jsonl.split(","))):

@@ -19,6 +19,14 @@ from plumbing.checkpoint import load_model, load_tokenizer
 from sample import check_sampler, default_final_step, parse_psi
 
 
+LM_EVAL = "lm-eval==0.4.13"   # the version the adapter is tested with (CI installs it)
+
+
+def needs_lm_eval(what):
+    """The one line for `what` where lm-eval is not installed."""
+    return f"{what} needs lm-eval, an optional extra: pip install {LM_EVAL}"
+
+
 @functools.cache
 def lm_eval_model_class():
     """The lm-eval model class (needs lm-eval): _Harness on lm-eval's LM, built once. eval_downstream's CLI passes

@@ -49,12 +49,19 @@ import importlib
 import sys
 
 import torch
-from lm_eval.api.registry import register_model
 
 from downstream import lm_eval_adapter as adapter
 from downstream.scoring import EvalError
 from plumbing.cli import UsageError, run_cli
 from data import DataError
+
+try:
+    from lm_eval.api.registry import register_model
+except ImportError:
+    if __name__ != "__main__":           # imported: the caller's own lm_eval needs it anyway
+        raise
+    print(f"error: {adapter.needs_lm_eval('python -m downstream.lm_eval_sddlm')}", file=sys.stderr)
+    sys.exit(2)
 
 # The harness's own models first: lm-eval's get_model imports them only into an EMPTY registry, so registering
 # "sddlm" alone would hide "hf", "dummy", ...

@@ -500,6 +500,7 @@ def main(argv=None):
     if not cfg.overwrite:
         refuse_existing(outputs + ([cfg.table] if cfg.table not in ("", "-") else []))
     if outputs:
+        _pyplot()                        # without matplotlib: its one line, before a folder is made
         os.makedirs(cfg.out_dir, exist_ok=True)
     if curves:
         written += plot_training(curves, cfg)

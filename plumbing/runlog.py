@@ -2,6 +2,7 @@
 training loss between two log steps and the rule that calls it diverged (Log.loss, Log.metrics); the lines a run
 prints before its bar starts and after it ends (start_lines, finish_lines, kept, Log.stopped); and the one reader
 of JSONL files the evaluation scripts take as input."""
+import importlib.util
 import json
 import math
 import os
@@ -180,12 +181,13 @@ def finish_lines(cfg, what, step, ckpt_path, folder):
         samples += f", also in {os.path.join(cfg.out_dir, 'tensorboard')}" if cfg.tensorboard else ""
     else:
         samples = "none (--num_samples 0)"
+    plots_need = "" if importlib.util.find_spec("matplotlib") else "; needs matplotlib: pip install matplotlib"
     return (f"{what} finished at step {step}; log: {os.path.join(cfg.out_dir, 'log.jsonl')}\n"
             f"  checkpoint:   {ckpt_path} (--resume 1 with a higher --max_iters continues it)\n"
             f"  model folder: {folder} (python sample.py --ckpt {folder}; pretrained.SDDLM.from_pretrained)\n"
             f"  samples:      {samples}\n"
             f"  curves:       python figures/plot.py --runs {shlex.quote(cfg.out_dir)} (PNGs in "
-            f"{os.path.join(cfg.out_dir, 'plots')})"
+            f"{os.path.join(cfg.out_dir, 'plots')}{plots_need})"
             + (f"; tensorboard --logdir {shlex.quote(os.path.join(cfg.out_dir, 'tensorboard'))}" if cfg.tensorboard
                else ""))
 
