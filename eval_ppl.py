@@ -6,6 +6,7 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --sampler psi --psi_eta 0.9 --steps 64,1024
     python eval_ppl.py --metric genppl --samples out/samples.jsonl --judge out-ar/ckpt.pt   # sample.py's samples
+    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 4096 --stride 512   # past the block
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split: per batch one t per sequence,
           stratified within the batch (diffusion.sample_t, t in [1e-3, 1]), the log-linear schedule, one noise
@@ -17,13 +18,15 @@ zeroshot  the same estimator on a text the model never saw (a local .txt, or a n
           cut into pieces of L - 2 tokens, and each block is [BOS] + piece + [EOS] (Duo's wrap); the final
           remainder is dropped. The paper uses L = 1024.
 genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sample with the judge's tokenizer
-          (no BOS added), truncate to the sample length L, score each chunk of the judge's context on its own;
-          the first token is never scored; every non-EOS token is scored, EOS only at its first occurrence
-          (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored, later EOS are not);
-          Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples. Judges: a Hugging Face causal
-          LM (gpt2-large, needs transformers) or an AR checkpoint of this repo (train.py --loss ar), offline;
-          with the sampler's own tokenizer the ids are scored as they are (no retokenization). The judge's name
-          is part of every result.
+          (no BOS added), truncate to the sample length L, score it in one forward of the judge (a sample longer
+          than the judge's context: sliding windows, each token scored once given up to the judge's context
+          before it, judge_windows); the first token is never scored; every non-EOS token is scored, EOS only at
+          its first occurrence (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored,
+          later EOS are not); Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples.
+          Judges: a Hugging Face causal LM (gpt2-large, needs transformers) or an AR checkpoint of this repo
+          (train.py --loss ar), offline; with the sampler's own tokenizer the ids are scored as they are (no
+          retokenization). The judge's name is part of every result. --seq_len past the model's block_size
+          draws samples in semi-autoregressive windows (sample.generate_long; the AR baseline slides its context).
 entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2).
 
 Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 with EOS and scores the first pad
@@ -55,7 +58,7 @@ from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, default_final_step, generate, generate_ar, psi_from_flags
+from sample import check_sampler, check_stride, default_final_step, generate, generate_ar, generate_long, psi_from_flags
 from plumbing.folder import is_model_folder
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
@@ -166,37 +169,59 @@ class Judge:
     tokenizer_meta: Optional[dict] = None   # AR checkpoints: the data meta of their tokenizer
 
 
+def judge_windows(n_tokens, context, stride):
+    """The judge's sliding windows over a sequence of n_tokens -> [(start, end, first)]: the window ids[start:end]
+    (at most `context` tokens) scores its tokens first..end-1, each predicted from the tokens before it in the
+    window. The first window is ids[:context] (tokens 1.. scored); each next one ends `stride` tokens later (the
+    last at n_tokens) and scores its new tokens given at least context - stride before them. So tokens 1..n-1 are
+    each scored exactly once, given up to the judge's context of preceding tokens; the first token never."""
+    if not 0 < stride < context:
+        raise ValueError(f"the judge's stride must be in [1, {context - 1}] (its context - 1), got {stride}")
+    windows, end = [(0, min(n_tokens, context), 1)] if n_tokens else [], context
+    while end < n_tokens:
+        new_end = min(end + stride, n_tokens)
+        windows.append((new_end - context, new_end, end))
+        end = new_end
+    return windows
+
+
 @torch.no_grad()
-def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True):
+def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True, stride=None):
     """Generative perplexity of samples under judge (Duo spec 7.1).
     samples: list of str (retokenized with judge.encode), or id lists / an int64 tensor (N, L) already in the
-    judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L) and split into
-    chunks of judge.context scored on their own; per chunk the first token is never scored, and the others are
-    scored when they are not EOS or are the chunk's first EOS. -> dict(gen_ppl, nll, tokens, samples, judge,
-    retokenized)."""
+    judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L); one of up to
+    judge.context tokens is one window (Duo's scoring), a longer one is scored over judge_windows advancing by
+    `stride` (default half the judge's context), so each token is scored once with up to the judge's context
+    before it. The first token is never scored; the others when they are not EOS or are the sample's first EOS.
+    -> dict(gen_ppl, nll, tokens, samples, judge, retokenized)."""
     samples = list(samples)
     if not samples:
         raise ValueError("no samples to score")
     retokenize = isinstance(samples[0], str)
     seqs = [judge.encode(s) if retokenize else [int(i) for i in s] for s in samples]
     seqs = [s[:max_length] if max_length else s for s in seqs]
-    chunks = [s[i:i + judge.context] for s in seqs for i in range(0, len(s), judge.context)]
+    stride = stride or max(1, judge.context // 2)
+    windows = []
+    for s in seqs:
+        eos = [i for i, token in enumerate(s) if token == judge.eos_id]
+        keep = [token != judge.eos_id or i == eos[0] for i, token in enumerate(s)]   # Duo: the first EOS only
+        windows += [(s[a:b], keep[f:b], f - a) for a, b, f in judge_windows(len(s), judge.context, stride)]
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    for b in tqdm(range(0, len(chunks), batch_size), desc=f"gen ppl ({judge.name})",
+    for b in tqdm(range(0, len(windows), batch_size), desc=f"gen ppl ({judge.name})",
                   disable=cli.bar_hidden(show_progress), leave=False):
-        batch = chunks[b:b + batch_size]
-        T = max(map(len, batch))
+        batch = windows[b:b + batch_size]
+        T = max(len(w) for w, _, _ in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         attn = torch.zeros(len(batch), T, dtype=torch.bool)
-        for r, s in enumerate(batch):
-            ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-            attn[r, :len(s)] = True
-        ids, attn = ids.to(device), attn.to(device)
+        scored = torch.zeros(len(batch), T - 1, dtype=torch.bool)     # the targets ids[:, 1:]
+        for r, (w, keep, first) in enumerate(batch):
+            ids[r, :len(w)] = torch.tensor(w, dtype=torch.long)
+            attn[r, :len(w)] = True
+            scored[r, first - 1:len(w) - 1] = torch.tensor(keep, dtype=torch.bool)
+        ids, attn, scored = ids.to(device), attn.to(device), scored.to(device)
         logits = judge.logits(ids, attn)
         nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-        is_eos = ids == judge.eos_id
-        scored = (((is_eos.cumsum(-1) == 1) | ~is_eos) & attn)[:, 1:]
         total += (nll.double() * scored).sum().cpu()
         count += int(scored.sum())
     if count == 0:
@@ -288,7 +313,9 @@ class EvalConfig:
     mc_draws: int = 1                # (t, xt) draws per sequence, averaged
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
-    seq_len: int = 0                 # zeroshot block length (0 = the model's block_size; paper: 1024)
+    seq_len: int = 0                 # zeroshot block length / genppl sample length (0 = the model's block_size;
+                                     # paper: 1024); a longer sample is drawn in windows of --stride new tokens
+    stride: int = 0                  # genppl past block_size: new tokens per sampler window (0 = half a block)
     # genppl
     judge: str = "gpt2-large"        # HF causal LM (needs transformers) or an AR checkpoint .pt of this repo
     samples: str = ""                # score the samples of this JSONL (sample.py --out) instead of generating
@@ -420,6 +447,11 @@ def run_genppl(cfg, device, dtype):
     if mc.causal and cfg.sampler != "ancestral":
         raise UsageError(f"--sampler {cfg.sampler} applies to diffusion models; {cfg.ckpt} is autoregressive")
     psi = None if mc.causal else psi_from_flags(cfg, min(steps_list))
+    seq_len, stride = cfg.seq_len or mc.block_size, check_stride(cfg.stride, mc.block_size)
+    if seq_len < 2:
+        raise UsageError(f"--seq_len must be >= 2 for genppl (the judge never scores a sample's first token), "
+                         f"got {seq_len}")
+    length = dict(seq_len=seq_len, **({"stride": stride} if seq_len > mc.block_size and not mc.causal else {}))
     rows = []
     for steps in steps_list:
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -427,21 +459,22 @@ def run_genppl(cfg, device, dtype):
         for b in range(0, cfg.num_samples, cfg.batch_size):
             n = min(cfg.batch_size, cfg.num_samples - b)
             if mc.causal:
-                ids += generate_ar(model, n, mc.block_size, bos_id=tok.bos_id, top_p=cfg.top_p, generator=generator,
+                ids += generate_ar(model, n, seq_len, bos_id=tok.bos_id, top_p=cfg.top_p, generator=generator,
                                    device=device, dtype=dtype).tolist()
             else:
-                ids += generate(model, n, mc.block_size, mc.vocab_size, steps, alpha_schedule=schedule,
-                                final_step=final_step, top_p=cfg.top_p, psi=psi, generator=generator,
-                                device=device, dtype=dtype).tolist()
+                ids += generate_long(model, n, seq_len, mc.vocab_size, steps, stride=stride, alpha_schedule=schedule,
+                                     final_step=final_step, top_p=cfg.top_p, psi=psi, generator=generator,
+                                     device=device, dtype=dtype).tolist()
         texts = [tok.decode(row) for row in ids]
         if cfg.save_samples:
             settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), tokenizer=tok.spec, steps=steps,
                             final_step=final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema,
-                            sampler="ar" if mc.causal else cfg.sampler, psi=psi._asdict() if psi else None)
+                            sampler="ar" if mc.causal else cfg.sampler, psi=psi._asdict() if psi else None,
+                            **length)
             append_jsonl(cfg.save_samples, [dict(sample=i, text=t, ids=r, settings=settings)
                                             for i, (t, r) in enumerate(zip(texts, ids))])
         row = dict(score_samples(ids, texts, tok, judge, cfg.judge_batch_size, device, label=cfg.ckpt,
-                                 steps=steps if steps else "ar"), ckpt_step=ckpt.get("step"))
+                                 steps=steps if steps else "ar"), ckpt_step=ckpt.get("step"), **length)
         rows.append(row if mc.causal else {**row, "final_step": final_step, "sampler": sampler_label(psi)})
     return rows
 

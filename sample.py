@@ -3,6 +3,7 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 
     python sample.py --ckpt out/ckpt.pt --num_samples 4 --steps 128
     python sample.py --ckpt out/ckpt.pt --prompt "The history of" --cfg_w 1.1 --top_p 0.9
+    python sample.py --ckpt out/ckpt.pt --seq_len 4096 --stride 512     # past the block: semi-AR windows
 
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
@@ -35,6 +36,12 @@ Options, all acting on x_theta before the posterior:
              x_t with every fixed position replaced by a token drawn uniformly from the vocabulary (one draw
              per sample, for the whole run); both branches go through ONE forward, concatenated on the batch,
              and p~ is proportional to p_c^(1+w) / p_u^w, i.e. softmax((1+w) log p_c - w log p_u).
+
+Past the block (--seq_len > block_size; generate_long): semi-autoregressive windows, as MDLM's and Duo's semi_ar
+samplers. Each sampler call is one whole block: the last block_size - stride tokens so far held fixed as its prompt
+(the mechanism above), --stride new tokens drawn after them by the chosen sampler with all its options; the first
+call fills the first block after the prompt. --stride 0 is half a block (default_stride says why); seq_len <=
+block_size is the one-block sampler itself. The AR baseline slides its context window one token at a time.
 
 Writes one JSON line per sample (text, ids, settings) appended to --out (by default samples.jsonl beside the
 checkpoint or model folder sampled: out/ckpt.pt and out/model -> out/samples.jsonl), and prints the texts.
@@ -422,10 +429,13 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
 
 @torch.no_grad()
 def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, top_p=1.0, generator=None,
-                device=None, dtype=None, show_progress=True):
+                device=None, dtype=None, show_progress=True, block_size=None):
     """The autoregressive baseline (a causal model whose logits at l predict token l+1): start from
     [bos_id] + prompt_ids, then one token per forward with full recompute (no KV cache, as Duo), Gumbel-max
-    in float64 on the nucleus-filtered next-token distribution. prompt_ids (P,) or (B, P) -> (B, seq_len)."""
+    in float64 on the nucleus-filtered next-token distribution. prompt_ids (P,) or (B, P) -> (B, seq_len).
+    Any seq_len: each token is predicted from the last block_size tokens at most (a sliding window of the
+    model's context; default model.config.block_size, or the whole prefix for a model without a config)."""
+    block_size = block_size or getattr(getattr(model, "config", None), "block_size", None)
     device = torch.device(device) if device is not None else _device_of(model)
     prefix = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
     if bos_id is not None:
@@ -441,9 +451,79 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
     for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress),
                   leave=False):
         with autocast_for(device, dtype):
-            logits = model(x)[:, -1]
+            logits = model(x if block_size is None else x[:, -block_size:])[:, -1]
         probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)
         x = torch.cat([x, diffusion.sample_categorical(probs, generator)[:, None]], dim=1)
+    return x
+
+
+# -----------------------------------------------------------------------------------------------
+# longer than the context: semi-autoregressive windows (MDLM's and Duo's semi_ar sampler)
+
+def default_stride(block_size):
+    """--stride 0: half a block. Every token drawn after the first block then sees at least block_size / 2 held
+    tokens before it, at twice one block's sampler cost per token (block_size / stride sampler calls of a block
+    per block_size new tokens); BD3-LM's semi-AR MDLM baseline also advances 512 tokens of its 1024."""
+    return max(1, block_size // 2)
+
+
+def check_stride(stride, block_size):
+    """--stride (0 = default_stride) -> the stride in [1, block_size]. Raises UsageError naming the flag."""
+    if not 0 <= stride <= block_size:
+        raise UsageError(f"--stride must be in [1, {block_size}] (the model's block_size; 0 = half of it), "
+                         f"got {stride}")
+    return stride or default_stride(block_size)
+
+
+def long_windows(prompt_len, seq_len, block_size, stride):
+    """The sampler calls of semi-autoregressive generation past the block (seq_len > block_size) -> [(held, new)].
+    Each call samples one whole block, held + new = block_size tokens: the last `held` tokens so far (the
+    prompt's, then the samples') held fixed as its prompt, and `new` tokens drawn after them. While the text is
+    shorter than a block the call fills the block (the first: the prompt and block_size - prompt_len new tokens);
+    afterwards each draws min(stride, what is left) given the block_size - new tokens before it, so every
+    window holds at least block_size - stride (the last, shorter one more). A prompt longer than a block gives
+    only its last block_size - new tokens to the first window."""
+    windows, n = [], prompt_len
+    while n < seq_len:
+        new = block_size - n if n < block_size else min(stride, seq_len - n)
+        windows.append((block_size - new, new))
+        n += new
+    return windows
+
+
+@torch.no_grad()
+def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=None, stride=0, prompt_ids=None,
+                  cfg_w=0.0, cfg_seed=None, generator=None, device=None, show_progress=True, **sampler):
+    """generate to any seq_len -> (B, seq_len) int64. seq_len <= block_size (default model.config.block_size):
+    generate itself, the same call. Longer: semi-autoregressive windows (long_windows), each one call of generate
+    on a whole block with the tokens it holds as prompt_ids (clamped clean at every step, as any prompt), so the
+    chosen sampler (ancestral or Psi, nucleus, final step: `sampler`, generate's other keywords) draws each
+    stretch of `stride` tokens (0 = default_stride) given the block_size - stride before it. prompt_ids (P,) or
+    (B, P), any P < seq_len. One generator runs through the windows, so a seed gives the same text. CFG (cfg_w):
+    each window that holds tokens is guided against random tokens in their place (null_tokens of the same
+    cfg_seed in every window); a first window without a prompt holds nothing and is drawn unguided."""
+    block_size = block_size or model.config.block_size
+    if seq_len <= block_size:
+        return generate(model, num_samples, seq_len, vocab_size, steps, prompt_ids=prompt_ids, cfg_w=cfg_w,
+                        cfg_seed=cfg_seed, generator=generator, device=device, show_progress=show_progress, **sampler)
+    stride = check_stride(stride, block_size)
+    device = torch.device(device) if device is not None else _device_of(model)
+    x = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
+    if prompt_ids is not None:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+        x = prompt.expand(num_samples, -1) if prompt.dim() == 1 else prompt
+        if x.shape[0] != num_samples or x.shape[1] >= seq_len:
+            raise ValueError(f"prompt_ids of shape {tuple(prompt.shape)} do not fit {num_samples} samples of "
+                             f"length {seq_len} (a prompt shorter than seq_len)")
+    if cfg_w != 0 and cfg_seed is None:       # as generate resolves it: one null draw for the whole run
+        cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
+    windows = long_windows(x.shape[1], seq_len, block_size, stride)
+    for held, new in tqdm(windows, desc=f"sampling ({len(windows)} windows of {block_size}, {steps} steps)",
+                          disable=cli.bar_hidden(show_progress), leave=False):
+        ids = generate(model, num_samples, block_size, vocab_size, steps,
+                       prompt_ids=x[:, x.shape[1] - held:] if held else None, cfg_w=cfg_w if held else 0.0,
+                       cfg_seed=cfg_seed, generator=generator, device=device, show_progress=False, **sampler)
+        x = torch.cat([x, ids[:, held:]], dim=1)
     return x
 
 
@@ -481,7 +561,9 @@ class SampleConfig:
     # sampler
     num_samples: int = 4             # sequences to draw
     batch_size: int = 0              # sequences per sampler call (0 = num_samples)
-    seq_len: int = 0                 # tokens per sample (0 = the model's block_size)
+    seq_len: int = 0                 # tokens per sample (0 = the model's block_size; longer: --stride windows)
+    stride: int = 0                  # past block_size: new tokens per sampler call, the block_size - stride before
+                                     # them held as its prompt (0 = block_size // 2)
     steps: int = 128                 # reverse steps N (NFE = N + 1 with a final step)
     final_step: str = "auto"         # ancestral | greedy | none | auto (greedy for the NELBO objectives, ancestral
                                      # for the SDDLM ones)
@@ -560,13 +642,15 @@ def main(argv=None):
     if tok is None and not cfg.prompt:
         print(f"warning: {why}; writing ids only (text is null)", file=sys.stderr)
     seq_len = cfg.seq_len or mc.block_size
-    if not 1 <= seq_len <= mc.block_size:
-        raise UsageError(f"--seq_len must be in [1, {mc.block_size}] (the model's block_size), got {seq_len}")
+    if seq_len < 1:
+        raise UsageError(f"--seq_len must be >= 1 (0 = the model's block_size {mc.block_size}), got {seq_len}")
+    stride = check_stride(cfg.stride, mc.block_size)
+    long = seq_len > mc.block_size
     prompt = parse_prompt(cfg, tok, mc.vocab_size)
     if prompt is not None and len(prompt) >= seq_len:
         raise UsageError(f"the prompt is {len(prompt)} tokens, longer than the context allows: it must be shorter "
                          f"than --seq_len {seq_len}")
-    if cfg.cfg_w != 0 and prompt is None:
+    if cfg.cfg_w != 0 and prompt is None and not long:
         raise UsageError("--cfg_w needs --prompt or --prompt_ids: unsupervised CFG contrasts the prompt with "
                          "random tokens, so without one it would change nothing")
     if mc.causal and cfg.cfg_w != 0:
@@ -586,6 +670,11 @@ def main(argv=None):
     if not mc.causal:
         settings.update(steps=cfg.steps, nfe=cfg.steps + (final_step != "none"), final_step=final_step,
                         noise_schedule=schedule, t_end=cfg.t_end, cfg_w=cfg.cfg_w)
+    if long:      # past the block: sampler windows (nfe is per window), or the AR model's sliding window
+        settings.update(block_size=mc.block_size)
+        if not mc.causal:
+            settings.update(stride=stride, windows=len(long_windows(len(prompt or []), seq_len, mc.block_size,
+                                                                    stride)))
     if psi is not None:
         settings.update(psi=psi._asdict())
     print(f"sampling {cfg.num_samples} x {seq_len} tokens from {cfg.ckpt} (step {ckpt.get('step')}, "
@@ -602,9 +691,10 @@ def main(argv=None):
             ids = generate_ar(model, n, seq_len, bos_id=None if prompt else bos_id, prompt_ids=prompt,
                               top_p=cfg.top_p, generator=generator, device=device, dtype=dtype)
         else:
-            ids = generate(model, n, seq_len, mc.vocab_size, cfg.steps, alpha_schedule=schedule, t_end=cfg.t_end,
-                           final_step=final_step, prompt_ids=prompt, cfg_w=cfg.cfg_w, top_p=cfg.top_p, psi=psi,
-                           generator=generator, device=device, dtype=dtype)
+            ids = generate_long(model, n, seq_len, mc.vocab_size, cfg.steps, block_size=mc.block_size, stride=stride,
+                                alpha_schedule=schedule, t_end=cfg.t_end, final_step=final_step, prompt_ids=prompt,
+                                cfg_w=cfg.cfg_w, top_p=cfg.top_p, psi=psi, generator=generator, device=device,
+                                dtype=dtype)
         records = []
         for row in ids.tolist():
             text = tok.decode(row) if tok else None

@@ -58,6 +58,10 @@ Fused head (--head_chunks): the output layer fused with sddlm_v1 (kernels/fused_
 rows cut into that many chunks, forward + backward, with each chunk's logits kept for backward or recomputed
 there: median time, and the FLOPs torch's counter sees over the formula's 2 N d V_pad of one output-layer product
 (N = B L rows; kept: 3 products, recomputed: 4).
+Long generation (--long_blocks): sample.generate_long to n = long_blocks x L tokens at strides L, L/2, L/4 (windows
+of one block, block - stride tokens held) against one block of sample.generate on the same model (a fresh one, as
+the sampler's), same steps and batch, timed in the same rounds: time per generated token over one block's, beside
+what the windows predict (windows x L / n).
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -111,6 +115,7 @@ class BenchConfig:
     threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
     head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
     head_chunks: int = 8            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
+    long_blocks: int = 4            # long generation: samples of this many blocks at strides L, L/2, L/4 (0 = skip)
     profile: bool = False           # also profile one more step of each row (torch.profiler): its ops by self time
     seed: int = 1                   # seeds the weights and the random tokens, times and noise of every row
     json: bool = False              # print one JSON object instead of the markdown tables
@@ -126,9 +131,9 @@ def parse_args(argv=None):
         raise UsageError(f"--curriculum must be a diffusion loss of {', '.join(OBJECTIVES)} (not ar) or '', "
                          f"got {cfg.curriculum!r}")
     if (cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0
-            or cfg.head_chunks < 0):
+            or cfg.head_chunks < 0 or cfg.long_blocks < 0):
         raise UsageError("--repeats and --batch_size must be >= 1, --warmup, --sample_steps, --threads, "
-                         "--head_chunks >= 0")
+                         "--head_chunks, --long_blocks >= 0")
     if cfg.head not in HEADS:
         raise UsageError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
     if cfg.block_size and cfg.block_size < 2:
@@ -465,6 +470,38 @@ def bench_sampler(cfg, mcfg, device, dtype, L):
                 psi_vs_ancestral=psi_s / generate_s)
 
 
+def bench_long(cfg, mcfg, device, dtype, L):
+    """sample.generate_long to long_blocks x L tokens at strides L, L/2, L/4 vs one block of sample.generate, on a
+    model of its own (mcfg; compiled with --compile): median time per generated token, interleaved rounds. -> dict."""
+    from sample import generate, generate_long, long_windows
+    torch.manual_seed(cfg.seed)
+    raw = build_model(mcfg).to(device).eval()
+    model = torch.compile(raw) if cfg.compile else raw
+    B, V, n = cfg.batch_size, raw.config.vocab_size, cfg.long_blocks * L
+    strides = sorted({L, max(1, L // 2), max(1, L // 4)}, reverse=True)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    times = {s: [] for s in [0, *strides]}             # 0: one block of the one-block sampler
+    for round_ in range(cfg.warmup + cfg.repeats):
+        for s in times:
+            synchronize(device)
+            t0 = time.perf_counter()
+            if s == 0:
+                generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device, dtype=dtype, show_progress=False)
+            else:
+                generate_long(model, B, n, V, cfg.sample_steps, block_size=L, stride=s, generator=gen, device=device,
+                              dtype=dtype, show_progress=False)
+            synchronize(device)
+            if round_ >= cfg.warmup:
+                times[s].append(time.perf_counter() - t0)
+    block_ms = 1e3 * statistics.median(times[0]) / L
+    rows = []
+    for s in strides:
+        windows = len(long_windows(0, n, L, s))
+        ms = 1e3 * statistics.median(times[s]) / n
+        rows.append(dict(stride=s, windows=windows, ms_per_token=ms, vs_block=ms / block_ms, predicted=windows * L / n))
+    return dict(seq_len=n, steps=cfg.sample_steps, block_ms_per_token=block_ms, rows=rows)
+
+
 def bench_head(cfg, mc, device, dtype, L):
     """The fused output layer + sddlm_v1 on B L rows in cfg.head_chunks chunks, forward + backward, with the chunk
     logits kept or recomputed: median ms (interleaved rounds) and torch-counted FLOPs. -> dict."""
@@ -534,20 +571,23 @@ def run(cfg):
     for r in results.values():
         r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak if r["step_ms"] else None
     diffusion_rows = [name for name in row_names(cfg) if name != "ar"]
-    sampler = head = None
+    sampler = head = long = None
     if cfg.sample_steps and diffusion_rows:
         mcfg = configs_for(cfg, diffusion_rows[0])[1]
         sampler = rows.measure("sampler", lambda: bench_sampler(cfg, mcfg, device, dtype, L), end_of_table=True)
     mc = model["config"]
     if cfg.head_chunks:
         head = rows.measure("fused head", lambda: bench_head(cfg, mc, device, dtype, L), end_of_table=True)
+    if cfg.sample_steps and cfg.long_blocks and diffusion_rows:
+        long = rows.measure("long generation", lambda: bench_long(cfg, mcfg, device, dtype, L), end_of_table=True)
     return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
                 bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
                 model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
                            vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size, params=model["params"],
                            non_embedding_params=model["non_embedding_params"]),
                 peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler,
-                head=head, out_of_memory=rows.out_of_memory, memory_baseline=baseline, memory_left=rows.left)
+                head=head, long=long, out_of_memory=rows.out_of_memory, memory_baseline=baseline,
+                memory_left=rows.left)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -607,6 +647,18 @@ def markdown(out):
     elif "fused head" in oom:
         lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
+    g = out.get("long")
+    if g is not None or "long generation" in oom:
+        title = "long generation" if g is None else \
+            f"long generation, {g['seq_len']} tokens, {g['steps']} steps a window"
+        lines += ["", f"| {title} | stride | windows | ms / token | x one block | windows x L / n |",
+                  "|---|---:|---:|---:|---:|---:|"]
+    if g is not None:
+        lines += [f"| sample.generate, one block | - | 1 | {g['block_ms_per_token']:.2f} | 1.000 | 1.000 |"]
+        lines += [f"| sample.generate_long | {r['stride']} | {r['windows']} | {r['ms_per_token']:.2f} "
+                  f"| {r['vs_block']:.3f} | {r['predicted']:.3f} |" for r in g["rows"]]
+    elif "long generation" in oom:
+        lines.append(f"| sample.generate_long | {lost} | n/a | n/a | n/a | n/a |")
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
              for name, r in out["losses"].items() if name.endswith(CURRICULUM)]
     if s is not None:

@@ -44,7 +44,7 @@ from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtyp
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import refuse_overwrite, save_atomic, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, default_final_step
+from sample import check_sampler, check_stride, default_final_step
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
 PAPER_TASKS = ["arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "race", "social_iqa", "lambada_standard"]
@@ -146,6 +146,7 @@ class EvalConfig:
     steps: int = 128                 # lm-eval generate_until: reverse steps of the diffusion sampler
     final_step: str = "auto"         # lm-eval generate_until: ancestral | greedy | none | auto (by objective)
     top_p: float = 1.0               # lm-eval generate_until: nucleus on x_theta
+    stride: int = 0                  # lm-eval generate_until past block_size: new tokens per window (0 = half a block)
     rolling_context: int = 1         # lm-eval loglikelihood_rolling: clean tokens before each window's piece
     # runtime
     seed: int = 1234                 # every request's times, noise and null contexts are drawn from this seed
@@ -165,8 +166,9 @@ DEFINITIONS = {
     "acc_argmax": "LAMBADA protocol (b): span fully noised (t=1), argmax of the (guided) denoiser == gold "
                   "token at every target position (the is_greedy given to lm-eval by default)",
     "perplexity": "exp(-mean over passages of ll(' ' + last word))",
-    "generate_until": "lm-eval generation tasks: max_gen_toks tokens (at most block_size - 1) sampled by "
-                      "sample.generate after the fixed context (steps, final_step, top_p, same CFG), cut at EOS "
+    "generate_until": "lm-eval generation tasks: max_gen_toks tokens sampled by sample.generate after the fixed "
+                      "context (steps, final_step, top_p, same CFG; past block_size - 1 in windows of stride new "
+                      "tokens, the rest of the block held fixed), cut at EOS "
                       "and before the task's first stop string",
     "word_perplexity": "UPPER BOUND: lm-eval's exp(-sum ll / words) with ll = the rolling lower bound on log p(doc): "
                        "sum of ll over windows of block_size tokens (rolling_context clean tokens before each piece)",
@@ -282,6 +284,7 @@ def main(argv=None):
         raise EvalError(f"{cfg.ckpt}: {why}")
     if cfg.rolling_context >= model.config.block_size:
         raise EvalError(f"--rolling_context must be < the model's block_size {model.config.block_size}")
+    check_stride(cfg.stride, model.config.block_size)
     scorer = Scorer(model, tokenizer, mc_draws=cfg.mc_draws, batch_size=cfg.batch_size, seed=cfg.seed,
                     lambada_steps=cfg.lambada_steps, dtype=dtype, add_bos=cfg.add_bos,
                     schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear",
@@ -308,7 +311,7 @@ def main(argv=None):
                 if runner == "lm-eval":
                     lm = lm_eval_model_class()(scorer=scorer, cfg_w=w, greedy_check=cfg.greedy_check,
                                                steps=cfg.steps, final_step=cfg.final_step, top_p=cfg.top_p,
-                                               rolling_context=cfg.rolling_context)
+                                               stride=cfg.stride, rolling_context=cfg.rolling_context)
                     metrics = run_lm_eval(name, lm, cfg.limit, cfg.include_path)
                 else:
                     kind, items = data[name]

@@ -16,7 +16,7 @@ from data import not_a_file
 from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, Scorer
 from plumbing.cli import UsageError, finite_float, first_line, parse_bool, resolve_device, resolve_dtype
 from plumbing.checkpoint import load_model, load_tokenizer
-from sample import check_sampler, default_final_step, parse_psi
+from sample import check_sampler, check_stride, default_final_step, parse_psi
 
 
 LM_EVAL = "lm-eval==0.4.13"   # the version the adapter is tested with (CI installs it)
@@ -38,7 +38,7 @@ def lm_eval_model_class():
 
 MODEL_ARGS = ("ckpt", "pretrained", "mc_draws", "cfg_w", "seed", "greedy_check", "lambada_steps", "steps", "final_step",
               "top_p", "sampler", "psi_kappa", "psi_eta", "psi_profile", "psi_loop_t", "psi_fracs", "psi_rescale",
-              "psi_grid", "rolling_context", "use_ema", "dtype", "add_bos")
+              "psi_grid", "stride", "rolling_context", "use_ema", "dtype", "add_bos")
 
 _NOTED = set()
 
@@ -72,7 +72,7 @@ class _Harness:
     def __init__(self, ckpt=None, mc_draws=128, cfg_w=0.0, seed=1234, greedy_check="argmax",
                  lambada_steps=8, steps=128, final_step="auto", top_p=1.0, sampler="ancestral", psi_kappa="eta",
                  psi_eta="0.9", psi_profile="linear", psi_loop_t=0.1, psi_fracs="0.45/0.5/0.05", psi_rescale="remdm",
-                 psi_grid="ours", rolling_context=1, use_ema=True,
+                 psi_grid="ours", stride=0, rolling_context=1, use_ema=True,
                  dtype="auto", add_bos=True, batch_size=16, max_batch_size=None, device="auto",
                  trust_remote_code=None, scorer=None, pretrained=None, **unknown):
         """As lm-eval builds it from --model_args plus batch_size/max_batch_size/device (and trust_remote_code,
@@ -109,6 +109,10 @@ class _Harness:
         block_size = self.scorer.model.config.block_size
         if not 0 <= self.rolling_context < block_size:
             raise EvalError(f"rolling_context must be in [0, {block_size - 1}], got {self.rolling_context}")
+        try:
+            self.stride = check_stride(coerce(stride, int, "stride"), block_size)
+        except UsageError as e:
+            raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
 
     @staticmethod
     def load_scorer(ckpt, mc_draws, seed, lambada_steps, use_ema, dtype, add_bos, batch_size, device):
@@ -155,10 +159,10 @@ class _Harness:
                                                f"{self.steps}, final_step={self.final_step}, top_p={self.top_p}, "
                                                f"cfg_w={self.cfg_w}); the task's {', '.join(unused)} are not used")
             if int(kwargs.get("max_gen_toks", MAX_GEN_TOKS)) > L - 1:
-                note_once("long", f"max_gen_toks {kwargs.get('max_gen_toks', MAX_GEN_TOKS)} does not fit the "
-                                  f"model's window: generating {L - 1} tokens (block_size {L} - 1)")
+                note_once("long", f"max_gen_toks {kwargs.get('max_gen_toks', MAX_GEN_TOKS)} is past the model's "
+                                  f"window: generated in windows of {L} tokens, {self.stride} new in each (stride)")
         return self.scorer.generate_until([tuple(req.args) for req in requests], self.cfg_w, self.steps,
-                                          self.final_step, self.top_p, psi=self.psi)
+                                          self.final_step, self.top_p, psi=self.psi, stride=self.stride)
 
 
 OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")

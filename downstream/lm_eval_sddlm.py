@@ -28,6 +28,8 @@ lm_eval.simple_evaluate(model="sddlm", model_args=...).
   sampler=ancestral     generate_until: ancestral | psi, with psi_kappa, psi_eta, psi_profile, psi_loop_t, psi_fracs,
                         psi_rescale and psi_grid as sample.py's flags of those names (psi_eta=1/0.02/1: "/"
                         separates phases; psi_rescale=duo psi_grid=duo: Duo's published Psi settings)
+  stride=0              generate_until past block_size - 1 tokens: new tokens per semi-autoregressive window, the
+                        rest of the block held fixed (0 = half a block)
   rolling_context=1     loglikelihood_rolling: clean tokens before each window's piece (lm-eval's context_len)
   dtype=auto, add_bos=true
 --batch_size is Monte Carlo draws per forward (SMDM's meaning; 2 x rows with CFG), not requests per batch;
@@ -36,8 +38,9 @@ Request types (downstream/scoring.py does the work; its docstrings give the esti
   loglikelihood          (context, continuation) -> (lower bound on log p(continuation | context), is_greedy)
   loglikelihood_rolling  (text,) -> a LOWER BOUND on log p(text) over windows of block_size tokens: the word and
                          byte perplexities lm-eval reports from it are upper bounds (the paper's zero-shot PPL too)
-  generate_until         (context, gen_kwargs) -> max_gen_toks tokens sampled after the fixed context, cut at EOS
-                         and the stop strings; the task's do_sample/temperature/... do not apply and are named once
+  generate_until         (context, gen_kwargs) -> max_gen_toks tokens sampled after the fixed context (any number:
+                         semi-autoregressive windows past the block), cut at EOS and the stop strings; the task's
+                         do_sample/temperature/... do not apply and are named once
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):

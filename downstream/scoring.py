@@ -21,9 +21,10 @@ LAMBADA (context = passage minus its last word, target = " " + last word), two a
                 is_greedy flag the lm-eval adapter returns (so lm-eval's LAMBADA acc is protocol (b) unless
                 --greedy_check generate).
   perplexity    exp(-mean over passages of the log-likelihood bound of the target), as lm-eval's.
-Free generation (lm-eval's generate_until): max_gen_toks tokens (at most block_size - 1) sampled after the fixed
-  context by sample.generate (--steps reverse steps, --final_step, --top_p, the same CFG), cut at the first EOS and
-  then before the first of the task's stop strings ("until").
+Free generation (lm-eval's generate_until): max_gen_toks tokens sampled after the fixed context by sample.generate
+  (--steps reverse steps, --final_step, --top_p, the same CFG), past block_size - 1 in semi-autoregressive windows
+  of --stride new tokens (sample.generate_long), cut at the first EOS and then before the first of the task's stop
+  strings ("until").
 Whole documents (lm-eval's loglikelihood_rolling, perplexity tasks): a LOWER BOUND on log p(document), the sum of
   the conditional bound above over windows of block_size tokens: the document (after BOS) is cut into consecutive
   pieces of block_size - rolling_context tokens, each scored given the clean tokens before it that fit the window
@@ -40,7 +41,7 @@ import diffusion
 import losses
 from plumbing import cli
 from plumbing.cli import UsageError, autocast_for
-from sample import denoiser_log_probs, generate, null_tokens
+from sample import denoiser_log_probs, generate_long, null_tokens
 
 T_MIN = 1e-3
 GREEDY_CHECKS = ("argmax", "generate")
@@ -128,18 +129,22 @@ def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
 
 
 def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancestral", top_p=1.0, cfg_w=0.0, seed=0,
-                          schedule="loglinear", dtype=None, psi=None):
+                          schedule="loglinear", dtype=None, psi=None, stride=0):
     """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps, or Psi steps with
     psi (a sample.Psi), on the time grid of `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised CFG against a random-token context)
-    -> list of n_tokens ids. The context is cut from the left to fit block_size; the generator is seeded with
+    -> list of n_tokens ids. Fewer than block_size: one block, the context cut from the left to fit it; more:
+    sample.generate_long's windows of `stride` new tokens after the whole context. The generator is seeded with
     `seed` for every call, so a request's result does not depend on the others."""
     device = _device(model)
-    x0, n_ctx = join_context(ctx_ids, [0] * n_tokens, model.config.block_size, device)
+    long = n_tokens >= model.config.block_size
+    x0, n_ctx = (torch.tensor([list(ctx_ids)], dtype=torch.long, device=device), len(ctx_ids)) if long else \
+        join_context(ctx_ids, [0] * n_tokens, model.config.block_size, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    ids = generate(model, 1, x0.shape[1], model.config.vocab_size, steps, alpha_schedule=schedule,
-                   final_step=final_step, top_p=top_p, prompt_ids=x0[0, :n_ctx] if n_ctx else None,
-                   cfg_w=cfg_w if n_ctx else 0.0, psi=psi, generator=gen, device=device, dtype=dtype,
-                   show_progress=False)
+    seq_len = n_ctx + n_tokens           # past the block, CFG guides the windows that hold tokens
+    ids = generate_long(model, 1, seq_len, model.config.vocab_size, steps, stride=stride, alpha_schedule=schedule,
+                        final_step=final_step, top_p=top_p, prompt_ids=x0[0, :n_ctx] if n_ctx else None,
+                        cfg_w=cfg_w if n_ctx or seq_len > model.config.block_size else 0.0, psi=psi, generator=gen,
+                        device=device, dtype=dtype, show_progress=False)
     return ids[0, n_ctx:].tolist()
 
 
@@ -246,20 +251,22 @@ class Scorer:
         return self.tokenizer.decode(span).strip() == text.strip()
 
     def generate_until(self, requests, cfg_w=0.0, steps=128, final_step="ancestral", top_p=1.0,
-                       desc="generate_until", psi=None):
+                       desc="generate_until", psi=None, stride=0):
         """[(context, gen_kwargs)] -> [continuation]: gen_kwargs["max_gen_toks"] tokens (default 256, as lm-eval's
-        HF model; at most block_size - 1) sampled after the context by generate_continuation, cut at the first EOS,
-        decoded, then cut before the first of the stop strings gen_kwargs["until"] (a str or a list)."""
+        HF model; past block_size - 1 in windows of `stride` new tokens) sampled after the context by
+        generate_continuation, cut at the first EOS, decoded, then cut before the first of the stop strings
+        gen_kwargs["until"] (a str or a list)."""
         out = []
         for context, kwargs in tqdm(requests, desc=desc, disable=cli.bar_hidden(self.progress), leave=False):
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            n = min(int(kwargs.get("max_gen_toks", MAX_GEN_TOKS)), self.model.config.block_size - 1)
+            n = int(kwargs.get("max_gen_toks", MAX_GEN_TOKS))
             ctx = ([self.tokenizer.bos_id] if self.add_bos else []) + self.tokenizer.encode(context)
-            ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
+            if n < self.model.config.block_size:         # one block: the context that fits it
+                ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
             ids = generate_continuation(self.model, ctx, n, steps=steps, final_step=final_step, top_p=top_p,
                                         cfg_w=cfg_w, seed=self.seed, schedule=self.schedule,
-                                        dtype=self.dtype, psi=psi) if n > 0 else []
+                                        dtype=self.dtype, psi=psi, stride=stride) if n > 0 else []
             if self.tokenizer.eos_id in ids:
                 ids = ids[:ids.index(self.tokenizer.eos_id)]
             out.append(cut_at_stops(self.decode_after(ctx, ids), until))

@@ -330,11 +330,12 @@ class SDDLM:
             folder = self.save_pretrained(os.path.join(tmp, "model"), name=repo_id)
             return push_to_hub(folder, repo_id, private=private, token=token)
 
-    def generate(self, num_samples=1, steps=128, seq_len=None, prompt=None, seed=0, **sampler):
-        """num_samples texts from the default sampler: the config's noise schedule and final step (an AR model:
-        one token per step from BOS). prompt: a clean prefix. sampler: more of sample.generate's keywords
-        (top_p, cfg_w, t_end, final_step). -> list of str."""
-        from sample import default_final_step, generate, generate_ar
+    def generate(self, num_samples=1, steps=128, seq_len=None, prompt=None, seed=0, stride=0, **sampler):
+        """num_samples texts of seq_len tokens (default block_size) from the default sampler: the config's noise
+        schedule and final step (an AR model: one token per step from BOS). Longer than the block: windows that
+        draw `stride` tokens each (0 = half a block; sample.generate_long). prompt: a clean prefix. sampler: more
+        of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi). -> list of str."""
+        from sample import default_final_step, generate_ar, generate_long
         seq_len = seq_len or self.model.config.block_size
         prompt_ids = self.tokenizer.encode(prompt) if prompt else None
         g = torch.Generator(device=self.device).manual_seed(seed)
@@ -344,9 +345,9 @@ class SDDLM:
                               show_progress=False)
         else:
             sampler.setdefault("final_step", self.ckpt.get("final_step") or default_final_step(self.ckpt))
-            ids = generate(self.model, num_samples, seq_len, self.model.config.vocab_size, steps,
-                           alpha_schedule=(self.ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear",
-                           prompt_ids=prompt_ids, generator=g, show_progress=False, **sampler)
+            ids = generate_long(self.model, num_samples, seq_len, self.model.config.vocab_size, steps, stride=stride,
+                                alpha_schedule=(self.ckpt.get("train_config") or {}).get("noise_schedule")
+                                or "loglinear", prompt_ids=prompt_ids, generator=g, show_progress=False, **sampler)
         return [self.tokenizer.decode(row) for row in ids.tolist()]
 
     def score(self, texts, mc_draws=16, seed=0):

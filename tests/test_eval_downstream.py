@@ -22,6 +22,7 @@ from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scorin
 from data import get_tokenizer
 from model import ModelConfig, build_model
 from plumbing.checkpoint import load_checkpoint
+from sample import generate_long
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 FACTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
@@ -233,6 +234,22 @@ def test_lm_eval_model_args_choose_the_psi_sampler():
         SDDLMHarness(scorer=scorer, sampler="psi", psi_eta="2")
 
 
+def test_lm_eval_model_arg_stride_generates_past_the_block():
+    """stride= reaches generate_until: max_gen_toks 40 past block_size 16, the Scorer's continuation with that
+    stride; a stride outside [1, block_size] is one error naming it."""
+    pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
+    from types import SimpleNamespace
+    from downstream.lm_eval_sddlm import SDDLMHarness
+    scorer = scoring.Scorer(StubDenoiser(), CharTokenizer(), seed=0, progress=False)
+    harness = SDDLMHarness(scorer=scorer, stride=3, steps=2)
+    requests = [("xy", {"until": [], "max_gen_toks": 40})]
+    got = harness.generate_until([SimpleNamespace(args=r) for r in requests])
+    assert got == scorer.generate_until(requests, steps=2, final_step=harness.final_step, stride=3)
+    assert got != scorer.generate_until(requests, steps=2, final_step=harness.final_step, stride=8)
+    with pytest.raises(scoring.EvalError, match="stride"):
+        SDDLMHarness(scorer=scorer, stride=17)
+
+
 def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
     """The stand-in denoiser is sure of one token per position (the sampler then returns them all but surely):
     the continuation 'ab.cd' EOS 'ef' after the context, cut by hand."""
@@ -250,10 +267,15 @@ def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
     # a context longer than the window is cut from the left: the favoured tokens are aligned at the end
     long = scoring.Scorer(StubDenoiser(favour=torch.tensor([5] * 30 + cont)), tok, seed=0, progress=False)
     assert long.generate_until([("ab" * 20, {"until": ["."], "max_gen_toks": 8})], steps=4) == ["ab"]
-    # max_gen_toks beyond the window: block_size - 1 = 15 tokens are generated after one context token
+    # max_gen_toks beyond the window: 100 tokens after the whole context, in windows of block_size 16 (stride 5)
     free = scoring.Scorer(StubDenoiser(), tok, seed=0, progress=False)
-    text = free.generate_until([("x", {"until": [], "max_gen_toks": 100})], steps=2)[0]
-    assert len(text) <= 15 and {x.shape[1] for x, _ in free.model.inputs} == {16}   # the text may stop at an EOS
+    ctx = [tok.bos_id] + tok.encode("x" * 20)
+    ids = scoring.generate_continuation(free.model, ctx, 100, steps=2, stride=5)
+    assert ids == generate_long(free.model, 1, 121, 13, 2, stride=5, prompt_ids=ctx, generator=torch.Generator()
+                                .manual_seed(0), show_progress=False)[0, 21:].tolist()
+    text = free.generate_until([("x" * 20, {"until": [], "max_gen_toks": 100})], steps=2, stride=5)[0]
+    assert text == free.decode_after(ctx, ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids)
+    assert {x.shape[1] for x, _ in free.model.inputs} == {16}
 
 
 def test_rolling_windows_partition_the_document_and_fill_the_window():

@@ -13,7 +13,7 @@ import torch
 
 import diffusion
 import losses
-from eval_ppl import Judge, entropy, gen_ppl, nelbo_ppl, zero_shot_blocks
+from eval_ppl import Judge, entropy, gen_ppl, judge_windows, nelbo_ppl, zero_shot_blocks
 from model import ModelConfig, build_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
@@ -76,13 +76,38 @@ def test_gen_ppl_is_exp_of_pooled_nll_with_duo_eos_rules():
     assert result["judge"] == "tiny" and result["retokenized"] is False
 
 
-def test_gen_ppl_truncates_and_scores_each_context_chunk_on_its_own():
+def test_judge_windows_by_hand():
+    assert judge_windows(10, 4, 3) == [(0, 4, 1), (3, 7, 4), (6, 10, 7)]
+    assert judge_windows(10, 4, 2) == [(0, 4, 1), (2, 6, 4), (4, 8, 6), (6, 10, 8)]
+    assert judge_windows(11, 4, 3) == [(0, 4, 1), (3, 7, 4), (6, 10, 7), (7, 11, 10)]     # the last one: 1 new
+    assert judge_windows(3, 4, 2) == [(0, 3, 1)] and judge_windows(0, 4, 2) == []
+    with pytest.raises(ValueError, match="stride"):
+        judge_windows(10, 4, 4)                  # a window would score a token with nothing before it
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_gen_ppl_of_a_sample_longer_than_the_judge_is_brute_force_per_token_scoring(stride):
+    """A sample truncated to 10 tokens, judge context 4: gen_ppl's sliding windows give the pooled NLL of scoring
+    each token j >= 1 in a forward of its own, given the tokens before it back to the start of the window that
+    scores it: all of them for j < 4, else the window ending at min(4 + k stride, 10) for the first k with
+    j < that end (so between 4 - stride and 3 tokens of context); Duo's EOS rule over the whole sample. The
+    forwards differ in length and batching, so the sums agree to float32 rounding (~1e-7 per NLL of ~2.5 nats,
+    10 terms): rel 1e-5."""
     judge, model = tiny_judge(context=4)
-    seq = [3, 4, EOS, 6, 7, 8, 9, 10, 11, 12, 1]
-    result = gen_ppl([seq], judge, max_length=10, show_progress=False)
-    parts = [manual_gen_nll(model, seq[:10][i:i + 4]) for i in (0, 4, 8)]     # [0:4], [4:8], [8:10]
-    total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    assert parts[2][1] == 1 and count == result["tokens"] == 3 + 3 + 1
+    seq = [3, 4, EOS, 6, 7, EOS, 9, 10, 11, 12, 1]
+    result = gen_ppl([seq, seq[:3]], judge, max_length=10, stride=stride, batch_size=3, show_progress=False)
+    seq = seq[:10]
+    total, count = manual_gen_nll(model, seq[:3])           # the short sample: one window
+    for j in range(1, 10):
+        if seq[j] == EOS and j != seq.index(EOS):
+            continue
+        end = 4 if j < 4 else min(4 + ((j - 4) // stride + 1) * stride, 10)
+        start = max(0, end - 4)
+        assert j < 4 or 4 - stride <= j - start <= 3
+        with torch.no_grad():
+            log_p = torch.log_softmax(model(torch.tensor([seq[start:j]]))[0, -1].double(), -1)
+        total, count = total - float(log_p[seq[j]]), count + 1
+    assert count == result["tokens"] == 8 + 2
     assert result["gen_ppl"] == pytest.approx(math.exp(total / count), rel=1e-5)
 
 
@@ -278,6 +303,23 @@ def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys)
                       "--psi_eta", "0.5")
     assert rows[0]["sampler"] == "ancestral" and psi["results"][0]["sampler"] == "psi max_capped=0.5"
     assert math.isfinite(psi["results"][0]["gen_ppl"]) and psi["results"][0]["gen_ppl"] != rows[1]["gen_ppl"]
+
+
+def test_cli_genppl_past_the_block_samples_in_windows_and_the_judge_slides(setup, capsys):
+    """--seq_len 80 on block_size 32: diffusion samples in windows of 16 new tokens, AR samples with a sliding
+    window; the row's Gen PPL is gen_ppl of the saved samples under the judge's own 32-token windows."""
+    from eval_ppl import load_judge
+    saved = setup["tmp"] / "long.jsonl"
+    result, _ = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "genppl", "--judge", setup["ar"],
+                         "--steps", "2", "--num_samples", 2, "--seq_len", 80, "--save_samples", saved)
+    row = result["results"][0]
+    records = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert (row["seq_len"], row["stride"]) == (80, 16) and [len(r["ids"]) for r in records] == [80, 80]
+    judge = load_judge(str(setup["ar"]), torch.device("cpu"))
+    assert row["gen_ppl"] == gen_ppl([r["ids"] for r in records], judge, show_progress=False)["gen_ppl"]
+    ar, _ = run_main(capsys, "--ckpt", setup["ar"], "--metric", "genppl", "--judge", setup["ar"], "--num_samples", 2,
+                     "--seq_len", 80)
+    assert ar["results"][0]["seq_len"] == 80 and math.isfinite(ar["results"][0]["gen_ppl"])
 
 
 @pytest.mark.slow

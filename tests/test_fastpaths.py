@@ -529,6 +529,11 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     assert "\n\nmemory NOT released (later rows ran with less): sddlm act left 0.0 MiB (4,000 bytes) allocated; " \
            "training rows left 2.0 MiB (2,097,152 bytes) allocated" in \
         bench.markdown({**out, "memory_left": {"sddlm act": 4000, "training rows": 2 ** 21}})
+    long = out["long"]                      # 64 tokens in windows of 16: 4, 1 + 48/8 and 1 + 48/4 sampler calls
+    assert [(r["stride"], r["windows"], r["predicted"]) for r in long["rows"]] == [(16, 4, 1.0), (8, 7, 1.75),
+                                                                                  (4, 13, 3.25)]
+    assert long["seq_len"] == 64 and all(r["ms_per_token"] > 0 and r["vs_block"] > 0 for r in long["rows"])
+    assert "| sample.generate_long | 8 | 7 | " in table
 
 
 def test_bench_rejects_bad_flags_in_one_line():

@@ -133,6 +133,16 @@ MUTATIONS = [
     M(name="bench_tables_keep_the_alpha_tables", file="bench/bench.py",
       old="            curriculum.clear_alpha_tables()\n", new="",
       tests=["tests/test_bench.py::test_rows_release_what_a_measurement_left_and_name_what_it_kept"]),
+    # --- long generation: the held context, the judge's windows --------------------------------------------------
+    M(name="long_window_holds_the_tokens_one_back", file="sample.py",
+      old="prompt_ids=x[:, x.shape[1] - held:] if held else None",
+      new="prompt_ids=torch.roll(x, 1, 1)[:, x.shape[1] - held:] if held else None",
+      tests=["tests/test_long_generation.py::test_held_context_is_exactly_the_previous_output_at_every_window_boundary",
+             "tests/test_long_generation.py::test_the_exact_denoiser_of_a_periodic_corpus_continues_it_across_every_"
+             "boundary"]),
+    M(name="judge_window_one_token_of_context_short", file="eval_ppl.py",
+      old="windows.append((new_end - context, new_end, end))", new="windows.append((new_end - context + 1, new_end, end))",
+      tests=["tests/test_eval_ppl.py::test_gen_ppl_of_a_sample_longer_than_the_judge_is_brute_force_per_token_scoring"]),
 ]
 
 
