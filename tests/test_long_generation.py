@@ -43,20 +43,21 @@ def windows_of(monkeypatch):
     return calls
 
 
-def test_held_context_is_exactly_the_previous_output_at_every_window_boundary(monkeypatch):
+@pytest.mark.parametrize("P,n_windows", [(3, 7), (20, 5)])       # a prompt within the first block, and longer
+def test_held_context_is_exactly_the_previous_output_at_every_window_boundary(monkeypatch, P, n_windows):
     """Each window's prompt is the last `held` tokens of what was written before it (the prompt's, then the
     samples'), the network sees them clean in every step of the window, the window's output keeps them, and what
     it draws after them is what the text gets; every forward is one whole block."""
     calls = windows_of(monkeypatch)
     rec = Recorder(random_model())
-    prompt = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    prompt = torch.randint(0, 11, (2, P), generator=gen(9))
     B, L, n, stride, steps = 2, 12, 41, 5, 3
     x = generate_long(rec, B, n, 11, steps, block_size=L, stride=stride, prompt_ids=prompt, generator=gen(0),
                       show_progress=False)
-    windows = long_windows(3, n, L, stride)
-    assert x.shape == (B, n) and torch.equal(x[:, :3], prompt) and len(calls) == len(windows) == 7
+    windows = long_windows(P, n, L, stride)
+    assert x.shape == (B, n) and torch.equal(x[:, :P], prompt) and len(calls) == len(windows) == n_windows
     assert {xt.shape for xt, _ in rec.calls} == {(B, L)} and len(rec.calls) == len(windows) * (steps + 1)
-    written = 0 + 3
+    written = P
     for k, ((held, new), (held_ids, out)) in enumerate(zip(windows, calls)):
         assert torch.equal(held_ids, x[:, written - held:written])                 # the previous output
         assert torch.equal(out[:, :held], held_ids) and torch.equal(out[:, held:], x[:, written:written + new])
