@@ -1,25 +1,29 @@
 """
-The uniform-state diffusion process: noise schedules, the forward marginal, the reverse posterior,
-one ancestral (or Psi predictor-corrector) sampling step, and Algorithm 1's objective (Duo's Gaussian-guided
-curriculum, which replaces the forward process early in training, is curriculum/gaussian.py).
+The uniform-state diffusion process: noise schedules, the forward marginal, the reverse posterior and the
+ancestral (or Psi predictor-corrector) sampling step that draws from it, and Algorithm 1's objective with the
+table of objectives (Duo's Gaussian-guided curriculum, which replaces the forward process early in training, is
+curriculum/gaussian.py).
 
 Each token x0 is kept with probability alpha_t and otherwise replaced by a token drawn uniformly from
 the whole vocabulary of size K (which may be x0 itself):
   Eq. (discrete_marginal)  q_t(. | x0) = Cat(alpha_t e_x0 + (1 - alpha_t) / K)       -> sample_xt
-  Eq. (reverse)            q(x_s | x_t, x0), s < t                                    -> reverse_posterior
-                           (its three weights posterior_weights; ancestral_step draws from them)
+  Eq. (reverse)            q(x_s | x_t, x0), s < t, as the three-part mixture of       -> posterior_weights,
+                           its terms; the sampler draws from it                           ancestral_step_from_logits
   Psi step (Duo, Ch. II)   kappa Eq. (reverse) + (1 - kappa) q(x0 | x_t, x_theta) renoised to s -> psi_weights
+The law as a (B, L, K) tensor, and the ancestral step on probabilities, are the tests' reference forms
+(tests/laws.py): nothing here builds the posterior over the vocabulary.
 Shapes: x0, xt (B, L) int64; probabilities (B, L, K); alpha_t one per sequence, (B, 1) or a float.
 """
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 import curriculum.gaussian as curriculum
 import losses
 from kernels import fused_head
-from kernels.gumbel import block_logsumexp, gumbel_argmax, sample_categorical  # noqa: F401  (exact draws over K)
+from kernels.gumbel import block_logsumexp, gumbel_argmax
 
 T_MIN = 1e-3   # Duo trains on t in [1e-3, 1]
 
@@ -87,26 +91,13 @@ def posterior_weights(x0_at_xt, K, alpha_t, alpha_s):
     """Eq. (reverse) grouped by what its four terms multiply: e_xt (the first two), x0, or the uniform 1 / K,
         q(x_s | x_t, x0) = m_x0 x0 + m_unif / K + m_stay e_xt,      Z = K a_t x0[x_t] + 1 - a_t,
         m_x0 = (a_s - a_t) / Z,  m_unif = (1 - a_{t|s})(1 - a_s) / Z,  m_stay = (K a_t x0[x_t] + a_{t|s} - a_t) / Z,
-    which sum to 1 (the numerator sums to Z). x0 enters only through itself and x0[x_t]: reverse_posterior builds
-    the law from these weights, and ancestral_step draws from the same three-part mixture without building it.
+    which sum to 1 (the numerator sums to Z). x0 enters only through itself and x0[x_t], so the sampler draws from
+    the three-part mixture without building the (B, L, K) law (mixture_step; tests/laws.py builds it, the reference).
     x0_at_xt = x0[x_t], any shape; alphas floats or (B, 1) -> (m_x0, m_unif, m_stay), each of x0_at_xt's shape."""
     a_t = _per_sequence(alpha_t, x0_at_xt)
     a_s = _per_sequence(alpha_s, x0_at_xt)
     Z = K * a_t * x0_at_xt + 1 - a_t
     return (a_s - a_t) / Z, (1 - a_t / a_s) * (1 - a_s) / Z, (K * a_t * x0_at_xt + a_t / a_s - a_t) / Z
-
-
-def reverse_posterior(xt, x0_probs, alpha_t, alpha_s, vocab_size):
-    """Eq. (reverse): q(x_s | x_t, x0) for s < t, with x0 one-hot or the model's prediction x_theta.
-
-        q = [K a_t x0 * e_xt + (a_{t|s} - a_t) e_xt + (a_s - a_t) x0 + (1 - a_{t|s})(1 - a_s)/K]
-            / (K a_t <x0, e_xt> + 1 - a_t),          a_{t|s} = a_t / a_s,
-    i.e. the three-part mixture of posterior_weights. With x0 = x_theta this is the Bayes posterior of x_s given
-    x_t under the prior x0 ~ x_theta; the sampler draws from it (ancestral_step).
-    xt (B, L); x0_probs (B, L, K) float; alphas per sequence (B, 1) or floats -> (B, L, K), rows sum to 1.
-    Built by one scatter at xt, never a K x K matrix."""
-    m_x0, m_unif, m_stay = posterior_weights(x0_probs.gather(-1, xt.unsqueeze(-1)), vocab_size, alpha_t, alpha_s)
-    return (m_x0 * x0_probs + m_unif / vocab_size).scatter_add(-1, xt.unsqueeze(-1), m_stay)
 
 
 def corrector_weights(p_z, K, alpha_t, alpha_s):
@@ -134,9 +125,9 @@ def psi_weights(p_z, K, alpha_t, alpha_s, kappa=1.0):
     return kappa * m_theta + (1 - kappa) * c_theta, kappa * m_unif + (1 - kappa) * c_unif
 
 
-def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1.0):
+def mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1.0):
     """Draw x_s from the three-part mixture of psi_weights (draw from x_theta, draw uniformly, or stay at x_t);
-    kappa = 1 is Eq. (reverse), reverse_posterior's law: one uniform u per token picks the part (x_theta below
+    kappa = 1 is Eq. (reverse) (posterior_weights): one uniform u per token picks the part (x_theta below
     m_theta, uniform below m_theta + m_unif, else x_t), so each part is taken with its weight exactly.
     Every token gets its x_theta draw and the pick keeps it or not: no count of the tokens that pick x_theta,
     so no wait for the GPU (a host sync) inside the sampling loop.
@@ -147,30 +138,22 @@ def _mixture_step(xt, p_z, draw_x_theta, K, alpha_t, alpha_s, generator, kappa=1
     return torch.where(u < m_theta, draw_x_theta(), xs)
 
 
-def ancestral_step(xt, x0_probs, alpha_t, alpha_s, generator=None, kappa=1.0):
-    """One reverse step x_s ~ reverse_posterior(xt, x0_probs, alpha_t, alpha_s) (Eq. reverse with x_theta for x0),
-    exact in distribution. Drawn from the mixture reverse_posterior is built from (posterior_weights): the x_theta
-    part by float64 Gumbel-max on x0_probs, and the (B, L, K) posterior is never built.
-    alpha_s = 1 is the final 'ancestral' denoising step. kappa < 1: the Psi step of psi_weights instead.
-    xt (B, L), x0_probs (B, L, K) -> x_s (B, L)."""
-    p_z = x0_probs.gather(-1, xt.unsqueeze(-1)).squeeze(-1).double()
-    return _mixture_step(xt, p_z, lambda: sample_categorical(x0_probs, generator), x0_probs.shape[-1],
-                         alpha_t, alpha_s, generator, kappa)
-
-
 def ancestral_step_from_logits(xt, logits, alpha_t, alpha_s, generator=None, kappa=1.0):
-    """ancestral_step with x_theta = softmax(logits), the same law, at the cost of one pass over the vocabulary:
-    one float32 log-sum-exp pass per block of tokens (block_logsumexp; one fused kernel on CUDA) gives the
-    normaliser, so x_theta[x_t] and the per-token mixture weights (float64 only for these per-token scalars);
-    the x_theta draws are the two-stage Gumbel-max of gumbel_argmax on those block log-sum-exps and one block of
-    logits per token (O(K / block + block) per token). No float64 and no probability tensor over the vocabulary.
-    logits (B, L, K) any float dtype; -inf marks tokens x_theta excludes (e.g. outside a nucleus). kappa < 1: the Psi step of psi_weights, the same draw."""
+    """One reverse step x_s ~ q(x_s | x_t, x_theta) (Eq. reverse with x_theta = softmax(logits) for x0), exact in
+    distribution, drawn from its three-part mixture (mixture_step), the (B, L, K) posterior never built; alpha_s = 1
+    is the final 'ancestral' denoising step; kappa < 1: the Psi step of psi_weights, the same draw. One pass over
+    the vocabulary: one float32 log-sum-exp pass per block of tokens (block_logsumexp; one fused kernel on CUDA)
+    gives the normaliser, so x_theta[x_t] and the per-token mixture weights (float64 only for these per-token
+    scalars); the x_theta draws are the two-stage Gumbel-max of gumbel_argmax on those block log-sum-exps and one
+    block of logits per token (O(K / block + block) per token). No float64 and no probability tensor over the
+    vocabulary. xt (B, L); logits (B, L, K) any float dtype, -inf marking tokens x_theta excludes (e.g. outside a
+    nucleus) -> x_s (B, L)."""
     K = logits.shape[-1]
     block_lse = block_logsumexp(logits)                                      # (B, L, ceil(K / block))
     log_p_z = logits.gather(-1, xt.unsqueeze(-1)).squeeze(-1).to(block_lse.dtype) - torch.logsumexp(block_lse, -1)
     p_z = torch.exp(log_p_z.double())
     flat, flat_lse = logits.reshape(-1, K), block_lse.reshape(-1, block_lse.shape[-1])
-    return _mixture_step(xt, p_z, lambda: gumbel_argmax(flat, generator, block_lse=flat_lse).view(xt.shape),
+    return mixture_step(xt, p_z, lambda: gumbel_argmax(flat, generator, block_lse=flat_lse).view(xt.shape),
                          K, alpha_t, alpha_s, generator, kappa)
 
 
@@ -196,20 +179,40 @@ class Corrupted:
     dalpha_t: torch.Tensor
 
 
-# --loss -> per-token loss (B, L) of the model's output and the corrupted batch c: the one place a loss is chosen.
-# The output is the (B, L, V) logits, or with --head fused (auto: on CUDA) a kernels.fused_head.Head (the last
-# hidden state and the output layer: the loss computes the logits chunk by chunk and never holds all of them),
-# except for the objectives in FULL_LOGITS, which always get the logits.
+@dataclass(frozen=True)
+class Objective:
+    """What --loss names: the per-token loss, per_token(out, c, eps) -> (B, L), of the model's output `out` on the
+    corrupted batch c, and the kind of objective it is, which the run reads here and nowhere else.
+    causal: the autoregressive baseline: a causal model without time input (train.model_config_for), fed the clean
+      x0; its loss at position i scores token i + 1, so it is (B, L - 1) and the batch's mask aligns as mask[:, 1:].
+    full_logits: always given the (B, L, V) logits; the others, with --head fused (auto: on CUDA), get a
+      kernels.fused_head.Head (the last hidden state and the output layer: the loss computes the logits chunk by
+      chunk and never holds all of them)."""
+    per_token: Callable
+    causal: bool = False
+    full_logits: bool = False
+
+    def __call__(self, out, c, eps):
+        return self.per_token(out, c, eps)
+
+    def token_weights(self, mask):
+        """The weights of the per-token loss's terms: the batch's mask (B, L) (padding 0), aligned as the loss
+        scores tokens; None (no padding) stays None."""
+        return None if mask is None else (mask[:, 1:] if self.causal else mask)
+
+
+# --loss -> its Objective: the one place a loss is chosen.
 OBJECTIVES = {
-    "sddlm": lambda out, c, eps: losses.sddlm_loss(out, c.x0, c.xt),
-    "sddlm_v1": lambda out, c, eps: losses.sddlm_v1_loss(out, c.x0, c.xt, neg=c.neg, eps=eps),
-    "sddlm_v2": lambda out, c, eps: losses.sddlm_v2_loss(out, c.x0, c.xt, eps=eps),
-    "naive": lambda out, c, eps: losses.naive_denoising_loss(out, c.x0),
-    "duo": lambda out, c, eps: losses.usdm_nelbo_loss(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
-    "duo_lean": lambda out, c, eps: fused_head.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
-    "ar": lambda out, c, eps: losses.ar_loss(out, c.x0),
+    "sddlm": Objective(lambda out, c, eps: losses.sddlm_loss(out, c.x0, c.xt)),
+    "sddlm_v1": Objective(lambda out, c, eps: losses.sddlm_v1_loss(out, c.x0, c.xt, neg=c.neg, eps=eps)),
+    "sddlm_v2": Objective(lambda out, c, eps: losses.sddlm_v2_loss(out, c.x0, c.xt, eps=eps)),
+    "naive": Objective(lambda out, c, eps: losses.naive_denoising_loss(out, c.x0)),
+    # Duo's NELBO computed as Duo does (the reference); duo_lean is the same, memory-lean
+    "duo": Objective(lambda out, c, eps: losses.usdm_nelbo_loss(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
+                     full_logits=True),
+    "duo_lean": Objective(lambda out, c, eps: fused_head.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t)),
+    "ar": Objective(lambda out, c, eps: losses.ar_loss(out, c.x0), causal=True),
 }
-FULL_LOGITS = {"duo"}   # Duo's NELBO computed as Duo does (the reference); duo_lean is the same, memory-lean
 
 
 def draw_noise(batch, length, vocab_size, generator, device):
@@ -237,25 +240,26 @@ def corrupt(cfg, x0, t, it, vocab_size, generator, draws):
 
 
 def loss_terms(model, cfg, x0, t, it, generator, draws=None):
-    """Per-token training loss (B, L) (B, L - 1 for 'ar') of clean x0 (B, L) at times t (B,), and the model's
-    output (the logits (B, L, V), or a fused_head.Head, see OBJECTIVES). draws: this micro-batch's slice of
+    """Per-token training loss (B, L) (B, L - 1 for a causal objective) of clean x0 (B, L) at times t (B,), and the
+    model's output (the logits (B, L, V), or a fused_head.Head: Objective). draws: this micro-batch's slice of
     draw_noise (else drawn from generator)."""
-    V = model.config.vocab_size
+    objective, V = OBJECTIVES[cfg.loss], model.config.vocab_size
     if draws is None:
         draws = draw_noise(x0.shape[0], x0.shape[1], V, generator, x0.device)
-    head = cfg.loss not in FULL_LOGITS and fused_head.fused_head_wanted(cfg.head, x0.device)
-    if cfg.loss == "ar":
+    # --head fused: the output layer as a Head, each chunk's logits kept for backward or (fused_recompute) recomputed
+    head = {} if objective.full_logits or not fused_head.fused_head_wanted(cfg.head, x0.device) else \
+        {"return_head": True, "keep_logits": cfg.head != "fused_recompute"}
+    if objective.causal:                  # the AR baseline: the clean tokens, no time
         c = Corrupted(x0, x0, x0, draws[2], None, None)
-        out = model(x0, return_head=head)
+        out = model(x0, **head)
     else:
         c = corrupt(cfg, x0, t, it, V, generator, draws)
-        out = model(c.net_in, sigma_from_alpha(c.alpha_t.squeeze(-1)), return_head=head)
-    if head:
-        out.keep_logits = cfg.head != "fused_recompute"
-    return OBJECTIVES[cfg.loss](out, c, cfg.eps), out
+        out = model(c.net_in, sigma_from_alpha(c.alpha_t.squeeze(-1)), **head)
+    return objective(out, c, cfg.eps), out
 
 
-def token_mean(per_token, mask):
-    if mask is None:
+def token_mean(per_token, weights):
+    """The mean of the per-token loss over the tokens weights (Objective.token_weights; None: all) keeps."""
+    if weights is None:
         return per_token.mean()
-    return (per_token * mask).sum() / mask.sum().clamp_min(1)
+    return (per_token * weights).sum() / weights.sum().clamp_min(1)

@@ -53,7 +53,7 @@ import losses
 from kernels import fused_head
 from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype,
                           run_cli)
-from data import not_a_file
+from data import get_tokenizer, not_a_file
 from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
@@ -572,7 +572,7 @@ def evaluate(run, cfg, data_dir, env):
     ranks (val_metrics)."""
     def per_token_loss(model, x0, mask, t, draws):
         per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, None, draws)
-        return per_token, None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
+        return per_token, diffusion.OBJECTIVES[cfg.loss].token_weights(mask)
     return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_noise)
 
 
@@ -629,7 +629,7 @@ def sample_quality(run, cfg, env, judge, tok):
             model.eval()
             for k, m in groups:
                 gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed * GEN_GROUPS + k)
-                if cfg.loss == "ar":
+                if diffusion.OBJECTIVES[cfg.loss].causal:
                     ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
                                        dtype=dtype, show_progress=False).tolist()
                 else:
@@ -645,11 +645,34 @@ def sample_quality(run, cfg, env, judge, tok):
 
 def gen_metrics(sums, cfg, judge):
     """sample_quality's sums, added over ranks -> the log.jsonl record, naming the judge and sampler settings."""
-    nll = float(sums[0] / sums[1])
+    nll, causal = float(sums[0] / sums[1]), diffusion.OBJECTIVES[cfg.loss].causal
     return {"gen_ppl": math.exp(min(nll, 700.0)), "gen_nll": nll, "gen_entropy": float(sums[2] / sums[3]),
-            "gen_samples": int(sums[3]), "gen_steps": None if cfg.loss == "ar" else cfg.gen_steps,
-            "gen_sampler": "ar" if cfg.loss == "ar" else "ancestral, final step ancestral",
+            "gen_samples": int(sums[3]), "gen_steps": None if causal else cfg.gen_steps,
+            "gen_sampler": "ar" if causal else "ancestral, final step ancestral",
             "gen_seed": cfg.gen_seed, "gen_judge": judge.name}
+
+
+def print_samples(run, cfg, meta, env):
+    """The end of a train.py run: a few samples from the EMA weights (the live ones with --ema 0), so a newcomer
+    sees text: cfg.num_samples of cfg.block_size tokens, the ancestral sampler with cfg.sample_steps steps (the AR
+    baseline: its own sampler), nucleus cfg.sample_top_p, the run's --dtype. -> the texts."""
+    tok = get_tokenizer(meta["tokenizer"])
+    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
+    with ema_weights(run) as model:
+        model.eval()
+        if diffusion.OBJECTIVES[cfg.loss].causal:
+            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
+                              generator=gen, dtype=dtype)
+        else:
+            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
+                           alpha_schedule=cfg.noise_schedule, top_p=cfg.sample_top_p, generator=gen,
+                           device=env.device, dtype=dtype)
+        model.train()
+    texts = [tok.decode(row) for row in ids.tolist()]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
+    return texts
 
 
 def main(argv=None):

@@ -296,11 +296,12 @@ class DiffusionTransformer(nn.Module):
         return rope_cos_sin(torch.arange(L, device=device), self.config.n_embd // self.config.n_head,
                             self.config.rope_base, dtype=dtype)
 
-    def forward(self, x, sigma=None, return_head=False):
+    def forward(self, x, sigma=None, return_head=False, keep_logits=True):
         """x: (B, L) token ids, (B, L, V) probabilities, or (ids, probs) each (B, L, k): probabilities given on k
         tokens per position (zero elsewhere); sigma: (B,) noise level -log(alpha_t).
-        -> logits (B, L, V), or with return_head a kernels.fused_head.Head (the final hidden state and the output layer, in
-        the dtype the logits would be computed in) for the losses that never build the logits."""
+        -> logits (B, L, V), or with return_head a kernels.fused_head.Head (the final hidden state and the output
+        layer, in the dtype the logits would be computed in; keep_logits: its chunks' logits kept for backward, else
+        recomputed) for the losses that never build the logits."""
         config = self.config
         B, L = (x[0] if isinstance(x, tuple) else x).shape[:2]
         E = self.wte.weight
@@ -335,7 +336,7 @@ class DiffusionTransformer(nn.Module):
         h = norm_modulate(self.norm_f, h, shift, scale)
         V, W, b = config.vocab_size, self.lm_head.weight, self.lm_head.bias
         if return_head:
-            return Head(h, W.to(h.dtype), None if b is None else b.to(h.dtype), V)
+            return Head(h, W.to(h.dtype), None if b is None else b.to(h.dtype), V, keep_logits=keep_logits)
         logits = self.lm_head(h)
         return logits if logits.shape[-1] == V else logits[..., :V]
 

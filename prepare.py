@@ -53,7 +53,8 @@ from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.files import refuse_overwrite, remove_stale_temps, run_outputs
 from plumbing.integrity import check_data_tokenizer
-from plumbing.signals import deferred_signals, ignore_stop_signals
+from plumbing.cli import ignore_stop_signals
+from plumbing.signals import deferred_signals
 
 # -----------------------------------------------------------------------------
 # Content keys: what identifies prepared data

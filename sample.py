@@ -61,9 +61,10 @@ import torch
 from tqdm import tqdm
 
 import diffusion
-from data import DataError, get_tokenizer
+from data import DataError
+from kernels.gumbel import sample_categorical
 from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
-from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
+from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import append_jsonl, check_appendable, check_writable, refuse_overwrite
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
@@ -143,13 +144,6 @@ def denoiser_logits(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, a
         f_c, f_u = logits.to(torch.promote_types(logits.dtype, torch.float32)).chunk(2)
         logits = torch.lerp(f_u, f_c, 1 + cfg_w)
     return nucleus_logits(logits, top_p)
-
-
-def denoiser_probs(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
-    """x_theta(. | xt) in float64: softmax of denoiser_logits (a reference for tests; the sampler draws from
-    the logits). xt (B, L) -> (B, L, V)."""
-    logits = denoiser_logits(model, xt, alpha_t, null_xt=null_xt, cfg_w=cfg_w, top_p=top_p, autocast=autocast)
-    return torch.softmax(logits.double(), dim=-1)
 
 
 def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixed_ids=None, device=None):
@@ -453,7 +447,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
         with autocast_for(device, dtype):
             logits = model(x if block_size is None else x[:, -block_size:])[:, -1]
         probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)
-        x = torch.cat([x, diffusion.sample_categorical(probs, generator)[:, None]], dim=1)
+        x = torch.cat([x, sample_categorical(probs, generator)[:, None]], dim=1)
     return x
 
 
@@ -525,29 +519,6 @@ def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=
                        cfg_seed=cfg_seed, generator=generator, device=device, show_progress=False, **sampler)
         x = torch.cat([x, ids[:, held:]], dim=1)
     return x
-
-
-def print_samples(run, cfg, meta, env):
-    """train.py's end of a run: a few samples from the EMA weights (the live ones with --ema 0) with the ancestral
-    sampler, so a newcomer sees text (cfg.num_samples of cfg.block_size tokens, cfg.sample_steps steps, nucleus
-    cfg.sample_top_p, the run's --dtype). -> the texts."""
-    tok = get_tokenizer(meta["tokenizer"])
-    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
-    dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
-    with ema_weights(run) as model:
-        model.eval()
-        if cfg.loss == "ar":
-            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
-                              generator=gen, dtype=dtype)
-        else:
-            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
-                           alpha_schedule=cfg.noise_schedule, top_p=cfg.sample_top_p, generator=gen,
-                           device=env.device, dtype=dtype)
-        model.train()
-    texts = [tok.decode(row) for row in ids.tolist()]
-    for i, text in enumerate(texts):
-        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
-    return texts
 
 
 # -----------------------------------------------------------------------------------------------

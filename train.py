@@ -28,7 +28,7 @@ import diffusion
 import losses
 from data import BatchLoader, DataError, get_tokenizer
 from diffusion import draw_noise, loss_terms, token_mean
-from eval_ppl import evaluate, gen_metrics, load_gen_judge, sample_quality, val_metrics
+from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
@@ -40,7 +40,6 @@ from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 from prepare import check_settings, prepare_for_run
-from sample import print_samples
 
 
 @dataclass
@@ -190,7 +189,7 @@ def model_config_for(cfg, vocab_size):
     base.update(vocab_size=vocab_size, block_size=cfg.block_size, dropout=cfg.dropout)
     if cfg.vocab_multiple:
         base.update(vocab_multiple=cfg.vocab_multiple)
-    if cfg.loss == "ar":   # the AR baseline: causal attention, no time input
+    if diffusion.OBJECTIVES[cfg.loss].causal:   # the AR baseline: causal attention, no time input
         base.update(causal=True, time_cond=False)
     try:
         return ModelConfig(**base)
@@ -264,6 +263,7 @@ def train_step(run, cfg, env, x0_all, mask_all=None):
     one process); per micro-batch the objective (diffusion.loss_terms: xt ~ q_t(. | x0), the model, the per-token
     loss), its token mean and backward; then optimizer_step. -> the step's mean loss (a detached 0-dim tensor: no
     host sync here)."""
+    objective = diffusion.OBJECTIVES[cfg.loss]
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.it, cfg)
     t_all = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
@@ -274,8 +274,7 @@ def train_step(run, cfg, env, x0_all, mask_all=None):
         with sync:                   # DDP all-reduces the gradients on the last micro-batch only
             with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
                 per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
-                weight = None if mask is None else (mask[:, 1:] if cfg.loss == "ar" else mask)
-                loss = token_mean(per_token, weight) / cfg.grad_accum
+                loss = token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum
             loss.backward()
         total += loss.detach()
     run.n_ema = optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema, env.ddp)

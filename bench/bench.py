@@ -127,7 +127,7 @@ def parse_args(argv=None):
     bad = [s for s in names if s not in OBJECTIVES]
     if not names or bad:
         raise UsageError(f"unknown --losses {','.join(bad) or cfg.losses!r}; choose from {', '.join(OBJECTIVES)}")
-    if cfg.curriculum and (cfg.curriculum not in OBJECTIVES or cfg.curriculum == "ar"):
+    if cfg.curriculum and (cfg.curriculum not in OBJECTIVES or OBJECTIVES[cfg.curriculum].causal):
         raise UsageError(f"--curriculum must be a diffusion loss of {', '.join(OBJECTIVES)} (not ar) or '', "
                          f"got {cfg.curriculum!r}")
     if (cfg.repeats < 1 or cfg.warmup < 0 or cfg.batch_size < 1 or cfg.sample_steps < 0 or cfg.threads < 0
@@ -570,7 +570,7 @@ def run(cfg):
     peak_how = f"{dtype_name} {n}x{n} matmul"
     for r in results.values():
         r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak if r["step_ms"] else None
-    diffusion_rows = [name for name in row_names(cfg) if name != "ar"]
+    diffusion_rows = [name for name in row_names(cfg) if not OBJECTIVES[name.removesuffix(CURRICULUM)].causal]
     sampler = head = long = None
     if cfg.sample_steps and diffusion_rows:
         mcfg = configs_for(cfg, diffusion_rows[0])[1]

@@ -6,7 +6,9 @@ default on CUDA (train.py --head auto), where the logits of a micro-batch (64 x 
   Head                  the output layer in place of logits: losses.py's SDDLM losses and ar_loss take it as they
                         take logits (it has .shape, row slicing and .log_probs)
   usdm_nelbo_loss_lean  losses.usdm_nelbo_loss in chunks of rows, on logits or a Head
-  logsumexp_fp32        a float32 log-sum-exp of bf16 logits in chunks of rows, saving one float per row
+  logsumexp_fp32        a float32 log-sum-exp of bf16 logits in chunks of rows, saving one float per row: not on
+                        the training or sampling path (the Head and usdm_nelbo_loss_lean take their own
+                        log-sum-exps); kept with its tests (tests/test_fastpaths.py) for a caller that holds logits
 
 Each chunk's logits are either kept for backward (Head.keep_logits: three matrix products in all, forward and the
 two of backward) or recomputed there (four products, the memory of one chunk); train.py's memory probe
@@ -85,7 +87,8 @@ def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25)
 
 
 def logsumexp_fp32(logits, chunk_elems=1 << 25):
-    """log sum_v exp(logits[..., v]) in float32 without materialising a float32 copy of the logits.
+    """log sum_v exp(logits[..., v]) in float32 without materialising a float32 copy of the logits (no caller in
+    training or sampling: see the module's docstring).
     logits: (..., V) any float dtype -> (...) float32 (float64 for float64 logits)."""
     flat = logits.reshape(-1, logits.shape[-1])
     return _LogSumExpFP32.apply(flat, _chunk_rows(flat.shape[-1], chunk_elems)).view(logits.shape[:-1])

@@ -19,7 +19,7 @@ def preset_curriculum(cfg, argv, preset, default_steps):
     cfg.curriculum_given (not a field): a run resumed without the flag keeps its checkpoint's curriculum (train.py)."""
     cfg.curriculum_given = any(a.split("=")[0] == "--curriculum_iters" for a in argv)
     if not cfg.curriculum_given and preset.get("curriculum_iters"):
-        if cfg.loss == "ar":           # --curriculum_iters given with ar is refused by check_train_flags
+        if OBJECTIVES.get(cfg.loss, OBJECTIVES["sddlm"]).causal:   # --curriculum_iters given: refused for ar
             cfg.curriculum_iters = 0
         elif cfg.max_iters != (steps := preset.get("max_iters", default_steps)):
             cfg.curriculum_iters = round(preset["curriculum_iters"] * cfg.max_iters / steps)
@@ -50,7 +50,7 @@ def check_train_flags(cfg, world_size):
     if cfg.batch_size % (world_size * cfg.grad_accum):
         raise ConfigError(f"--batch_size {cfg.batch_size} is not divisible by {world_size} ranks x "
                           f"--grad_accum {cfg.grad_accum}")
-    if cfg.loss == "ar" and cfg.curriculum_iters:
+    if OBJECTIVES[cfg.loss].causal and cfg.curriculum_iters:
         raise ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
     if not 0 <= cfg.ema < 1:
         raise ConfigError("--ema must be in [0, 1)")

@@ -49,7 +49,7 @@ def fit_micro_batch(run, cfg, env, compile=False):
     while True:
         micro = cfg.batch_size // (env.world_size * accum)
         fits = _fits_on_every_rank(run, cfg, env, micro, compile)
-        if not fits and cfg.head == "auto" and cfg.loss not in diffusion.FULL_LOGITS:
+        if not fits and cfg.head == "auto" and not diffusion.OBJECTIVES[cfg.loss].full_logits:
             cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
             fits = _fits_on_every_rank(run, cfg, env, micro, compile)
             if fits and env.master:

@@ -13,8 +13,7 @@ import torch.distributed as dist
 
 # the process-wide part (which signals stop a job, the handlers a script starts with) is plumbing/cli.py's, the ground
 # floor every script starts from; this file adds what the training loop and evaluation do with them
-from plumbing.cli import EXIT_CODE, STOP_SIGNALS, Interrupted, exiting, ignore_stop_signals, install, signal_name  # noqa: F401
-from plumbing.cli import set_stop_handlers
+from plumbing.cli import Interrupted, set_stop_handlers
 
 
 @contextmanager

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from plumbing.signals import STOP_SIGNALS
+from plumbing.cli import STOP_SIGNALS
 from test_losses import bayes_posterior, transition_matrix  # noqa: F401  (the oracles, for the tests)
 
 

@@ -13,9 +13,10 @@ import diffusion
 from kernels import gumbel
 from curriculum.gaussian import (TOP_K_MAX_TAU, SoftTokens, alpha_table, curriculum_input, curriculum_sample, gamma_to_alpha,
                         gaussian_latent, soft_input, tau_schedule, top_k_latent)
-from diffusion import (SCHEDULES, T_MIN, ancestral_step, ancestral_step_from_logits, corrector_weights,
-                       cosine_schedule, log_linear_schedule, reverse_posterior, sample_t, sample_xt, sigma_from_alpha)
+from diffusion import (SCHEDULES, T_MIN, ancestral_step_from_logits, corrector_weights, cosine_schedule,
+                       log_linear_schedule, sample_t, sample_xt, sigma_from_alpha)
 from kernels.gumbel import block_logsumexp, gumbel_argmax, gumbel_noise, sample_categorical
+from laws import ancestral_step, reverse_posterior
 
 
 def chi2_quantile(df, z=4.5):

@@ -18,6 +18,7 @@ import torch
 
 import diffusion
 from distillation import distill
+from laws import reverse_posterior
 import train
 from model import ModelConfig, build_model
 from plumbing.checkpoint import ema_weights
@@ -245,7 +246,7 @@ def sampler_distribution(model, steps):
     alphas = diffusion.log_linear_schedule(torch.linspace(1, 1e-5, steps + 1, dtype=torch.float64))[0].tolist()
     for a_t, a_s in zip(alphas, alphas[1:] + [1.0]):
         x_theta = torch.softmax(model(STATES, torch.full((S,), -math.log(a_t))).double(), -1)
-        q = diffusion.reverse_posterior(STATES, x_theta, a_t, a_s, V_TOY)                 # (S, L, V)
+        q = reverse_posterior(STATES, x_theta, a_t, a_s, V_TOY)                 # (S, L, V)
         trans = q[:, 0]
         for l in range(1, L_TOY):
             trans = (trans[:, :, None] * q[:, l, None, :]).reshape(S, -1)

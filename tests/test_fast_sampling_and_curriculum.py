@@ -129,28 +129,32 @@ def test_the_sampling_loop_never_waits_for_the_device(psi):
 
 
 def test_end_of_run_samples_use_the_runs_autocast_dtype_and_nucleus(monkeypatch):
-    """sample.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
+    """eval_ppl.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
     CUDA by default) and --sample_top_p to the sampler, the diffusion one and the AR one; the tiny preset (the CPU
     demo) prints its samples with top-p 0.8, the paper's presets with the full distribution."""
     import contextlib
     import types
+    import eval_ppl
     import train
     seen = {}
 
-    def fake_generate(*args, **kwargs):
-        seen.update(kwargs)
-        return torch.zeros(1, 4, dtype=torch.long)
-    monkeypatch.setattr(sample, "generate", fake_generate)
-    monkeypatch.setattr(sample, "generate_ar", fake_generate)
-    monkeypatch.setattr(sample, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
-    monkeypatch.setattr(sample, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
+    def fake(sampler):
+        def generate(*args, **kwargs):
+            seen.update(kwargs, sampler=sampler)
+            return torch.zeros(1, 4, dtype=torch.long)
+        return generate
+    monkeypatch.setattr(eval_ppl, "generate", fake("diffusion"))
+    monkeypatch.setattr(eval_ppl, "generate_ar", fake("ar"))
+    monkeypatch.setattr(eval_ppl, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
+    monkeypatch.setattr(eval_ppl, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
     model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
     for loss in ("sddlm", "ar"):
         seen.clear()
         cfg = train.TrainConfig(loss=loss, dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2,
                                 sample_top_p=0.7)
-        sample.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
-                             types.SimpleNamespace(device=torch.device("cpu")))
+        eval_ppl.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
+                               types.SimpleNamespace(device=torch.device("cpu")))
         assert seen["dtype"] == torch.bfloat16 and seen["top_p"] == 0.7
+        assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the objective picks the sampler
     assert train.parse_config([]).sample_top_p == 0.8
     assert train.parse_config(["--preset", "small"]).sample_top_p == 1.0

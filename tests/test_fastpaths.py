@@ -310,7 +310,7 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
             out[name + " nelbo"] = (nelbo, *torch.autograd.grad((nelbo * upstream).sum(), (
                 logits,) if name == "logits" else (hidden, weight, bias)))
         out["lse"] = (fused_head.logsumexp_fp32(logits.detach()),)
-        out["block lse"] = (diffusion.block_logsumexp(logits.detach(), 16, chunk_elems=7 * 61),)
+        out["block lse"] = (gumbel.block_logsumexp(logits.detach(), 16, chunk_elems=7 * 61),)
         return out
 
     eager = run()

@@ -25,7 +25,8 @@ from distillation import distill
 from plumbing import files
 from plumbing.checkpoint import refuse_other_script
 from plumbing.lock import LOCK, acquire_folder
-from plumbing.signals import STOP_SIGNALS, stop_signals
+from plumbing.cli import STOP_SIGNALS
+from plumbing.signals import stop_signals
 from test_train import TINY
 from test_faults import ENV, HERE, base, case, check, md5s, run_batches  # noqa: F401  (base: the shared run)
 

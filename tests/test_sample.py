@@ -16,7 +16,8 @@ import diffusion
 from plumbing.cli import UsageError
 from model import ModelConfig, build_model
 from conftest import bayes_posterior, transition_matrix
-from sample import (Psi, denoiser_probs, generate, generate_ar, kappa_from_sigma, nucleus, nucleus_logits, parse_psi,
+from laws import denoiser_probs, reverse_posterior
+from sample import (Psi, generate, generate_ar, kappa_from_sigma, nucleus, nucleus_logits, parse_psi,
                     psi_kappa, remdm_sigma, time_grid)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
@@ -145,9 +146,8 @@ def test_broken_samplers_fail_the_same_check(monkeypatch):
     x = generate(toy_denoiser(include_own_token=True), TOY_SAMPLES, 2, V_TOY, TOY_STEPS, generator=gen(0),
                  show_progress=False)
     assert total_variation_to_table(x) > 0.2        # the own token's likelihood counted twice
-    argmax_of_posterior = lambda xt, p, a_t, a_s, generator=None: diffusion.reverse_posterior(
+    argmax_of_posterior = lambda xt, p, a_t, a_s, generator=None: reverse_posterior(
         xt, p, a_t, a_s, p.shape[-1]).argmax(-1)
-    monkeypatch.setattr(diffusion, "ancestral_step", argmax_of_posterior)
     monkeypatch.setattr(diffusion, "ancestral_step_from_logits", lambda xt, logits, a_t, a_s, generator=None, kappa=1:
                         argmax_of_posterior(xt, torch.softmax(logits.double(), -1), a_t, a_s))
     x = generate(toy_denoiser(include_own_token=False), TOY_SAMPLES, 2, V_TOY, TOY_STEPS, generator=gen(0),

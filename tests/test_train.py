@@ -272,7 +272,9 @@ def test_objectives_table_gives_each_loss_its_own_arguments():
                 "duo": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),
                 "duo_lean": losses.usdm_nelbo_loss(logits, x0, xt, alpha_t, dalpha_t),   # the same, memory-lean
                 "ar": losses.ar_loss(logits, x0)}
-    assert list(diffusion.OBJECTIVES) == list(expected) and diffusion.FULL_LOGITS == {"duo"}
+    assert list(diffusion.OBJECTIVES) == list(expected)
+    assert {n for n, o in diffusion.OBJECTIVES.items() if o.full_logits} == {"duo"}
+    assert {n for n, o in diffusion.OBJECTIVES.items() if o.causal} == {"ar"}
     for name, ref in expected.items():
         torch.testing.assert_close(diffusion.OBJECTIVES[name](logits, c, 0.01), ref, rtol=0, atol=1e-12 * (name == "duo_lean"),
                                    msg=name)

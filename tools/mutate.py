@@ -55,8 +55,8 @@ MUTATIONS = [
       tests=["tests/test_eval_downstream.py::test_continuation_tokens_survive_with_probability_alpha_t_plus_its_uniform_share",
              "tests/test_diffusion.py::test_sample_xt_frequencies_match_discrete_marginal"]),
     M(name="training_detached_from_the_model", file="train.py",
-      old="loss = token_mean(per_token, weight) / cfg.grad_accum",
-      new="loss = token_mean(per_token.detach(), weight).requires_grad_() / cfg.grad_accum",
+      old="loss = token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum",
+      new="loss = token_mean(per_token.detach(), objective.token_weights(mask)).requires_grad_() / cfg.grad_accum",
       tests=["tests/test_train.py::test_every_loss_trains_and_its_loss_goes_down"]),
     # --- equations: losses, forward process, posterior, sampler ---------------------------------------------------
     M(name="v1_eps_on_one_term_only", file="losses.py",
