@@ -30,7 +30,7 @@ class ModelConfig:
     arch: str = "dit"  # "dit" | "llama"
     time_cond: bool = True  # condition on sigma via adaLN (dit only)
     causal: bool = False  # causal attention: the AR baseline
-    dropout: float = 0.0  # on the attention and MLP residual branches
+    dropout: float = 0.0  # on the attention and MLP residual branches (train.py sets it from --dropout)
     mlp_hidden: int = None  # default 4 * n_embd
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -59,9 +59,10 @@ class ModelConfig:
 # presets: plain dicts of ModelConfig overrides
 
 PRESETS = {
-    "tiny": dict(arch="dit", vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=128, cond_dim=64),
-    # Duo DiT-small: 169,627,218 params at K=50258 (Duo uses dropout 0.1; we default to 0.0); output layer
-    # padded to 50304 rows (masked padding, not counted as parameters)
+    # the CPU demo's model (train.py's tiny preset)
+    "tiny": dict(arch="dit", vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=96, cond_dim=64),
+    # Duo DiT-small: 169,627,218 params at K=50258; output layer padded to 50304 rows (masked padding, not counted
+    # as parameters). Dropout is the training recipe's (train.py --dropout; its preset small: 0.1, as Duo)
     "small": dict(arch="dit", vocab_size=50258, block_size=1024, n_layer=12, n_head=12, n_embd=768, cond_dim=128,
                   vocab_multiple=128),
     "medium": dict(arch="dit", vocab_size=50258, block_size=1024, n_layer=24, n_head=16, n_embd=1024, cond_dim=128,

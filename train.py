@@ -19,7 +19,6 @@ cli.stop_at_once(__name__)
 
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,10 +31,10 @@ from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sampl
 from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
-from plumbing.cli import ConfigError, autocast_for, parse_flags, resolve_dtype, run_cli
+from plumbing.cli import ConfigError, autocast_for, resolve_dtype, run_cli
 from plumbing.distributed import any_rank, compiles, micro_batches, run_distributed, torchrun_on_cuda, wrap_model
-from plumbing.files import refuse_overwrite, run_outputs, write_json, writing
-from plumbing.flags import check_train_flags, preset_curriculum
+from plumbing.files import write_json, writing
+from plumbing.flags import check_train_flags, curriculum_from_share
 from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, finish_lines, kept, start_lines
 from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
@@ -116,7 +115,9 @@ class TrainConfig(OptimConfig):
     noise_schedule: str = "loglinear"  # alpha_t of the forward process: loglinear (1 - (1 - 1e-3) t) | cosine
     # Duo's Gaussian-guided curriculum
     # the first curriculum_iters steps corrupt through a Gaussian latent (Duo's curriculum); 0 steps = off
-    curriculum_iters: int = 0        # curriculum steps at the start (0 = off; paper: 500K of 1M; a preset's: its share)
+    curriculum_iters: int = 0        # curriculum steps at the start (0 = off; paper: 500K of 1M)
+    curriculum_share: float = 0.0    # without --curriculum_iters: the curriculum over this share of --max_iters, for
+                                     # the diffusion losses (0 = none; the presets: 0.5)
     gamma_min: float = -3.55         # the Gaussian log-SNR gamma_t = gamma_min + t (gamma_max - gamma_min): at t = 0
     gamma_max: float = -1.85         # ... and at t = 1
     log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
@@ -136,13 +137,13 @@ class TrainConfig(OptimConfig):
 
 # Appendix Table (hyperparameters) for small/medium; SMDM's 1.1B recipe for large; tiny = CPU demo.
 TRAIN_PRESETS = {
-    # CPU demo: the tiny model 96 wide, curriculum for the first half, no EMA, samples at top-p 0.8 (RESULTS.md)
-    "tiny": dict(n_embd=96, max_iters=900, lr=2e-3, beta2=0.95, warmup_iters=50, curriculum_iters=450, ema=0.0,
+    # CPU demo: the tiny model, curriculum for the first half, no EMA, samples at top-p 0.8 (RESULTS.md)
+    "tiny": dict(max_iters=900, lr=2e-3, beta2=0.95, warmup_iters=50, curriculum_share=0.5, ema=0.0,
                  sample_top_p=0.8),
     "small": dict(dataset="openwebtext", tokenizer="gpt2", block_size=1024, max_iters=1_000_000, batch_size=512,
                   lr=3e-4, lr_schedule="linear", warmup_iters=2500, beta2=0.999, weight_decay=0.0, ema=0.9999,
                   dropout=0.1,
-                  curriculum_iters=500_000, gamma_min=-3.55, gamma_max=-1.85, eval_interval=5000,
+                  curriculum_share=0.5, gamma_min=-3.55, gamma_max=-1.85, eval_interval=5000,
                   ckpt_interval=500, eval_iters=50, sample_steps=1024),
     "large": dict(dataset="slimpajama", tokenizer="sp:tokenizer.model", block_size=2048, max_iters=250_000,
                   batch_size=256, lr=2e-4, lr_schedule="linear", warmup_iters=2500, beta2=0.95, weight_decay=0.1,
@@ -165,17 +166,33 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 # config
 
 def parse_config(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
-                      preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
-                                               f"{', '.join(f'{k}={v}' for k, v in PRESETS.get(name, {}).items())}")
-    return preset_curriculum(cfg, argv, TRAIN_PRESETS.get(cfg.preset, {}), OptimConfig.max_iters)
+    """The command line -> TrainConfig, parsed once: the preset (--preset, else default_preset's), the flags given
+    over it, and the curriculum's share of the run (curriculum_from_share)."""
+    return cli.parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
+                           default_preset=default_preset, resolve=curriculum_from_share,
+                           preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
+                                                    f"{', '.join(f'{k}={v}' for k, v in PRESETS[name].items())}")
 
 
-FLAGSHIP_PRESET = "small"
-FLAGSHIP_NOTE = ("torchrun on CUDA without --preset: training the paper's recipe, --preset small (DiT-small, "
-                 "OpenWebText, GPT-2 BPE, L = 1024, global batch 512, Duo's curriculum for 500K steps); "
-                 "--preset tiny gives the offline demo")
+FLAGSHIP_PRESET = "small"    # what a torchrun launch on CUDA trains without --preset: the paper's recipe
+FLAGSHIP_NOTE = ("torchrun on CUDA: training the paper's recipe, --preset small (DiT-small, OpenWebText, GPT-2 BPE, "
+                 "L = 1024, global batch 512, Duo's curriculum for 500K steps), the default of a torchrun launch "
+                 "on CUDA; --preset tiny gives the offline demo")
+
+
+def default_preset(given):
+    """The preset of a run without --preset (given: the command line's flags): the paper's recipe for a torchrun
+    launch on CUDA, else the CPU demo."""
+    return FLAGSHIP_PRESET if torchrun_on_cuda(given.get("device", TrainConfig.device)) else "tiny"
+
+
+def check_config(cfg):
+    """What can be checked before any data, at start-up, before out_dir is locked or made: every flag and no
+    output over an input (plumbing/flags.py), the data preparation's flags (prepare.py), and the model's shape at
+    any vocabulary (model_config_for: e.g. n_embd must split into n_head heads of even size)."""
+    check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_settings(cfg.num_proc)
+    model_config_for(cfg, cfg.vocab_size or 2)
 
 
 def model_config_for(cfg, vocab_size):
@@ -302,19 +319,11 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
 # the run
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_config(argv)
-    flagship = not any(a.split("=")[0] == "--preset" for a in argv) and torchrun_on_cuda(cfg.device)
-    if flagship:
-        cfg = parse_config(["--preset", FLAGSHIP_PRESET, *argv])
-    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
-                                                               "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
-    check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # once, before out_dir is locked or made
-    check_settings(cfg.num_proc)                      # the data preparation's own flags
-    model_config_for(cfg, cfg.vocab_size or 2)        # an impossible model (e.g. n_embd % n_head) too
+    check_config(cfg)
 
     def work(env):
-        if flagship and env.master:
+        if env.master and cfg.preset == FLAGSHIP_PRESET and torchrun_on_cuda(cfg.device):
             print(FLAGSHIP_NOTE, flush=True)
         return train(cfg, env)
     return run_distributed(cfg, work)
@@ -337,7 +346,7 @@ def train(cfg, env):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
-        if not getattr(cfg, "curriculum_given", True):    # resumed with another --max_iters: the same curriculum
+        if cfg.curriculum_share:         # a curriculum from its share: the steps the run started with
             cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
         restore(run, ckpt, env)
     compile = compiles(cfg.compile, cfg.preset, env.device)   # --compile auto: the paper's presets on CUDA

@@ -122,28 +122,49 @@ def finite_floats(s, flag, sep=","):
     return tuple(values)
 
 
-def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None):
+def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None, default_preset=None, resolve=None):
     """One --flag per field of the dataclass `cls`, described and grouped in --help from its source comments
-    (field_help); argparse errors become UsageError. presets: {name: {field: value}}; the field `preset` picks one,
-    and only flags given explicitly override it. `--preset NAME --help` shows the defaults NAME sets, marked;
-    preset_note(name) -> more lines about what NAME sets beyond the flags (train.py: its model's shape)."""
+    (field_help); argparse errors become UsageError. The command line is parsed once.
+    presets: {name: {field: value}}; the field `preset` picks one (without --preset: default_preset(given), given
+    the flags on the command line, else the field's default), and only flags given explicitly override it.
+    resolve(cfg, given) -> cfg: the script's rules that set a field from others (train.py: the curriculum's share of
+    the run). --help shows for each flag the value the run takes when the flag is not given: the default, the
+    preset's value and what resolve makes of them; `--preset NAME --help` marks NAME's values where they differ
+    from a run without --preset. preset_note(name) -> more lines about what NAME sets beyond the flags (train.py:
+    its model's shape)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    chosen = _preset_in(argv) if presets is not None else None
-    overrides = presets.get(chosen, {}) if chosen is not None else {}
+    given = vars(_parser(cls, description).parse_args(argv))
+    wants_help = given.pop("help", False)
+    default, name = None, None
+    if presets is not None:
+        default = default_preset(given) if default_preset else cls.preset
+        name = given.get("preset", default)
+        if name not in presets:
+            raise UsageError(f"unknown --preset {name!r}; choose from {', '.join(presets)}")
+    if wants_help:
+        _print_help(cls, description, presets, name, default, "preset" in given, preset_note, resolve)
+    return _config(cls, presets, name, given, resolve)
+
+
+def _config(cls, presets, name, given, resolve):
+    """The config of the preset `name` (None: no presets), the flags `given` over it, then resolve's rules."""
+    cfg = cls(**{**(presets[name] if presets else {}), **({"preset": name} if presets else {}), **given})
+    return resolve(cfg, given) if resolve else cfg
+
+
+def _parser(cls, description, shown=None, epilog=None):
+    """The argparse parser of cls's flags; shown: {field: the value its help shows} (help only)."""
     docs, groups = field_help(cls)
     p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False,
-                                usage="%(prog)s [--FLAG VALUE ...]", epilog=_preset_epilog(presets, chosen, overrides,
-                                                                                           preset_note))
+                                usage="%(prog)s [--FLAG VALUE ...]", epilog=epilog, add_help=False)
+    p.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parents = {None: p}
     for title, text in groups:
         parents[title] = p.add_argument_group(title, text)
     for f in dataclasses.fields(cls):
         text, group = docs.get(f.name, ("", None))
-        default = _default_of(f)
-        shown = f"default {_show(default)}"
-        if f.name in overrides:
-            shown = f"--preset {chosen}: {_show(overrides[f.name])}; default {_show(default)}"
-        help_text = (f"{text} ({shown})" if text else shown).replace("%", "%%")
+        value = (shown or {}).get(f.name, f"default {_show(_default_of(f))}")
+        help_text = (f"{text} ({value})" if text else value).replace("%", "%%")
         if f.type in (bool, "bool"):
             parents[group].add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="0|1",
                                         help=help_text)
@@ -155,13 +176,21 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
     def error(message):
         raise UsageError(message)
     p.error = error
-    given = vars(p.parse_args(argv))
-    if presets is None:
-        return cls(**given)
-    preset = given.get("preset", cls.preset)
-    if preset not in presets:
-        raise UsageError(f"unknown --preset {preset!r}; choose from {', '.join(presets)}")
-    return cls(**{**presets[preset], **given})
+    return p
+
+
+def _print_help(cls, description, presets, name, default, named, preset_note, resolve):
+    """--help, with the values a run takes where a flag is not given (parse_flags), then exit 0. name: the run's
+    preset, named by --preset or not; default: the one it takes without --preset."""
+    shown = None
+    if presets is not None:
+        values = lambda preset: {f.name: getattr(_config(cls, presets, preset, {}, resolve), f.name)
+                                 for f in dataclasses.fields(cls)}
+        run, without = values(name), values(default)
+        shown = {k: (f"--preset {name}: {_show(v)}; default {_show(without[k])}" if v != without[k]
+                     else f"default {_show(v)}") for k, v in run.items()}
+    _parser(cls, description, shown, _preset_epilog(presets, name, named, preset_note)).print_help()
+    sys.exit(0)
 
 
 def _default_of(f):
@@ -177,26 +206,17 @@ def _show(v):
     return '""' if v == "" else str(v)
 
 
-def _preset_in(argv):
-    """The value of --preset in argv (the last one, as argparse takes it), or None."""
-    chosen = None
-    for i, a in enumerate(argv):
-        if a == "--preset" and i + 1 < len(argv):
-            chosen = argv[i + 1]
-        elif a.startswith("--preset="):
-            chosen = a.split("=", 1)[1]
-    return chosen
-
-
-def _preset_epilog(presets, chosen, overrides, preset_note):
+def _preset_epilog(presets, name, named, preset_note):
+    """--help's last lines: the presets, what the run's preset sets (given with --preset, or the default) and
+    preset_note(name)."""
     if not presets:
         return None
-    lines = [f"presets: {', '.join(presets)}; --preset NAME --help shows the values NAME sets (explicit flags win)"]
-    if chosen is not None and chosen in presets:
-        sets = ", ".join(f"{k}={_show(v)}" for k, v in overrides.items()) or "no flag (the defaults)"
-        lines = [f"--preset {chosen} sets: {sets}"]
-        if preset_note is not None:
-            lines += [preset_note(chosen)]
+    sets = ", ".join(f"{k}={_show(v)}" for k, v in presets[name].items()) or "no flag (the defaults)"
+    lines = [f"--preset {name} sets: {sets}"] if named else [
+        f"presets: {', '.join(presets)}; --preset NAME --help shows the values NAME sets (explicit flags win)",
+        f"without --preset: {name}, whose values are the defaults above; it sets: {sets}"]
+    if preset_note is not None:
+        lines += [preset_note(name)]
     return "; ".join(lines)
 
 

@@ -1,5 +1,6 @@
 """What train.py's flags may hold, checked once at start-up, before out_dir is locked or made: each bad value is
-one line naming the flag and the values it takes (exit code 2)."""
+one line naming the flag and the values it takes (exit code 2); and the rule by which a preset's curriculum covers
+its share of the run (curriculum_from_share)."""
 import math
 
 import torch
@@ -10,26 +11,33 @@ from kernels.fused_head import HEADS
 from model import PRESETS
 from plumbing.cli import ConfigError, resolve_dtype
 from plumbing.distributed import compiles
+from plumbing.files import refuse_overwrite, run_outputs
 from plumbing.tracking import require_trackers
 
 
-def preset_curriculum(cfg, argv, preset, default_steps):
-    """The curriculum a preset sets (--curriculum_iters not in argv) is for the diffusion losses (--loss ar: none) and
-    covers the same share of the run when --max_iters differs from the preset's (default_steps if it sets none). Marks
-    cfg.curriculum_given (not a field): a run resumed without the flag keeps its checkpoint's curriculum (train.py)."""
-    cfg.curriculum_given = any(a.split("=")[0] == "--curriculum_iters" for a in argv)
-    if not cfg.curriculum_given and preset.get("curriculum_iters"):
-        if OBJECTIVES.get(cfg.loss, OBJECTIVES["sddlm"]).causal:   # --curriculum_iters given: refused for ar
-            cfg.curriculum_iters = 0
-        elif cfg.max_iters != (steps := preset.get("max_iters", default_steps)):
-            cfg.curriculum_iters = round(preset["curriculum_iters"] * cfg.max_iters / steps)
+def curriculum_from_share(cfg, given):
+    """The curriculum's steps, a rule of train.py's config (parse_flags' resolve; given: the flags on the command
+    line): --curriculum_iters when given (the share is then 0: the steps are the user's); else, for the diffusion
+    losses, round(--curriculum_share x --max_iters): a preset's curriculum (0.5: Duo's 500K of 1M) covers the same
+    share of a shorter or longer run. The AR baseline has none (--curriculum_share given with it is refused, as
+    --curriculum_iters is by check_train_flags). A nonzero share in a config says its steps came from it: a run
+    resumed without --curriculum_iters keeps the steps its checkpoint recorded (train.py)."""
+    causal = cfg.loss in OBJECTIVES and OBJECTIVES[cfg.loss].causal
+    if causal and given.get("curriculum_share"):
+        raise ConfigError("--curriculum_share applies to diffusion losses, not --loss ar")
+    if "curriculum_iters" in given or causal:      # the user's steps, or none
+        cfg.curriculum_iters, cfg.curriculum_share = given.get("curriculum_iters", 0), 0.0
+    elif cfg.curriculum_share:
+        cfg.curriculum_iters = round(cfg.curriculum_share * cfg.max_iters)
     return cfg
 
 
 def check_train_flags(cfg, world_size):
     """train.py's flags (train.TrainConfig) at start-up, each against the values it may take (world_size: the
-    torchrun job's ranks) -> ConfigError naming the flag and what it accepts. train.main adds the data
-    preparation's flags and the model's shape."""
+    torchrun job's ranks), and no output of the run over one of its inputs -> ConfigError (UsageError) naming the
+    flag and what it accepts. train.check_config adds the data preparation's flags and the model's shape."""
+    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
+                                                               "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
     require_trackers(cfg)
     if not cfg.out_dir.strip():
         raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
@@ -69,6 +77,8 @@ def check_train_flags(cfg, world_size):
         v = getattr(cfg, name)
         if not (low <= v if closed else low < v) or not v < high:
             raise ConfigError(f"--{name} must be in {'[' if closed else '('}{low}, {high}), got {v}")
+    if not 0 <= cfg.curriculum_share <= 1:
+        raise ConfigError(f"--curriculum_share must be in [0, 1], got {cfg.curriculum_share}")
     if not 0 < cfg.sample_top_p <= 1:
         raise ConfigError(f"--sample_top_p must be in (0, 1] (1 = off), got {cfg.sample_top_p}")
     if cfg.eval_iters < 0 or cfg.keep_every < 0 or cfg.gen_interval < 0:

@@ -133,6 +133,50 @@ def test_train_help_describes_and_groups_its_flags():
     assert "n_layer=12, n_head=12, n_embd=768" in text                             # its model, from model.PRESETS
 
 
+def test_train_help_shows_the_values_the_run_will_use(capsys, monkeypatch):
+    """Issue 36: `python train.py --help` showed defaults the run does not use (max_iters 1000, lr 0.001, ema 0.999,
+    curriculum_iters 0, where it trains 900, 0.002, 0 and 450), and `--preset tiny --help` two widths (96 and 128).
+    Every flag's help shows the value the run takes without it: the default preset's (tiny, or small for a
+    torchrun launch on CUDA), with the curriculum's share of the run applied; the tiny width is set in one place."""
+    import torch
+    import plumbing.distributed
+    import train
+    from model import ModelConfig
+    from plumbing import cli
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+    def help_of(argv):
+        with pytest.raises(SystemExit) as e:
+            train.parse_config(argv + ["--help"])
+        assert e.value.code == 0
+        return capsys.readouterr().out
+
+    def check(argv, preset):
+        run, flags = train.parse_config(argv), flag_help(help_of(argv))[0]
+        assert run.preset == preset
+        given = {a[2:] for a in argv if a.startswith("--")}                   # these show their defaults
+        wrong = {f.name: flags[f.name] for f in dataclasses.fields(run) if f.name not in given
+                 and not flags[f.name].endswith(f"(default {cli._show(getattr(run, f.name))})")}
+        assert not wrong, wrong
+        return run
+    run = check([], "tiny")                                                   # python train.py
+    assert (run.max_iters, run.lr, run.ema, run.curriculum_iters) == (900, 0.002, 0.0, 450)
+    assert check(["--device", "cpu"], "tiny") == dataclasses.replace(run, device="cpu")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")                          # torchrun train.py, on CUDA
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(plumbing.distributed, "resolve_device", lambda name: torch.device(
+        "cpu" if name == "cpu" else "cuda"))
+    flagship = check([], "small")
+    assert (flagship.max_iters, flagship.curriculum_iters, flagship.block_size) == (1_000_000, 500_000, 1024)
+    assert check(["--device", "cpu"], "tiny") == dataclasses.replace(run, device="cpu")
+    text = " ".join(help_of(["--preset", "tiny", "--device", "cpu"]).split())
+    assert re.findall(r"n_embd\W+(\d+)", text) == ["0", "96"]                # the flag (0 = the preset's), the model
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"block_size", "vocab_size", "dropout"}
+    assert not {k for recipe in train.TRAIN_PRESETS.values() for k in recipe} & model_fields   # widths: model.PRESETS
+
+
 def test_distill_help_shows_distills_own_defaults(capsys, monkeypatch):
     from distillation import distill
     monkeypatch.setenv("COLUMNS", "200")

@@ -61,10 +61,10 @@ def test_a_presets_curriculum_is_for_the_diffusion_losses_and_an_explicit_one_wi
 def test_a_presets_curriculum_keeps_its_share_of_a_shorter_run_and_a_resumed_run_keeps_its_own(tmp_path):
     """The tiny preset's curriculum is half of its run (the paper's 500K of 1M): --max_iters moves it along unless
     --curriculum_iters is given; a run resumed with a higher --max_iters keeps the curriculum it started with."""
-    tiny = train.TRAIN_PRESETS["tiny"]
-    assert 0 < tiny["curriculum_iters"] < tiny["max_iters"]
-    assert train.parse_config([]).curriculum_iters == tiny["curriculum_iters"]
-    assert train.parse_config(["--max_iters", str(2 * tiny["max_iters"])]).curriculum_iters == 2 * tiny["curriculum_iters"]
+    tiny = train.parse_config([])
+    assert train.TRAIN_PRESETS["tiny"]["curriculum_share"] == 0.5 and tiny.curriculum_share == 0.5
+    assert (tiny.max_iters, tiny.curriculum_iters) == (900, 450)
+    assert train.parse_config(["--max_iters", str(2 * tiny.max_iters)]).curriculum_iters == 2 * tiny.curriculum_iters
     assert train.parse_config(["--preset", "small", "--max_iters", "1000"]).curriculum_iters == 500
     assert train.parse_config(["--max_iters", "60", "--curriculum_iters", "7"]).curriculum_iters == 7
     assert TINY[-2:] == ["--curriculum_iters", "0"]
