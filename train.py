@@ -6,13 +6,10 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
 
-Every field of TrainConfig is a CLI flag (`--help`: the comment on each field's line); --preset applies a dict of
-overrides first (TRAIN_PRESETS), explicit flags win; a torchrun launch on CUDA without --preset trains the paper's
-recipe (FLAGSHIP_PRESET). The full config is saved next to the checkpoint (config.json).
-One training step (paper Algorithm 1, diffusion.loss_terms): x0 ~ data, t ~ stratified U[1e-3, 1], xt ~ q_t(. | x0)
-(or Duo's Gaussian curriculum), loss = per-token objective, token mean, AdamW, EMA. The file reads top to bottom:
-the config, the step, the run and its loop, where evaluation, the log, checkpoints, stop signals and the memory
-probe are one call each into their rooms (eval_ppl.py, plumbing/).
+Every field of TrainConfig is a flag (--help: what it does, the value the run takes); --preset applies a recipe
+(TRAIN_PRESETS: tiny without --preset, small for a torchrun launch on CUDA), explicit flags win. Top to bottom: the
+config, the step (paper Algorithm 1), the run and its loop, whose plumbing (checkpoints, log, stop signals,
+divergence, memory probe, model folder) is one object, plumbing.run.RunPlumbing.
 """
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
@@ -26,25 +23,19 @@ import torch
 import diffusion
 import losses
 from data import BatchLoader, DataError, get_tokenizer
-from diffusion import draw_noise, loss_terms, token_mean
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
-from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
-from plumbing.cli import ConfigError, autocast_for, resolve_dtype, run_cli
-from plumbing.distributed import any_rank, compiles, micro_batches, run_distributed, torchrun_on_cuda, wrap_model
-from plumbing.files import write_json, writing
+from plumbing.checkpoint import open_out_dir
+from plumbing.distributed import micro_batches, run_distributed, torchrun_on_cuda
 from plumbing.flags import check_train_flags, curriculum_from_share
-from plumbing.memory import fit_micro_batch
-from plumbing.runlog import Log, finish_lines, kept, start_lines
-from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
+from plumbing.run import RunPlumbing
 from prepare import check_settings, prepare_for_run
 
 
 @dataclass
 class OptimConfig:
-    """The optimisation, evaluation and system fields train.py and distillation/distill.py share (same flags, same meaning;
-    distillation/distill.py changes some defaults)."""
+    """The fields train.py and distillation/distill.py share (same flags, same meaning; distill.py's defaults)."""
     # optimisation
     max_iters: int = 1000            # optimizer steps of the whole run (a resumed run trains up to this step)
     batch_size: int = 32             # global batch in sequences (all ranks x accumulation steps)
@@ -83,9 +74,8 @@ class OptimConfig:
 @dataclass
 class TrainConfig(OptimConfig):
     # preset and objective
-    preset: str = "tiny"             # model size and training recipe: tiny (CPU demo) | small (the paper's OWT run)
-                                     # | owt (small + Gen PPL curves) | lm1b | medium | large | llama_*; without
-                                     # --preset: tiny, but small for a torchrun launch on CUDA
+    preset: str = "tiny"             # model and recipe: tiny (CPU demo) | small (the paper's OWT run) | owt | lm1b |
+                                     # medium | large | llama_*; none: tiny, but small for a torchrun launch on CUDA
     loss: str = "sddlm"              # the training objective: sddlm | sddlm_v1 | sddlm_v2 | naive | duo | duo_lean | ar
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
     head: str = "auto"               # output layer + loss: auto (fused on CUDA, plain on CPU) | plain (full logits) |
@@ -93,18 +83,15 @@ class TrainConfig(OptimConfig):
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
-    data_dir: str = ""               # the prepared data folder; "" = data/<dataset>-<tokenizer>-<L>-<digest>,
-                                     # prepared on first use
+    data_dir: str = ""               # the prepared data folder ("" = data/<dataset>-<tokenizer>-<L>-<key>, made once)
     block_size: int = 128            # sequence length L
     vocab_size: int = 0              # model K (0 = the tokenizer's size; --vocab_multiple pads the output layer)
     vocab_multiple: int = 0          # pad the output layer to a multiple of this (masked rows); 0 = the model preset's
-    wrap: bool = True                # 1: pack documents into full blocks (OWT-style); 0: one padded sequence per
-                                     # sentence (LM1B-style)
+    wrap: bool = True                # 1: pack documents into full blocks (OWT); 0: a padded sequence per line (LM1B)
     text_field: str = "text"         # the text of a record (.jsonl, .parquet, Arrow, hf:REPO), as prepare.py
     num_proc: int = 0                # processes tokenizing the corpus (0 = the usable cores; same bytes for any)
     verify: bool = False             # hash every file of the prepared data at start (else size and time only)
     # model
-    # 0 = from the preset (--preset NAME --help shows its model)
     n_layer: int = 0                 # Transformer blocks (0 = from the preset)
     n_head: int = 0                  # attention heads, a divisor of n_embd (0 = from the preset)
     n_embd: int = 0                  # hidden width (0 = from the preset)
@@ -123,16 +110,14 @@ class TrainConfig(OptimConfig):
     log10_tau_start: float = -3.0    # log10 of the softmax temperature tau of the soft input at the first step
     log10_tau_end: float = -3.0      # ... at the last curriculum step (log-linear in between)
     # evaluation, logging, checkpoints
-    keep_every: int = 0              # also keep out_dir/ckpt_<step>.pt (weights + EMA, for evaluation) every N steps
-                                     # (0 = none)
+    keep_every: int = 0              # also keep out_dir/ckpt_<step>.pt (weights + EMA) every N steps (0 = none)
     # sample quality during training
-    # the paper's Gen PPL and entropy curves over training (LM1B figures): every gen_interval steps and at the end,
-    # Gen PPL and entropy of gen_num_samples EMA samples -> log.jsonl
+    # the paper's Gen PPL and entropy curves (LM1B figures): of gen_num_samples EMA samples -> log.jsonl
     gen_interval: int = 0            # steps between two measurements of sample quality (0 = off)
     gen_num_samples: int = 64        # in 8 groups, each with its own seed: the same samples for any number of GPUs
     gen_steps: int = 1000            # reverse steps of the ancestral sampler (final step ancestral)
     gen_seed: int = 0                # the samples' seed, the same at every measurement (curves compare like with like)
-    judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of this repo
+    judge: str = "gpt2-large"        # the Gen PPL judge: a HF causal LM (needs transformers) | an AR ckpt.pt of ours
 
 
 # Appendix Table (hyperparameters) for small/medium; SMDM's 1.1B recipe for large; tiny = CPU demo.
@@ -142,18 +127,15 @@ TRAIN_PRESETS = {
                  sample_top_p=0.8),
     "small": dict(dataset="openwebtext", tokenizer="gpt2", block_size=1024, max_iters=1_000_000, batch_size=512,
                   lr=3e-4, lr_schedule="linear", warmup_iters=2500, beta2=0.999, weight_decay=0.0, ema=0.9999,
-                  dropout=0.1,
-                  curriculum_share=0.5, gamma_min=-3.55, gamma_max=-1.85, eval_interval=5000,
+                  dropout=0.1, curriculum_share=0.5, gamma_min=-3.55, gamma_max=-1.85, eval_interval=5000,
                   ckpt_interval=500, eval_iters=50, sample_steps=1024),
     "large": dict(dataset="slimpajama", tokenizer="sp:tokenizer.model", block_size=2048, max_iters=250_000,
                   batch_size=256, lr=2e-4, lr_schedule="linear", warmup_iters=2500, beta2=0.95, weight_decay=0.1,
                   ema=0.9999, eval_interval=5000, ckpt_interval=1000, eval_iters=50, sample_steps=1024),
 }
 TRAIN_PRESETS["medium"] = TRAIN_PRESETS["small"]
-# The paper's two small-model experiments: the Appendix hyperparameter table (AdamW 3e-4, linear decay, warm-up
-# 2500, betas (0.9, 0.999), no weight decay, batch 512, 1M steps, EMA 0.9999) on Duo's data and curriculum, with
-# the Gen PPL / entropy curves of its figures (GPT-2 Large judge, 1000 sampling steps) and kept checkpoints.
-# `small` is the same OWT recipe without the judge (it needs transformers and the network).
+# The paper's two small-model experiments: `small` (the Appendix table on Duo's data and curriculum) with the Gen PPL
+# and entropy curves of its figures (GPT-2 Large judge: transformers and the network) and kept checkpoints.
 PAPER_CURVES = dict(gen_interval=5000, gen_num_samples=64, gen_steps=1000, judge="gpt2-large", keep_every=100_000)
 TRAIN_PRESETS["owt"] = {**TRAIN_PRESETS["small"], **PAPER_CURVES}
 TRAIN_PRESETS["lm1b"] = {**TRAIN_PRESETS["small"], **PAPER_CURVES, "dataset": "lm1b",
@@ -181,29 +163,28 @@ FLAGSHIP_NOTE = ("torchrun on CUDA: training the paper's recipe, --preset small 
 
 
 def default_preset(given):
-    """The preset of a run without --preset (given: the command line's flags): the paper's recipe for a torchrun
-    launch on CUDA, else the CPU demo."""
+    """The preset without --preset (given: the flags): the paper's recipe under torchrun on CUDA, else the demo."""
     return FLAGSHIP_PRESET if torchrun_on_cuda(given.get("device", TrainConfig.device)) else "tiny"
 
 
 def check_config(cfg):
-    """What can be checked before any data, at start-up, before out_dir is locked or made: every flag and no
-    output over an input (plumbing/flags.py), the data preparation's flags (prepare.py), and the model's shape at
-    any vocabulary (model_config_for: e.g. n_embd must split into n_head heads of even size)."""
+    """At start-up, before out_dir is locked or made: every flag, no output over an input (plumbing/flags.py), the
+    data preparation's flags (prepare.py), the model's shape at any vocabulary (e.g. n_embd into n_head heads)."""
     check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_settings(cfg.num_proc)
     model_config_for(cfg, cfg.vocab_size or 2)
 
 
 def model_config_for(cfg, vocab_size):
+    """The run's ModelConfig: the preset's model, the flags over it, the tokenizer's vocab_size; causal for the AR
+    baseline. A model the flags cannot build -> ConfigError naming them."""
     if cfg.vocab_size and cfg.vocab_size != vocab_size:   # above: samples would hold ids no tokenizer decodes
         how = "smaller than" if cfg.vocab_size < vocab_size else "above"
-        raise ConfigError(f"--vocab_size {cfg.vocab_size} is {how} the tokenizer's vocabulary {vocab_size}; leave it 0 "
-                          f"(--vocab_multiple pads the output)")
-    vocab_size = cfg.vocab_size or vocab_size
+        raise cli.ConfigError(f"--vocab_size {cfg.vocab_size} is {how} the tokenizer's vocabulary {vocab_size}; "
+                              f"leave it 0 (--vocab_multiple pads the output)")
     base = dict(PRESETS[cfg.preset])
     base.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)})
-    base.update(vocab_size=vocab_size, block_size=cfg.block_size, dropout=cfg.dropout)
+    base.update(vocab_size=cfg.vocab_size or vocab_size, block_size=cfg.block_size, dropout=cfg.dropout)
     if cfg.vocab_multiple:
         base.update(vocab_multiple=cfg.vocab_multiple)
     if diffusion.OBJECTIVES[cfg.loss].causal:   # the AR baseline: causal attention, no time input
@@ -211,7 +192,7 @@ def model_config_for(cfg, vocab_size):
     try:
         return ModelConfig(**base)
     except ValueError as e:
-        raise ConfigError(f"--n_layer/--n_head/--n_embd: {e}") from None
+        raise cli.ConfigError(f"--n_layer/--n_head/--n_embd: {e}") from None
 
 
 def lr_at(it, cfg):
@@ -284,14 +265,14 @@ def train_step(run, cfg, env, x0_all, mask_all=None):
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.it, cfg)
     t_all = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    draws_all = draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
-                           env.device)
+    draws_all = diffusion.draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size,
+                                     run.gen_shared, env.device)
     total = torch.zeros((), device=env.device)
     for x0, mask, (t, *draws), sync in micro_batches(run.model, cfg, env, x0_all, mask_all, (t_all, *draws_all)):
         with sync:                   # DDP all-reduces the gradients on the last micro-batch only
-            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
-                per_token, _ = loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
-                loss = token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum
+            with cli.autocast_for(env.device, cli.resolve_dtype(cfg.dtype, env.device)):
+                per_token, _ = diffusion.loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
+                loss = diffusion.token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum
             loss.backward()
         total += loss.detach()
     run.n_ema = optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema, env.ddp)
@@ -321,90 +302,49 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
 def main(argv=None):
     cfg = parse_config(argv)
     check_config(cfg)
-
-    def work(env):
-        if env.master and cfg.preset == FLAGSHIP_PRESET and torchrun_on_cuda(cfg.device):
-            print(FLAGSHIP_NOTE, flush=True)
-        return train(cfg, env)
-    return run_distributed(cfg, work)
+    return run_distributed(cfg, lambda env: train(cfg, env))   # this process in a torchrun job; out_dir locked
 
 
 def train(cfg, env):
-    judge = load_gen_judge(cfg, env)
+    if env.master and cfg.preset == FLAGSHIP_PRESET and torchrun_on_cuda(cfg.device):
+        print(FLAGSHIP_NOTE, flush=True)         # first: the flagship default, before hours of data preparation
+    judge = load_gen_judge(cfg, env)             # a judge that cannot load fails before the data are prepared
     data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
-    cfg.data_dir = data_dir              # absolute: a checkpoint finds its data from any working directory
+    cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
     mcfg = model_config_for(cfg, meta["vocab_size"])
-    ckpt = open_out_dir(cfg, mcfg, meta)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if ckpt is not None and ckpt["step"] == cfg.max_iters:   # nothing written, config.json untouched
-        model_dir = os.path.join(cfg.out_dir, "model")
-        if env.master and not os.path.isdir(model_dir):   # the export the stopped run did not finish (a full disk)
-            writing(model_dir, export, os.path.join(cfg.out_dir, "ckpt.pt"), model_dir)
-        if env.master:
-            print(f"{ckpt_path} is already at step {cfg.max_iters} = --max_iters; nothing to do (raise --max_iters "
-                  f"to train on)")
+    ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, export)
+    if plumbing.done(ckpt):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
-        if cfg.curriculum_share:         # a curriculum from its share: the steps the run started with
+        if cfg.curriculum_share:                 # a curriculum from its share: the steps the run started with
             cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
-        restore(run, ckpt, env)
-    compile = compiles(cfg.compile, cfg.preset, env.device)   # --compile auto: the paper's presets on CUDA
-    fit_micro_batch(run, cfg, env, compile)      # CUDA: raise --grad_accum until the micro-batch fits
-    run.model = wrap_model(run.raw_model, env, compile)       # DDP, then compiled (after the probe: see there)
-    run.eval_model = torch.compile(run.raw_model) if compile else None
+        plumbing.resume(run, ckpt)
+    plumbing.place_model(run)                    # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     config = {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}
-    if env.master:                       # a few lines before the progress bar starts; the rest is in config.json
-        write_json(os.path.join(cfg.out_dir, "config.json"), config)
-        print(start_lines(cfg, run.raw_model, env))
-    log = Log(cfg, env, run.it, config=config, vocab_size=run.raw_model.config.vocab_size)
-
-    def diverged(why):               # raised before any checkpoint of these weights is written: the last is sound
-        return FloatingPointError(f"{why} by step {run.it} (lr {lr_at(run.it - 1, cfg):.2e}); {kept(cfg)}. Lower "
-                                  f"--lr or check the data.")
-    with stop_signals() as stop, log:    # a stop signal (SIGINT, SIGTERM, ...) sets stop: save, exit 130
+    with plumbing.start(run, config):            # config.json, the run in two lines, log.jsonl; signals set a flag
         while run.it < cfg.max_iters:
             x0, mask = run.loader.next_batch()
             loss = train_step(run, cfg, env, x0, mask)
-            last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
-            # every log_interval steps and before a save: the loss over the ranks, checked and logged, and whether
-            # any rank got a stop signal (the loop's one host sync)
-            stopping, why = log.loss(run.it, loss, lr_at(run.it - 1, cfg), stop, now=save_now or last)
-            if why:
-                raise diverged(why)
+            last = run.it == cfg.max_iters
+            stopping = plumbing.sync_loss_and_stop(run.it, loss, lr_at(run.it - 1, cfg))   # the loop's one host sync
             if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation loss, NELBO (EMA weights)
-                sums = reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, cfg, data_dir, env))
-                if sums is not None and (why := log.metrics(run.it, val_metrics(sums, cfg, data_dir))):
-                    raise diverged(why)
-                stopping = any_rank(env, stop["signal"] is not None)
+                stopping = plumbing.log_metrics(run.it, lambda: evaluate(run, cfg, data_dir, env),
+                                                lambda sums: val_metrics(sums, cfg, data_dir))
             if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
-                sums = reduced_unless_stopped(stop, env, 4, lambda: sample_quality(run, cfg, env, *quality))
-                if sums is not None:
-                    log.metrics(run.it, gen_metrics(sums, cfg, quality[0]))
-                stopping = any_rank(env, stop["signal"] is not None)
-            if save_now or last or stopping:
-                save(run, cfg, mcfg, meta, env)
-            if cfg.keep_every and run.it % cfg.keep_every == 0 and env.master:
-                keep_checkpoint(run, cfg, mcfg, meta)
+                stopping = plumbing.log_metrics(run.it, lambda: sample_quality(run, cfg, env, *quality),
+                                                lambda sums: gen_metrics(sums, cfg, quality[0]))
+            if run.it % cfg.ckpt_interval == 0 or last or stopping:
+                plumbing.save(run)
+            if cfg.keep_every and run.it % cfg.keep_every == 0:
+                plumbing.keep(run)
             if stopping:
-                return log.stopped(stop["signal"], run.it, "training", finished=last)
-        log.close()
-        if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
-            model_dir = os.path.join(cfg.out_dir, "model")
-            folder, _ = writing(model_dir, export, ckpt_path, model_dir,
-                                then=f"{ckpt_path} is saved: free space and run the same command with --resume 1")
-        try:
-            with interruptible(stop):                  # a stop signal abandons the samples
-                if env.master and cfg.num_samples > 0:
-                    log.samples(run.it, print_samples(run, cfg, meta, env))
-        except Interrupted:
-            return log.stopped(stop["signal"], run.it, "training", finished=True, after=True)
-    if env.master:                                     # last, after the trackers have closed
-        print(finish_lines(cfg, "training", run.it, ckpt_path, folder))
-    return 0
+                return plumbing.stopped(run)
+        return plumbing.finish(run, lambda: print_samples(run, cfg, meta, env))   # model folder, samples, last lines
 
 
 if __name__ == "__main__":
-    run_cli(main, DataError, FloatingPointError, FileNotFoundError,
-            oom_hint="lower the micro-batch: raise --grad_accum (or lower --batch_size)")
+    cli.run_cli(main, DataError, FloatingPointError, FileNotFoundError,
+                oom_hint="lower the micro-batch: raise --grad_accum (or lower --batch_size)")

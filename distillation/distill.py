@@ -38,7 +38,6 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -51,13 +50,12 @@ from eval_ppl import validation_sums
 from hub.pretrained import export
 from model import ModelConfig
 from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, read_checkpoint,
-                                 refuse_other_script, restore, save)
-from plumbing.distributed import any_rank, compiles, micro_batches, run_distributed, wrap_model
+                                 refuse_other_script)
+from plumbing.distributed import compiles, micro_batches, run_distributed
 from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
-from plumbing.files import refuse_overwrite, run_outputs, write_json
+from plumbing.files import refuse_overwrite, run_outputs
+from plumbing.run import RunPlumbing
 from plumbing.tracking import require_trackers
-from plumbing.runlog import Log, finish_lines, kept
-from plumbing.signals import Interrupted, interruptible, reduced_unless_stopped, stop_signals
 
 
 @dataclass
@@ -205,7 +203,7 @@ def dcd_loss_terms(student, teacher, cfg, x0, t, it, noise):
 
 
 # -----------------------------------------------------------------------------------------------
-# the parts of a run (train.py's Run, optimizer, EMA, save/restore, signals; DCD's step and teacher)
+# the parts of a run (train.py's Run, optimizer and EMA, the plumbing of plumbing/run.py; DCD's step and teacher)
 
 def parse_config(argv=None):
     return parse_flags(DistillConfig, argv, __doc__.split("\n\n")[0], presets=DISTILL_PRESETS)
@@ -425,75 +423,48 @@ def distill(cfg, env):
         weights, init_ckpt = None, saved_init(ckpt)
         cfg.init = init_ckpt["path"] or cfg.init
         mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt)
-    if ckpt is not None and ckpt["step"] == cfg.max_iters:
-        if env.master:
-            print(f"{os.path.join(cfg.out_dir, 'ckpt.pt')} is already at step {cfg.max_iters} = --max_iters; nothing "
-                  f"to do (raise --max_iters to distil on)")
+    base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, what="distillation", label=f"dcd {base_loss}",
+                           loss_name="DCD loss", extra=lambda: checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
+    if plumbing.done(ckpt):
         return 0
     run = train.build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
-        restore(run, ckpt, env)
+        plumbing.resume(run, ckpt)
     else:
         load_weights(run, weights)
     teacher = make_teacher(run.raw_model)
     if ckpt is not None:
         teacher.load_state_dict(ckpt["teacher"])
-    compile = compiles(cfg.compile, cfg.preset, env.device)   # --compile auto: --preset small on CUDA
-    run.model = wrap_model(run.raw_model, env, compile)
-    run.eval_model = torch.compile(run.raw_model) if compile else None
-    teacher_fn = torch.compile(teacher) if compile else teacher
-    base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
-    log = Log(SimpleNamespace(out_dir=cfg.out_dir, batch_size=cfg.batch_size, block_size=mcfg.block_size,
-                              loss=f"dcd {base_loss}", max_iters=cfg.max_iters, resume=cfg.resume, wandb=cfg.wandb,
-                              wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard,
-                              log_interval=cfg.log_interval, diverge_margin=cfg.diverge_margin), env, run.it,
-              config={"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta},
-              vocab_size=run.raw_model.config.vocab_size)
-    if env.master:
-        K, table = mcfg.vocab_size, (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
-        a_lo, a_hi = (float(curriculum.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
-                      for g in (cfg.gamma_max, cfg.gamma_min))
-        rounds = (cfg.max_iters + cfg.round_iters - 1) // cfg.round_iters
-        log.pbar.write(f"DCD of {cfg.init} (loss {base_loss}, step {init_ckpt.get('step')}, "
-                       f"{'EMA' if cfg.init_ema else 'live'} weights): {rounds} rounds of {cfg.round_iters} steps, "
-                       f"dt = 1/{cfg.T} ... {step_size(cfg.max_iters - 1, cfg):.4g}, gamma in [{cfg.gamma_min}, "
-                       f"{cfg.gamma_max}] -> alpha in [{a_lo:.4f}, {a_hi:.4f}], {cfg.divergence}, "
-                       f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.describe()}")
-        write_json(os.path.join(cfg.out_dir, "config.json"),
-                   {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
-                    "train_config": init_ckpt.get("train_config")})
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-
-    def diverged(why):               # raised before any checkpoint of these weights is written: the last is sound
-        return FloatingPointError(f"{why.replace(' loss', ' DCD loss', 1)} by step {run.it}; {kept(cfg)}. Lower --lr.")
-    with stop_signals() as stop, log:    # the loop of train.py: a stop signal saves and exits 130
-        while run.it < cfg.max_iters:
+    teacher_fn = torch.compile(teacher) if plumbing.place_model(run, probe=False) else teacher
+    config = {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
+              "train_config": init_ckpt.get("train_config")}
+    with plumbing.start(run, config, describe(cfg, init_ckpt, base_loss, mcfg.vocab_size, env)):
+        while run.it < cfg.max_iters:          # train.py's loop, with DCD's step and evaluation
             loss = dcd_step(run, teacher_fn, cfg, env, *run.loader.next_batch())
-            last, save_now = run.it == cfg.max_iters, run.it % cfg.ckpt_interval == 0
-            stopping, why = log.loss(run.it, loss, train.lr_at(run.it - 1, cfg), stop, now=save_now or last)
-            if why:
-                raise diverged(why)
+            last = run.it == cfg.max_iters
+            stopping = plumbing.sync_loss_and_stop(run.it, loss, train.lr_at(run.it - 1, cfg))
             if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation DCD loss and NELBO
-                sums = reduced_unless_stopped(stop, env, 4, lambda: evaluate(run, teacher_fn, cfg, data_dir, env))
-                if sums is not None and (why := log.metrics(run.it, val_metrics(sums, cfg, data_dir, run.it))):
-                    raise diverged(why)
-                stopping = any_rank(env, stop["signal"] is not None)
-            if save_now or last or stopping:
-                save(run, cfg, mcfg, meta, env, extra=checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
+                stopping = plumbing.log_metrics(run.it, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
+                                                lambda sums: val_metrics(sums, cfg, data_dir, run.it))
+            if run.it % cfg.ckpt_interval == 0 or last or stopping:
+                plumbing.save(run)
             if stopping:
-                return log.stopped(stop["signal"], run.it, "distillation", finished=last)
-        log.close()
-        if env.master:                                 # the shareable model: out_dir/model (hub/pretrained.py)
-            folder, _ = export(ckpt_path, os.path.join(cfg.out_dir, "model"))
-        try:
-            with interruptible(stop):                  # a stop signal abandons the samples
-                if env.master and cfg.num_samples > 0:
-                    log.samples(run.it, print_samples(run, cfg, init_ckpt, tok, env))
-        except Interrupted:
-            return log.stopped(stop["signal"], run.it, "distillation", finished=True, after=True)
-    if env.master:                                     # last, after the trackers have closed
-        print(finish_lines(cfg, "distillation", run.it, ckpt_path, folder))
-    return 0
+                return plumbing.stopped(run)
+        return plumbing.finish(run, lambda: print_samples(run, cfg, init_ckpt, tok, env))
+
+
+def describe(cfg, init_ckpt, base_loss, K, env):
+    """The distillation in one line, printed before the progress bar starts."""
+    table = (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
+    a_lo, a_hi = (float(curriculum.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
+                  for g in (cfg.gamma_max, cfg.gamma_min))
+    rounds = (cfg.max_iters + cfg.round_iters - 1) // cfg.round_iters
+    return (f"DCD of {cfg.init} (loss {base_loss}, step {init_ckpt.get('step')}, "
+            f"{'EMA' if cfg.init_ema else 'live'} weights): {rounds} rounds of {cfg.round_iters} steps, "
+            f"dt = 1/{cfg.T} ... {step_size(cfg.max_iters - 1, cfg):.4g}, gamma in [{cfg.gamma_min}, "
+            f"{cfg.gamma_max}] -> alpha in [{a_lo:.4f}, {a_hi:.4f}], {cfg.divergence}, "
+            f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.describe()}")
 
 
 def print_samples(run, cfg, init_ckpt, tok, env):

@@ -1,40 +1,34 @@
-"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume; the
-training loss between two log steps and the rule that calls it diverged (Log.loss, Log.metrics); the lines a run
-prints before its bar starts and after it ends (start_lines, finish_lines, kept, Log.stopped); and the one reader
-of JSONL files the evaluation scripts take as input."""
+"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume, and the
+trackers beside it (Log); the lines a run prints before its bar starts and after it ends (start_lines,
+finish_lines, kept, Log.stopped); and the one reader of JSONL files the evaluation scripts take as input. What is
+logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
 import importlib.util
 import json
-import math
 import os
 import shlex
 import signal
 import time
 
-import torch
-
-from plumbing.distributed import agree
 from plumbing.files import append_jsonl, save_atomic
-from plumbing.integrity import DivergenceRule
 from plumbing.tracking import open_trackers
 
 
 class Log:
-    """Rank 0's progress bar and out_dir/log.jsonl: training loss and tokens/s at log steps, validation metrics;
-    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict).
-    vocab_size: the model's K, the scale of the divergence rule the losses and metrics are checked by (Log.loss)."""
+    """Rank 0's progress bar and out_dir/log.jsonl from `step` on: training loss and tokens/s at log steps,
+    validation metrics; every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the
+    run's config dict). label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for
+    tokens/s (default cfg.block_size)."""
 
-    def __init__(self, cfg, env, step, config=None, vocab_size=None):
-        self.path, self.master, self.env = os.path.join(cfg.out_dir, "log.jsonl"), env.master, env
-        self.tokens_per_step, self.loss_name = cfg.batch_size * cfg.block_size, cfg.loss
+    def __init__(self, cfg, env, step, config=None, label=None, block_size=None):
+        self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
+        self.tokens_per_step = cfg.batch_size * (block_size or cfg.block_size)
         self.t_last, self.step_last = time.time(), step
         self.pbar, self.trackers = None, []
-        self.rule = None if vocab_size is None else DivergenceRule(cfg.diverge_margin, math.log(vocab_size))
-        self.log_interval, self.first, self.loss_sum, self.bad = getattr(cfg, "log_interval", 1), step + 1, None, None
         if self.master:
             if cfg.resume:
                 truncate_log(self.path, step)
             from tqdm import tqdm
-            self.pbar = tqdm(total=cfg.max_iters, initial=step, desc=f"train {cfg.loss}", dynamic_ncols=True)
+            self.pbar = tqdm(total=cfg.max_iters, initial=step, desc=f"train {label or cfg.loss}", dynamic_ncols=True)
             self.trackers = open_trackers(cfg, step, config or {})
 
     def _write(self, record):
@@ -47,31 +41,9 @@ class Log:
         for tracker in self.trackers:
             tracker.samples(step, texts)
 
-    def loss(self, step, loss, lr, stop, now=False):
-        """One step's training loss (a 0-dim tensor), summed on the device: no host sync per step. Every
-        log_interval steps, when `now` (a checkpoint follows) or, in one process, at once after a stop signal: the
-        sum over the ranks and whether any rank saw a non-finite loss or a stop signal (distributed.agree: the
-        loop's one host sync), checked by the divergence rule (the first step's loss, of sound weights, starts its
-        history), then logged. stop: plumbing.signals.stop_signals' flag. -> (stopping, why the loss diverged)."""
-        if self.loss_sum is None:
-            self.loss_sum = torch.zeros((), device=loss.device)
-            self.bad = torch.zeros((), device=loss.device, dtype=torch.bool)   # a non-finite loss since the start
-        self.loss_sum += loss
-        self.bad |= ~torch.isfinite(loss)
-        if step == self.first:
-            self.rule.start(agree(self.env, loss.detach().clone(), self.bad, False)[0])
-        signalled = stop["signal"] is not None
-        if not (step % self.log_interval == 0 or now or (signalled and not self.env.ddp)):
-            return False, None
-        total, bad, stopping = agree(self.env, self.loss_sum, self.bad, signalled)
-        why = "non-finite loss" if bad else self.rule.check(total / max(1, step - self.step_last))
-        if why:                          # not logged: the caller stops before any checkpoint of these weights
-            return stopping, why
-        self.progress(step, total, lr)
-        self.loss_sum.zero_()
-        return stopping, None
-
     def progress(self, step, loss_sum, lr):
+        """The training loss summed over the steps since the last progress (loss_sum), its mean, lr and tokens/s,
+        to the bar and the log."""
         steps, dt = step - self.step_last, time.time() - self.t_last
         self.t_last, self.step_last = time.time(), step
         if self.master:
@@ -85,13 +57,12 @@ class Log:
             self._write({"step": step, "loss": loss_sum / max(1, steps), "lr": lr, "tokens_per_s": tok_s})
 
     def metrics(self, step, metrics):
-        """An evaluation's metrics to the bar and the log. -> why its validation NELBO diverged, or None."""
+        """An evaluation's metrics to the bar and the log."""
         if self.master:
             self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                                          for k, v in metrics.items()))
             self._write({"step": step, **metrics})
         self.t_last = time.time()    # keep evaluation out of the tokens/s figure
-        return self.rule.check_metrics(metrics) if self.rule else None
 
     def stopped(self, signum, step, what, finished, after=False):
         """The bar closed and the run's last line, when a stop signal (signum; None: another rank's) ended it with
@@ -110,15 +81,19 @@ class Log:
             if message:
                 print(message)
 
+    def close_trackers(self):
+        """The trackers closed (after the samples, which come after the bar ends)."""
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):   # an error ends the bar's line, so its one-line message starts a line of its own
         if self.master:
             self.pbar.close()
-            for tracker in self.trackers:   # after close(): the samples come after the bar ends
-                tracker.close()
-            self.trackers = []
+            self.close_trackers()
 
 
 def truncate_log(path, step):

@@ -71,18 +71,22 @@ def interruptible(stop):
         stop["raise"] = False
 
 
-def reduced_unless_stopped(stop, env, n, work):
-    """Work a stop signal abandons (interruptible): work() -> this rank's float64 sums (n,), then ONE all-reduce of
-    [interrupted, sums] that every rank joins, so a signal on any rank abandons the work on all of them and no
-    collective is left waiting. -> the sums added over ranks, or None when any rank was interrupted."""
-    sums, interrupted = torch.zeros(n, dtype=torch.float64), False
+def reduced_unless_stopped(stop, env, work):
+    """Work a stop signal abandons (interruptible): work() -> this rank's float64 sums, then added over the ranks,
+    unless a signal interrupted the work on any rank, which every rank learns first (any_rank), so no collective
+    is left waiting. -> the sums added over ranks, or None when any rank was interrupted."""
+    sums, interrupted = None, False
     try:
         with interruptible(stop):
             sums = work()
     except Interrupted:
         interrupted = True
     if env.ddp:
-        both = torch.cat([torch.tensor([float(interrupted)], dtype=torch.float64), sums]).to(env.device)
-        dist.all_reduce(both)
-        interrupted, sums = bool(both[0] > 0), both[1:].cpu()
+        flag = torch.tensor(float(interrupted), device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            return None
+        sums = sums.to(env.device)
+        dist.all_reduce(sums)
+        return sums.cpu()
     return None if interrupted else sums

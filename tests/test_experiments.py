@@ -14,6 +14,7 @@ from data import load_meta
 from eval_ppl import GEN_GROUPS, entropy, gen_ppl, load_judge
 from model import PRESETS, DiffusionTransformer, ModelConfig
 from plumbing.checkpoint import load_checkpoint
+from plumbing.cli import ConfigError
 from sample import generate
 from test_train import TINY, _corpus
 
@@ -53,7 +54,7 @@ def test_a_presets_curriculum_is_for_the_diffusion_losses_and_an_explicit_one_wi
         assert train.parse_config(["--preset", preset, "--loss", "sddlm"]).curriculum_iters == 500_000
     for given in (["--curriculum_iters", "5"], ["--curriculum_iters=5"]):
         assert train.parse_config(["--loss", "ar"] + given).curriculum_iters == 5
-        with pytest.raises(train.ConfigError, match="--curriculum_iters applies to diffusion losses"):
+        with pytest.raises(ConfigError, match="--curriculum_iters applies to diffusion losses"):
             train.main(TINY + ["--loss", "ar", "--dataset", str(tmp_path / "none.txt"),
                                "--out_dir", str(tmp_path / "o")] + given)
 
@@ -84,7 +85,7 @@ def test_a_presets_curriculum_keeps_its_share_of_a_shorter_run_and_a_resumed_run
                                          (["--sample_top_p", "0"], r"--sample_top_p must be in \(0, 1\]"),
                                          (["--sample_top_p", "1.5"], "--sample_top_p")])
 def test_bad_experiment_flags_fail_before_any_work(args, words, tmp_path):
-    with pytest.raises(train.ConfigError, match=words):
+    with pytest.raises(ConfigError, match=words):
         train.main(TINY + ["--dataset", str(tmp_path / "none.txt"), "--out_dir", str(tmp_path / "o")] + args)
 
 

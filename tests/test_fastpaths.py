@@ -23,7 +23,8 @@ from kernels import fused_head
 from model import ModelConfig, build_model
 from plumbing.distributed import Env
 import train
-from train import TrainConfig, loss_terms, model_config_for, token_mean
+from diffusion import loss_terms, token_mean
+from train import TrainConfig, model_config_for
 
 BF16_U = 2.0 ** -8      # unit roundoff of bf16 (8 significant bits): one rounding errs by at most this, relatively
 SMALL = dict(preset="tiny", block_size=16, batch_size=4, n_layer=2, n_head=2, n_embd=32)
@@ -365,7 +366,7 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
     model = model.double()
     x0 = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
-    c = diffusion.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), train.draw_noise(4, 16, 64, None, "cpu"))
+    c = diffusion.corrupt(tcfg, x0, t, 0, 64, torch.Generator().manual_seed(3), diffusion.draw_noise(4, 16, 64, None, "cpu"))
     assert isinstance(c.net_in, curriculum.SoftTokens)
     dense = torch.zeros(4, 16, 64, dtype=torch.float64).scatter_(-1, c.net_in.ids, c.net_in.probs.double())
     sigma = diffusion.sigma_from_alpha(c.alpha_t.squeeze(-1))

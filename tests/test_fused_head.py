@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import losses
 import plumbing.memory
+from plumbing.cli import ConfigError
 from plumbing.distributed import Env
 from plumbing.flags import check_train_flags
 import train
@@ -163,7 +164,7 @@ def test_training_uses_the_fused_head_on_cuda_and_the_plain_logits_on_the_cpu():
     assert fused_head.fused_head_wanted("auto", "cuda") and not fused_head.fused_head_wanted("auto", "cpu")
     assert fused_head.fused_head_wanted("fused", "cpu") and fused_head.fused_head_wanted("fused_recompute", "cpu")
     assert not fused_head.fused_head_wanted("plain", "cuda")
-    with pytest.raises(train.ConfigError, match="unknown --head 'lean'; choose from auto, plain, fused, "
+    with pytest.raises(ConfigError, match="unknown --head 'lean'; choose from auto, plain, fused, "
                                                 "fused_recompute"):
         check_train_flags(train.TrainConfig(head="lean"), 1)
 
@@ -183,7 +184,7 @@ def probe_stand_in(monkeypatch, fits):
 def test_the_probe_keeps_the_logits_where_they_fit(monkeypatch, capsys):
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 64)
     cfg = train.TrainConfig(batch_size=128, loss="sddlm_v1")
-    train.fit_micro_batch(None, cfg, env)
+    plumbing.memory.fit_micro_batch(None, cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == ("auto", 1, [(64, "auto")]) and capsys.readouterr().out == ""
 
 
@@ -191,14 +192,14 @@ def test_the_probe_recomputes_the_logits_where_only_that_fits(monkeypatch, capsy
     fits = lambda micro, head: micro <= (64 if head == "fused_recompute" else 32)
     env, asked = probe_stand_in(monkeypatch, fits)
     cfg = train.TrainConfig(batch_size=128, loss="sddlm_v1")
-    train.fit_micro_batch(None, cfg, env)
+    plumbing.memory.fit_micro_batch(None, cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == ("fused_recompute", 1, [(64, "auto"), (64, "fused_recompute")])
     assert "micro-batch 64 fits in GPU memory (79.2 GiB) with the fused head recomputing its logits in backward: " \
            "--head fused_recompute" in capsys.readouterr().out
     # neither fits at 64: a smaller micro-batch with the logits kept comes first
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 32)
     cfg = train.TrainConfig(batch_size=128, loss="sddlm_v1")
-    train.fit_micro_batch(None, cfg, env)
+    plumbing.memory.fit_micro_batch(None, cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == ("auto", 2, [(64, "auto"), (64, "fused_recompute"), (32, "auto")])
 
 
@@ -207,5 +208,5 @@ def test_the_probe_leaves_the_head_as_given_or_where_it_has_no_head(loss, head, 
     """Duo's reference NELBO takes the full logits; a --head given explicitly is kept: only the micro-batch moves."""
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 32)
     cfg = train.TrainConfig(batch_size=128, loss=loss, head=head)
-    train.fit_micro_batch(None, cfg, env)
+    plumbing.memory.fit_micro_batch(None, cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == (head, 2, [(64, head), (32, head)])

@@ -88,15 +88,15 @@ def fake_cuda_fit(monkeypatch, fits_up_to):
 def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypatch, capsys):
     env = fake_cuda_fit(monkeypatch, fits_up_to=16)
     cfg = train.TrainConfig(batch_size=128, grad_accum=1)
-    train.fit_micro_batch(None, cfg, env)
+    plumbing.memory.fit_micro_batch(None, cfg, env)
     assert cfg.grad_accum == 4                                 # 128 / 2 ranks / 4 = 16 sequences per micro-step
     assert "micro-batch 64 does not fit in GPU memory (79.2 GiB): training with --grad_accum 4 (micro-batch 16" \
         in capsys.readouterr().out
     cfg = train.TrainConfig(batch_size=128, grad_accum=2)
-    train.fit_micro_batch(None, cfg, fake_cuda_fit(monkeypatch, fits_up_to=64))
+    plumbing.memory.fit_micro_batch(None, cfg, fake_cuda_fit(monkeypatch, fits_up_to=64))
     assert cfg.grad_accum == 2                                 # it fits: nothing changes
     cpu = train.TrainConfig(batch_size=128)
-    train.fit_micro_batch(None, cpu, Env(torch.device("cpu")))   # no probe on the CPU
+    plumbing.memory.fit_micro_batch(None, cpu, Env(torch.device("cpu")))   # no probe on the CPU
     assert cpu.grad_accum == 1
 
 
@@ -106,30 +106,41 @@ def test_micro_batch_that_does_not_fit_stops_in_one_line_with_auto_accum_off(mon
     with pytest.raises(cli.OutOfMemory, match=r"^micro-batch 64 \(--batch_size 128 / 2 rank\(s\) / --grad_accum 1\) "
                                               r"does not fit in GPU memory \(79.2 GiB\); micro-batch 16 fits: set "
                                               r"--grad_accum 4$"):
-        train.fit_micro_batch(None, cfg, env)
+        plumbing.memory.fit_micro_batch(None, cfg, env)
     with pytest.raises(cli.OutOfMemory, match="micro-batch 1 does not fit in GPU memory .*--block_size"):
-        train.fit_micro_batch(None, train.TrainConfig(batch_size=4), fake_cuda_fit(monkeypatch, fits_up_to=0))
+        plumbing.memory.fit_micro_batch(None, train.TrainConfig(batch_size=4), fake_cuda_fit(monkeypatch, fits_up_to=0))
 
 
 def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch, capsys):
     """The flagship command `torchrun --nproc_per_node=8 train.py --loss sddlm_v1` runs --preset small and says so
     first; a preset given, a CPU device or a plain `python train.py` keep what was asked."""
     seen = []
+
+    class Started(Exception):
+        pass
+
+    def started(cfg, env):                       # train's first call after the note: the run starts here
+        seen.append(cfg)
+        raise Started
+
+    def main(argv):
+        with pytest.raises(Started):
+            train.main(argv)
+        return seen[-1]
     monkeypatch.setattr(plumbing.distributed, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
     monkeypatch.setattr(plumbing.distributed, "setup_distributed", lambda cfg: Env(torch.device("cpu")))
-    monkeypatch.setattr(train, "train", lambda cfg, env: seen.append(cfg) or 0)
+    monkeypatch.setattr(train, "load_gen_judge", started)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert train.main(["--loss", "sddlm_v1"]) == 0 and seen[-1].preset == "tiny"          # python train.py
+    assert main(["--loss", "sddlm_v1"]).preset == "tiny"                                 # python train.py
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert train.main(["--loss", "sddlm_v1"]) == 0
-    cfg, out = seen[-1], capsys.readouterr().out
+    cfg, out = main(["--loss", "sddlm_v1"]), capsys.readouterr().out
     assert (cfg.preset, cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.batch_size) == \
         ("small", "openwebtext", "gpt2", 1024, 512) and cfg.loss == "sddlm_v1" and cfg.curriculum_iters == 500_000
     assert out.splitlines()[0] == train.FLAGSHIP_NOTE
-    assert train.main(["--loss", "sddlm_v1", "--batch_size", "256"]) == 0 and seen[-1].batch_size == 256
+    assert main(["--loss", "sddlm_v1", "--batch_size", "256"]).batch_size == 256
     capsys.readouterr()
     for argv in (["--preset", "tiny"], ["--preset=tiny"], ["--device", "cpu"]):
-        assert train.main(argv) == 0 and seen[-1].preset == "tiny", argv
+        assert main(argv).preset == "tiny", argv
     assert train.FLAGSHIP_NOTE not in capsys.readouterr().out

@@ -119,12 +119,12 @@ def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus,
         calls.append((gamma_min, gamma_max, tau))
         return real(x0, t, vocab_size, gamma_min, gamma_max, tau, generator)
     monkeypatch.setattr(curriculum, "curriculum_sample", spy)
-    real_loss_terms = train.loss_terms
+    real_loss_terms = diffusion.loss_terms
 
     def record(model, cfg, x0, t, it, *args):
         inputs.append(it)
         return real_loss_terms(model, cfg, x0, t, it, *args)
-    monkeypatch.setattr(train, "loss_terms", record)
+    monkeypatch.setattr(diffusion, "loss_terms", record)
     monkeypatch.setattr(eval_ppl, "loss_terms", record)      # validation during training
     args = ["--loss", "sddlm", "--max_iters", "20", "--curriculum_iters", "10", "--gamma_min", "-3.5",
             "--gamma_max", "-1.0", "--eval_interval", "20", "--grad_accum", "2"]
@@ -242,13 +242,13 @@ def test_sigint_saves_a_resumable_checkpoint(corpus, tmp_path):
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
-    real = train.loss_terms
+    real = diffusion.loss_terms
 
     def poisoned(model, cfg, x0, t, it, *args):
         loss, extra = real(model, cfg, x0, t, it, *args)
         return (loss * float("nan") if it >= 7 else loss), extra
 
-    monkeypatch.setattr(train, "loss_terms", poisoned)
+    monkeypatch.setattr(diffusion, "loss_terms", poisoned)
     with pytest.raises(FloatingPointError, match="last good checkpoint"):
         run(["--max_iters", "20", "--ckpt_interval", "4", "--log_interval", "3", "--eval_interval", "1000"],
             tmp_path, corpus)
@@ -334,13 +334,13 @@ def test_training_conditions_the_model_on_minus_log_alpha_t():
 def test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replacement_tokens(monkeypatch):
     """Eq. (negative): x_hat ~ U(V), drawn apart from the corruption. Chi-square tests (z = 4.5, p ~ 3e-6) of the
     negatives the loss receives: their frequencies against U(V), and their joint tables with x_t and with the
-    replacement tokens of Eq. (discrete_marginal) (train.draw_noise's second draw) against independence."""
+    replacement tokens of Eq. (discrete_marginal) (diffusion.draw_noise's second draw) against independence."""
     from test_diffusion import assert_frequencies, chi2_quantile
     V, seen, noise = 5, [], []
-    real_loss, real_noise = losses.sddlm_v1_loss, train.draw_noise
+    real_loss, real_noise = losses.sddlm_v1_loss, diffusion.draw_noise
     monkeypatch.setattr(losses, "sddlm_v1_loss", lambda out, x0, xt, neg, eps: (
         seen.append((xt, neg)) or real_loss(out, x0, xt, neg=neg, eps=eps)))
-    monkeypatch.setattr(train, "draw_noise", lambda *a: noise.append(real_noise(*a)) or noise[-1])
+    monkeypatch.setattr(diffusion, "draw_noise", lambda *a: noise.append(real_noise(*a)) or noise[-1])
     spy_step("sddlm_v1", V, 64, 64)
     (xt, neg), = seen
     assert_frequencies(neg, torch.full((V,), 1 / V), "negatives")

@@ -119,7 +119,7 @@ def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out
         cfg, runs = rank_runs(args, ckpt, world_size)
         run, env = runs[rank]
         env.ddp = True
-        sums = reduced_unless_stopped({"signal": None, "raise": False}, env, 4,
+        sums = reduced_unless_stopped({"signal": None, "raise": False}, env,
                                       lambda: eval_ppl.evaluate(run, cfg, data_dir, env))
         if rank == 0:
             with open(out_file, "w") as f:

@@ -1,0 +1,192 @@
+"""The run's plumbing behind one face, RunPlumbing, for the two training loops (train.py, distillation/distill.py):
+the model placed for the run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers,
+the checkpoints and what they record, the model folder exported at the end (a full disk: one line, the checkpoint
+kept), the lines printed before and after; and the stop signals and the divergence rule that decide when a run
+stops. out_dir is locked for the whole process by plumbing.distributed.run_distributed. Each method is named for
+what the loop does and takes what the loop knows; how is here, in the rooms it calls."""
+import math
+import os
+from contextlib import ExitStack
+
+import torch
+
+from plumbing.checkpoint import keep_checkpoint, restore, save
+from plumbing.cli import Interrupted
+from plumbing.distributed import agree, any_rank, compiles, wrap_model
+from plumbing.files import write_json, writing
+from plumbing.integrity import DivergenceRule
+from plumbing.memory import fit_micro_batch
+from plumbing.runlog import Log, finish_lines, kept, start_lines
+from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
+
+
+class RunPlumbing:
+    """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig: out_dir,
+    max_iters, the intervals, the trackers, ...); env: where this process runs (plumbing.distributed.Env); mcfg,
+    meta: the model's config and the data's meta, which every checkpoint records; export(ckpt_path, folder): what
+    writes the model folder (hub.pretrained.export). what: "training" | "distillation", in the lines it prints;
+    label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a divergence names
+    it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's teacher)."""
+
+    def __init__(self, cfg, env, mcfg, meta, export, what="training", label=None, loss_name="loss", extra=None):
+        self.cfg, self.env, self.mcfg, self.meta, self.export = cfg, env, mcfg, meta, export
+        self.what, self.label, self.loss_name, self.extra = what, label or cfg.loss, loss_name, extra
+        self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+        self.model_dir = os.path.join(cfg.out_dir, "model")
+        self.log = self.stop = self.rule = None
+
+    # -------------------------------------------------------------------------------------------
+    # before the loop
+
+    def done(self, ckpt):
+        """Whether the checkpoint resumed (None: a fresh run) is already at --max_iters: then nothing is trained and
+        config.json is left as it is; the model folder that the stopped run did not export (a full disk) is
+        exported now, and one line says so."""
+        if ckpt is None or ckpt["step"] != self.cfg.max_iters:
+            return False
+        if self.env.master:
+            if not os.path.isdir(self.model_dir):
+                self.export_model()
+            print(f"{self.ckpt_path} is already at step {self.cfg.max_iters} = --max_iters; nothing to do (raise "
+                  f"--max_iters to go on)")
+        return True
+
+    def resume(self, run, ckpt):
+        """The checkpoint's state into the run: weights, EMA, optimizer, step, this rank's data position and RNG
+        states (plumbing.checkpoint.restore), so the run continues bit for bit."""
+        restore(run, ckpt, self.env)
+
+    def place_model(self, run, probe=True):
+        """The model as the run trains and evaluates it: with probe, on CUDA, the micro-batch probe first
+        (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model = raw_model
+        in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's presets on
+        CUDA), and run.eval_model = raw_model compiled for evaluation, or None. -> whether it compiles."""
+        compile = compiles(self.cfg.compile, self.cfg.preset, self.env.device)
+        if probe:
+            fit_micro_batch(run, self.cfg, self.env, compile)
+        run.model = wrap_model(run.raw_model, self.env, compile)      # after the probe: see wrap_model
+        run.eval_model = torch.compile(run.raw_model) if compile else None
+        return compile
+
+    def start(self, run, config, lines=None):
+        """The run starts at step run.it: config.json (config: the run's configs) and `lines` (what the run is, in a
+        few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl (cut back
+        to run.it on a resume) and the trackers.
+        Used as `with plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag
+        the loop reads (sync_loss_and_stop) instead of ending the process; the way out closes the bar and trackers
+        and puts the handlers back."""
+        if self.env.master:
+            write_json(os.path.join(self.cfg.out_dir, "config.json"), config)
+            print(lines or start_lines(self.cfg, run.raw_model, self.env), flush=True)
+        self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size)
+        self.rule = DivergenceRule(self.cfg.diverge_margin, math.log(self.mcfg.vocab_size))
+        self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
+        self.loss_sum = self.bad = None
+        return self
+
+    def __enter__(self):
+        self.exits = ExitStack()
+        self.stop = self.exits.enter_context(stop_signals())
+        self.exits.enter_context(self.log)
+        return self
+
+    def __exit__(self, *exc):
+        return self.exits.__exit__(*exc)
+
+    # -------------------------------------------------------------------------------------------
+    # in the loop
+
+    def sync_loss_and_stop(self, step, loss, lr):
+        """After optimizer step `step`, its training loss (a 0-dim tensor) at learning rate lr: summed on the device,
+        no host sync. Every --log_interval steps, before a checkpoint (--ckpt_interval, the last step) and, in one
+        process, at once after a stop signal: the loop's one host sync (plumbing.distributed.agree) gives the sum
+        over the ranks and whether any rank saw a non-finite loss or a stop signal; the divergence rule checks the
+        mean (the first step's loss, of sound weights, starts its history), then it is logged. A diverged loss
+        raises FloatingPointError: no checkpoint of these weights is written. -> whether the run stops (a stop
+        signal on any rank: the loop saves and ends, stopped)."""
+        cfg, env = self.cfg, self.env
+        if self.loss_sum is None:
+            self.loss_sum = torch.zeros((), device=loss.device)
+            self.bad = torch.zeros((), device=loss.device, dtype=torch.bool)   # a non-finite loss since the start
+        self.loss_sum += loss
+        self.bad |= ~torch.isfinite(loss)
+        self.lr = lr
+        if step == self.first_step:
+            self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
+        signalled = self.stop["signal"] is not None
+        saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
+        if not (step % cfg.log_interval == 0 or saves or (signalled and not env.ddp)):
+            return False
+        total, bad, stopping = agree(env, self.loss_sum, self.bad, signalled)
+        why = "non-finite loss" if bad else self.rule.check(total / max(1, step - self.logged_step))
+        if why:
+            raise self.diverged(why, step)
+        self.log.progress(step, total, lr)
+        self.logged_step = step
+        self.loss_sum.zero_()
+        return stopping
+
+    def log_metrics(self, step, sums, metrics):
+        """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons
+        (plumbing.signals.reduced_unless_stopped); metrics(the sums added over the ranks) -> the record logged. A
+        diverged validation NELBO raises FloatingPointError: no checkpoint of these weights is written. -> whether
+        the run stops (a stop signal on any rank)."""
+        summed = reduced_unless_stopped(self.stop, self.env, sums)
+        if summed is not None:
+            record = metrics(summed)
+            self.log.metrics(step, record)
+            why = self.rule.check_metrics(record)
+            if why:
+                raise self.diverged(why, step)
+        return any_rank(self.env, self.stop["signal"] is not None)
+
+    def save(self, run):
+        """out_dir/ckpt.pt, written atomically (plumbing.checkpoint.save): what resumes the run bit for bit (weights,
+        EMA, optimizer, step, every rank's data position and RNG states), the configs, the data's meta, and extra()."""
+        extra = self.extra() if self.extra is not None and self.env.master else None
+        save(run, self.cfg, self.mcfg, self.meta, self.env, extra=extra)
+
+    def keep(self, run):
+        """out_dir/ckpt_<step>.pt (rank 0): the weights and EMA weights of this step, for evaluation afterwards."""
+        if self.env.master:
+            keep_checkpoint(run, self.cfg, self.mcfg, self.meta)
+
+    def stopped(self, run):
+        """The run stopped by a signal, its checkpoint saved: the bar closed, one line. -> exit code 130."""
+        return self.log.stopped(self.stop["signal"], run.it, self.what, finished=run.it == self.cfg.max_iters)
+
+    def diverged(self, why, step):
+        """The error a diverged run ends with (exit code 2), saying what is kept and what to change."""
+        why = why.replace(" loss", f" {self.loss_name}", 1)
+        return FloatingPointError(f"{why} by step {step}; {kept(self.cfg)}. Lower --lr (now {self.lr:.2e}) or check "
+                                  f"the data.")
+
+    # -------------------------------------------------------------------------------------------
+    # after the loop
+
+    def finish(self, run, samples):
+        """The end of a run that reached --max_iters with its checkpoint saved: the bar closed, the model folder
+        out_dir/model exported (rank 0), the samples printed (samples() -> their texts, on rank 0; a stop signal
+        abandons them: exit code 130), the trackers closed, then the finish lines. -> the exit code, 0."""
+        self.log.close()
+        folder = None
+        if self.env.master:
+            folder = self.export_model(then=f"{self.ckpt_path} is saved: free space and run the same command with "
+                                            f"--resume 1")
+        try:
+            with interruptible(self.stop):
+                if self.env.master and self.cfg.num_samples > 0:
+                    self.log.samples(run.it, samples())
+        except Interrupted:
+            return self.log.stopped(self.stop["signal"], run.it, self.what, finished=True, after=True)
+        self.log.close_trackers()
+        if self.env.master:                  # last, after the trackers have closed
+            print(finish_lines(self.cfg, self.what, run.it, self.ckpt_path, folder))
+        return 0
+
+    def export_model(self, then=""):
+        """out_dir/model from the checkpoint (the shareable model folder: hub/pretrained.py). A write that fails for
+        want of space or another fault of the OS -> one OSError (plumbing.files.writing: what failed, the free
+        space, what is kept, and `then`). -> the folder."""
+        folder, _ = writing(self.model_dir, self.export, self.ckpt_path, self.model_dir, then=then)
+        return folder
