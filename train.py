@@ -331,11 +331,11 @@ def train(cfg, env):
             last = run.it == cfg.max_iters
             stopping = plumbing.sync_loss_and_stop(run.it, loss, lr_at(run.it - 1, cfg))   # the loop's one host sync
             if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation loss, NELBO (EMA weights)
-                stopping = plumbing.log_metrics(run.it, lambda: evaluate(run, cfg, data_dir, env),
-                                                lambda sums: val_metrics(sums, cfg, data_dir))
+                stopping = plumbing.sync_metrics_and_stop(run.it, lambda: evaluate(run, cfg, data_dir, env),
+                                                          lambda sums: val_metrics(sums, cfg, data_dir))
             if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
-                stopping = plumbing.log_metrics(run.it, lambda: sample_quality(run, cfg, env, *quality),
-                                                lambda sums: gen_metrics(sums, cfg, quality[0]))
+                stopping = plumbing.sync_metrics_and_stop(run.it, lambda: sample_quality(run, cfg, env, *quality),
+                                                          lambda sums: gen_metrics(sums, cfg, quality[0]))
             if run.it % cfg.ckpt_interval == 0 or last or stopping:
                 plumbing.save(run)
             if cfg.keep_every and run.it % cfg.keep_every == 0:

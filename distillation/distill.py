@@ -445,8 +445,8 @@ def distill(cfg, env):
             last = run.it == cfg.max_iters
             stopping = plumbing.sync_loss_and_stop(run.it, loss, train.lr_at(run.it - 1, cfg))
             if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation DCD loss and NELBO
-                stopping = plumbing.log_metrics(run.it, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
-                                                lambda sums: val_metrics(sums, cfg, data_dir, run.it))
+                stopping = plumbing.sync_metrics_and_stop(run.it, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
+                                                          lambda sums: val_metrics(sums, cfg, data_dir, run.it))
             if run.it % cfg.ckpt_interval == 0 or last or stopping:
                 plumbing.save(run)
             if stopping:

@@ -126,7 +126,7 @@ class RunPlumbing:
         self.loss_sum.zero_()
         return stopping
 
-    def log_metrics(self, step, sums, metrics):
+    def sync_metrics_and_stop(self, step, sums, metrics):
         """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons
         (plumbing.signals.reduced_unless_stopped); metrics(the sums added over the ranks) -> the record logged. A
         diverged validation NELBO raises FloatingPointError: no checkpoint of these weights is written. -> whether

@@ -451,6 +451,32 @@ def test_bad_input_is_one_line_and_nothing_is_lost(args, words, base_ckpts, tmp_
 
 
 @pytest.mark.slow
+def test_a_full_disk_at_the_model_export_is_one_line_and_resume_exports(base_ckpts, tmp_path, monkeypatch):
+    """Issue 37: distill.py's end-of-run export had lost train.py's disk-full guard (a bare OSError, nothing said of
+    the checkpoint). Both loops now end through one face: a write of the model folder that fails for want of space
+    is one error naming the folder, saying that the checkpoint is saved and how to go on; --resume 1 of the
+    finished run then exports the folder and trains nothing."""
+    import errno
+    out = tmp_path / "dcd"
+    args = DCD + ["--out_dir", str(out), "--max_iters", "3"]
+    real = distill.export
+
+    def full_disk(ckpt, folder):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+    monkeypatch.setattr(distill, "export", full_disk)
+    with pytest.raises(OSError) as e:
+        distill.main(["--init", str(base_ckpts / "duo" / "ckpt.pt")] + args)
+    assert e.value.strerror.startswith(f"could not write {out / 'model'} (No space left on device")
+    assert e.value.strerror.endswith(f"{out / 'ckpt.pt'} is saved: free space and run the same command with --resume 1")
+    before = load(out / "ckpt.pt")
+    assert before["step"] == 3 and not (out / "model").exists()
+    monkeypatch.setattr(distill, "export", real)
+    assert distill.main(args + ["--resume", "1"]) == 0
+    assert json.loads((out / "model" / "config.json").read_text())["step"] == 3
+    assert all(torch.equal(v, load(out / "ckpt.pt")["model"][k]) for k, v in before["model"].items())
+
+
+@pytest.mark.slow
 def test_signal_during_evaluation_saves_and_resume_finishes_the_same_run(base_ckpts, tmp_path, monkeypatch):
     """SIGTERM while evaluating at step 4: the checkpoint of step 4 is saved (EMA swapped back), exit 130, and
     --resume 1 ends with the weights of an uninterrupted run."""

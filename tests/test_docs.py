@@ -2,6 +2,7 @@
 one), every script a command block runs exists, README's install and test lines are the ones CI runs, and README
 stays a card (at most 250 lines; the long pages live in docs/)."""
 import glob
+import math
 import os
 import re
 
@@ -140,3 +141,139 @@ def test_every_project_import_in_a_python_block_resolves(page):
             if not os.path.isfile(os.path.join(ROOT, module.replace(".", "/") + ".py")):
                 missing.append(module)
     assert not missing, f"{page} imports modules that do not exist here: {missing}"
+
+
+# -----------------------------------------------------------------------------------------------
+# what README.md and docs/ say about the code: its names exist, its numbers are the presets'
+
+DOC_PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+FILE_NAME = re.compile(r"\.(py|pt|json|jsonl|md|bin|safetensors|sh|txt|gz|model|png)$")
+
+
+def project_module(dotted):
+    """'plumbing.duo' -> True when it is a file of this repository (plumbing/duo.py), else False."""
+    return os.path.isfile(os.path.join(ROOT, *dotted.split(".")) + ".py")
+
+
+def code_names(page):
+    """(module, name) for every `module.name` code span of a page whose module is one of the repository's files;
+    in a table cell, a bare `name` after a `module.name` span names a member of the same module."""
+    found = []
+    for line in FENCE.sub("", read(page)).splitlines():
+        for cell in line.split(" | ") if line.startswith("|") else [line]:
+            module = None
+            for span in CODE_SPAN.findall(cell):
+                if " " in span or FILE_NAME.search(span) or not re.fullmatch(r"[A-Za-z_][\w.]*", span):
+                    continue
+                parts = span.split(".")
+                prefixes = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+                prefixes = [prefix for prefix in prefixes if project_module(prefix)]
+                if prefixes:
+                    module = prefixes[0]
+                    found.append((module, span[len(module) + 1:]))
+                elif len(parts) == 1 and module is not None and line.startswith("|"):
+                    found.append((module, span))
+    return found
+
+
+def test_every_module_name_the_pages_give_in_code_exists():
+    """Issue 37: README's equation table named diffusion.predictor_weights, which does not exist, and pointed at
+    functions the sampler does not run. Every `module.name` that README.md and docs/ give in a code span (and each
+    bare `name` that follows one in a table cell) is imported and looked up."""
+    import importlib
+    missing, checked = [], 0
+    for page in DOC_PAGES:
+        for module, name in code_names(page):
+            obj = importlib.import_module(module)
+            for attr in name.split("."):
+                obj = getattr(obj, attr, None)
+            checked += 1
+            if obj is None:
+                missing.append(f"{page}: {module}.{name}")
+    assert checked > 40 and not missing, "names the pages give that the code does not have: " + ", ".join(missing)
+
+
+def preset_facts():
+    """The presets as the code builds them: {name: the TrainConfig of `--preset name`} and {name: its model's
+    fields (model.PRESETS) with `params`, its parameter count at that vocabulary}."""
+    import torch
+    import train
+    from model import PRESETS, DiffusionTransformer, ModelConfig
+    models = {}
+    for name in ("tiny", "small", "lm1b", "large"):
+        with torch.device("meta"):
+            models[name] = dict(PRESETS[name], params=DiffusionTransformer(ModelConfig(**PRESETS[name])).num_params())
+    return {name: train.parse_config(["--preset", name]) for name in models}, models
+
+
+# (page, what the page says, with the numbers as named groups, the values the code gives them): the numbers the
+# pages give about a preset; a claim reworded is a claim to add here
+PRESET_CLAIMS = [
+    ("README.md",
+     r"trains the `tiny` preset \((?P<params>[\d.]+)M parameters, (?P<steps>\d+) steps, Duo's curriculum\s+for the "
+     r"first half\)",
+     lambda p, m: dict(params=round(m["tiny"]["params"] / 1e6, 2), steps=p["tiny"].max_iters,
+                       half=p["tiny"].curriculum_share == 0.5)),
+    ("README.md",
+     r"`bash reproduce.sh tiny` runs it[^:]*: at (?P<params>[\d.]+)M\s+parameters",
+     lambda p, m: dict(params=round(m["tiny"]["params"] / 1e6, 2))),
+    ("README.md",
+     r"\| learning rate, schedule \| (?P<lr>[\de.-]+), linear decay \|.*\n"
+     r"\| warm-up steps \| (?P<warmup>\d+) \|.*\n"
+     r"\| β₁, β₂ \| (?P<b1>[\d.]+), (?P<b2>[\d.]+) \|.*\| curriculum \(Duo\) \| (?P<curr>\d+)K steps.*\n"
+     r"\| global batch \| (?P<batch>\d+) \|.*\| curriculum γ \| \[−(?P<g0>[\d.]+), −(?P<g1>[\d.]+)\] / "
+     r"\[−(?P<g2>[\d.]+), −(?P<g3>[\d.]+)\].*\n"
+     r"\| training steps \| (?P<steps>\d+)k \|.*\| dropout \| (?P<dropout>[\d.]+) \|.*\n"
+     r"\| EMA decay \| (?P<ema>[\d.]+) \|",
+     lambda p, m: dict(lr=p["small"].lr, warmup=p["small"].warmup_iters, b1=p["small"].beta1, b2=p["small"].beta2,
+                       curr=p["small"].curriculum_iters / 1000, batch=p["small"].batch_size, g0=-p["small"].gamma_min,
+                       g1=-p["small"].gamma_max, g2=-p["lm1b"].gamma_min, g3=-p["lm1b"].gamma_max,
+                       steps=p["small"].max_iters / 1000, dropout=p["small"].dropout, ema=p["small"].ema)),
+    ("docs/training.md",
+     r"\| `tiny` \| DiT, (?P<layers>\d+) layers, (?P<width>\d+) wide \((?P<params>[\d.]+)M params at K = (?P<K>\d+)\) "
+     r"\| CPU demo: built-in corpus, SentencePiece (?P<sp>\d+), L = (?P<L>\d+), batch (?P<batch>\d+), (?P<steps>\d+) "
+     r"steps, lr (?P<lr>[\de.-]+), beta2 (?P<beta2>[\d.]+), warm-up (?P<warmup>\d+), Duo's curriculum for the first "
+     r"(?P<curr>\d+), no EMA; end-of-run samples with top-p (?P<top_p>[\d.]+)",
+     lambda p, m: dict(layers=m["tiny"]["n_layer"], width=m["tiny"]["n_embd"],
+                       params=round(m["tiny"]["params"] / 1e6, 2), K=m["tiny"]["vocab_size"],
+                       sp=int(p["tiny"].tokenizer.split(":")[1]), L=p["tiny"].block_size, batch=p["tiny"].batch_size,
+                       steps=p["tiny"].max_iters, lr=p["tiny"].lr, beta2=p["tiny"].beta2,
+                       warmup=p["tiny"].warmup_iters, curr=p["tiny"].curriculum_iters, top_p=p["tiny"].sample_top_p,
+                       no_ema=p["tiny"].ema == 0)),
+    ("docs/training.md",
+     r"Duo's DiT-small, (?P<params>[\d,]+) params at K = (?P<K>\d+)",
+     lambda p, m: dict(params=m["small"]["params"], K=m["small"]["vocab_size"])),
+    ("docs/training.md",
+     r"\| `lm1b` \| DiT-small, (?P<params>[\d,]+) params at K = (?P<K>\d+) \| LM1B, bert-base-uncased, L = (?P<L>\d+)",
+     lambda p, m: dict(params=m["lm1b"]["params"], K=m["lm1b"]["vocab_size"], L=p["lm1b"].block_size)),
+    ("docs/training.md",
+     r"L = (?P<L>\d+), batch (?P<batch>\d+), AdamW (?P<lr>[\de.-]+) \((?P<b1>[\d.]+), (?P<b2>[\d.]+)\), "
+     r"wd (?P<wd>[\d.]+)",
+     lambda p, m: dict(L=p["large"].block_size, batch=p["large"].batch_size, lr=p["large"].lr, b1=p["large"].beta1,
+                       b2=p["large"].beta2, wd=p["large"].weight_decay)),
+    ("docs/training.md",
+     r"\(tiny: the first half; small/owt/lm1b: (?P<k>\d+)K of (?P<m>\d+)M\)",
+     lambda p, m: dict(half=p["tiny"].curriculum_share == 0.5, k=p["small"].curriculum_iters / 1000,
+                       m=p["small"].max_iters / 1e6)),
+]
+
+
+def test_every_number_the_pages_give_about_a_preset_is_what_the_preset_builds():
+    """Issue 37: README said the tiny model has 1.5M parameters in one place and 1.02M in another, and the tiny
+    width was set in two files. The parameter counts, widths, steps and recipe numbers README.md and
+    docs/training.md give about the presets, each against the value the code builds (defined there once)."""
+    configs, models = preset_facts()
+    wrong = []
+    for page, pattern, expected in PRESET_CLAIMS:
+        found = re.search(pattern, read(page))
+        assert found, f"{page} no longer says {pattern[:70]!r}...: update PRESET_CLAIMS with what it says now"
+        for key, value in expected(configs, models).items():
+            said = found.groupdict().get(key)
+            if isinstance(value, bool):           # a fact in words ("the first half", "no EMA"): true of the code
+                ok = value
+            else:
+                ok = said is not None and math.isclose(float(said.replace(",", "")), float(value), rel_tol=1e-9)
+            if not ok:
+                wrong.append(f"{page}: {key} {said!r}, the code: {value!r}")
+    assert not wrong, "; ".join(wrong)
