@@ -1,7 +1,8 @@
 """Shared by the tests: the one-thread fixture, the test process's own signal handlers kept (a script's run_cli
 called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
 (Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices), which live
-in test_losses.py (it travels alone with losses.py) and are shared from here; and CI's --skipped_before (below)."""
+in test_losses.py (it travels alone with losses.py) and are shared from here; the rounding bounds every float
+tolerance of the suite is derived from (below); and CI's --skipped_before (below)."""
 import signal
 
 import pytest
@@ -28,6 +29,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Rounding: every tolerance of the suite is derived from the operation it guards (and says how in one comment),
+# never fitted to one CPU: another CPU's kernels (ATEN_CPU_CAPABILITY default / avx2 / avx512) round the same
+# operations in another order. u = unit roundoff: one rounding errs by at most u relatively.
+
+def unit_roundoff(dtype):
+    """u of a float dtype: 2^-53 float64, 2^-24 float32, 2^-8 bfloat16 (8 significant bits)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def reduction_tol(n, dtype):
+    """A sum of n terms in dtype, in any order (blocked, vectorised, pairwise), errs from the exact sum by at most
+    gamma_n * sum|terms|, gamma_n = n u / (1 - n u) (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed.,
+    Lemma 3.1 and eq. (4.4)); two orders differ by at most twice that. -> 2 gamma_n, relative to sum|terms|."""
+    nu = n * unit_roundoff(dtype)
+    assert nu < 0.5, (n, dtype)
+    return 2 * nu / (1 - nu)
 
 
 # CI's stage 2 (.ci/run): the fast suite has just passed on README's install, so of the fast tests it reruns only

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import curriculum.gaussian as curriculum
 import diffusion
@@ -17,6 +18,7 @@ import losses
 from model import ModelConfig
 from plumbing.distributed import Env
 import train
+from conftest import reduction_tol
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
@@ -156,13 +158,31 @@ def test_two_process_torchrun_matches_one_process(head, corpus, tmp_path):
 
 
 def test_grad_accumulation_matches_one_big_batch(corpus, tmp_path):
-    common = ["--loss", "duo", "--max_iters", "3", "--eval_interval", "1000", "--lr_schedule", "constant"]
-    assert run(common, tmp_path / "a", corpus) == 0
-    assert run(common + ["--grad_accum", "4"], tmp_path / "b", corpus) == 0
-    a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["model"]
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    """--grad_accum 4 sums four micro-batch gradients of loss / 4 on the same data, times and noise as one batch
+    of 8: at every step the optimizer receives the one batch's gradient, to float32 rounding. Compared where the
+    optimizer receives it, at --lr 1e-30 (an AdamW step moves a weight by <= lr: the weights stay the initial ones
+    to float32 rounding, so each of the 3 steps compares the same function on its batch) and --grad_clip 0 (clipping to norm 1 would hide a gradient that is 4x too large).
+    Not the weights after AdamW steps: Adam divides by sqrt(v) + 1e-8, which turns a rounding-level difference of an
+    entry that is itself near rounding level into up to 2 lr, and normalises away a wrong scale."""
+    grads = {}
+    hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: grads[key].append(
+        [p.grad.clone() for group in opt.param_groups for p in group["params"]]))
+    common = ["--loss", "duo", "--max_iters", "3", "--eval_interval", "1000", "--lr", "1e-30", "--grad_clip", "0"]
+    try:
+        for key, extra in (("one", []), ("accum", ["--grad_accum", "4"])):
+            grads[key] = []
+            assert run(common + extra, tmp_path / key, corpus) == 0
+    finally:
+        hook.remove()
+    assert len(grads["one"]) == len(grads["accum"]) == 3
+    # An entry sums the N = 8 x 32 tokens' terms, grouped 1 x 256 or 4 x 64 (each term a product through the 2
+    # blocks, rounded a few times more): two float32 orders differ by <= reduction_tol(N) * sum|terms|, with
+    # sum|terms| ~ the tensor's largest entry (tokens' terms agree in sign no more than its largest entry allows)
+    tol = reduction_tol(8 * 32, torch.float32)
+    for step, (a, b) in enumerate(zip(grads["one"], grads["accum"])):
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            torch.testing.assert_close(gb, ga, rtol=0, atol=tol * ga.abs().max().item(), msg=f"step {step}, {i}")
+        assert max(g.abs().max() for g in a) > 0
 
 
 def cli(args, tmp_path, corpus):

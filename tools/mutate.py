@@ -58,6 +58,17 @@ MUTATIONS = [
       old="loss = diffusion.token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum",
       new="loss = diffusion.token_mean(per_token.detach(), objective.token_weights(mask)).requires_grad_() / cfg.grad_accum",
       tests=["tests/test_train.py::test_every_loss_trains_and_its_loss_goes_down"]),
+    # --- the float tolerances: derived from rounding, still tight enough to catch (tests/conftest.py) -------------
+    M(name="micro_batches_share_the_first_draws", file="plumbing/distributed.py",
+      old="rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum)",
+      new="rank_slice(v, env.rank, env.world_size, 0, cfg.grad_accum)",
+      tests=["tests/test_train.py::test_grad_accumulation_matches_one_big_batch"]),
+    M(name="micro_batch_loss_not_divided_by_grad_accum", file="train.py",
+      old="loss = token_mean(per_token, weight) / cfg.grad_accum", new="loss = token_mean(per_token, weight)",
+      tests=["tests/test_train.py::test_grad_accumulation_matches_one_big_batch"]),
+    M(name="ema_warmup_decay_off_by_one", file="train.py",
+      old="d = min(cfg.ema, (1 + n_ema) / (10 + n_ema))", new="d = min(cfg.ema, (2 + n_ema) / (11 + n_ema))",
+      tests=["tests/test_move_fixture.py::test_same_seed_reproduces_the_recorded_steps_weights_and_sample"]),
     # --- equations: losses, forward process, posterior, sampler ---------------------------------------------------
     M(name="v1_eps_on_one_term_only", file="losses.py",
       old="- log_p_plus_eps(log_p_x0, eps))", new="- log_p_x0)",
