@@ -1,6 +1,7 @@
 """Every fast path against the plain path it replaces: the chunked float32 log-sum-exp on bf16 logits, the SDDLM
 losses on bf16 logits, bf16 autocast, torch.compile, seeded determinism of the training step, and bench/bench.py itself (its FLOP formula against torch's FLOP counter, and an end-to-end run).
-Tolerances are stated where they are used; the bf16 ones follow from one rounding to 8 significant bits."""
+Tolerances are derived where they are used (tests/conftest.py): the bf16 ones from one rounding to 8 significant
+bits, the float32 ones from the sums they take (a V-term sum errs by <= (V + a few) u, in any order)."""
 import dataclasses
 import gc
 import json
@@ -25,8 +26,18 @@ from plumbing.distributed import Env
 import train
 from diffusion import loss_terms, token_mean
 from train import TrainConfig, model_config_for
+from conftest import reduction_tol, unit_roundoff
+from test_losses import usdm_sizes
 
 BF16_U = 2.0 ** -8      # unit roundoff of bf16 (8 significant bits): one rounding errs by at most this, relatively
+U32, U64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
+
+
+def lse_tol(V):
+    """A float32 log-sum-exp of V values: the sum of exp(z - max) (each <= (1 + |z - max|) U32 off, |z - max| <= 12
+    where a term is not negligible) errs by <= (V + 13) U32 relative in any order, so its log by that absolutely;
+    the final max + log adds one rounding of |lse| (the caller's rtol)."""
+    return (V + 13) * U32
 SMALL = dict(preset="tiny", block_size=16, batch_size=4, n_layer=2, n_head=2, n_embd=32)
 
 
@@ -77,13 +88,15 @@ def test_logsumexp_fp32_matches_float64_logsumexp_for_every_chunk_size(chunk_row
     x64 = x.detach().double().requires_grad_(True)
     ref = torch.logsumexp(x64, -1)
     assert lse.dtype == torch.float32 and lse.shape == (5, 6)
-    torch.testing.assert_close(lse.double(), ref.detach(), rtol=1e-6, atol=1e-6)
-    assert torch.equal(lse, fused_head.logsumexp_fp32(x.detach(), chunk_elems=x.numel()))  # chunking changes no bit
+    torch.testing.assert_close(lse.double(), ref.detach(), rtol=2 * U32, atol=lse_tol(257))
+    # chunking only groups rows: each row is the same ops on the same values in this process, bit for bit
+    assert torch.equal(lse, fused_head.logsumexp_fp32(x.detach(), chunk_elems=x.numel()))
     w = torch.randn(5, 6, generator=torch.Generator().manual_seed(4))
     grad, = torch.autograd.grad((lse * w).sum(), x)
     ref_grad, = torch.autograd.grad((ref * w.double()).sum(), x64)      # softmax(x) * w
     assert grad.dtype == torch.bfloat16
-    # each entry is one float32 product rounded once to bf16: relative error <= u (+ float32 exp error)
+    # each entry is one float32 product rounded once to bf16: relative error <= u, plus the float32 softmax's
+    # (257 + 13) U32 = 1.6e-5 < 0.01 u
     torch.testing.assert_close(grad.double(), ref_grad, rtol=1.01 * BF16_U, atol=1e-30)
     assert (grad[0, 0, :40] == 0).all()
 
@@ -128,8 +141,14 @@ def test_every_loss_on_bf16_logits_matches_float64_on_the_same_values(name):
     call = LOSS_CALLS[name]
     low, ref = call(bf, x0, xt, neg, alpha_t), call(f64, x0, xt, neg, alpha_t.double())
     assert low.dtype == torch.float32
-    # the inputs are exact in both; only float32 accumulation separates the values
-    torch.testing.assert_close(low.double(), ref.detach(), rtol=2e-5, atol=2e-5)
+    # the inputs are exact in both; only float32 accumulation separates the values: log p = z - lse within
+    # lse_tol(V) + 2 U32 |lse| (|lse| <= 40), V1 / V2 subtract two such; the NELBO within its rounding of the
+    # sizes of its terms (test_losses.usdm_sizes), ~3V + 10 roundings
+    if name == "duo":
+        tol = 2 * (3 * 1000 + 10) * U32 * usdm_sizes(f64.detach(), x0, xt, alpha_t.double(), -(1 - 1e-3))
+        assert ((low.double() - ref.detach()).abs() <= tol).all()
+    else:
+        torch.testing.assert_close(low.double(), ref.detach(), rtol=0, atol=2 * (lse_tol(1000) + 80 * U32))
     g_low, = torch.autograd.grad((low * upstream).sum(), bf)
     g_ref, = torch.autograd.grad((ref * upstream.double()).sum(), f64)
     # d loss / d logit_v = w (p_v - [v = target]) (a difference of two such terms for V1/V2): autograd adds
@@ -162,6 +181,8 @@ def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
     bf = logits.clone().requires_grad_(True)
     g, = torch.autograd.grad(losses.naive_denoising_loss(bf, x0).sum(), bf)
     ref = p - F.one_hot(x0, logits.shape[-1]).double()
+    # float32 p (V = 512: <= (V + 13) U32 = 3.1e-5 relative) minus 1 magnifies by p / (1 - p) <= 200 (6.3e-3),
+    # then one bf16 rounding (3.9e-3): <= 1.02e-2 < 4 BF16_U = 1.6e-2; a second rounding would err by ~13%
     assert target_grad_error(g, ref, x0) <= 4 * BF16_U
 
 
@@ -218,10 +239,23 @@ def test_loss_on_a_head_equals_the_loss_on_its_logits(name, dtype):
     got = call(fused_head.Head(hidden, weight, bias, 61), x0, xt, neg)
     g_ref = torch.autograd.grad((ref * upstream).sum(), (hidden, weight, bias))
     g_got = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
+    # values: float64, the logits' d = 16 products in other blocks and a V-term sum (< 100 roundings of values
+    # <= 45): <= 2 * 100 * 45 * U64 = 1e-12; bf16, the same bf16 logits and float32 sums: as the test above, for
+    # V = 61; duo_lean: 2 (3V + 10) u of the sizes of its terms (usdm_sizes)
+    u = U64 if dtype == torch.float64 else U32
+    if name == "duo_lean":
+        logits = F.linear(hidden, weight, bias)[..., :61].detach().double()
+        tol = 2 * (3 * 61 + 10) * u * usdm_sizes(logits, x0, xt, torch.tensor([[0.3], [0.8]]), -0.999)
+        assert ((got.double() - ref.double()).abs() <= tol).all()
+    else:
+        torch.testing.assert_close(got.double(), ref.double(), rtol=0,
+                                   atol=1e-12 if dtype == torch.float64 else 2 * (lse_tol(61) + 80 * U32))
     for a, b, what in zip(g_got, g_ref, ("hidden", "W", "b")):
         assert a.dtype == b.dtype
+        # float64: sums over <= B L = 48 rows and V_pad = 64 columns: reduction_tol(112) of the largest entry's
+        # size (1e-13 here) is far below 1e-12. bf16: the logits' gradient is rounded to bf16 (<= 4 roundings, as
+        # in the test above) and W's and b's sums over rows are rounded once at the end of float32 sums in both
+        # routes, <= 2 more each side: 8 BF16_U of the largest entry
         bound = 1e-12 if dtype == torch.float64 else 8 * BF16_U * b.abs().max().item()
         torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=bound, msg=what)
     assert g_got[1][61:].abs().max() == 0 and g_got[2][61:].abs().max() == 0     # padding: no gradient
@@ -232,11 +266,13 @@ def test_head_log_probs_in_row_chunks_equal_one_chunk():
     head = fused_head.Head(hidden, weight, bias, 61)
     one = head.log_probs(x0, neg)
     many = dataclasses.replace(head, chunk_elems=5 * 64).log_probs(x0, neg)   # 5 rows a chunk: 10 chunks, ragged last
+    # float64, the same per-row ops; only the matmuls' blocking may differ: d = 16 products and a 61-term sum,
+    # < 80 roundings of values <= 12 (|h| |W| and |log p| here): <= 2 * 80 * 12 * U64 = 2.1e-13
     for a, b in zip(one, many):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+        torch.testing.assert_close(a, b, rtol=0, atol=4e-13)
     g_one = torch.autograd.grad((one[0] * upstream + one[1]).sum(), (hidden, weight, bias))
     g_many = torch.autograd.grad((many[0] * upstream + many[1]).sum(), (hidden, weight, bias))
-    for a, b in zip(g_one, g_many):
+    for a, b in zip(g_one, g_many):       # W and b: sums over the 48 rows in 10 chunks, terms <= 10: 1e-13
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -263,8 +299,8 @@ def test_losses_on_a_head_keep_no_vocabulary_sized_tensor_for_backward(name):
         assert saved == [(torch.bfloat16, s) for s in kept], (chunk, keep)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
-def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype):
     """usdm_nelbo_loss_lean = usdm_nelbo_loss in row chunks (3 rows, ragged last): values and the logits' gradient
     to float32 rounding (float64: exactly the same arithmetic per row), for per-sequence and scalar alphas."""
     logits, x0, xt, neg, alpha_t, upstream = loss_case(V=300)
@@ -273,11 +309,17 @@ def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype, tol):
         ref = losses.usdm_nelbo_loss(logits, x0, xt, a, da)
         lean = fused_head.usdm_nelbo_loss_lean(logits, x0, xt, a, da, chunk_elems=3 * 300)
         assert lean.dtype == ref.dtype
-        torch.testing.assert_close(lean, ref, rtol=tol, atol=tol)
+        # the same formula per row, in row chunks: each route errs from the exact value by <= 2 (3V + 10) u of the
+        # sizes of its terms (usdm_sizes), in float32 for bf16 logits
+        u = U64 if dtype == torch.float64 else U32
+        tol = 2 * (3 * 300 + 10) * u * usdm_sizes(logits.detach().double(), x0, xt, a, da)
+        assert ((lean.double() - ref.double()).abs() <= tol).all()
         g_ref, = torch.autograd.grad((ref * upstream).sum(), logits)
         g_lean, = torch.autograd.grad((lean * upstream).sum(), logits)
-        torch.testing.assert_close(g_lean.double(), g_ref.double(), rtol=0,
-                                   atol=1e-13 if dtype == torch.float64 else BF16_U * g_ref.abs().max().item())
+        # gradients (each entry w (dloss/dz), ~3V + 10 roundings relative to the largest entry's size); bf16: each
+        # route rounds its float32 entry once, so they differ by <= 1 bf16 ulp = 2 BF16_U of the entry
+        u = 2 * BF16_U if dtype == torch.bfloat16 else 2 * (3 * 300 + 10) * u
+        torch.testing.assert_close(g_lean.double(), g_ref.double(), rtol=0, atol=u * g_ref.abs().max().item())
 
 
 def test_lean_nelbo_keeps_only_the_logits_for_backward():
@@ -315,14 +357,19 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
         return out
 
     eager = run()
+    nelbo_sizes = usdm_sizes(logits.detach().double(), x0, xt, torch.tensor(0.3), -0.999).max().item()
     compiled = {}
     monkeypatch.setattr(fused_head, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
     got = run()
     assert len(compiled) == 5
     for key in eager:
         for a, b in zip(got[key], eager[key]):
-            torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-6 * b.abs().max().item(),
-                                       msg=key)
+            # Inductor sums in its own order: float32 values within 2 (V + 13 + 80) U32 (V = 61; the NELBO: 2 (3V
+            # + 10) U32 of its terms' sizes); a bf16 output is one rounding of such a float32: <= 1 ulp (2 BF16_U)
+            # apart wherever the two float32 values straddle a rounding boundary
+            f32 = 2 * (3 * 61 + 10) * U32 * nelbo_sizes if "nelbo" in key else 2 * (lse_tol(61) + 80 * U32)
+            tol = dict(rtol=2 * BF16_U, atol=f32) if a.dtype == torch.bfloat16 else dict(rtol=0, atol=f32)
+            torch.testing.assert_close(a.double(), b.double(), **tol, msg=key)
 
 
 # -----------------------------------------------------------------------------
@@ -352,11 +399,18 @@ def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast)
     for route in ("fused", "fused_recompute"):
         l_h, g_h = out[route]
         if autocast:
+            # the same bf16 logits; the loss is float32 sums of V = 64 terms: 2 (V + 13 + 80) U32 = 1.9e-5 relative
             assert abs(l_h - l_l) < 1e-4 * abs(l_l)
+            # the logits' gradient and W's are rounded to bf16 at different points (per chunk / once): <= 4
+            # roundings per entry, then bf16 matmuls backward through the blocks (inputs rounded again): in norm
+            # <= ~5 BF16_U = 2e-2 (measured 3e-4)
             assert (g_h - g_l).norm() < 2e-2 * g_l.norm()
         else:
-            torch.testing.assert_close(l_h, l_l, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(g_h, g_l, rtol=1e-9, atol=1e-11)
+            # float64: the loss a sum of 64 token terms and V-term sums (< 200 roundings of values <= 10): 4e-13;
+            # each gradient entry sums <= 64 token terms through 2 blocks (< 1000 roundings of the terms' sizes,
+            # <= the loss's 10): <= 2 * 1000 * 10 * U64 = 2.2e-12, inside atol 1e-11
+            torch.testing.assert_close(l_h, l_l, rtol=0, atol=1e-12)
+            torch.testing.assert_close(g_h, g_l, rtol=0, atol=1e-11)
 
 
 def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
@@ -376,7 +430,9 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
         diffusion.OBJECTIVES["sddlm"](model(net_in, sigma, return_head=True), c, 0.0).mean().backward()
         result.append(model.wte.weight.grad.clone())
     assert result[0].abs().max() > 0
-    torch.testing.assert_close(result[0], result[1], rtol=1e-10, atol=1e-13)
+    # float64: E's gradient through a k = 32 weighted sum vs a dense V = 64 product (zeros elsewhere), then the
+    # same network: < 1000 roundings of values <= 0.1 (measured max |grad|): 2 * 1000 * 0.1 * U64 = 2.2e-14
+    torch.testing.assert_close(result[0], result[1], rtol=0, atol=1e-13)
 
 
 # -----------------------------------------------------------------------------
@@ -426,6 +482,10 @@ def test_bf16_autocast_training_gradients_are_close_to_float32():
         loss.backward()
         out[name] = (loss.item(), grads(model))
     (l32, g32), (l16, g16) = out["f32"], out["bf16"]
+    # autocast rounds each matmul's inputs and output to bf16 (3 BF16_U per matmul, ~10 matmuls on a token's path):
+    # a token's loss moves by ~sqrt(30) BF16_U = 2e-2 relative, independently across the 64 tokens: the mean
+    # by ~3e-3 (measured 2.5e-3), 1e-2 = 4 of those; a gradient entry, a sum over tokens of such products, by
+    # <= ~sqrt(2 x 30) BF16_U = 3e-2 in norm, 5e-2 (measured 5e-3); cosine > 0.998 is a relative error < 6.3e-2
     assert abs(l16 - l32) < 1e-2 * abs(l32)
     assert (g16 - g32).norm() < 5e-2 * g32.norm()
     assert F.cosine_similarity(g16, g32, dim=0) > 0.998
@@ -456,6 +516,10 @@ def test_torch_compile_matches_eager_logits_and_training_gradients(name, curricu
             logits = output if isinstance(output, torch.Tensor) else F.linear(output.hidden, output.weight,
                                                                               output.bias)[..., :61]
             out[kind] = (logits.detach().float(), loss.detach(), grads(model))
+        # eager vs Inductor's fused float32 kernels (sums reordered: d = 32, V = 64, B L = 64 terms, < 200
+        # roundings of values <= 10 in a loss or logit): <= 2 * 200 * 10 * U32 ~ 2.4e-4 worst case, 1e-5 holds the
+        # measured; bf16 autocast: the same matmuls round inputs and outputs to bf16 in either order (a few
+        # BF16_U = 1.2e-2 relative, on values <= 2 in size)
         tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out["compiled"][0], out["eager"][0], **tol)
         torch.testing.assert_close(out["compiled"][1], out["eager"][1], **tol)
@@ -484,6 +548,7 @@ def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
         runs.append((torch.stack(step_losses), [p.detach().clone() for p in model.parameters()], ema))
     (losses_a, params_a, ema_a), (losses_b, params_b, ema_b) = runs
     assert torch.isfinite(losses_a).all()
+    # bit for bit: the same process, shapes and thread count (one_thread), deterministic CPU kernels
     assert torch.equal(losses_a, losses_b)
     assert all(torch.equal(a, b) for a, b in zip(params_a + ema_a, params_b + ema_b))
     assert any(not torch.equal(a, e) for a, e in zip(params_a, ema_a))  # the step did move the weights
@@ -499,6 +564,8 @@ def test_bench_flop_formula_matches_torch_flop_counter():
     x = torch.randint(0, 300, (2, 64))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(x, torch.full((2,), 0.5)).sum().backward()
+    # counted FLOPs are exact integers; the formula counts the adaLN (3 layers x 32 x 384) and time-MLP weights
+    # per token, their matmuls run per sequence: a 0.4% gap at these shapes (measured 1.0039), inside 1%
     assert counter.get_total_flops() / bench.model_flops_per_step(model, 2, 64) == pytest.approx(1, abs=0.01)
 
 
@@ -521,8 +588,8 @@ def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     table = bench.markdown(out)
     assert all(f"| {name} |" in table for name in out["losses"]) and "n/a" in table and "(psi, kappa = 0.9)" in table
     head = out["head"]                      # the fused head: 3 output-layer products with kept logits, else 4
-    assert head["kept"]["products"] == pytest.approx(3, rel=0.02) and head["chunks"] == 8
-    assert head["recomputed"]["products"] == pytest.approx(4, rel=0.02) and head["kept"]["ms"] > 0
+    assert head["kept"]["products"] == 3 and head["chunks"] == 8       # counted matmul FLOPs: exact integers
+    assert head["recomputed"]["products"] == 4 and head["kept"]["ms"] > 0
     assert "| kept logits | " in table and "| recomputed logits | " in table and "kept / recomputed time: " in table
     assert out["memory_baseline"] is None and out["memory_left"] == {} and "memory" not in table   # CPU: no check
     assert "\n\nmemory: every table, and every row after the first round, ended with memory_allocated where it " \
