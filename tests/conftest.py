@@ -49,6 +49,26 @@ def reduction_tol(n, dtype):
     return 2 * nu / (1 - nu)
 
 
+def assert_adam_moments_close(state_a, state_b, n_terms, dtype=torch.float32):
+    """Two training routes (one process vs DDP, eager vs compiled) from the same weights at a learning rate too
+    small to move them (--lr 1e-30: an AdamW step moves a weight by <= lr, far below its rounding), compared
+    through AdamW's state (optimizer state_dicts): its first moment m_k = sum_s (1 - beta1) beta1^(k-s) g_s is a
+    fixed weighted sum (weights <= 1 in all) of the steps' gradients, each a sum of n_terms token terms, so the
+    routes differ by <= reduction_tol(n_terms) times the terms' size, taken as the gradients' weighted RMS
+    sqrt(v_k / (1 - beta2^k)) (an entry's terms are as large as the tensor's largest entries). Not the weights
+    after real AdamW steps: Adam divides by sqrt(v) + eps, which turns a rounding-level difference of an entry
+    that is itself near rounding level into up to 2 lr, and normalises away a wrong gradient scale."""
+    tol = reduction_tol(n_terms, dtype)
+    beta2 = state_a["param_groups"][0]["betas"][1]
+    assert state_a["state"].keys() == state_b["state"].keys() and state_a["state"]
+    for i, a in state_a["state"].items():
+        b = state_b["state"][i]
+        assert float(a["step"]) == float(b["step"]) > 0, i
+        scale = (a["exp_avg_sq"].max() / (1 - beta2 ** float(a["step"]))).sqrt().item()
+        assert scale > 0, f"parameter {i} never had a gradient: nothing to compare (start from trained weights)"
+        torch.testing.assert_close(b["exp_avg"], a["exp_avg"], rtol=0, atol=tol * scale, msg=f"parameter {i}")
+
+
 # CI's stage 2 (.ci/run): the fast suite has just passed on README's install, so of the fast tests it reruns only
 # those that run skipped (for want of an optional extra, now installed); the slow tests all run.
 
