@@ -49,6 +49,13 @@ def reduction_tol(n, dtype):
     return 2 * nu / (1 - nu)
 
 
+def forward_tol(roundings, size, dtype=torch.float32):
+    """Two evaluations of one network on the same weights and inputs whose sums run in other orders (other batch
+    shapes, thread counts, ranks): along an output's path `roundings` roundings (its sums' lengths over the layers)
+    of values no larger than `size`, each errs by <= roundings * u * size (first order): the two by twice that."""
+    return 2 * roundings * size * unit_roundoff(dtype)
+
+
 def assert_adam_moments_close(state_a, state_b, n_terms, dtype=torch.float32):
     """Two training routes (one process vs DDP, eager vs compiled) from the same weights at a learning rate too
     small to move them (--lr 1e-30: an AdamW step moves a weight by <= lr, far below its rounding), compared

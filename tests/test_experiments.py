@@ -123,6 +123,13 @@ def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
     return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), entropy(ids), ckpt
 
 
+# The same samples (their token ids must be equal) scored by the same AR judge in the run and here, in batches of
+# other shapes or threads: float32 forwards whose sums differ in order, < 900 roundings along a logit's path (2
+# layers of d = 64, 4d, L = 32, V = 320) of values <= 10: each NLL within 2 * 900 * 10 * 2^-24 = 1.1e-3, and so
+# log Gen PPL (the relative error of Gen PPL); other samples move it by far more.
+JUDGE_REL = 1.1e-3
+
+
 @pytest.mark.slow
 def test_sample_quality_logged_in_training_equals_the_kept_checkpoint_evaluated_afterwards(judged):
     d, _, _ = judged
@@ -133,8 +140,8 @@ def test_sample_quality_logged_in_training_equals_the_kept_checkpoint_evaluated_
         assert (r["gen_samples"], r["gen_steps"], r["gen_seed"]) == (6, 5, 3)
         ppl, ent, ckpt = expected_quality(d / "run" / f"ckpt_{r['step']}.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
         assert ckpt["step"] == r["step"] and "optimizer" not in ckpt
-        assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=1e-6)
-        assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)
+        assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=JUDGE_REL)
+        assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)      # from the same token ids: float64 counts
     assert logged[0]["gen_ppl"] != logged[1]["gen_ppl"]       # the curve moves with the model
     final = torch.load(d / "run" / "ckpt.pt", weights_only=False)
     kept = torch.load(d / "run" / "ckpt_8.pt", weights_only=False)
@@ -164,7 +171,7 @@ def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
     r, = rows(tmp_path / "two", "gen_ppl")
     ppl, ent, _ = expected_quality(tmp_path / "two" / "ckpt_4.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
     assert r["gen_samples"] == 6
-    assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=1e-6)
+    assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=JUDGE_REL)
     assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)
     meta = load_meta(str(d / "data"))
     assert rows(tmp_path / "two", "val_tokens")[-1]["val_tokens"] == meta["val_sequences"] * meta["block_size"]

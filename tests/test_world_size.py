@@ -12,6 +12,13 @@ import eval_ppl
 import train
 from data import get_tokenizer, load_meta
 from plumbing.distributed import Env
+from conftest import forward_tol
+
+# A rank evaluates its sequences in batches of another shape than one process does: float32 forwards summing in
+# other orders, < 900 roundings along a logit's path (2 layers of d = 64, 4d, L = 32, V = 320) of values <= 10:
+# within forward_tol(900, 10) = 1.1e-3 of the losses' sizes, pooled alike; a sequence scored twice or with another
+# rank's draws moves the pooled NELBO by its Monte Carlo noise (~2%), a wrong count shows exactly.
+RANKS_REL = forward_tol(900, 10)
 
 ARGS = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
         "--warmup_iters", "2", "--lr", "3e-3", "--num_samples", "0", "--ema", "0.9", "--tokenizer", "sp_train:320",
@@ -67,7 +74,7 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
         scored = 31 if loss == "ar" else 32                   # the AR baseline does not score position 0 (BOS)
         assert results[world_size]["val_tokens"] == results[1]["val_tokens"] == sequences * scored
         for key in ("val_nelbo", "val_ppl", "val_loss"):
-            assert results[world_size][key] == pytest.approx(results[1][key], rel=1e-6, abs=1e-7), key
+            assert results[world_size][key] == pytest.approx(results[1][key], rel=RANKS_REL), key
     assert 1 < results[1]["val_ppl"] < 320                    # a trained model, better than uniform over K = 320
 
 
@@ -96,7 +103,9 @@ def test_gen_ppl_and_entropy_are_the_same_for_1_2_and_4_processes(trained, one_t
     for world_size in (2, 4):
         assert samples[world_size] == samples[1]
         assert results[world_size]["gen_samples"] == 6
-        assert results[world_size]["gen_ppl"] == pytest.approx(results[1]["gen_ppl"], rel=1e-9)
+        # the same samples (checked above) scored by the bigram judge in other groups: 16-term products and a
+        # 320-term log-sum-exp of logits <= 20 in float32; the entropy from the same ids is exact float64 counting
+        assert results[world_size]["gen_ppl"] == pytest.approx(results[1]["gen_ppl"], rel=forward_tol(16 + 333, 20))
         assert results[world_size]["gen_entropy"] == pytest.approx(results[1]["gen_entropy"], rel=1e-12)
 
 
@@ -140,4 +149,4 @@ def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_v
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["val_tokens"] == one["val_tokens"] == load_meta(str(d / "data"))["val_sequences"] * 32
     for key in ("val_nelbo", "val_ppl", "val_loss"):
-        assert two[key] == pytest.approx(one[key], rel=1e-6), key
+        assert two[key] == pytest.approx(one[key], rel=RANKS_REL), key
