@@ -370,6 +370,7 @@ def test_argmax_of_gaussian_latent_is_the_uniform_state_marginal():
                                        msg=f"gamma={gamma[b].item()}")
 
 
+@pytest.mark.numerics
 def test_soft_input_becomes_onehot_at_argmax_as_tau_goes_to_zero():
     K, L = 8, 5000
     x0 = torch.randint(0, K, (1, L), generator=torch.Generator().manual_seed(0))
@@ -400,6 +401,7 @@ def test_tau_schedule_is_log_linear_between_its_endpoints():
     assert tau_schedule(200, **kw) == close(0.01) and tau_schedule(10 ** 6, **kw) == close(0.01)
 
 
+@pytest.mark.numerics
 def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
     K, L, g_min, g_max = 8, 20000, -3.5, -1.75
     t = torch.tensor([1e-3, 0.3, 0.7, 1.0])
@@ -530,6 +532,7 @@ def test_gumbel_argmax_is_an_exact_draw_from_the_softmax(block, monkeypatch):
             assert_frequencies(picked[(rows // N) == r], p, msg=f"{dtype} row {r}, picked rows")
 
 
+@pytest.mark.numerics
 def test_block_logsumexp_equals_float64_logsumexp_of_each_block():
     """One pass, in chunks of rows: each block's log-sum-exp (the last block ragged) to float32 rounding, -inf for
     a block with no mass, and their log-sum-exp is the row's (the sampler's normaliser)."""
@@ -549,6 +552,7 @@ def test_block_logsumexp_equals_float64_logsumexp_of_each_block():
         torch.testing.assert_close(torch.logsumexp(got.double(), -1), torch.logsumexp(x.double(), -1), rtol=0, atol=tol)
 
 
+@pytest.mark.numerics
 def test_gumbel_noise_has_a_float64_like_tail():
     """G = -log(-log(1 - U)), U on a 2^-48 grid: P(G > g) = 1 - exp(-e^-g). Its largest value is ~33 (a float32
     uniform stops at 16.6 and so never draws a token whose logit trails by more than that), and its bulk is Gumbel."""
@@ -626,6 +630,7 @@ def test_top_k_latent_argmax_follows_the_operator_table():
         assert_frequencies((off - 1) * 50 // (K - 1), torch.full((50,), 1 / 50), msg=f"gamma={gamma[b].item()}")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("tau", [1e-3, TOP_K_MAX_TAU])
 def test_curriculum_soft_input_equals_the_dense_softmax_to_float32_rounding(tau):
     """K = 50258, tau = 1e-3 (Duo's) and the largest tau the top-k input is used at, Duo's gamma range: complete the top-k latent to a dense w with its exact conditional
@@ -654,6 +659,7 @@ def test_curriculum_soft_input_equals_the_dense_softmax_to_float32_rounding(tau)
     torch.testing.assert_close(soft.probs.double(), dense.gather(-1, ids), rtol=2 ** -23, atol=2 ** -126)
 
 
+@pytest.mark.numerics
 def test_curriculum_input_top_k_is_exact_at_the_papers_settings():
     """K = 50258, tau = 1e-3 over Duo's gamma range, on the dense w: on every position of a draw the (k+1)-th
     coordinate is more than tau (log K + 24 log 2) below the largest, i.e. the weights the top-k input drops are

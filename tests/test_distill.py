@@ -143,6 +143,7 @@ def random_model(seed, K):
     return model
 
 
+@pytest.mark.numerics
 def test_dcd_targets_are_the_teacher_on_the_same_noise_at_the_earlier_time():
     """K = 2, where alpha = T(gamma) has the closed form 2 Phi(nu / sqrt 2) - 1 (nu = exp(-gamma / 2)): rebuild
     t + dt, s, both levels, the pair from the dense noise and the per-token KL, all independently."""
@@ -181,6 +182,7 @@ def test_dcd_targets_are_the_teacher_on_the_same_noise_at_the_earlier_time():
     torch.testing.assert_close(loss.double(), (log_p.exp() * (log_p - log_q)).sum(-1), rtol=0, atol=4e-6)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("divergence", ["kl_bwd", "kl_fwd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kl_matches_float64_autograd(divergence, dtype):
@@ -522,6 +524,7 @@ def test_signal_during_evaluation_saves_and_resume_finishes_the_same_run(base_ck
             assert torch.equal(a[key][k], b[key][k]), (key, k)
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_process_torchrun_matches_one_process(base_ckpts, tmp_path):
     """The 4 steps' gradients of 2 ranks equal one process's to float32 rounding: compared through AdamW's moments

@@ -146,6 +146,7 @@ def test_cfg_branches_share_the_noisy_continuation_in_one_forward():
     assert len({tuple(r) for r in uncond[:, :n].tolist()}) > 1
 
 
+@pytest.mark.numerics
 def test_guided_distribution_is_the_normalised_power_ratio():
     model, w = StubDenoiser(), 1.7
     xt = torch.tensor([CTX + [0, 11, 6]] * 2)
@@ -162,6 +163,7 @@ def test_guided_distribution_is_the_normalised_power_ratio():
     torch.testing.assert_close(log_p.exp().double(), ratio / ratio.sum(-1, keepdim=True), rtol=2e-5, atol=0)
 
 
+@pytest.mark.numerics
 def test_cfg_with_w0_equals_no_cfg_exactly_and_is_continuous_in_w():
     model = StubDenoiser()
     plain = scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3)
@@ -177,6 +179,7 @@ def test_cfg_with_w0_equals_no_cfg_exactly_and_is_continuous_in_w():
     assert not torch.allclose(scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=1.1), plain)
 
 
+@pytest.mark.numerics
 def test_a_perfect_denoiser_has_log_likelihood_zero_and_passes_the_argmax_check():
     gold = torch.tensor(CTX + CONT)
     perfect = StubDenoiser(favour=gold)
@@ -394,6 +397,7 @@ def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
     assert many < few / 2, (few, many)
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_estimate_is_deterministic_given_a_seed_and_independent_of_batch_size(trained):
     m = trained["model"]

@@ -75,6 +75,7 @@ SAMPLES = [[5, EOS, 7, 7, EOS, 9, EOS],      # first EOS scored, later EOS not, 
            [EOS, EOS]]                         # nothing: 0
 
 
+@pytest.mark.numerics
 def test_gen_ppl_is_exp_of_pooled_nll_with_duo_eos_rules():
     judge, model = tiny_judge()
     result = gen_ppl(SAMPLES, judge, batch_size=3, show_progress=False)     # padded batches of different lengths
@@ -94,6 +95,7 @@ def test_judge_windows_by_hand():
         judge_windows(10, 4, 4)                  # a window would score a token with nothing before it
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("stride", [1, 2, 3])
 def test_gen_ppl_of_a_sample_longer_than_the_judge_is_brute_force_per_token_scoring(stride):
     """A sample truncated to 10 tokens, judge context 4: gen_ppl's sliding windows give the pooled NLL of scoring
@@ -171,6 +173,7 @@ def printed_nelbo(logits, x0, z, alpha, dalpha):
     return dalpha / (K * alpha) * bracket
 
 
+@pytest.mark.numerics
 def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw():
     """Independent of the code under test: the model's own inputs and outputs, alpha_t = exp(-sigma), the
     log-linear alpha' = -(1 - 1e-3), Eq. (usdm) written out in float64, pooled over the unmasked tokens of every
@@ -201,6 +204,7 @@ def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_th
     assert result["estimator"] == "nelbo"
 
 
+@pytest.mark.numerics
 def test_ar_checkpoint_gets_its_exact_perplexity():
     model = perturbed(CAUSAL)
     x0 = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(0))

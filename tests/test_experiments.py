@@ -130,6 +130,7 @@ def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
 JUDGE_REL = 1.1e-3
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_sample_quality_logged_in_training_equals_the_kept_checkpoint_evaluated_afterwards(judged):
     d, _, _ = judged
@@ -157,6 +158,7 @@ def test_eval_iters_zero_validates_the_whole_split(judged):
     assert val and all(r["val_tokens"] == meta["val_sequences"] * meta["block_size"] for r in val)
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
     """Two ranks: rank r draws the groups r, r + 2, r + 4 of eval_ppl.sample_groups (6 samples: 6 groups of one);

@@ -73,6 +73,7 @@ def embedding_of(model, x):
     return seen[0]
 
 
+@pytest.mark.numerics
 def test_soft_token_embedding_runs_in_the_autocast_dtype_and_exactly_in_float32():
     """The curriculum's soft tokens (k rows of E per position) are summed in float32 without autocast, exactly as
     F.embedding_bag on float32; under bf16 autocast in bf16 (exactly embedding_bag on bf16 E and weights), handed on

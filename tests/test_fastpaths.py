@@ -81,6 +81,7 @@ def lse_case():
     return x.bfloat16()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 30, 64])  # 4 and 7 leave a ragged last chunk; 64 > 30 rows
 def test_logsumexp_fp32_matches_float64_logsumexp_for_every_chunk_size(chunk_rows):
     x = lse_case().requires_grad_(True)
@@ -133,6 +134,7 @@ LOSS_CALLS = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", list(LOSS_CALLS))
 def test_every_loss_on_bf16_logits_matches_float64_on_the_same_values(name):
     logits, x0, xt, neg, alpha_t, upstream = loss_case()
@@ -172,6 +174,7 @@ def target_grad_error(grad, ref, x0):
     return ((at(grad) - at(ref)).abs() / at(ref).abs()).max().item()
 
 
+@pytest.mark.numerics
 def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
     """At p(x0) ~ 0.9-0.99 (a model that is learning) the target entry p - 1 of the gradient is formed in float32
     and rounded once to bf16; a gather plus a separate log-sum-exp would round it twice (~13% error at p = 0.9)."""
@@ -225,6 +228,7 @@ HEAD_LOSSES = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", list(HEAD_LOSSES))
 def test_loss_on_a_head_equals_the_loss_on_its_logits(name, dtype):
@@ -299,6 +303,7 @@ def test_losses_on_a_head_keep_no_vocabulary_sized_tensor_for_backward(name):
         assert saved == [(torch.bfloat16, s) for s in kept], (chunk, keep)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype):
     """usdm_nelbo_loss_lean = usdm_nelbo_loss in row chunks (3 rows, ragged last): values and the logits' gradient
@@ -332,6 +337,7 @@ def test_lean_nelbo_keeps_only_the_logits_for_backward():
     assert len(big) == 1 and big[0].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -375,6 +381,7 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
 # -----------------------------------------------------------------------------
 # the training step: the Head route against the full logits, and the curriculum's top-k input
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["sddlm_v1", "ar", "duo_lean"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast):
@@ -470,6 +477,7 @@ def test_sampler_builds_no_float64_vocabulary_tensor_with_cfg_and_top_p(monkeypa
 # the model's fast kernels: bf16 autocast for training, SDPA's CPU kernels
 # (test_model.py checks the bf16 forward and SDPA in float64 against hand-written attention)
 
+@pytest.mark.numerics
 def test_bf16_autocast_training_gradients_are_close_to_float32():
     model, tcfg = small_model("sddlm_v1")
     x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -494,6 +502,7 @@ def test_bf16_autocast_training_gradients_are_close_to_float32():
 # -----------------------------------------------------------------------------
 # torch.compile on CPU
 
+@pytest.mark.numerics
 @pytest.mark.slow
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import

@@ -74,6 +74,7 @@ def test_every_loss_on_a_head_equals_the_plain_loss_on_its_logits_in_float64(nam
     assert (got[2][V:] == 0).all() and (got[3][V:] == 0).all()         # the padding rows are never scored
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("rows", [5, 48])
 @pytest.mark.parametrize("name", list(PLAIN))
@@ -98,6 +99,7 @@ def test_every_loss_on_a_bf16_head_equals_the_plain_loss_on_its_bf16_logits(name
         torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=8 * BF16_U * b.abs().max().item(), msg=what)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["sddlm_v1", "duo"])
 def test_kept_and_recomputed_logits_give_the_same_bits(name, dtype):
@@ -148,6 +150,7 @@ def test_logits_are_kept_only_for_a_backward(name, monkeypatch):
     assert alive == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.numerics
 def test_w_gradient_is_summed_over_chunks_in_float32():
     """bf16 Head in 48 one-row chunks: W's gradient is the one-chunk gradient up to one final bf16 rounding (each
     chunk's product added to a float32 sum, not first rounded to bf16)."""

@@ -95,6 +95,7 @@ def test_the_probe_leaves_no_compiled_graph_and_ddp_keeps_gradients_in_its_bucke
     assert model.config is run.raw_model.config                     # diffusion.loss_terms reads it through DDP
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_ddp_compiled_after_the_probe_splits_its_graph_at_the_buckets_and_equals_one_process(one_rank_group, graphs,
                                                                                              one_thread):

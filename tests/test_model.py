@@ -237,6 +237,7 @@ def test_init_distributions_match_specs():
     assert llama.lm_head.bias is None
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", ["dit", "llama"])
 def test_bf16_autocast_close_to_float32(arch):
     torch.manual_seed(0)
@@ -342,6 +343,7 @@ def test_padded_output_layer_returns_and_scores_the_vocabulary_only():
     assert torch.equal(twin.lm_head.bias.grad[50:], torch.zeros(14, dtype=torch.float64))
 
 
+@pytest.mark.numerics
 def test_checkpoints_from_before_padding_load_and_give_identical_outputs(tmp_path):
     """A model_config without vocab_multiple (written before it existed) loads unpadded, bit for bit."""
     config = asdict(ModelConfig(**TINY))
@@ -376,6 +378,7 @@ def test_rope_tables_are_cached_buffers_equal_to_fresh_ones_and_not_saved():
     assert torch.equal(long_cos, rope_cos_sin(torch.arange(20), 16, 10000.0)[0])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", ["dit", "llama"])
 def test_head_output_gives_the_models_logits(arch):
     model = random_model(**(TINY if arch == "dit" else TINY_LLAMA)).float()
@@ -387,6 +390,7 @@ def test_head_output_gives_the_models_logits(arch):
         assert torch.equal(F.linear(head.hidden, head.weight, head.bias), logits)
 
 
+@pytest.mark.numerics
 def test_norm_output_is_rounded_once_to_the_matmul_dtype():
     """Under bf16 autocast the adaLN-modulated norm goes to bf16 once: bit for bit what autocast made of the
     float32 value at the next matrix product; its gradient within bf16 rounding of the float32 one."""

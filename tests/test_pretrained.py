@@ -130,6 +130,7 @@ def test_generate_uses_the_schedule_and_final_step_of_the_config(tmp_path, tok_p
     assert texts != by_hand("loglinear", "greedy") and texts != by_hand("cosine", "ancestral")  # the test can fail
 
 
+@pytest.mark.numerics
 def test_score_is_the_exact_nll_of_an_ar_model_and_the_nelbo_of_a_diffusion_model(tmp_path, tok_path):
     ar = SDDLM.from_pretrained(fake_checkpoint(tmp_path / "ar.pt", tok_path, loss="ar", causal=True))
     ids = torch.tensor([ar.tokenizer.encode(TEXT)])

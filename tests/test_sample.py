@@ -80,6 +80,7 @@ def test_final_ancestral_step_alone_lands_on_x0_from_a_large_t_end():
     assert torch.equal(after, x0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("final_step,nfe", [("ancestral", 9), ("greedy", 9), ("none", 8)])
 def test_duo_time_grid_and_nfe(final_step, nfe):
     """N = 8 steps on ts = linspace(1, 1e-5, N + 1): the network sees sigma = -log alpha(ts[i]) for i = 0..N-1,
@@ -348,6 +349,7 @@ def test_duo_flags_rerun_each_of_duos_psi_scripts_step_for_step(script):
         assert kappas[i] == pytest.approx(kappa, abs=1e-12), (script, i)
 
 
+@pytest.mark.numerics
 def test_generate_runs_duos_schedule_step_for_step(monkeypatch):
     """sample.generate with --psi_grid duo conditions the network on Duo's times and draws each step with Duo's
     kappa (duo_reference_schedule of its loop script, 20 steps), then the final ancestral step."""
@@ -482,6 +484,7 @@ def test_cfg_runs_one_batched_forward_with_random_tokens_in_place_of_the_prompt(
 # bf16 logits too (float64: 7e-15, 1e-12)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 66 * 2 ** -24),
                                        (torch.bfloat16, 66 * 2 ** -24)])
+@pytest.mark.numerics
 def test_cfg_combination_rule(dtype, tol):
     """p~ = p_c^(1+w) / p_u^w renormalised, from one forward of the concatenated batch; the sampler combines
     the logits in their own precision, at least float32 (float32 rounding only, for bf16 logits too)."""
@@ -513,6 +516,7 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     assert nucleus(probs, 1.0) is probs
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.7, 0.95, 0.999])
 def test_nucleus_on_logits_is_the_nucleus_of_the_softmax(top_p):
     """The sampler filters logits (float32, in chunks of rows, no float64 vocabulary tensor): softmax of the result

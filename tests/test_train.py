@@ -156,6 +156,7 @@ SAME_WEIGHTS = ["--resume", "1", "--lr", "1e-30", "--grad_clip", "0", "--eval_in
                 "--lr_schedule", "constant"]
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["auto", "fused"])      # the CPU's plain logits, and the fused head CUDA takes
 def test_two_process_torchrun_matches_one_process(head, corpus, tmp_path):
@@ -178,6 +179,7 @@ def test_two_process_torchrun_matches_one_process(head, corpus, tmp_path):
     assert_adam_moments_close(a["optimizer"], b["optimizer"], n_terms=8 * 32)     # 8 sequences of 32 tokens
 
 
+@pytest.mark.numerics
 def test_grad_accumulation_matches_one_big_batch(corpus, tmp_path):
     """--grad_accum 4 sums four micro-batch gradients of loss / 4 on the same data, times and noise as one batch
     of 8: at every step the optimizer receives the one batch's gradient, to float32 rounding. Compared where the
@@ -354,6 +356,7 @@ def spy_step(loss, vocab_size, batch, length, seed=0, **overrides):
     return model, x0, state
 
 
+@pytest.mark.numerics
 def test_training_conditions_the_model_on_minus_log_alpha_t():
     """The network sees sigma = -log alpha_t (as Duo), alpha_t = 1 - (1 - 1e-3) t of the step's stratified times
     (during the curriculum: Duo's T(gamma_t)), the times replayed here from the shared generator's first draw,

@@ -53,6 +53,7 @@ def rank_runs(args, ckpt, world_size):
     return cfg, runs
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss, eval_iters", [("sddlm_v1", 3), ("sddlm", 0), ("ar", 2)])
 def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iters, one_thread):
     d, args, ckpt = trained
@@ -78,6 +79,7 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
     assert 1 < results[1]["val_ppl"] < 320                    # a trained model, better than uniform over K = 320
 
 
+@pytest.mark.numerics
 def test_gen_ppl_and_entropy_are_the_same_for_1_2_and_4_processes(trained, one_thread):
     d, args, ckpt = trained
     tok = get_tokenizer(load_meta(str(d / "data"))["tokenizer"])
@@ -137,6 +139,7 @@ def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out
         dist.destroy_process_group()
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_validation(trained, tmp_path):
     import torch.multiprocessing as mp
