@@ -203,6 +203,7 @@ def test_init_gives_uniform_prediction_and_adaln_conditions_on_sigma():
 def test_time_cond_off_ignores_sigma():
     model = random_model(**dict(TINY, time_cond=False))
     x = torch.randint(0, 50, (2, 8))
+    # exactly: sigma is never read, and the same ops run on the same values in this process
     torch.testing.assert_close(model(x), model(x, torch.tensor([0.1, 4.0])), rtol=0, atol=0)
 
 
@@ -274,7 +275,7 @@ def test_load_checkpoint_round_trip_and_ema(tmp_path):
     x, sigma = torch.randint(0, 50, (2, 8)), torch.tensor([0.5, 2.0])
     loaded, ckpt = load_checkpoint(path, use_ema=True)
     assert ckpt["step"] == 7 and not loaded.training
-    torch.testing.assert_close(loaded(x, sigma), ema(x, sigma), rtol=0, atol=0)
+    torch.testing.assert_close(loaded(x, sigma), ema(x, sigma), rtol=0, atol=0)    # the same weights and kernels
     loaded, _ = load_checkpoint(str(path), use_ema=False)
     torch.testing.assert_close(loaded(x, sigma), model(x, sigma), rtol=0, atol=0)
 
@@ -387,7 +388,7 @@ def test_head_output_gives_the_models_logits(arch):
         with ctx:
             logits, head = model(x, sigma), model(x, sigma, return_head=True)
         assert head.hidden.dtype == head.weight.dtype == logits.dtype
-        assert torch.equal(F.linear(head.hidden, head.weight, head.bias), logits)
+        assert torch.equal(F.linear(head.hidden, head.weight, head.bias), logits)     # the same op, same values
 
 
 @pytest.mark.numerics

@@ -206,7 +206,7 @@ def test_loop_profile_holds_the_level_for_the_middle_fraction_of_the_steps():
     assert phase == [0] * 8 + [1] * 10 + [2] * 2
     expected = torch.cat([torch.linspace(1, 0.3, 9, dtype=torch.float64), torch.full((10,), 0.3, dtype=torch.float64),
                           torch.linspace(0.3, 1e-5, 3, dtype=torch.float64)[1:]])
-    torch.testing.assert_close(ts, expected, rtol=0, atol=0)
+    torch.testing.assert_close(ts, expected, rtol=0, atol=0)         # the same float64 linspaces: exactly
     rec = Recorder(lambda x, sigma: torch.zeros(*x.shape, 5))
     generate(rec, 2, 4, 5, 20, psi=psi, generator=gen(0), show_progress=False)
     sigmas = torch.stack([s[0].double() for _, s in rec.calls])
