@@ -49,6 +49,8 @@ def compiler_missing():
         return "torch.compile is not supported on this platform"
     if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         return "no C++ compiler for TorchInductor's CPU backend"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":     # its generated C++ uses at::vec, undeclared there
+        return "TorchInductor's C++ does not build under ATEN_CPU_CAPABILITY=default (torch 2.13)"
     return None
 
 
