@@ -5,6 +5,7 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
     python train.py --loss sddlm_v1 --max_iters 2000
     torchrun --nproc_per_node=8 train.py --loss sddlm_v1   # the paper's recipe: --preset small, OpenWebText
     python train.py --out_dir out --resume 1          # continue exactly where a run stopped
+    python train.py --init out/ckpt.pt --loss sddlm_v1 --out_dir out-ft   # fine-tune a trained model (or duo:PATH)
 
 Every field of TrainConfig is a flag (--help: what it does, the value the run takes); --preset applies a recipe
 (TRAIN_PRESETS: tiny without --preset, small for a torchrun launch on CUDA), explicit flags win. Top to bottom: the
@@ -28,6 +29,7 @@ from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import open_out_dir
 from plumbing.distributed import micro_batches, run_distributed, torchrun_on_cuda
+from plumbing.finetune import start_from
 from plumbing.flags import check_train_flags, curriculum_from_share
 from plumbing.run import RunPlumbing
 from prepare import check_settings, prepare_for_run
@@ -80,6 +82,12 @@ class TrainConfig(OptimConfig):
     eps: float = losses.EPS          # epsilon of SDDLM-V1/V2 in log(p + eps)
     head: str = "auto"               # output layer + loss: auto (fused on CUDA, plain on CPU) | plain (full logits) |
                                      # fused (in chunks, logits kept) | fused_recompute (recomputed in backward)
+    # fine-tuning
+    # start from a trained model: its weights, its model, its tokenizer and block size (unless given; a preset's are
+    # not), no curriculum unless asked for; the optimizer, the schedule, the step count and the EMA start fresh
+    init: str = ""                   # the trained model: a ckpt.pt (train.py, distill.py), a model folder, duo:PATH or
+                                     # duo:HUB_NAME (Duo's release); "" = random weights
+    init_ema: bool = True            # with --init: its EMA weights, where it has them (0: its live weights)
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)
     tokenizer: str = "sp_train:2048"  # gpt2 | sp:/path/tokenizer.model | hf:NAME | sp_train:VOCAB (train on corpus)
@@ -147,11 +155,16 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 # -----------------------------------------------------------------------------------------------
 # config
 
-def parse_config(argv=None):
+def parse_config(argv=None, given=None):
     """The command line -> TrainConfig, parsed once: the preset (--preset, else default_preset's), the flags given
-    over it, and the curriculum's share of the run (curriculum_from_share)."""
+    over it, and the curriculum's share of the run (curriculum_from_share). given: a dict that receives the flags
+    on the command line (--init's rules need them: plumbing.finetune.start_from)."""
+    def resolve(cfg, flags):
+        if given is not None:
+            given.update(flags)
+        return curriculum_from_share(cfg, flags)
     return cli.parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
-                           default_preset=default_preset, resolve=curriculum_from_share,
+                           default_preset=default_preset, resolve=resolve,
                            preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
                                                     f"{', '.join(f'{k}={v}' for k, v in PRESETS[name].items())}")
 
@@ -172,7 +185,8 @@ def check_config(cfg):
     data preparation's flags (prepare.py), the model's shape at any vocabulary (e.g. n_embd into n_head heads)."""
     check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_settings(cfg.num_proc)
-    model_config_for(cfg, cfg.vocab_size or 2)
+    if not cfg.init:                  # with --init the model is SOURCE's (plumbing.finetune.check_flags)
+        model_config_for(cfg, cfg.vocab_size or 2)
 
 
 def model_config_for(cfg, vocab_size):
@@ -300,20 +314,26 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
 # the run
 
 def main(argv=None):
-    cfg = parse_config(argv)
+    given = {}
+    cfg = parse_config(argv, given)
     check_config(cfg)
-    return run_distributed(cfg, lambda env: train(cfg, env))   # this process in a torchrun job; out_dir locked
+    source = start_from(cfg, given)   # --init: the trained model the run starts from (its model, tokenizer, length)
+    return run_distributed(cfg, lambda env: train(cfg, env, source))   # this process in a torchrun job; out_dir locked
 
 
-def train(cfg, env):
-    if env.master and cfg.preset == FLAGSHIP_PRESET and torchrun_on_cuda(cfg.device):
+def train(cfg, env, source=None):
+    if env.master and cfg.preset == FLAGSHIP_PRESET and torchrun_on_cuda(cfg.device) and source is None:
         print(FLAGSHIP_NOTE, flush=True)         # first: the flagship default, before hours of data preparation
     judge = load_gen_judge(cfg, env)             # a judge that cannot load fails before the data are prepared
     data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
     cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
-    mcfg = model_config_for(cfg, meta["vocab_size"])
+    if source is None:
+        mcfg = model_config_for(cfg, meta["vocab_size"])
+    else:                                        # fine-tuning: SOURCE's model; the data's tokenizer is its
+        mcfg = source.model_config_for(cfg)
+        source.check_data(data_dir, meta)
     ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, export)
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, extra=source and source.extra)
     if plumbing.done(ckpt):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
@@ -321,10 +341,19 @@ def train(cfg, env):
         if cfg.curriculum_share:                 # a curriculum from its share: the steps the run started with
             cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
         plumbing.resume(run, ckpt)
+    elif source is not None:
+        source.start(run)                        # SOURCE's weights; the EMA starts at them
     plumbing.place_model(run)                    # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     config = {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}
-    with plumbing.start(run, config):            # config.json, the run in two lines, log.jsonl; signals set a flag
+    lines = None
+    if source is not None:                       # config.json and the start lines say what the run fine-tunes
+        config.update(source.extra())
+        lines = source.lines(cfg, run.raw_model, env)
+    with plumbing.start(run, config, lines):     # config.json, the run in two lines, log.jsonl; signals set a flag
+        if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
+            plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env),
+                                           lambda sums: {**val_metrics(sums, cfg, data_dir), "init": source.described})
         while run.it < cfg.max_iters:
             x0, mask = run.loader.next_batch()
             loss = train_step(run, cfg, env, x0, mask)

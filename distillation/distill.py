@@ -44,15 +44,15 @@ import torch
 import curriculum.gaussian as curriculum
 import diffusion
 import train
-from plumbing.cli import UsageError, autocast_for, first_line, parse_flags, resolve_dtype, run_cli
+from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_sums
 from hub.pretrained import export
 from model import ModelConfig
-from plumbing.checkpoint import (RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, read_checkpoint,
-                                 refuse_other_script)
+from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script
 from plumbing.distributed import compiles, micro_batches, run_distributed
-from plumbing.integrity import check_checkpoint_fields, check_tokenizer_identity
+from plumbing.finetune import read_init, tokenizer_identity
+from plumbing.integrity import check_tokenizer_identity
 from plumbing.files import refuse_overwrite, run_outputs
 from plumbing.run import RunPlumbing
 from plumbing.tracking import require_trackers
@@ -65,7 +65,7 @@ class DistillConfig(train.OptimConfig):
     # the model to distil
     preset: str = "tiny"             # tiny (a short CPU schedule) | small (Duo's distil_owt.sh schedule)
     init: str = "out/ckpt.pt"        # the model to distil: a ckpt.pt or model folder of train.py (of distill.py:
-                                     # more rounds)
+                                     # more rounds), duo:PATH or duo:HUB_NAME (Duo's release)
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
     # DCD
     round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round
@@ -249,29 +249,14 @@ def validate(cfg, world_size):
 
 
 def load_init(cfg):
-    """The model to distil -> (its weights, a checkpoint dict): a train.py / distillation/distill.py checkpoint, or a model
-    folder (hub/pretrained.py; read as a checkpoint by plumbing.folder.load_folder). Refuses the AR baseline."""
-    if os.path.isdir(cfg.init):
-        from plumbing.folder import load_folder
-        try:
-            model, ckpt = load_folder(cfg.init, use_ema=cfg.init_ema)
-        except ValueError as e:
-            raise UsageError(f"--init {first_line(e)}") from None
-        weights = model.state_dict()
-    else:
-        if not os.path.isfile(cfg.init):
-            raise UsageError(f"--init {cfg.init}: no such checkpoint")
-        try:
-            ckpt = read_checkpoint(cfg.init)
-        except ValueError as e:
-            raise UsageError(f"--init {cfg.init}: cannot read it ({e})") from None
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-            raise UsageError(f"--init {cfg.init} is not an sddlm checkpoint (no 'model' / 'model_config')")
-        check_checkpoint_fields(ckpt, cfg.init)
-        weights = ckpt["ema"] if cfg.init_ema and ckpt.get("ema") is not None else ckpt["model"]
+    """The model to distil -> (its weights, a checkpoint dict): anything every script's --ckpt reads (a train.py /
+    distillation/distill.py checkpoint, a model folder, duo:PATH; plumbing.finetune.read_init). Refuses the AR
+    baseline."""
+    model, ckpt = read_init(cfg.init, cfg.init_ema)
     if ckpt["model_config"].get("causal"):
         raise UsageError(f"--init {cfg.init} is the autoregressive baseline; DCD distils diffusion models")
-    return {k.removeprefix("_orig_mod."): v for k, v in weights.items()}, ckpt
+    ckpt["meta"] = tokenizer_identity(ckpt.get("meta"), ckpt["model_config"], f"--init {cfg.init}")   # by content
+    return model.state_dict(), ckpt
 
 
 def data_for(cfg, init_ckpt, record, vocab_size):
@@ -398,7 +383,8 @@ def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
     see its objective, schedule and data), the DCD settings, where it came from, and the round's teacher."""
     return {"train_config": {**(init_ckpt.get("train_config") or {}), "data_dir": data_dir},
             "distill_config": asdict(cfg),
-            "distilled_from": {"ckpt": init_ckpt.get("path") or os.path.abspath(cfg.init),
+            "distilled_from": {"ckpt": init_ckpt.get("path") or (cfg.init if cfg.init.startswith("duo:") else
+                                                                  os.path.abspath(cfg.init)),
                                "step": init_ckpt.get("step"),
                                "distill_config": init_ckpt.get("distill_config")},
             "teacher": {k: v.detach().clone() for k, v in teacher.state_dict().items()}}

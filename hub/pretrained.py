@@ -69,6 +69,7 @@ def folder_config(ckpt, weights, validation=None):
                       **{k: meta.get(k) for k in ("vocab_size", "bos_id", "eos_id", "pad_id")}},
         "train_config": train_config,
         **({"distilled_from": ckpt["distilled_from"]} if ckpt.get("distilled_from") else {}),
+        **({"finetuned_from": ckpt["finetuned_from"]} if ckpt.get("finetuned_from") else {}),
         **({"source": ckpt["source"]} if ckpt.get("source") else {}),
     }
 
@@ -125,6 +126,10 @@ def model_card(config, name="PATH"):
     if config.get("distilled_from"):
         origin = config["distilled_from"]
         rows.append(("distilled from", f"`{origin.get('ckpt') if isinstance(origin, dict) else origin}`"))
+    if isinstance(config.get("finetuned_from"), dict):       # train.py --init: the model this one started from
+        origin = config["finetuned_from"]
+        rows.append(("fine-tuned from", f"`{origin.get('source')}`: objective `{origin.get('objective')}`, step "
+                                        f"{origin.get('step')}, its {origin.get('weights')} weights"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return f"""---
 library_name: sddlm

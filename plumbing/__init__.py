@@ -5,5 +5,6 @@ signals (every stop signal, at every phase), checkpoint (the state dict, save / 
 loading a model and its tokenizer), folder (model folders: reading and checking), duo (Duo's released
 checkpoints), memory (the micro-batch probe), runlog (log.jsonl, the progress bar, a run's first and last lines),
 tracking (wandb, TensorBoard), integrity (what a reader checks before it trusts a file; the divergence rule),
-flags (train.py's flags checked at start-up) and run (RunPlumbing: the training loop's plumbing behind one face).
+flags (train.py's flags checked at start-up), finetune (a run that starts from a trained model: --init) and run
+(RunPlumbing: the training loop's plumbing behind one face).
 Nothing here imports a script."""

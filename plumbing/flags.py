@@ -21,10 +21,14 @@ def curriculum_from_share(cfg, given):
     losses, round(--curriculum_share x --max_iters): a preset's curriculum (0.5: Duo's 500K of 1M) covers the same
     share of a shorter or longer run. The AR baseline has none (--curriculum_share given with it is refused, as
     --curriculum_iters is by check_train_flags). A nonzero share in a config says its steps came from it: a run
-    resumed without --curriculum_iters keeps the steps its checkpoint recorded (train.py)."""
+    resumed without --curriculum_iters keeps the steps its checkpoint recorded (train.py). A run from a trained model
+    (--init) has a curriculum only when asked for (--curriculum_iters or --curriculum_share given): Duo's curriculum
+    is for the start of training, from random weights."""
     causal = cfg.loss in OBJECTIVES and OBJECTIVES[cfg.loss].causal
     if causal and given.get("curriculum_share"):
         raise ConfigError("--curriculum_share applies to diffusion losses, not --loss ar")
+    if cfg.init and "curriculum_share" not in given:
+        cfg.curriculum_share = 0.0
     if "curriculum_iters" in given or causal:      # the user's steps, or none
         cfg.curriculum_iters, cfg.curriculum_share = given.get("curriculum_iters", 0), 0.0
     elif cfg.curriculum_share:
@@ -37,10 +41,14 @@ def check_train_flags(cfg, world_size):
     torchrun job's ranks), and no output of the run over one of its inputs -> ConfigError (UsageError) naming the
     flag and what it accepts. train.check_config adds the data preparation's flags and the model's shape."""
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
-                                                               "--tokenizer": cfg.tokenizer, "--judge": cfg.judge})
+                                                               "--tokenizer": cfg.tokenizer, "--judge": cfg.judge,
+                                                               "--init": cfg.init})
     require_trackers(cfg)
     if not cfg.out_dir.strip():
         raise ConfigError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out")
+    if cfg.init and cfg.resume:
+        raise ConfigError("--init starts a new run from a trained model and --resume 1 continues out_dir's checkpoint "
+                          "(a fine-tuning run's records its start): drop --init to resume, or --resume to start anew")
     if cfg.loss not in OBJECTIVES:
         raise ConfigError(f"unknown --loss {cfg.loss!r}; choose from {', '.join(OBJECTIVES)}")
     if cfg.preset not in PRESETS:

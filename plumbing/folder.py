@@ -125,4 +125,6 @@ def load_folder(folder, device="cpu", use_ema=True):
         ckpt["validation"] = config["validation"]
     if config.get("distilled_from"):
         ckpt["distilled_from"] = config["distilled_from"]
+    if config.get("finetuned_from"):
+        ckpt["finetuned_from"] = config["finetuned_from"]
     return model.to(device).eval(), ckpt

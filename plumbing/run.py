@@ -158,6 +158,9 @@ class RunPlumbing:
     def diverged(self, why, step):
         """The error a diverged run ends with (exit code 2), saying what is kept and what to change."""
         why = why.replace(" loss", f" {self.loss_name}", 1)
+        if step == 0:             # before any step: the weights the run starts from (train.py --init)
+            return FloatingPointError(f"{why} at step 0, before any training: the weights the run starts from are not "
+                                      f"sound (--init {getattr(self.cfg, 'init', '')}); {kept(self.cfg)}")
         return FloatingPointError(f"{why} by step {step}; {kept(self.cfg)}. Lower --lr (now {self.lr:.2e}) or check "
                                   f"the data.")
 
