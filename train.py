@@ -86,7 +86,7 @@ class TrainConfig(OptimConfig):
     # start from a trained model: its weights, its model, its tokenizer and block size (unless given; a preset's are
     # not), no curriculum unless asked for; the optimizer, the schedule, the step count and the EMA start fresh
     init: str = ""                   # the trained model: a ckpt.pt (train.py, distill.py), a model folder, duo:PATH or
-                                     # duo:HUB_NAME (Duo's release); "" = random weights
+                                     # duo:USER/NAME (Duo's release on the hub); "" = random weights
     init_ema: bool = True            # with --init: its EMA weights, where it has them (0: its live weights)
     # data
     dataset: str = "pydoc"           # pydoc (built in) | path to .txt file/folder | HF name (openwebtext, lm1b, ...)

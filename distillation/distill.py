@@ -65,7 +65,7 @@ class DistillConfig(train.OptimConfig):
     # the model to distil
     preset: str = "tiny"             # tiny (a short CPU schedule) | small (Duo's distil_owt.sh schedule)
     init: str = "out/ckpt.pt"        # the model to distil: a ckpt.pt or model folder of train.py (of distill.py:
-                                     # more rounds), duo:PATH or duo:HUB_NAME (Duo's release)
+                                     # more rounds), duo:PATH or duo:USER/NAME (Duo's release on the hub)
     init_ema: bool = True            # start from its EMA weights (the ones that are evaluated)
     # DCD
     round_iters: int = 100           # steps per round; the teacher is refreshed and dt doubles every round

@@ -114,7 +114,7 @@ def read_init(spec, use_ema=True):
     load -> UsageError (one line)."""
     from plumbing.checkpoint import load_model
     if not spec.startswith("duo:") and not os.path.exists(spec):
-        raise UsageError(f"--init {spec}: no such checkpoint or model folder (duo:PATH or duo:HUB_NAME for Duo's)")
+        raise UsageError(f"--init {spec}: no such checkpoint or model folder (duo:PATH or duo:USER/NAME for Duo's)")
     try:
         return load_model(spec, "cpu", use_ema=use_ema)
     except UsageError as e:

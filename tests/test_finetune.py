@@ -8,6 +8,7 @@ Exactness: every run here has one torch thread (--threads 1) and the same valida
 (train.py's evaluate), so the same weights give the same float32 operations in the same order: the validation
 numbers are compared bit for bit, and any other weights (the live ones, another step's, random ones) give others."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,6 +132,16 @@ def test_a_run_from_a_model_folder_or_a_duo_checkpoint_starts_at_the_sources_num
         assert step0(tmp_path / "ft")["init"] == f"{spec} (objective duo, step None, live weights)"
 
 
+def test_the_output_layer_padded_to_another_multiple_keeps_the_sources_numbers(source, tmp_path):
+    """--vocab_multiple 128 (Duo's checkpoints have none; the GPU's matrix products like multiples of 128): the
+    output layer gains zero padding rows, never returned, so the model computes what SOURCE does."""
+    assert finetune(source, tmp_path / "ft", "--init", source["ckpt"], "--vocab_multiple", "128", "--loss", "sddlm",
+                    "--max_iters", "1") == 0
+    same_validation(step0(tmp_path / "ft"), source["val"])
+    ck = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=False)
+    assert ck["model_config"]["vocab_multiple"] == 128 and ck["model"]["lm_head.weight"].shape == (384, 64)
+
+
 def test_init_ema_0_starts_from_the_live_weights(source, tmp_path):
     """--init_ema 0: the checkpoint's live weights, as its export with --weights raw holds them; not the EMA."""
     assert finetune(source, tmp_path / "a", "--init", source["ckpt"], "--init_ema", "0", "--max_iters", "1") == 0
@@ -220,3 +231,29 @@ def test_distillation_takes_a_duo_checkpoint_as_its_init(source, tmp_path):
     for key in ("model", "ema", "teacher"):
         assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
     assert b["distilled_from"]["ckpt"] == "duo:" + source["duo"]
+
+
+@pytest.mark.slow
+def test_two_process_torchrun_fine_tuning_matches_one_process(source, tmp_path):
+    """Every rank starts from SOURCE's weights (and EMA): a fine-tuning run under torchrun equals one process, as a
+    run from random weights does (tolerances: tests/test_train.py's two-process test, same model and steps)."""
+    assert finetune(source, tmp_path / "prep", "--init", source["ckpt"], "--max_iters", "1") == 0   # data prepared
+    common = [*source["args"], "--init", source["ckpt"], "--loss", "sddlm_v1", "--max_iters", "4",
+              "--lr_schedule", "constant", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "train.py", *common, "--out_dir", str(tmp_path / "one")],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", *common, "--out_dir", str(tmp_path / "two")],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    # step 0: SOURCE's numbers on 2 ranks, each scoring half the rows: float32 per-token terms of other matrix
+    # shapes may differ in their last bits (relative 2^-24 each), so their mean over 512 tokens agrees to ~1e-7
+    first, second = step0(tmp_path / "one"), step0(tmp_path / "two")
+    assert math.isclose(first["val_nelbo"], second["val_nelbo"], rel_tol=1e-6), (first, second)
+    a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
+    b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
+    for key in ("model", "ema"):
+        for k in a[key]:
+            torch.testing.assert_close(a[key][k], b[key][k], rtol=1e-5, atol=1e-5, msg=f"{key} {k}")
