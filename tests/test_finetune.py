@@ -19,6 +19,7 @@ import torch
 import curriculum.gaussian as curriculum
 import diffusion
 import train
+from conftest import assert_adam_moments_close, forward_tol
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 # the run's recipe: the model, tokenizer and length come from SOURCE
@@ -132,12 +133,17 @@ def test_a_run_from_a_model_folder_or_a_duo_checkpoint_starts_at_the_sources_num
         assert step0(tmp_path / "ft")["init"] == f"{spec} (objective duo, step None, live weights)"
 
 
+@pytest.mark.numerics
 def test_the_output_layer_padded_to_another_multiple_keeps_the_sources_numbers(source, tmp_path):
     """--vocab_multiple 128 (Duo's checkpoints have none; the GPU's matrix products like multiples of 128): the
-    output layer gains zero padding rows, never returned, so the model computes what SOURCE does."""
+    output layer gains zero padding rows, never returned, so the model computes what SOURCE does. The 384-row
+    product may order a logit's sums otherwise: within forward_tol of the whole float32 forward (the bound of
+    test_two_process_torchrun_fine_tuning_matches_one_process), though only the head's 64-term sums can move."""
     assert finetune(source, tmp_path / "ft", "--init", source["ckpt"], "--vocab_multiple", "128", "--loss", "sddlm",
                     "--max_iters", "1") == 0
-    same_validation(step0(tmp_path / "ft"), source["val"])
+    first = step0(tmp_path / "ft")
+    for key in ("val_nelbo", "val_loss"):
+        assert math.isclose(first[key], source["val"][key], rel_tol=forward_tol(1400, 1.0)), key
     ck = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=False)
     assert ck["model_config"]["vocab_multiple"] == 128 and ck["model"]["lm_head.weight"].shape == (384, 64)
 
@@ -233,13 +239,15 @@ def test_distillation_takes_a_duo_checkpoint_as_its_init(source, tmp_path):
     assert b["distilled_from"]["ckpt"] == "duo:" + source["duo"]
 
 
+@pytest.mark.numerics
 @pytest.mark.slow
 def test_two_process_torchrun_fine_tuning_matches_one_process(source, tmp_path):
-    """Every rank starts from SOURCE's weights (and EMA): a fine-tuning run under torchrun equals one process, as a
-    run from random weights does (tolerances: tests/test_train.py's two-process test, same model and steps)."""
+    """Every rank starts from SOURCE's weights: under torchrun a fine-tuning run computes one process's gradients,
+    as a run from random weights does. Compared as tests/test_train.py's two-process test compares them: at --lr
+    1e-30 (the weights stay SOURCE's to float32 rounding) through AdamW's moments (assert_adam_moments_close)."""
     assert finetune(source, tmp_path / "prep", "--init", source["ckpt"], "--max_iters", "1") == 0   # data prepared
-    common = [*source["args"], "--init", source["ckpt"], "--loss", "sddlm_v1", "--max_iters", "4",
-              "--lr_schedule", "constant", "--device", "cpu"]
+    common = [*source["args"], "--init", source["ckpt"], "--loss", "sddlm_v1", "--max_iters", "4", "--lr", "1e-30",
+              "--grad_clip", "0", "--lr_schedule", "constant", "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "train.py", *common, "--out_dir", str(tmp_path / "one")],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
@@ -248,12 +256,11 @@ def test_two_process_torchrun_fine_tuning_matches_one_process(source, tmp_path):
                           "train.py", *common, "--out_dir", str(tmp_path / "two")],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    # step 0: SOURCE's numbers on 2 ranks, each scoring half the rows: float32 per-token terms of other matrix
-    # shapes may differ in their last bits (relative 2^-24 each), so their mean over 512 tokens agrees to ~1e-7
-    first, second = step0(tmp_path / "one"), step0(tmp_path / "two")
-    assert math.isclose(first["val_nelbo"], second["val_nelbo"], rel_tol=1e-6), (first, second)
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
-    for key in ("model", "ema"):
-        for k in a[key]:
-            torch.testing.assert_close(a[key][k], b[key][k], rtol=1e-5, atol=1e-5, msg=f"{key} {k}")
+    assert_adam_moments_close(a["optimizer"], b["optimizer"], n_terms=8 * 32)     # 8 sequences of 32 tokens
+    # step 0, SOURCE's numbers on 2 ranks, each running half the rows: each per-token NELBO term (>= 0) is a float32
+    # forward of ~1400 roundings along its path (2 blocks of 64-, 256- and 32-term sums, the 64-wide head, the
+    # 320-way log-sum-exp), so the two means agree to forward_tol(1400, 1) relative (conftest)
+    first, second = step0(tmp_path / "one"), step0(tmp_path / "two")
+    assert math.isclose(first["val_nelbo"], second["val_nelbo"], rel_tol=forward_tol(1400, 1.0)), (first, second)
