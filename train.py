@@ -327,11 +327,8 @@ def train(cfg, env, source=None):
     judge = load_gen_judge(cfg, env)             # a judge that cannot load fails before the data are prepared
     data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
     cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
-    if source is None:
-        mcfg = model_config_for(cfg, meta["vocab_size"])
-    else:                                        # fine-tuning: SOURCE's model; the data's tokenizer is its
-        mcfg = source.model_config_for(cfg)
-        source.check_data(data_dir, meta)
+    # the model: the flags' (a preset's); fine-tuning: SOURCE's, whose tokenizer must be the data's
+    mcfg = model_config_for(cfg, meta["vocab_size"]) if source is None else source.model_config_for(cfg, data_dir, meta)
     ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
     plumbing = RunPlumbing(cfg, env, mcfg, meta, export, extra=source and source.extra)
     if plumbing.done(ckpt):
@@ -346,10 +343,8 @@ def train(cfg, env, source=None):
     plumbing.place_model(run)                    # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     config = {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}
-    lines = None
-    if source is not None:                       # config.json and the start lines say what the run fine-tunes
-        config.update(source.extra())
-        lines = source.lines(cfg, run.raw_model, env)
+    config.update(source.extra() if source else {})           # fine-tuning: what the run started from
+    lines = source and source.lines(cfg, run.raw_model, env)  # ... said in the start lines too (None: the two usual)
     with plumbing.start(run, config, lines):     # config.json, the run in two lines, log.jsonl; signals set a flag
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
             plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env),

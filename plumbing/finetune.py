@@ -43,9 +43,11 @@ class Source:
         r = self.record
         return f"{r['source']} (objective {r['objective']}, step {r['step']}, {r['weights']} weights)"
 
-    def model_config_for(self, cfg):
+    def model_config_for(self, cfg, data_dir, meta):
         """The run's ModelConfig: SOURCE's model at this run's --block_size and --dropout, its output layer padded to
-        --vocab_multiple where given (else SOURCE's padding)."""
+        --vocab_multiple where given (else SOURCE's padding); once the prepared data (data_dir, meta) are checked
+        to be tokenized by SOURCE's tokenizer (check_data)."""
+        self.check_data(data_dir, meta)
         fields = dict(self.model_config, block_size=cfg.block_size, dropout=cfg.dropout)
         if cfg.vocab_multiple:
             fields["vocab_multiple"] = cfg.vocab_multiple
