@@ -8,9 +8,12 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
     python eval_ppl.py --metric genppl --samples out/samples.jsonl --judge out-ar/ckpt.pt   # sample.py's samples
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 4096 --stride 512   # past the block
 
-nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split: per batch one t per sequence,
-          stratified within the batch (diffusion.sample_t, t in [1e-3, 1]), the log-linear schedule, one noise
-          draw (mc_draws > 1 averages more), EMA weights. An upper bound on the true PPL, with MC noise.
+nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log-linear schedule, EMA weights: an
+          upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
+          sequence gets its own draws (seeded by --seed, its index and the round; the same as training's validation
+          at the defaults): rounds of --mc_draws times stratified over [t_min, 1], at least --rounds of them, more
+          until the PPL's relative standard error is --rel_se (default 2%) or --max_rounds is reached; the SE comes
+          from the rounds' spread (nelbo_ppl). Two checkpoints scored with one seed see the same draws.
           The AR baseline gets its exact PPL instead, exp(token-mean of ar_loss).
 zeroshot  the same estimator on a text the model never saw (a local .txt, or a named set via data.py's
           loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
@@ -22,12 +25,14 @@ genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sam
           than the judge's context: sliding windows, each token scored once given up to the judge's context
           before it, judge_windows); the first token is never scored; every non-EOS token is scored, EOS only at
           its first occurrence (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored,
-          later EOS are not); Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples.
+          later EOS are not); Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples, its
+          standard error over the samples (a ratio estimator, delta method).
           Judges: a Hugging Face causal LM (gpt2-large, needs transformers) or an AR checkpoint of this repo
           (train.py --loss ar), offline; with the sampler's own tokenizer the ids are scored as they are (no
           retokenization). The judge's name is part of every result. --seq_len past the model's block_size
           draws samples in semi-autoregressive windows (sample.generate_long; the AR baseline slides its context).
-entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2).
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2), with the
+          standard error of that mean.
 
 Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 with EOS and scores the first pad
 of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
@@ -65,46 +70,164 @@ ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxi
 
 
 # -----------------------------------------------------------------------------------------------
-# likelihood: validation NELBO perplexity (exact PPL for the AR baseline)
+# likelihood: the NELBO estimator and its standard error (exact PPL for the AR baseline)
+#
+# The NELBO of a sequence is an integral over t of an expectation over x_t; one (t, x_t) draw estimates it without
+# bias but with a large variance: a token corrupted at small t weighs ~1/t, a rare, heavy event. So each sequence
+# gets its own draws, from a generator of its own (sequence_draws): `rounds` independent rounds of `draws` times
+# stratified over [t_min, 1], the strata narrower near t_min (where the draws vary most), and a fresh x_t per time.
+# Each round is an unbiased estimate; their mean is the estimate, their spread its standard error (nelbo_summary).
+# The draws depend on (seed, the sequence's index in its split, the round) only: the same for any batch size, world
+# size or device, the same at every evaluation of a training run, and the same for two checkpoints evaluated with
+# one seed, so that their difference is far more precise than either number (common random numbers).
+
+EVAL_SEED = 0       # the validation of train.py and distill.py: its seed, its stratified times per round, its rounds
+VAL_DRAWS = 8       # per sequence; eval_ppl.py's defaults (--seed, --mc_draws, --rounds), so that its first rounds
+VAL_ROUNDS = 2      # are these draws (a test holds the two equal)
+Z95 = 1.959963984540054   # the standard normal's 97.5% quantile: mean +- Z95 SE is a 95% interval
+
+
+def ppl_summary(nll, se, prefix):
+    """A perplexity exp(nll) with its delta-method standard error and 95% interval exp(nll -+ Z95 se) (None: se
+    is None, one sample)."""
+    ppl = math.exp(min(nll, 700.0))
+    if se is None:
+        return {prefix: ppl, f"{prefix}_se": None, f"{prefix}_lo": None, f"{prefix}_hi": None}
+    return {prefix: ppl, f"{prefix}_se": ppl * se, f"{prefix}_lo": math.exp(min(nll - Z95 * se, 700.0)),
+            f"{prefix}_hi": math.exp(min(nll + Z95 * se, 700.0))}
+
+
+def stratified_times(draws, generator, t_min=diffusion.T_MIN):
+    """One round's times of one sequence: t_h uniform in stratum h = t_min + (1 - t_min) [(h/n)^2, ((h+1)/n)^2),
+    n = draws, and the weight w_h = the stratum's share of [t_min, 1]. For any f, sum_h w_h f(t_h) is an unbiased
+    estimate of E_{t ~ U[t_min, 1]} f(t), with strata narrower near t_min where the NELBO's draws vary most (the
+    square roughly halves the variance against equal strata on the demo: RESULTS.md). -> (t, w), each (draws,)
+    float64."""
+    edges = t_min + (1 - t_min) * (torch.arange(draws + 1, dtype=torch.float64) / draws) ** 2
+    u = torch.rand(draws, generator=generator, dtype=torch.float64)
+    return edges[:-1] + u * (edges[1:] - edges[:-1]), (edges[1:] - edges[:-1]) / (1 - t_min)
+
+
+def draw_seed(seed, index, rnd):
+    """The seed of one sequence's draws in one round: (seed, index, round) mixed by splitmix64's finaliser into the
+    32 bits torch's CPU generator keeps (two distinct keys collide with probability 2^-32)."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + rnd * 0x94D049BB133111EB + 1) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
+def sequence_draws(seed, index, rnd, draws, length, vocab_size, t_min=diffusion.T_MIN):
+    """The NELBO draws of sequence `index` (its place in the split) in round `rnd`, on the CPU from a generator of
+    its own: stratified_times, then per time the keep-uniforms and replacement ids of Eq. (discrete_marginal).
+    -> (t (draws,), w (draws,), u (draws, length), replacement ids (draws, length))."""
+    g = torch.Generator().manual_seed(draw_seed(seed, index, rnd))
+    t, w = stratified_times(draws, g, t_min)
+    return t, w, torch.rand(draws, length, generator=g), torch.randint(0, vocab_size, (draws, length), generator=g)
+
 
 @torch.no_grad()
-def nelbo_ppl(model, batches, vocab_size, *, generator=None, mc_draws=1, device=None, t_min=1e-3, dtype=None,
-              show_progress=True, n_batches=None):
-    """Token-mean NELBO over all batches and its perplexity (Duo spec 3.3).
-    batches: iterable of x0 (B, L) int64 or (x0, mask) with mask (B, L) bool or None (False = padding, not
-    counted). For each batch and draw: t = sample_t(B) stratified within the batch, alpha_t = 1 - (1 - 1e-3) t,
-    xt ~ q_t(. | x0), per-token losses.usdm_nelbo_loss (computed in chunks of rows). A causal model (model.config.causal, the AR baseline)
-    is scored exactly with losses.ar_loss instead (one pass, no draws).
-    n_batches: the number of batches, for the progress bar's ETA where batches has no len().
-    -> dict(nll, ppl = exp(nll), bpd, tokens, estimator "nelbo" | "ar_exact", mc_draws)."""
-    if mc_draws < 1:
-        raise ValueError(f"mc_draws must be >= 1, got {mc_draws}")
+def sequence_nelbo(model, x0, mask, first, rounds, *, seed=EVAL_SEED, draws=VAL_DRAWS, t_min=diffusion.T_MIN,
+                   autocast=None):
+    """Rounds `rounds` (a range) of the NELBO estimate of each sequence of x0 (B, L), rows first, first + 1, ... of
+    its split; mask (B, L) bool or None (False = padding, not counted). Per round and stratum one forward of the
+    batch: sum_h w_h sum_l mask * nelbo_per_token. -> nats (len(rounds), B) float64 (each row an unbiased estimate
+    of every sequence's summed NELBO) and tokens (B,) float64."""
+    B, L = x0.shape
+    K = model.config.vocab_size
+    autocast = autocast or autocast_for(x0.device, None)
+    mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.bool()
+    nats = torch.zeros(len(rounds), B, dtype=torch.float64)
+    for k, rnd in enumerate(rounds):
+        t, w, u, ids = (torch.stack(d, 1).to(x0.device) for d in
+                        zip(*(sequence_draws(seed, first + b, rnd, draws, L, K, t_min) for b in range(B))))
+        for h in range(draws):
+            per_token = nelbo_per_token(model, x0, t[h].float(), K, autocast, draws=(u[h], ids[h]))
+            nats[k] += (w[h] * (per_token.double() * mask).sum(1)).cpu()
+    return nats, mask.sum(1).double().cpu()
+
+
+def nelbo_summary(sums):
+    """The NELBO per token, its perplexity and their Monte-Carlo standard errors from float64 sums over sequences
+    i (each rank's added): sums = (sum_i nats_i, sum_i tokens_i, sum_i var_i), nats_i a sequence's estimate (the
+    mean of its rounds), var_i = s_i^2 / R its variance estimate (s_i^2: the unbiased spread of its R rounds; 0 for
+    an exact NLL). The sequences are fixed and their draws independent, so Var(nll) = sum_i Var(nats_i) / T^2, T =
+    sum_i tokens_i; the PPL by ppl_summary. -> dict(nll, nll_se, ppl, ppl_se, ppl_lo, ppl_hi, rel_se = SE(PPL) /
+    PPL = SE(nll))."""
+    nats, tokens, var = (float(v) for v in sums)
+    nll, se = nats / tokens, math.sqrt(max(var, 0.0)) / tokens
+    return dict(nll=nll, nll_se=se, **ppl_summary(nll, se, "ppl"), rel_se=se)
+
+
+def round_sums(nats, tokens):
+    """sequence_nelbo's rounds (R, B) and tokens (B,) -> float64 sums (sum_i nats_i, sum_i tokens_i, sum_i var_i)
+    of nelbo_summary: nats_i the mean of sequence i's rounds, var_i their unbiased variance / R (R >= 2)."""
+    R = nats.shape[0]
+    var = nats.var(0, unbiased=True) / R
+    return torch.stack([nats.mean(0).sum(), tokens.sum(), var.sum()])
+
+
+@torch.no_grad()
+def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_DRAWS, rounds=VAL_ROUNDS, rel_se=0.0,
+              max_rounds=64, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_batches=None):
+    """Token-mean NELBO over all batches, its perplexity and their standard errors (Duo spec 3.3; the estimator
+    above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
+    (B, L) bool or None (False = padding); sequences are numbered in that order. Each sequence gets `rounds`
+    (>= 2) rounds of mc_draws stratified (t, x_t) draws (sequence_nelbo); while the PPL's relative standard error is
+    above rel_se (> 0) and fewer than max_rounds are done, more rounds follow, as many as the estimated error says
+    (each a pass over the batches: a function re-reads them). A causal model (model.config.causal, the AR baseline)
+    is scored exactly with losses.ar_loss instead (one pass, no draws, standard error 0). vocab_size: unused, the
+    model's. n_batches: the progress bar's total where batches has no len().
+    -> dict(nll, nll_se, ppl, ppl_se, ppl_lo, ppl_hi (95% interval), rel_se, bpd, tokens, sequences, estimator
+    "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds, seed)."""
+    if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
+        raise ValueError(f"need mc_draws >= 1, 2 <= rounds <= max_rounds and rel_se >= 0; got {mc_draws}, {rounds}, "
+                         f"{max_rounds}, {rel_se}")
     causal = bool(getattr(getattr(model, "config", None), "causal", False))
     autocast = autocast_for(device or "cpu", dtype)
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    for batch in tqdm(batches, desc="ar ppl" if causal else "nelbo", disable=cli.bar_hidden(show_progress),
-                      leave=False, total=n_batches, unit="batch"):
-        x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
-        x0 = x0.to(device)
-        mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
-        if causal:
-            with autocast:
-                logits = model(x0)
-            per_token, weight = losses.ar_loss(logits, x0), mask[:, 1:]
-            total += (per_token.double() * weight).sum().cpu()
-            count += int(weight.sum())
-            continue
-        for _ in range(mc_draws):
-            t = diffusion.sample_t(x0.shape[0], generator, t_min=t_min, device=x0.device)
-            per_token = nelbo_per_token(model, x0, t, vocab_size, autocast, generator)
-            total += (per_token.double() * mask).sum().cpu()
-            count += int(mask.sum())
-    if count == 0:
-        raise ValueError("no tokens to evaluate (empty split or all padding)")
-    nll = float(total) / count
-    return dict(nll=nll, ppl=math.exp(min(nll, 700.0)), bpd=nll / math.log(2), tokens=count,
-                estimator="ar_exact" if causal else "nelbo", mc_draws=1 if causal else mc_draws)
+    fresh = batches if callable(batches) else (lambda: batches)
+
+    def passes(todo):          # one pass over the batches: per sequence the rounds in `todo`
+        nats, tokens = [], []
+        bar = tqdm(fresh(), desc="ar ppl" if causal else f"nelbo rounds {todo.start + 1}-{todo.stop}",
+                   disable=cli.bar_hidden(show_progress), leave=False, total=n_batches, unit="batch")
+        first = 0
+        for batch in bar:
+            x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
+            x0 = x0.to(device)
+            mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
+            if causal:
+                with autocast:
+                    logits = model(x0)
+                weight = mask[:, 1:]
+                nats.append((losses.ar_loss(logits, x0).double() * weight).sum(1).cpu()[None])
+                tokens.append(weight.sum(1).double().cpu())
+            else:
+                n, m = sequence_nelbo(model, x0, mask, first, todo, seed=seed, draws=mc_draws, t_min=t_min,
+                                      autocast=autocast)
+                nats.append(n)
+                tokens.append(m)
+            first += x0.shape[0]
+        if not tokens or float(torch.cat(tokens).sum()) == 0:
+            raise ValueError("no tokens to evaluate (empty split or all padding)")
+        return torch.cat(nats, 1), torch.cat(tokens)
+
+    if causal:
+        nats, tokens = passes(range(1))
+        summary = nelbo_summary((nats.sum(), tokens.sum(), 0.0))
+    else:
+        nats, tokens = passes(range(rounds))
+        while True:
+            summary = nelbo_summary(round_sums(nats, tokens))
+            done = nats.shape[0]
+            if rel_se <= 0 or summary["rel_se"] <= rel_se or done >= max_rounds:
+                break
+            more = min(max_rounds, math.ceil(done * (summary["rel_se"] / rel_se) ** 2)) - done   # SE ~ 1/sqrt(R)
+            nats = torch.cat([nats, passes(range(done, done + max(1, more)))[0]])
+    return dict(**summary, bpd=summary["nll"] / math.log(2), tokens=int(tokens.sum()), sequences=len(tokens),
+                estimator="ar_exact" if causal else "nelbo", mc_draws=0 if causal else mc_draws * nats.shape[0],
+                rounds=0 if causal else nats.shape[0], seed=None if causal else seed)
 
 
 def nelbo_per_token(model, x0, t, vocab_size, autocast, generator=None, draws=None):
@@ -185,15 +308,37 @@ def judge_windows(n_tokens, context, stride):
     return windows
 
 
+def ratio_summary(moments):
+    """The ratio estimator R = sum_j n_j / sum_j m_j over N independent units j (samples) and its standard error by
+    the delta method, Var(R) = sum_j (n_j - R m_j)^2 / (N (N - 1) mbar^2), from the float64 moments (N, sum n,
+    sum m, sum n^2, sum m^2, sum n m), which add over ranks. -> (R, SE; None when N < 2)."""
+    N, n, m, nn, mm, nm = (float(v) for v in moments)
+    R = n / m
+    if N < 2:
+        return R, None
+    spread = max(nn - 2 * R * nm + R * R * mm, 0.0)      # sum_j (n_j - R m_j)^2
+    return R, math.sqrt(spread / (N * (N - 1))) / (m / N)
+
+
+def ratio_moments(n, m):
+    """Per-unit values n, m (N,) -> the float64 moments of ratio_summary."""
+    n, m = torch.as_tensor(n, dtype=torch.float64), torch.as_tensor(m, dtype=torch.float64)
+    return torch.stack([torch.tensor(float(len(n)), dtype=torch.float64), n.sum(), m.sum(), (n * n).sum(),
+                        (m * m).sum(), (n * m).sum()])
+
+
 @torch.no_grad()
-def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True, stride=None):
+def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True, stride=None,
+            per_sample=False):
     """Generative perplexity of samples under judge (Duo spec 7.1).
     samples: list of str (retokenized with judge.encode), or id lists / an int64 tensor (N, L) already in the
     judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L); one of up to
     judge.context tokens is one window (Duo's scoring), a longer one is scored over judge_windows advancing by
     `stride` (default half the judge's context), so each token is scored once with up to the judge's context
     before it. The first token is never scored; the others when they are not EOS or are the sample's first EOS.
-    -> dict(gen_ppl, nll, tokens, samples, judge, retokenized)."""
+    The samples are the draws: the standard error is ratio_summary's over them. -> dict(gen_ppl, gen_ppl_se,
+    gen_ppl_lo, gen_ppl_hi (95% interval), nll, nll_se, tokens, samples, judge, retokenized; per_sample: also
+    sample_nll, sample_tokens, each sample's sums)."""
     samples = list(samples)
     if not samples:
         raise ValueError("no samples to score")
@@ -202,15 +347,15 @@ def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_
     seqs = [s[:max_length] if max_length else s for s in seqs]
     stride = stride or max(1, judge.context // 2)
     windows = []
-    for s in seqs:
+    for j, s in enumerate(seqs):
         eos = [i for i, token in enumerate(s) if token == judge.eos_id]
         keep = [token != judge.eos_id or i == eos[0] for i, token in enumerate(s)]   # Duo: the first EOS only
-        windows += [(s[a:b], keep[f:b], f - a) for a, b, f in judge_windows(len(s), judge.context, stride)]
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
+        windows += [(j, s[a:b], keep[f:b], f - a)              # j: the sample the window belongs to
+                    for a, b, f in judge_windows(len(s), judge.context, stride)]
+    nll_of, count_of = torch.zeros(len(seqs), dtype=torch.float64), torch.zeros(len(seqs), dtype=torch.float64)
     for b in tqdm(range(0, len(windows), batch_size), desc=f"gen ppl ({judge.name})",
                   disable=cli.bar_hidden(show_progress), leave=False):
-        batch = windows[b:b + batch_size]
+        owner, batch = [w[0] for w in windows[b:b + batch_size]], [w[1:] for w in windows[b:b + batch_size]]
         T = max(len(w) for w, _, _ in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         attn = torch.zeros(len(batch), T, dtype=torch.bool)
@@ -222,18 +367,19 @@ def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_
         ids, attn, scored = ids.to(device), attn.to(device), scored.to(device)
         logits = judge.logits(ids, attn)
         nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-        total += (nll.double() * scored).sum().cpu()
-        count += int(scored.sum())
-    if count == 0:
+        nll_of.index_add_(0, torch.tensor(owner), (nll.double() * scored).sum(1).cpu())
+        count_of.index_add_(0, torch.tensor(owner), scored.sum(1).double().cpu())
+    if count_of.sum() == 0:
         raise ValueError("no scored tokens: every sample is at most one token long")
-    nll = float(total) / count
-    return dict(gen_ppl=math.exp(min(nll, 700.0)), nll=nll, tokens=count, samples=len(seqs), judge=judge.name,
-                retokenized=retokenize)
+    nll, se = ratio_summary(ratio_moments(nll_of, count_of))
+    return dict(**ppl_summary(nll, se, "gen_ppl"), nll=nll, nll_se=se, tokens=int(count_of.sum()),
+                samples=len(seqs), judge=judge.name, retokenized=retokenize,
+                **(dict(sample_nll=nll_of, sample_tokens=count_of) if per_sample else {}))
 
 
-def entropy(samples):
-    """Mean over samples of the unigram entropy (nats) of each sample's own ids, specials included (spec 7.2).
-    samples: id lists or an int64 tensor (N, L) -> float."""
+def entropies(samples):
+    """The unigram entropy (nats) of each sample's own ids, specials included (spec 7.2).
+    samples: id lists or an int64 tensor (N, L) -> list of float."""
     values = []
     for s in samples:
         _, counts = torch.unique(torch.as_tensor(s), return_counts=True)
@@ -241,7 +387,20 @@ def entropy(samples):
         values.append(float(-(p * p.log()).sum()))
     if not values:
         raise ValueError("no samples")
+    return values
+
+
+def entropy(samples):
+    """Mean over samples of their unigram entropies (entropies) -> float."""
+    values = entropies(samples)
     return sum(values) / len(values)
+
+
+def mean_se(n, total, squares):
+    """The standard error of a mean of n independent values from their sum and sum of squares (None when n < 2)."""
+    if n < 2:
+        return None
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1) / n)
 
 
 def load_judge(spec, device):
@@ -302,7 +461,7 @@ class EvalConfig:
     use_ema: bool = True             # evaluate the EMA weights (the live ones when the checkpoint has no EMA)
     out: str = ""                    # also write the JSON result here
     # runtime
-    seed: int = 0                    # seeds the times and noise of the NELBO and the samples of genppl
+    seed: int = EVAL_SEED            # seeds the NELBO's draws (training's validation: 0) and the samples of genppl
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
     batch_size: int = 16             # sequences per forward
@@ -310,7 +469,10 @@ class EvalConfig:
     data_dir: str = ""               # nelbo: prepared data folder ("" = the one the checkpoint was trained on)
     split: str = "val"               # nelbo: the prepared split to score, val | train
     max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
-    mc_draws: int = 1                # (t, xt) draws per sequence, averaged
+    mc_draws: int = VAL_DRAWS        # (t, xt) draws per sequence in one round, t stratified over [t_min, 1]
+    rounds: int = VAL_ROUNDS         # rounds per sequence at least (>= 2: their spread is the standard error)
+    rel_se: float = 0.02             # then more rounds until the PPL's relative standard error is at most this (0: no)
+    max_rounds: int = 64             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
     seq_len: int = 0                 # zeroshot block length / genppl sample length (0 = the model's block_size;
@@ -367,6 +529,30 @@ def _read_samples(path):
     return records
 
 
+def estimator(cfg):
+    """nelbo_ppl's settings from the flags."""
+    return dict(seed=cfg.seed, mc_draws=cfg.mc_draws, rounds=cfg.rounds, rel_se=cfg.rel_se, max_rounds=cfg.max_rounds,
+                t_min=cfg.t_min)
+
+
+def precision_line(row, cfg):
+    """One line under the table: the estimate, its standard error and 95% interval, and the draws it took."""
+    if "gen_ppl" in row:
+        if row["gen_ppl_se"] is None:
+            return f"{row['model']}, {row['steps']} steps: one sample, no standard error"
+        return (f"{row['model']}, {row['steps']} steps: Gen PPL {row['gen_ppl']:.2f} ± {row['gen_ppl_se']:.2f} (95% "
+                f"interval {row['gen_ppl_lo']:.2f}–{row['gen_ppl_hi']:.2f}), entropy {row['entropy']:.3f} ± "
+                f"{row['entropy_se']:.3f}, over {row['samples']} samples")
+    if row["estimator"] != "nelbo":
+        return f"{row['data']}: PPL {row['ppl']:.2f}, exact ({row['estimator']}: no Monte-Carlo draws)"
+    line = (f"{row['data']}: PPL {row['ppl']:.2f} ± {row['ppl_se']:.2f} (95% interval {row['ppl_lo']:.2f}–"
+            f"{row['ppl_hi']:.2f}), relative SE {100 * row['rel_se']:.2f}%, {row['mc_draws']} draws per sequence "
+            f"({row['rounds']} rounds of {cfg.mc_draws}), seed {row['seed']}")
+    if cfg.rel_se and row["rel_se"] > cfg.rel_se:
+        line += f"; --rel_se {cfg.rel_se:g} not reached at --max_rounds {cfg.max_rounds}"
+    return line
+
+
 def run_nelbo(cfg, model, ckpt, device, dtype):
     from data import DataError, check_tokenizer, eval_batches, load_meta, verify_prepared
     from plumbing.integrity import check_data_tokenizer
@@ -383,12 +569,10 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
     if not meta.get(f"{cfg.split}_sequences"):
         raise UsageError(f"--split {cfg.split!r}: {data_dir} has no sequences there (splits: train, val)")
     verify_prepared(data_dir, meta, [f"{cfg.split}.bin", f"{cfg.split}_mask.bin"])   # its sha256 in meta.json
-    batches = eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    batches = lambda: eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
     n_batches = -(-meta[f"{cfg.split}_sequences"] // cfg.batch_size)      # the progress bar's total
-    result = nelbo_ppl(model, batches, model.config.vocab_size, generator=generator, mc_draws=cfg.mc_draws,
-                       device=device, t_min=cfg.t_min, dtype=dtype,
-                       n_batches=min(n_batches, cfg.max_batches) if cfg.max_batches else n_batches)
+    result = nelbo_ppl(model, batches, model.config.vocab_size, device=device, dtype=dtype,
+                       n_batches=min(n_batches, cfg.max_batches) if cfg.max_batches else n_batches, **estimator(cfg))
     return [dict(data=f"{data_dir}:{cfg.split}", **result)]
 
 
@@ -408,9 +592,8 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
             blocks = blocks[:cfg.max_batches * cfg.batch_size]
         if len(blocks) == 0:
             raise UsageError(f"{name} is shorter than one block of {seq_len} tokens; lower --seq_len")
-        generator = torch.Generator(device=device).manual_seed(cfg.seed)
-        result = nelbo_ppl(model, list(blocks.split(cfg.batch_size)), model.config.vocab_size, generator=generator,
-                           mc_draws=cfg.mc_draws, device=device, t_min=cfg.t_min, dtype=dtype)
+        result = nelbo_ppl(model, list(blocks.split(cfg.batch_size)), model.config.vocab_size, device=device,
+                           dtype=dtype, **estimator(cfg))
         rows.append(dict(data=name, blocks=len(blocks), seq_len=seq_len, **result))
     return rows
 
@@ -488,9 +671,11 @@ def sampler_label(psi):
             + (" rescale=duo" if psi.rescale == "duo" else "") + (" grid=duo" if psi.grid == "duo" else ""))
 
 
-def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show_progress=True):
+def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show_progress=True, per_sample=False):
     """Gen PPL (ids as they are when the judge shares the sampler's tokenizer, else the decoded texts
-    retokenized), batch_size sequences per judge forward, and entropy of the sampler's own ids."""
+    retokenized), batch_size sequences per judge forward, and entropy of the sampler's own ids, each with its
+    standard error over the samples (entropy_se: of their mean). per_sample: gen_ppl's per-sample sums, and
+    sample_entropy, too."""
     max_length = max(map(len, ids))
     if judge_shares_tokenizer(judge, tok):
         top = max(max(row) for row in ids)
@@ -498,92 +683,101 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
             raise UsageError(f"the samples of {label} hold token id {top}, not below their tokenizer's vocabulary "
                              f"{tok.vocab_size}: not samples of that tokenizer")
         result = gen_ppl(ids, judge, max_length=max_length, batch_size=batch_size, device=device,
-                         show_progress=show_progress)
+                         show_progress=show_progress, per_sample=per_sample)
         how = "ids scored directly: the judge uses the sampler's tokenizer"
     else:
         if any(t is None for t in texts):
             raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
         result = gen_ppl(texts, judge, max_length=max_length, batch_size=batch_size, device=device,
-                         show_progress=show_progress)
+                         show_progress=show_progress, per_sample=per_sample)
         how = "decoded text retokenized with the judge's tokenizer"
-    return dict(model=label, steps=steps, entropy=entropy(ids), tokenization=how, **result)
+    values = entropies(ids)
+    mean = sum(values) / len(values)
+    return dict(model=label, steps=steps, entropy=mean, entropy_se=mean_se(len(values), sum(values),
+                                                                         sum(v * v for v in values)),
+                tokenization=how, **result, **(dict(sample_entropy=values) if per_sample else {}))
 
 
 # -----------------------------------------------------------------------------------------------
-# validation during training (train.py): the objective and the NELBO, with the EMA weights
+# validation during training (train.py, distillation/distill.py): the objective and the NELBO, with the EMA weights
 
-EVAL_SEED = 1234    # the draws of validation batch j come from a generator seeded EVAL_SEED + j, in every evaluation
+VAL_SUMS = 6        # validation_sums' length: round_sums of the objective, then of the NELBO
 
 
 @torch.no_grad()
 def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
     """The EMA weights on the first eval_iters global validation batches of batch_size sequences (0: the whole
     split), each shared out over the ranks (data.eval_pieces): a run's own loss, per_token_loss(model, x0, mask,
-    t, draws) -> (per-token loss, token weights or None), and the NELBO of nelbo_ppl (exact NLL for a causal
-    model). The draws belong to the sequences, not to the ranks: for global batch j, a generator seeded
-    EVAL_SEED + j draws t stratified over the batch and draw(n, L, K, generator, device) -> the objective's
-    per-sequence draws, then the NELBO's t and xt; each rank slices the rows it holds. So the validation set and
-    its draws are the same for any world size, and at every evaluation. -> this rank's float64 sums (loss, its
-    tokens, NELBO, its tokens), for the caller to add over ranks."""
+    t, draws) -> (per-token loss, token weights or None), and the NELBO by nelbo_ppl's estimator (sequence_nelbo:
+    VAL_ROUNDS rounds of VAL_DRAWS stratified draws, seed EVAL_SEED; the exact NLL for a causal model). Every draw
+    belongs to its sequence (its index in the split), not to a rank or a batch: the objective's VAL_ROUNDS rounds
+    each take t ~ U[t_min, 1] and draw(1, L, K, generator, "cpu") -> its noise, from the sequence's generator of
+    that round (draw_seed with rounds -1, -2, never the NELBO's). So the validation set and its draws are the same
+    for any world size and at every evaluation, and the NELBO is eval_ppl.py's at its defaults (its first rounds).
+    -> this rank's float64 sums (VAL_SUMS,), for the caller to add over ranks (validation_record)."""
     from data import eval_pieces
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     autocast = autocast_for(env.device, resolve_dtype(cfg.dtype, env.device))
     pieces = eval_pieces(data_dir, "val", cfg.batch_size, cfg.eval_iters or None, env.rank, env.world_size, micro,
                          env.device)
-    sums = torch.zeros(4, dtype=torch.float64)     # loss sum, its tokens, NELBO sum, its tokens
-    drawn = {}
+    sums = torch.zeros(VAL_SUMS, dtype=torch.float64)
     with ema_weights(run) as raw:
         raw.eval()
         model = raw if run.eval_model is None else run.eval_model     # compiled when the run compiles
         K, causal = raw.config.vocab_size, raw.config.causal
-        for j, n, lo, hi, x0, mask in pieces:
-            if j not in drawn:
-                drawn.clear()
-                gen = torch.Generator(device=env.device).manual_seed(EVAL_SEED + j)
-                L = x0.shape[1]
-                drawn[j] = (diffusion.sample_t(n, gen, device=env.device), draw(n, L, K, gen, env.device),
-                            diffusion.sample_t(n, gen, device=env.device),
-                            (torch.rand(n, L, generator=gen, device=env.device),
-                             torch.randint(0, K, (n, L), generator=gen, device=env.device)))
-            t, draws, t_nelbo, xt_draws = drawn[j]
-            with autocast:
-                per_token, weight = per_token_loss(model, x0, mask, t[lo:hi], [d[lo:hi] for d in draws])
-            weight = torch.ones_like(per_token) if weight is None else weight
-            sums[0] += float((per_token.double() * weight).sum())
-            sums[1] += float(weight.sum())
-            mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask
+        for j, _, lo, _, x0, mask in pieces:
+            first, (B, L) = j * cfg.batch_size + lo, x0.shape         # the piece's rows in the split
+            rounds = []
+            for r in range(VAL_ROUNDS):
+                drawn = []
+                for b in range(B):
+                    g = torch.Generator().manual_seed(draw_seed(EVAL_SEED, first + b, -1 - r))
+                    drawn.append((stratified_times(1, g)[0].float(), *draw(1, L, K, g, "cpu")))
+                t, *draws = (torch.cat(d).to(env.device) for d in zip(*drawn))
+                with autocast:
+                    per_token, weight = per_token_loss(model, x0, mask, t, draws)
+                weight = torch.ones_like(per_token) if weight is None else weight
+                rounds.append((per_token.double() * weight).sum(1).cpu())
+            sums[:3] += round_sums(torch.stack(rounds), weight.sum(1).double().cpu())
             if causal:
+                mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask
                 with autocast:
                     logits = model(x0)
-                per_token, weight = losses.ar_loss(logits, x0), mask[:, 1:]
+                nats = (losses.ar_loss(logits, x0).double() * mask[:, 1:]).sum().cpu()
+                sums[3:] += torch.stack([nats, mask[:, 1:].sum().double().cpu(), torch.zeros((), dtype=torch.float64)])
             else:
-                per_token, weight = nelbo_per_token(model, x0, t_nelbo[lo:hi], K, autocast,
-                                                    draws=[d[lo:hi] for d in xt_draws]), mask
-            sums[2] += float((per_token.double() * weight).sum())
-            sums[3] += float(weight.sum())
+                sums[3:] += round_sums(*sequence_nelbo(model, x0, mask, first, range(VAL_ROUNDS), autocast=autocast))
         raw.train()
     return sums
 
 
 def evaluate(run, cfg, data_dir, env):
-    """validation_sums of the training objective (curriculum off, the draws of objective.draw_noise) and the
-    NELBO perplexity (one draw per sequence, t stratified per global batch, log-linear schedule; exact PPL for
-    'ar'). -> this rank's float64 sums (objective, its tokens, NELBO, its tokens); the caller adds them over
-    ranks (val_metrics)."""
+    """validation_sums of the training objective (curriculum off, the draws of objective.draw_noise) and of the
+    NELBO (exact NLL for 'ar'). -> this rank's float64 sums (VAL_SUMS,); the caller adds them over ranks
+    (val_metrics)."""
     def per_token_loss(model, x0, mask, t, draws):
         per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, None, draws)
         return per_token, diffusion.OBJECTIVES[cfg.loss].token_weights(mask)
     return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_noise)
 
 
-def val_metrics(sums, cfg, data_dir):
-    """evaluate's sums, added over ranks -> the log.jsonl record."""
+def validation_record(sums, data_dir, loss_key="val_loss"):
+    """validation_sums added over ranks -> the log.jsonl record: the objective (under loss_key) and the NELBO,
+    each with its Monte-Carlo standard error (nelbo_summary), the PPL's 95% interval, the tokens and the draws
+    per sequence."""
     from data import DataError
-    if sums[1] == 0 or sums[3] == 0:
-        raise DataError(f"{data_dir}: the validation split has no sequences of length {cfg.block_size}")
-    nll = float(sums[2] / sums[3])
-    return {"val_loss": float(sums[0] / sums[1]), "val_nelbo": nll, "val_ppl": math.exp(min(nll, 50)),
-            "val_tokens": int(sums[3])}
+    if sums[1] == 0 or sums[4] == 0:
+        raise DataError(f"{data_dir}: the validation split has no sequences to evaluate")
+    loss, nelbo = nelbo_summary(sums[:3]), nelbo_summary(sums[3:])
+    return {loss_key: loss["nll"], f"{loss_key}_se": loss["nll_se"], "val_nelbo": nelbo["nll"],
+            "val_nelbo_se": nelbo["nll_se"], "val_ppl": nelbo["ppl"], "val_ppl_se": nelbo["ppl_se"],
+            "val_ppl_lo": nelbo["ppl_lo"], "val_ppl_hi": nelbo["ppl_hi"], "val_tokens": int(sums[4]),
+            "val_draws": 0 if float(sums[5]) == 0 else VAL_ROUNDS * VAL_DRAWS}
+
+
+def val_metrics(sums, cfg, data_dir):
+    """evaluate's sums, added over ranks -> the log.jsonl record (validation_record)."""
+    return validation_record(sums, data_dir)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -598,6 +792,7 @@ def load_gen_judge(cfg, env):
 
 
 GEN_GROUPS = 8   # sample_quality draws its samples in this many groups, each from its own generator
+GEN_SUMS = 8     # sample_quality's sums: ratio_moments (6), the entropies' sum and sum of squares
 
 
 def sample_groups(num_samples, rank, world_size):
@@ -616,13 +811,14 @@ def sample_quality(run, cfg, env, judge, tok):
     its own sampler). The samples come in groups (sample_groups), group k drawn in one sampler call from a
     generator seeded gen_seed * GEN_GROUPS + k: the same samples for any world size, and the same draws at every
     call, so a curve follows the model and not the sampling noise; each rank scores its groups with the judge
-    (eval_ppl.score_samples). -> this rank's float64 sums (NLL, scored tokens, entropy, samples); added over
-    ranks (gen_metrics), they pool all samples exactly as one process would."""
+    (eval_ppl.score_samples). -> this rank's float64 sums (GEN_SUMS,): ratio_moments of the samples' NLL over
+    their scored tokens, then (sum, sum of squares) of their entropies; added over ranks (gen_metrics), they pool
+    all samples exactly as one process would, standard errors included."""
     groups = sample_groups(cfg.gen_num_samples, env.rank, env.world_size)
     n = sum(size for _, size in groups)
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    sums = torch.zeros(4, dtype=torch.float64)      # NLL sum, scored tokens, entropy sum, samples
+    sums = torch.zeros(GEN_SUMS, dtype=torch.float64)
     if n:
         ids = []
         with ema_weights(run) as model:
@@ -638,16 +834,20 @@ def sample_quality(run, cfg, env, judge, tok):
                                     device=env.device, dtype=dtype, show_progress=False).tolist()
             model.train()
         r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
-                          steps=cfg.gen_steps, show_progress=False)
-        sums = torch.tensor([r["nll"] * r["tokens"], r["tokens"], r["entropy"] * n, n], dtype=torch.float64)
+                          steps=cfg.gen_steps, show_progress=False, per_sample=True)
+        e = torch.tensor(r["sample_entropy"], dtype=torch.float64)
+        sums = torch.cat([ratio_moments(r["sample_nll"], r["sample_tokens"]), torch.stack([e.sum(), (e * e).sum()])])
     return sums
 
 
 def gen_metrics(sums, cfg, judge):
-    """sample_quality's sums, added over ranks -> the log.jsonl record, naming the judge and sampler settings."""
-    nll, causal = float(sums[0] / sums[1]), diffusion.OBJECTIVES[cfg.loss].causal
-    return {"gen_ppl": math.exp(min(nll, 700.0)), "gen_nll": nll, "gen_entropy": float(sums[2] / sums[3]),
-            "gen_samples": int(sums[3]), "gen_steps": None if causal else cfg.gen_steps,
+    """sample_quality's sums, added over ranks -> the log.jsonl record: Gen PPL, its NLL and the mean entropy, each
+    with its standard error over the samples (the PPL's 95% interval too), naming the judge and sampler settings."""
+    (nll, se), causal = ratio_summary(sums[:6]), diffusion.OBJECTIVES[cfg.loss].causal
+    n = int(sums[0])
+    return {**ppl_summary(nll, se, "gen_ppl"), "gen_nll": nll, "gen_nll_se": se, "gen_entropy": float(sums[6]) / n,
+            "gen_entropy_se": mean_se(n, float(sums[6]), float(sums[7])),
+            "gen_samples": n, "gen_steps": None if causal else cfg.gen_steps,
             "gen_sampler": "ar" if causal else "ancestral, final step ancestral",
             "gen_seed": cfg.gen_seed, "gen_judge": judge.name}
 
@@ -684,6 +884,9 @@ def main(argv=None):
         raise UsageError(f"--metric must be nelbo, zeroshot or genppl, got {cfg.metric!r}")
     if cfg.batch_size < 1 or cfg.judge_batch_size < 1 or cfg.mc_draws < 1 or cfg.num_samples < 1:
         raise UsageError("--batch_size, --judge_batch_size, --mc_draws and --num_samples must be >= 1")
+    if not 2 <= cfg.rounds <= cfg.max_rounds or not 0 <= cfg.rel_se < 1:
+        raise UsageError(f"--rounds must be >= 2 (the standard error needs two) and <= --max_rounds, and --rel_se "
+                         f"in [0, 1); got {cfg.rounds}, {cfg.max_rounds}, {cfg.rel_se}")
     check_sampler(1, cfg.final_step, cfg.top_p)       # --steps is a list, checked in run_genppl
     psi_from_flags(cfg)
     if not 0 < cfg.t_min < 1:
@@ -698,12 +901,13 @@ def main(argv=None):
     ckpt = None
     if cfg.metric == "genppl":
         rows = run_genppl(cfg, device, dtype)
-        columns = ["model", "sampler", "steps", "final_step", "samples", "gen_ppl", "entropy", "judge"]
+        columns = ["model", "sampler", "steps", "final_step", "samples", "gen_ppl", "gen_ppl_se", "entropy",
+                   "entropy_se", "judge"]
     else:
         model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
         run = run_nelbo if cfg.metric == "nelbo" else run_zeroshot
         rows = run(cfg, model, ckpt, device, dtype)
-        columns = ["data", "estimator", "tokens", "nll", "ppl"]
+        columns = ["data", "estimator", "tokens", "mc_draws", "nll", "nll_se", "ppl", "ppl_se", "ppl_lo", "ppl_hi"]
     result = dict(metric=cfg.metric, ckpt=None if cfg.metric == "genppl" and cfg.samples else cfg.ckpt,
                   ckpt_step=ckpt.get("step") if ckpt else None, config=asdict(cfg), results=rows)
     text = json.dumps(result, indent=2)
@@ -711,6 +915,7 @@ def main(argv=None):
         write_json(cfg.out, result)
     print(text)
     print(_table(rows, columns))
+    print("\n".join(precision_line(row, cfg) for row in rows))
     return 0
 
 

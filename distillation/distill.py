@@ -46,7 +46,7 @@ import diffusion
 import train
 from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
-from eval_ppl import validation_sums
+from eval_ppl import validation_record, validation_sums
 from hub.pretrained import export
 from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script
@@ -370,12 +370,9 @@ def evaluate(run, teacher, cfg, data_dir, env):
 
 
 def val_metrics(sums, cfg, data_dir, it):
-    """evaluate's sums, added over ranks -> the log.jsonl record (with the dt of the round evaluated)."""
-    if sums[1] == 0 or sums[3] == 0:
-        raise DataError(f"{data_dir}: the validation split is empty")
-    nll = float(sums[2] / sums[3])
-    return {"val_dcd": float(sums[0] / sums[1]), "val_nelbo": nll, "val_ppl": math.exp(min(nll, 50)),
-            "dt": step_size(max(it - 1, 0), cfg)}
+    """evaluate's sums, added over ranks -> the log.jsonl record (eval_ppl.validation_record: each with its standard
+    error), with the dt of the round evaluated."""
+    return {**validation_record(sums, data_dir, "val_dcd"), "dt": step_size(max(it - 1, 0), cfg)}
 
 
 def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):

@@ -14,11 +14,14 @@ Figures (PNG; matplotlib, an optional dependency, is imported only to draw them)
   training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
   training_entropy.png   sample entropy over training steps              (Fig. entropy_curve_lm1b)
   training_val_ppl.png   validation NELBO PPL over training steps        (Fig. eppl_curve_lm1b)
+  training_loss.png      the training loss over training steps
   gen_ppl_vs_steps.png   Gen PPL vs sampling steps, one line per model   (Fig. steps; eval_ppl.py --metric genppl)
   time_memory.png        training step time and memory per objective     (Fig. time; bench/bench.py)
-A figure whose data are absent is skipped (and said so). A line is named by its run's objective (config.json next
-to the run's log or checkpoint), with ε when it is not the default, and has its own marker and dashes (curves that
-coincide stay visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated
+A figure whose data are absent is skipped (and said so). The training
+figures shade the 95% interval the log recorded for each point, and a dotted line marks the step after which a run's
+curriculum ended (the training loss jumps there: the task changes). A line is named by its run's objective
+(config.json next to the run's log or checkpoint), with ε when it is not the default, and has its own marker and
+dashes (curves that coincide stay visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated
 at one step count (an ε sweep) get a panel of their own in gen_ppl_vs_steps.png: Gen PPL against ε, with the
 same objective at its default ε, on the same Gen PPL axis. Every Gen PPL figure names
 its judge in the title by a short label (an AR checkpoint's folder and step, a hub name); data scored by different
@@ -100,21 +103,38 @@ def label_of(train_config, fallback):
 
 
 def training_curves(folder):
-    """log.jsonl of a run -> {"label", "val": [(step, val_ppl)], "gen": [(step, gen_ppl, gen_entropy)],
+    """log.jsonl of a run -> {"label", "loss": [(step, training loss)], "val": [(step, val_ppl)], "gen": [(step,
+    gen_ppl, gen_entropy)], the 95% bands where the log has them: "val_band": [(step, lo, hi)] of the PPL,
+    "gen_band": [(step, Gen PPL lo, hi, entropy lo, hi)], "curriculum_end": the step after which the curriculum
+    ended (its "curriculum_end" event, else config.json's curriculum_iters when the run passed it; None),
     "judges": set of judge names, "gen_settings": set of (samples, steps, seed, sampler)}."""
     path = os.path.join(folder, "log.jsonl")
     if not os.path.isfile(path):
         raise UsageError(f"--runs {folder}: no log.jsonl there")
-    curves = dict(label=label_of(run_config(folder), os.path.basename(os.path.normpath(folder))), val=[], gen=[],
-                  judges=set(), gen_settings=set())
+    config = run_config(folder)
+    curves = dict(label=label_of(config, os.path.basename(os.path.normpath(folder))), loss=[], val=[], gen=[],
+                  val_band=[], gen_band=[], curriculum_end=None, judges=set(), gen_settings=set())
     records, skipped = read_log(path)
     for r in records:
+        if _is_number(r.get("loss")):
+            curves["loss"].append((r["step"], r["loss"]))
+        if r.get("event") == "curriculum_end":
+            curves["curriculum_end"] = r["step"]
         if "val_ppl" in r:
             curves["val"].append((r["step"], r["val_ppl"]))
+            if _is_number(r.get("val_ppl_lo")) and _is_number(r.get("val_ppl_hi")):
+                curves["val_band"].append((r["step"], r["val_ppl_lo"], r["val_ppl_hi"]))
         if "gen_ppl" in r:
             curves["gen"].append((r["step"], r["gen_ppl"], r["gen_entropy"]))
             curves["judges"].add(r["gen_judge"])
             curves["gen_settings"].add((r["gen_samples"], r["gen_steps"], r["gen_seed"], r["gen_sampler"]))
+            if all(_is_number(r.get(k)) for k in ("gen_ppl_lo", "gen_ppl_hi", "gen_entropy_se")):
+                half = 1.96 * r["gen_entropy_se"]
+                curves["gen_band"].append((r["step"], r["gen_ppl_lo"], r["gen_ppl_hi"], r["gen_entropy"] - half,
+                                           r["gen_entropy"] + half))
+    last = max((step for step, _ in curves["loss"]), default=0)
+    if curves["curriculum_end"] is None and 0 < (config.get("curriculum_iters") or 0) < last:   # an older log
+        curves["curriculum_end"] = config["curriculum_iters"]
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         print(f"figures/plot.py: {path}: skipped {len(skipped)} unreadable line(s) (torn by a crash, or not a log record): "
@@ -283,6 +303,8 @@ def figure_names(curves, gen, bench):
         names += ["training_gen_ppl.png", "training_entropy.png"]
     if any(c["val"] for c in curves):
         names.append("training_val_ppl.png")
+    if any(c["loss"] for c in curves):
+        names.append("training_loss.png")
     if any(isinstance(r["steps"], int) for r in gen):
         names.append("gen_ppl_vs_steps.png")
     if bench is not None:
@@ -299,8 +321,28 @@ def refuse_existing(paths):
                          f"{'it' if len(there) == 1 else 'them'}, or another --out_dir / --table")
 
 
+def _band(ax, band, style, lo=1, hi=2):
+    """The 95% interval of a curve's points as a shaded band in the curve's colour (points without one: none)."""
+    if band:
+        ax.fill_between([b[0] for b in band], [b[lo] for b in band], [b[hi] for b in band], color=style["color"],
+                        alpha=0.18, lw=0)
+
+
+def _mark_curriculum_end(ax, curves):
+    """A vertical line after the last curriculum step of the runs that had one, named in the legend: the training
+    loss jumps there because the task changes (curriculum.gaussian.end_note)."""
+    ends = {}
+    for c in curves:
+        if c["curriculum_end"] is not None:
+            ends.setdefault(c["curriculum_end"], []).append(c["label"])
+    for step, labels in sorted(ends.items()):
+        ax.axvline(step, color="0.35", linestyle=":", lw=1.2,
+                   label=f"curriculum ends after step {step}" + (f" ({', '.join(labels)})" if len(curves) > 1 else ""))
+
+
 def plot_training(curves, cfg):
-    """Figs. ppl_curve_lm1b, entropy_curve_lm1b and eppl_curve_lm1b from run folders -> written paths."""
+    """Figs. ppl_curve_lm1b, entropy_curve_lm1b and eppl_curve_lm1b from run folders, and the training loss ->
+    written paths. Bands: the 95% intervals the log recorded; a dotted line: where a curriculum ended."""
     plt, written = _pyplot(), []
     with_gen = [c for c in curves if c["gen"]]
     if with_gen:
@@ -313,11 +355,14 @@ def plot_training(curves, cfg):
             fig, ax = plt.subplots(figsize=(8.4, 4.2))
             for c, style in zip(with_gen, _styles([c["label"] for c in with_gen])):
                 ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], label=c["label"], **style)
+                _band(ax, c["gen_band"], style, 2 * index - 1, 2 * index)
+            _mark_curriculum_end(ax, with_gen)
             ax.set_xlabel("training step")
             ax.set_ylabel(ylabel)
             if log:
                 ax.set_yscale("log")
-            ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights", fontsize=9)
+            ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights; band: 95% "
+                         f"interval over the samples", fontsize=9)
             ax.grid(alpha=0.3)
             _legend(ax)
             written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
@@ -331,14 +376,30 @@ def plot_training(curves, cfg):
         for c, style in zip(with_val, _styles([c["label"] for c in with_val])):
             ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], label=c["label"] + (" (exact PPL)" if
                     c["label"] == "ar" else ""), **style)
+            _band(ax, c["val_band"], style)
+        _mark_curriculum_end(ax, with_val)
         ax.set_xlabel("training step")
         ax.set_ylabel("validation NELBO PPL (upper bound; AR: exact)")
         ax.set_yscale("log")
-        ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights",
-                     fontsize=9)
+        ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights; "
+                     "band: 95% interval of its Monte-Carlo draws", fontsize=9)
         ax.grid(alpha=0.3)
         _legend(ax)
         written.append(_save(fig, cfg.out_dir, "training_val_ppl.png", cfg.dpi))
+        plt.close(fig)
+    with_loss = [c for c in curves if c["loss"]]
+    if with_loss:
+        fig, ax = plt.subplots(figsize=(8.4, 4.2))
+        for c, style in zip(with_loss, _styles([c["label"] for c in with_loss])):
+            ax.plot([p[0] for p in c["loss"]], [p[1] for p in c["loss"]], label=c["label"], **{**style, "ms": 0})
+        _mark_curriculum_end(ax, with_loss)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("training loss (each run's objective)")
+        ax.set_title("Training loss over training\neach point: the mean over the steps since the previous point",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        _legend(ax)
+        written.append(_save(fig, cfg.out_dir, "training_loss.png", cfg.dpi))
         plt.close(fig)
     return written
 

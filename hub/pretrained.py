@@ -50,7 +50,7 @@ from plumbing.folder import (CARD, CARD_MARK, CONFIG, FORMAT, MODEL_TYPE, TOKENI
 def folder_config(ckpt, weights, validation=None):
     """A checkpoint dict (train.py, distillation/distill.py, or load_duo_checkpoint's) -> config.json's content, flat
     as the hub's (model_type, then the model's fields), without the tokenizer file's new place (save_folder sets
-    it). validation: {"step", "nelbo", "ppl"} the run measured (measured_validation), else the checkpoint's own."""
+    it). validation: what the run measured (measured_validation), else the checkpoint's own."""
     from sample import default_final_step
     train_config = dict(ckpt.get("train_config") or {})
     meta = ckpt.get("meta") or {}
@@ -76,12 +76,14 @@ def folder_config(ckpt, weights, validation=None):
 
 def measured_validation(ckpt_path, step):
     """The validation NELBO the run measured at the checkpoint's step (else its last one before it), read from the
-    log.jsonl beside the checkpoint file -> {"step", "nelbo", "ppl"}, or None (no log, no evaluation). Lines
-    that are not whole records are skipped."""
+    log.jsonl beside the checkpoint file -> {"step", "nelbo", "ppl"} and, where the log has them, the Monte-Carlo
+    standard errors "nelbo_se", "ppl_se" and the 95% interval "ppl_lo", "ppl_hi" (eval_ppl.val_metrics), or None
+    (no log, no evaluation). Lines that are not whole records are skipped."""
     log = os.path.join(os.path.dirname(os.path.abspath(str(ckpt_path))), "log.jsonl")
     if not os.path.isfile(str(ckpt_path)) or not os.path.isfile(log) or not isinstance(step, int):
         return None
     found = None
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     with open(log, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
@@ -89,9 +91,24 @@ def measured_validation(ckpt_path, step):
             except ValueError:
                 continue
             if (isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= step
-                    and all(isinstance(r.get(k), (int, float)) for k in ("val_nelbo", "val_ppl"))):
-                found = {"step": r["step"], "nelbo": r["val_nelbo"], "ppl": r["val_ppl"]}
+                    and all(number(r.get(k)) for k in ("val_nelbo", "val_ppl"))):
+                found = {"step": r["step"], "nelbo": r["val_nelbo"], "ppl": r["val_ppl"],
+                         **{k: r[f"val_{k}"] for k in ("nelbo_se", "ppl_se", "ppl_lo", "ppl_hi")
+                            if number(r.get(f"val_{k}"))}}
     return found
+
+
+def validation_line(val, causal, weights):
+    """The card's validation cell: the NELBO (exact NLL for an AR model) and its PPL that the run measured, each
+    with its Monte-Carlo standard error and the PPL's 95% interval where the log recorded them."""
+    bound = "exact NLL" if causal else "NELBO, an upper bound on the NLL"
+    where = f"at step {val['step']} ({weights} weights, the run's log.jsonl"
+    if not all(isinstance(val.get(k), (int, float)) for k in ("nelbo_se", "ppl_se", "ppl_lo", "ppl_hi")) \
+            or val["nelbo_se"] == 0:         # an older log, or the AR baseline's exact NLL (no draws)
+        return f"{val['nelbo']:.4f} nats/token ({bound}), PPL {val['ppl']:.2f}, {where})"
+    return (f"{val['nelbo']:.4f} ± {val['nelbo_se']:.4f} nats/token ({bound}), PPL {val['ppl']:.2f} ± "
+            f"{val['ppl_se']:.2f} (95% interval {val['ppl_lo']:.2f}–{val['ppl_hi']:.2f}), {where}; ± one standard "
+            f"error of its Monte-Carlo draws)")
 
 
 def model_card(config, name="PATH"):
@@ -102,11 +119,10 @@ def model_card(config, name="PATH"):
     causal = bool(config.get("causal"))
     val = config.get("validation")
     if val:
-        bound = "exact NLL" if causal else "NELBO, an upper bound on the NLL"
-        measured = (f"{val['nelbo']:.4f} nats/token ({bound}), PPL {val['ppl']:.2f}, at step {val['step']} "
-                    f"(EMA weights, the run's log.jsonl)")
+        measured = validation_line(val, causal, "EMA" if config.get("weights") == "ema" else "live")
     else:
-        measured = "not recorded (no evaluation in a log.jsonl beside the checkpoint): python eval_ppl.py --ckpt FOLDER"
+        measured = ("not recorded for these weights (no evaluation of them in a log.jsonl beside the checkpoint): "
+                    "python eval_ppl.py --ckpt FOLDER")
     data = train.get("dataset") or "not recorded"
     if train.get("block_size"):
         data += f", sequences of {train['block_size']} tokens"
@@ -254,8 +270,10 @@ def export(ckpt, out, weights="ema"):
         raise UsageError(f"--weights must be ema or raw, got {weights!r}")
     check_target(os.path.normpath(str(out)), "--out")          # before the weights load
     model, info = load_model(str(ckpt), "cpu", use_ema=weights == "ema")
-    used = "ema" if weights == "ema" and (info.get("ema") is not None or info.get("used_ema")) else "raw"
-    validation = measured_validation(ckpt, info.get("step")) if used == "ema" else None
+    has_ema = info.get("ema") is not None or bool(info.get("used_ema"))
+    used = "ema" if weights == "ema" and has_ema else "raw"
+    # the run evaluated its EMA weights, or its live ones when it kept no EMA: its log describes those only
+    validation = measured_validation(ckpt, info.get("step")) if used == ("ema" if has_ema else "raw") else None
     return save_folder(out, model.state_dict(), folder_config(info, used, validation)), used
 
 
@@ -357,19 +375,17 @@ class SDDLM:
 
     def score(self, texts, mc_draws=16, seed=0):
         """Each text's NELBO (nats per token, an upper bound on -log p(x) / L; exact for an AR model), averaged
-        over mc_draws noise draws -> list of dict(nll, ppl, tokens), as eval_ppl.nelbo_ppl scores data."""
+        over mc_draws noise draws (two rounds of mc_draws / 2 stratified times, eval_ppl.nelbo_ppl's estimator), with
+        its Monte-Carlo standard error -> list of dict(nll, nll_se, ppl, ppl_se, tokens)."""
         from eval_ppl import nelbo_ppl
         out = []
-        g = torch.Generator(device=self.device).manual_seed(seed)
         for text in ([texts] if isinstance(texts, str) else texts):
             ids = self.tokenizer.encode(text)
             if not 1 <= len(ids) <= self.model.config.block_size:
                 raise ValueError(f"a text of {len(ids)} tokens; the model scores 1 to {self.model.config.block_size}")
-            rows = 1 if self.model.config.causal else mc_draws    # one batch: t stratified over the draws
-            x0 = torch.tensor([ids] * rows, device=self.device)
-            r = nelbo_ppl(self.model, [x0], self.model.config.vocab_size, generator=g, device=self.device,
-                          show_progress=False)
-            out.append(dict(nll=r["nll"], ppl=r["ppl"], tokens=len(ids)))
+            r = nelbo_ppl(self.model, [torch.tensor([ids], device=self.device)], seed=seed,
+                          mc_draws=max(1, mc_draws // 2), rounds=2, device=self.device, show_progress=False)
+            out.append(dict(nll=r["nll"], nll_se=r["nll_se"], ppl=r["ppl"], ppl_se=r["ppl_se"], tokens=len(ids)))
         return out
 
 

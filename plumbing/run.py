@@ -126,6 +126,11 @@ class RunPlumbing:
         self.loss_sum.zero_()
         return stopping
 
+    def event(self, step, name, message):
+        """A change in what the run does after step `step` (e.g. "curriculum_end": the loss jumps there), said on the
+        console and logged (runlog.Log.event), so that the curves can mark it."""
+        self.log.event(step, name, message)
+
     def sync_metrics_and_stop(self, step, sums, metrics):
         """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons
         (plumbing.signals.reduced_unless_stopped); metrics(the sums added over the ranks) -> the record logged. A

@@ -59,10 +59,16 @@ class Log:
     def metrics(self, step, metrics):
         """An evaluation's metrics to the bar and the log."""
         if self.master:
-            self.pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                                         for k, v in metrics.items()))
+            self.pbar.write(f"step {step}: {metrics_line(metrics)}")
             self._write({"step": step, **metrics})
         self.t_last = time.time()    # keep evaluation out of the tokens/s figure
+
+    def event(self, step, name, message):
+        """A change in what the run does (e.g. "curriculum_end") to the console and to the log as {"step", "event",
+        "message"}, so that a jump in the curves says why where it happens (figures/plot.py marks the event)."""
+        if self.master:
+            self.pbar.write(f"step {step}: {message}")
+            self._write({"step": step, "event": name, "message": message})
 
     def stopped(self, signum, step, what, finished, after=False):
         """The bar closed and the run's last line, when a stop signal (signum; None: another rank's) ended it with
@@ -94,6 +100,24 @@ class Log:
         if self.master:
             self.pbar.close()
             self.close_trackers()
+
+
+def metrics_line(metrics):
+    """An evaluation's metrics on one line, each estimate with its standard error (a key's "_se") and 95% interval
+    ("_lo", "_hi") beside it: "val_ppl 181.69 ± 2.86 (95% 176.2–187.4), val_tokens 10240"."""
+    def number(k):
+        return isinstance(metrics.get(k), float)
+    parts = []
+    for k, v in metrics.items():
+        if k.endswith(("_se", "_lo", "_hi")) and k[:-3] in metrics:
+            continue
+        text = f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+        if number(k) and number(f"{k}_se"):
+            text += f" ± {metrics[f'{k}_se']:.4f}"
+        if number(k) and number(f"{k}_lo") and number(f"{k}_hi"):
+            text += f" (95% {metrics[f'{k}_lo']:.2f}–{metrics[f'{k}_hi']:.2f})"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 def truncate_log(path, step):

@@ -177,31 +177,40 @@ def printed_nelbo(logits, x0, z, alpha, dalpha):
 def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw():
     """Independent of the code under test: the model's own inputs and outputs, alpha_t = exp(-sigma), the
     log-linear alpha' = -(1 - 1e-3), Eq. (usdm) written out in float64, pooled over the unmasked tokens of every
-    batch and draw; the times of each batch stratified (one in each of its n strata of [1e-3, 1])."""
+    sequence. Each round of D = 3 forwards per batch puts every sequence's times one in each stratum h of [1e-3, 1]
+    with edges 1e-3 + (1 - 1e-3) (h / D)^2, weighted by the stratum's width; a sequence's estimate is the mean of its
+    2 rounds, the standard error sqrt(sum_i var_i) / T with var_i the rounds' unbiased variance / 2."""
     model = Recording(perturbed(DIT))
     data = torch.Generator().manual_seed(0)
     x0s = [torch.randint(0, V, (6, 16), generator=data), torch.randint(0, V, (3, 16), generator=data)]
     masks = [torch.ones(6, 16, dtype=torch.bool), torch.arange(16).expand(3, 16) < torch.tensor([[16], [9], [4]])]
-    result = nelbo_ppl(model, list(zip(x0s, masks)), V, generator=torch.Generator().manual_seed(7), mc_draws=2,
-                       show_progress=False)
-    assert len(model.calls) == 4
-    total, count, sizes = 0.0, 0, 0.0
-    for (xt, sigma, logits), x0, mask in zip(model.calls, [x0s[0]] * 2 + [x0s[1]] * 2, [masks[0]] * 2 + [masks[1]] * 2):
+    D, R = 3, 2
+    result = nelbo_ppl(model, list(zip(x0s, masks)), V, seed=7, mc_draws=D, rounds=R, show_progress=False)
+    assert len(model.calls) == 2 * R * D
+    per_round = torch.zeros(R, 9, dtype=torch.float64)        # [round, sequence]: its weighted NELBO sum
+    count = 0
+    for k, (xt, sigma, logits) in enumerate(model.calls):
+        batch, r, h = divmod(k, R * D)[0], (k % (R * D)) // D, k % D
+        x0, mask, first = (x0s[0], masks[0], 0) if batch == 0 else (x0s[1], masks[1], 6)
         alpha = torch.exp(-sigma)
         sizes += usdm_sizes(logits, x0, xt, alpha[:, None], -(1 - 1e-3))[mask].sum().item()
         t = (1 - alpha) / (1 - 1e-3)
-        assert sorted(((t - 1e-3) / (1 - 1e-3) * len(t)).floor().long().tolist()) == list(range(len(t)))
+        lo, hi = 1e-3 + (1 - 1e-3) * (h / D) ** 2, 1e-3 + (1 - 1e-3) * ((h + 1) / D) ** 2
+        assert bool(((t >= lo - 1e-6) & (t <= hi + 1e-6)).all()), (k, t, lo, hi)     # float32 t, float64 edges
+        width = ((h + 1) ** 2 - h ** 2) / D ** 2
         for b, l in mask.nonzero().tolist():
-            total += printed_nelbo(logits[b, l].tolist(), int(x0[b, l]), int(xt[b, l]), float(alpha[b]),
-                                   -(1 - 1e-3))
-            count += 1
-    assert result["tokens"] == count == 2 * (6 * 16 + 16 + 9 + 4)
-    # the model's own float32 logits: the float32 NELBO errs by <= 2 (3V + 10) U32 of the sizes of its terms
-    # (test_losses.usdm_sizes), the float64 printed form by far less; pooled, relative to the total
-    rel = 2 * (3 * V + 10) * U32 * sizes / total
-    assert result["nll"] == pytest.approx(total / count, rel=rel)
-    assert result["ppl"] == pytest.approx(math.exp(total / count), rel=rel * total / count)
-    assert result["estimator"] == "nelbo"
+            per_round[r, first + b] += width * printed_nelbo(logits[b, l].tolist(), int(x0[b, l]), int(xt[b, l]),
+                                                             float(alpha[b]), -(1 - 1e-3))
+            count += r == 0 and h == 0
+    assert result["tokens"] == count == 6 * 16 + 16 + 9 + 4
+    nll = float(per_round.mean(0).sum()) / count
+    se = math.sqrt(float((per_round.var(0) / R).sum())) / count
+    assert result["nll"] == pytest.approx(nll, rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+    assert result["nll_se"] == pytest.approx(se, rel=1e-4) and se > 0
+    assert result["ppl_se"] == pytest.approx(math.exp(nll) * se, rel=1e-4)
+    assert result["ppl_lo"] == pytest.approx(math.exp(nll - 1.959964 * se), rel=1e-4)
+    assert result["estimator"] == "nelbo" and result["mc_draws"] == R * D and result["rounds"] == R
 
 
 @pytest.mark.numerics
@@ -241,7 +250,7 @@ def test_nelbo_ppl_of_a_trained_model_is_below_that_of_uniform_predictions():
         loss.backward()
         optimizer.step()
     val = [cyclic_corpus(32, torch.Generator().manual_seed(9)) for _ in range(4)]
-    ppl = {name: nelbo_ppl(m.eval(), val, 8, generator=torch.Generator().manual_seed(1), show_progress=False)["ppl"]
+    ppl = {name: nelbo_ppl(m.eval(), val, 8, seed=1, show_progress=False)["ppl"]
            for name, m in [("uniform", uniform), ("trained", model)]}
     assert all(math.isfinite(p) for p in ppl.values())
     assert ppl["trained"] < 0.8 * ppl["uniform"], ppl
@@ -296,22 +305,28 @@ def run_main(capsys, *args):
 def test_cli_nelbo_and_zeroshot(setup, capsys):
     out = setup["tmp"] / "nelbo.json"
     result, table = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "nelbo", "--batch_size", 8,
-                             "--out", out)
+                             "--out", out, "--mc_draws", 2, "--rel_se", 0.001, "--max_rounds", 2)
     assert json.loads(out.read_text()) == result
     row = result["results"][0]
     assert row["estimator"] == "nelbo" and math.isfinite(row["ppl"]) and row["tokens"] > 0
-    assert table[0].startswith("| data |") and len(table) == 3
+    assert row["ppl_lo"] < row["ppl"] < row["ppl_hi"] and row["rel_se"] == row["ppl_se"] / row["ppl"] > 0.001
+    assert table[0].startswith("| data |") and len(table) == 4
+    assert (f"PPL {row['ppl']:.2f} ± {row['ppl_se']:.2f}" in table[3] and "4 draws per sequence (2 rounds of 2)" in
+            table[3] and "--rel_se 0.001 not reached at --max_rounds 2" in table[3]), table[3]
     result, _ = run_main(capsys, "--ckpt", setup["ar"], "--metric", "zeroshot", "--dataset", setup["text"],
                          "--seq_len", 32, "--max_batches", 2, "--batch_size", 4)
     row = result["results"][0]
     assert row["estimator"] == "ar_exact" and row["blocks"] == 8 and row["tokens"] == 8 * 31
+    assert row["ppl_se"] == row["nll_se"] == 0 and row["mc_draws"] == 0      # exact: no draws, no error
 
 
 def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys):
     result, table = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "genppl", "--judge", setup["ar"],
                              "--steps", "2,3", "--num_samples", 2, "--save_samples", setup["tmp"] / "s.jsonl")
     rows = result["results"]
-    assert [r["steps"] for r in rows] == [2, 3] and len(table) == 4
+    assert [r["steps"] for r in rows] == [2, 3] and len(table) == 4 + 2          # the table, then a line per row
+    assert all(r["gen_ppl_lo"] < r["gen_ppl"] < r["gen_ppl_hi"] and r["entropy_se"] > 0 for r in rows)
+    assert f"Gen PPL {rows[1]['gen_ppl']:.2f} ± {rows[1]['gen_ppl_se']:.2f}" in table[5]
     assert all(r["judge"].startswith(f"ar:{setup['ar']}") and "ids scored directly" in r["tokenization"]
                for r in rows)
     assert all(math.isfinite(r["gen_ppl"]) and r["samples"] == 2 for r in rows)

@@ -248,10 +248,11 @@ def test_figures_go_beside_the_runs_and_an_existing_file_is_replaced_only_when_a
     code, out, err = plot_script("--runs", runs[0], cwd=work)
     assert code == 0, err
     assert sorted(os.listdir(os.path.join(runs[0], "plots"))) == ["training_entropy.png", "training_gen_ppl.png",
-                                                                  "training_val_ppl.png"]
+                                                                  "training_loss.png", "training_val_ppl.png"]
     code, out, err = plot_script("--runs", ",".join(runs), "--bench", bench, cwd=work)    # several: their parent
     assert code == 0 and sorted(os.listdir(tmp_path / "exp" / "plots")) == [
-        "time_memory.png", "training_entropy.png", "training_gen_ppl.png", "training_val_ppl.png"], err
+        "time_memory.png", "training_entropy.png", "training_gen_ppl.png", "training_loss.png",
+        "training_val_ppl.png"], err
     code, out, err = plot_script("--evals", evals[0], cwd=work)                          # beside the evaluation
     assert code == 0 and os.listdir(tmp_path / "exp" / "plots") and (tmp_path / "exp" / "plots" /
                                                                        "gen_ppl_vs_steps.png").exists()

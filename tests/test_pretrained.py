@@ -143,19 +143,22 @@ def test_score_is_the_exact_nll_of_an_ar_model_and_the_nelbo_of_a_diffusion_mode
 
     lm = SDDLM.from_pretrained(pretrained.export(fake_checkpoint(tmp_path / "d.pt", tok_path), tmp_path / "m")[0])
     [r] = lm.score(TEXT, mc_draws=8, seed=3)
-    # the same draws by hand: t stratified over 8 copies, x_t from Eq. (discrete_marginal), Eq. (usdm) in float64
-    g = torch.Generator().manual_seed(3)
-    x0 = ids.expand(8, -1)
-    t = diffusion.sample_t(8, g, t_min=1e-3)
-    alpha_t, dalpha_t = (a[:, None] for a in diffusion.log_linear_schedule(t))
-    xt = diffusion.sample_xt(x0, alpha_t, lm.model.config.vocab_size, g)
-    with torch.no_grad():
-        logits = lm.model(xt, diffusion.sigma_from_alpha(alpha_t[:, 0])).double()
-    nelbo = losses.usdm_nelbo_loss(logits, x0, xt, alpha_t.double(), dalpha_t.double()).mean().item()
-    # the same float32 logits: a float32 NELBO errs by <= 2 (3V + 10) u of the sizes of its terms (usdm_sizes)
-    V = lm.model.config.vocab_size
-    tol = 2 * (3 * V + 10) * unit_roundoff(torch.float32) * usdm_sizes(logits, x0, xt, alpha_t, dalpha_t).mean().item()
-    assert r["nll"] == pytest.approx(nelbo, abs=tol) and r["tokens"] == ids.shape[1]
+    # the same draws by hand: two rounds of 4 stratified times (eval_ppl.sequence_draws: the text is sequence 0),
+    # x_t from Eq. (discrete_marginal), Eq. (usdm) in float64, each time weighted by its stratum's width
+    from eval_ppl import sequence_draws
+    x0, K = ids.expand(4, -1), lm.model.config.vocab_size
+    rounds = []
+    for rnd in range(2):
+        t, w, u, noise = sequence_draws(3, 0, rnd, 4, ids.shape[1], K)
+        alpha_t, dalpha_t = (a[:, None] for a in diffusion.log_linear_schedule(t.float()))
+        xt = torch.where(u < alpha_t, x0, noise)
+        with torch.no_grad():
+            logits = lm.model(xt, diffusion.sigma_from_alpha(alpha_t[:, 0])).double()
+        nelbo = losses.usdm_nelbo_loss(logits, x0, xt, alpha_t.double(), dalpha_t.double()).sum(1)
+        rounds.append(float((w * nelbo).sum()) / ids.shape[1])
+    assert r["nll"] == pytest.approx(sum(rounds) / 2, rel=1e-5) and r["tokens"] == ids.shape[1]
+    assert r["nll_se"] == pytest.approx(abs(rounds[0] - rounds[1]) / 2, rel=1e-4)   # two rounds: |a - b| / 2
+    assert r["ppl_se"] == pytest.approx(r["ppl"] * r["nll_se"], rel=1e-9)
 
 
 def fake_hub(monkeypatch, root):
