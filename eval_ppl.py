@@ -98,14 +98,17 @@ def ppl_summary(nll, se, prefix):
 
 
 def stratified_times(draws, generator, t_min=diffusion.T_MIN):
-    """One round's times of one sequence: t_h uniform in stratum h = t_min + (1 - t_min) [(h/n)^2, ((h+1)/n)^2),
-    n = draws, and the weight w_h = the stratum's share of [t_min, 1]. For any f, sum_h w_h f(t_h) is an unbiased
-    estimate of E_{t ~ U[t_min, 1]} f(t), with strata narrower near t_min where the NELBO's draws vary most (the
-    square roughly halves the variance against equal strata on the demo: RESULTS.md). -> (t, w), each (draws,)
-    float64."""
+    """One round's times of one sequence and their weights: t_h in stratum h = [a_h, b_h) of [t_min, 1], edges
+    t_min + (1 - t_min) (h / n)^2 (n = draws: narrower near t_min, where the NELBO's draws vary most), drawn
+    log-uniformly within it, t_h = a_h (b_h / a_h)^u, with the weight w_h = t_h log(b_h / a_h) / (1 - t_min) (one over
+    its density, over the length of [t_min, 1]). For any f, sum_h w_h f(t_h) is an unbiased estimate of
+    E_{t ~ U[t_min, 1]} f(t). Near t_min a token is corrupted with probability ~t and then weighs ~1/t: the
+    log-uniform draw takes the 1/t out of the weight, which keeps the variance and tames the rare huge draws that
+    made a few rounds' spread a poor estimate of it (RESULTS.md). -> (t, w), each (draws,) float64."""
     edges = t_min + (1 - t_min) * (torch.arange(draws + 1, dtype=torch.float64) / draws) ** 2
-    u = torch.rand(draws, generator=generator, dtype=torch.float64)
-    return edges[:-1] + u * (edges[1:] - edges[:-1]), (edges[1:] - edges[:-1]) / (1 - t_min)
+    a, b = edges[:-1], edges[1:]
+    t = a * (b / a) ** torch.rand(draws, generator=generator, dtype=torch.float64)
+    return t, t * torch.log(b / a) / (1 - t_min)
 
 
 def draw_seed(seed, index, rnd):

@@ -119,6 +119,61 @@ def test_every_figure_is_drawn_with_labelled_axes_and_the_judge_in_the_title(tmp
     assert "CPU test" in captured["time_memory.png:suptitle"]
 
 
+def test_training_curves_draw_their_95_percent_bands_and_mark_where_the_curriculum_ended(tmp_path):
+    """Every point that the log recorded with a 95% interval is drawn with it as a band (val_ppl_lo..hi; Gen PPL's
+    gen_ppl_lo..hi; the entropy's mean -+ 1.96 SE); the step after which a run's curriculum ended (its log's
+    "curriculum_end" event, else config.json's curriculum_iters for a log from before the event) is a dotted line
+    named in the legend, on the training loss (new: training_loss.png, where the loss jumps) and every curve."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from types import SimpleNamespace
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"train_config": {"loss": "sddlm", "curriculum_iters": 40}}))
+    rows = [{"step": s, "loss": 2.1 if s <= 40 else 2.9} for s in range(10, 101, 10)]
+    rows.insert(4, {"step": 40, "event": "curriculum_end", "message": "the curriculum ends"})
+    rows += [{"step": s, "val_nelbo": 5.0, "val_ppl": 150.0 - s / 2, "val_ppl_lo": 140.0 - s / 2,
+              "val_ppl_hi": 161.0 - s / 2} for s in (50, 100)]
+    rows += [{"step": s, "gen_ppl": 900.0 - s, "gen_ppl_lo": 850.0 - s, "gen_ppl_hi": 950.0 - s, "gen_entropy": 4.0,
+              "gen_entropy_se": 0.05, "gen_samples": 8, "gen_steps": 16, "gen_seed": 0, "gen_sampler": "ancestral",
+              "gen_judge": JUDGE} for s in (50, 100)]
+    (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    old = tmp_path / "old"                                   # a log from before the event: config.json says it
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"train_config": {"loss": "duo", "curriculum_iters": 30}}))
+    (old / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0}) + "\n" for s in (10, 50, 90)))
+    curves = [plot.training_curves(str(d)), plot.training_curves(str(old))]
+    assert curves[0]["curriculum_end"] == 40 and curves[1]["curriculum_end"] == 30
+    assert curves[0]["val_band"] == [(50, 115.0, 136.0), (100, 90.0, 111.0)]
+    captured, real_save = {}, plot._save
+
+    def spy(fig, out_dir, name, dpi):
+        ax = fig.axes[0]
+        captured[name] = ([(tuple(line.get_xdata()), line.get_label()) for line in ax.lines if line.get_linestyle() == ":"],
+                          [c.get_paths()[0].vertices for c in ax.collections])
+        return real_save(fig, out_dir, name, dpi)
+    plot._save = spy
+    try:
+        written = plot.plot_training(curves, SimpleNamespace(out_dir=str(tmp_path), dpi=60))
+    finally:
+        plot._save = real_save
+        plt.close("all")
+    assert sorted(os.path.basename(w) for w in written) == ["training_entropy.png", "training_gen_ppl.png",
+                                                            "training_loss.png", "training_val_ppl.png"]
+    for name in captured:
+        marks = {x[0]: label for x, label in captured[name][0]}
+        assert marks[40].startswith("curriculum ends after step 40"), (name, marks)
+        assert (30 in marks) == (name == "training_loss.png"), name      # the old run has a loss curve only
+    bands = {name: captured[name][1] for name in captured}
+    assert len(bands["training_loss.png"]) == 0
+    for name, lo, hi in (("training_val_ppl.png", (115.0, 90.0), (136.0, 111.0)),
+                         ("training_gen_ppl.png", (800.0, 750.0), (900.0, 850.0)),
+                         ("training_entropy.png", (4.0 - 1.96 * 0.05,) * 2, (4.0 + 1.96 * 0.05,) * 2)):
+        (vertices,) = bands[name]
+        assert vertices[:, 1].min() == pytest.approx(min(lo)) and vertices[:, 1].max() == pytest.approx(max(hi)), name
+        assert set(vertices[:, 0].tolist()) == {50.0, 100.0}, name
+
+
 def test_runs_scored_by_different_judges_are_never_drawn_together(tmp_path):
     pytest.importorskip("matplotlib")
     runs, _, _ = fabricate(tmp_path / "a")

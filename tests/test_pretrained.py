@@ -390,6 +390,37 @@ def test_every_folder_has_a_model_card_with_the_hubs_header_the_run_and_its_meas
     assert "validation" not in json.load(open(tmp_path / "nolog" / "config.json"))
 
 
+def test_the_card_reports_the_validation_of_the_weights_the_run_evaluated_with_its_standard_error(tmp_path, tok_path):
+    """Issue 36: the demo (no EMA) got "validation | not recorded" although its log.jsonl has the step-900
+    evaluation: a run without EMA evaluates its live weights, which are then the weights exported. The card gives
+    the NELBO and PPL with their Monte-Carlo standard errors and the PPL's 95% interval as the log recorded them;
+    a run WITH EMA exported with its live weights (--weights raw) has no evaluation of those: not recorded."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = torch.load(fake_checkpoint(run / "ckpt.pt", tok_path), weights_only=True)
+    ckpt["ema"], ckpt["n_ema"] = None, 0                       # the demo: --ema 0
+    torch.save(ckpt, run / "ckpt.pt")
+    record = {"step": 7, "val_loss": 2.65, "val_loss_se": 0.01, "val_nelbo": 5.2023, "val_nelbo_se": 0.0171,
+              "val_ppl": 181.69, "val_ppl_se": 3.11, "val_ppl_lo": 175.7, "val_ppl_hi": 187.9, "val_tokens": 10240,
+              "val_draws": 16}
+    (run / "log.jsonl").write_text(json.dumps({"step": 5, "loss": 2.9}) + "\n" + json.dumps(record) + "\n")
+    folder, used = pretrained.export(run / "ckpt.pt", tmp_path / "live")
+    card = (tmp_path / "live" / "README.md").read_text()
+    assert used == "raw" and ("| validation | 5.2023 ± 0.0171 nats/token (NELBO, an upper bound on the NLL), PPL "
+                              "181.69 ± 3.11 (95% interval 175.70–187.90), at step 7 (live weights") in card, card
+    assert json.load(open(tmp_path / "live" / "config.json"))["validation"] == {
+        "step": 7, "nelbo": 5.2023, "ppl": 181.69, "nelbo_se": 0.0171, "ppl_se": 3.11, "ppl_lo": 175.7,
+        "ppl_hi": 187.9}
+    with_ema = tmp_path / "ema"
+    with_ema.mkdir()
+    fake_checkpoint(with_ema / "ckpt.pt", tok_path)
+    (with_ema / "log.jsonl").write_text(json.dumps(record) + "\n")
+    pretrained.export(with_ema / "ckpt.pt", tmp_path / "raw", weights="raw")
+    assert "| validation | not recorded for these weights" in (tmp_path / "raw" / "README.md").read_text()
+    pretrained.export(with_ema / "ckpt.pt", tmp_path / "emaw")
+    assert "± 0.0171 nats/token" in (tmp_path / "emaw" / "README.md").read_text()
+
+
 def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_path):
     """--model_args pretrained=out/model, as lm-eval names a model for every other backend, through lm-eval's own
     argument parsing (create_from_arg_string): the same model as ckpt=; both at once naming two models is refused."""

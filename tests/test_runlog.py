@@ -42,3 +42,14 @@ def test_bars_honour_tqdm_disable_even_where_a_script_asks_for_them(monkeypatch,
 
     assert "sampling (3 steps)" in bar_text(None) and "sampling (3 steps)" in bar_text("0")
     assert bar_text("1") == "" and bar_text("True") == ""
+
+
+def test_an_evaluation_prints_each_estimate_with_its_standard_error_and_interval():
+    """The console line of an evaluation: every estimate with "± its SE" and its 95% interval beside it, the SE and
+    interval keys not repeated as metrics of their own; values without an SE as they are."""
+    from plumbing.runlog import metrics_line
+    line = metrics_line({"val_loss": 2.65, "val_loss_se": 0.0123, "val_nelbo": 5.2023, "val_nelbo_se": 0.0171,
+                         "val_ppl": 181.69, "val_ppl_se": 3.11, "val_ppl_lo": 175.7, "val_ppl_hi": 187.9,
+                         "val_tokens": 10240, "dt": 0.25})
+    assert line == ("val_loss 2.6500 ± 0.0123, val_nelbo 5.2023 ± 0.0171, val_ppl 181.6900 ± 3.1100 (95% "
+                    "175.70–187.90), val_tokens 10240, dt 0.2500")

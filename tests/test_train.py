@@ -137,6 +137,36 @@ def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus,
     assert all(v == v for v in log_rows(tmp_path, "loss"))
 
 
+def test_the_curriculums_end_is_said_in_the_log_where_the_loss_jumps(corpus, tmp_path, capsys):
+    """Issue 36: the demo's training loss jumps from 2.11 to 2.90 when its curriculum ends, and nothing said why.
+    Now the run says it at that step, on the console and as a log.jsonl event right after the step's loss, which
+    figures/plot.py reads (and marks); the message's alpha_t range of the curriculum is checked against its
+    definition, P(argmax of the Gaussian latent = x0) = (1 + (K - 1) alpha) / K, estimated from 20,000 latents
+    (binomial SE of P <= 0.0036, so alpha within 4 SE K / (K - 1) = 0.015; the message rounds to 0.001)."""
+    import re
+    from figures import plot
+    args = ["--loss", "sddlm", "--max_iters", "6", "--curriculum_iters", "3", "--log_interval", "1",
+            "--eval_interval", "1000", "--gamma_min", "-3.5", "--gamma_max", "-1.0"]
+    assert run(args, tmp_path, corpus) == 0
+    records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    events = [(i, r) for i, r in enumerate(records) if "event" in r]
+    assert len(events) == 1 and events[0][1]["event"] == "curriculum_end" and events[0][1]["step"] == 3
+    i, event = events[0]
+    assert records[i - 1] == {**records[i - 1], "step": 3} and "loss" in records[i - 1] and records[i + 1]["step"] == 4
+    assert f"step 3: {event['message']}" in capsys.readouterr().out
+    lo, hi = map(float, re.search(r"alpha_t in \[([\d.]+), ([\d.]+)\] \(the Gaussian", event["message"]).groups())
+    K = json.load(open(tmp_path / "config.json"))["model_config"]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    for gamma, alpha in ((-1.0, lo), (-3.5, hi)):
+        eps = torch.randn(20_000, K, generator=g, dtype=torch.float64)
+        latent = math.sqrt(torch.sigmoid(torch.tensor(gamma)).item()) * eps
+        latent[:, 0] += math.sqrt(torch.sigmoid(torch.tensor(-gamma)).item())       # x0 = coordinate 0
+        P = float((latent.argmax(1) == 0).double().mean())
+        assert abs((K * P - 1) / (K - 1) - alpha) < 0.015, (gamma, alpha, P)
+    assert "from step 4" in event["message"] and "[0.001, 0.999] (loglinear)" in event["message"]
+    assert plot.training_curves(str(tmp_path))["curriculum_end"] == 3
+
+
 TRAINED_STEPS = 6
 
 

@@ -3,6 +3,7 @@ and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 proces
 computed here as that rank computes it (Env rank r of W); the all-reduce that follows in a run is their sum.
 The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint."""
 import json
+import math
 import random
 
 import pytest
@@ -76,6 +77,11 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
         assert results[world_size]["val_tokens"] == results[1]["val_tokens"] == sequences * scored
         for key in ("val_nelbo", "val_ppl", "val_loss"):
             assert results[world_size][key] == pytest.approx(results[1][key], rel=RANKS_REL), key
+        # a standard error from the rounds' spread: each round's value moves by <= RANKS_REL of its size, so the SE
+        # by <= 2 RANKS_REL x that size (the spread's norm, triangle inequality): absolute, on the estimate's scale
+        for key, scale in (("val_nelbo_se", "val_nelbo"), ("val_loss_se", "val_loss"), ("val_ppl_se", "val_ppl")):
+            size = results[1][scale] * (results[1]["val_nelbo"] if key == "val_ppl_se" else 1)
+            assert results[world_size][key] == pytest.approx(results[1][key], abs=2 * RANKS_REL * size), key
     assert 1 < results[1]["val_ppl"] < 320                    # a trained model, better than uniform over K = 320
 
 
@@ -109,6 +115,8 @@ def test_gen_ppl_and_entropy_are_the_same_for_1_2_and_4_processes(trained, one_t
         # 320-term log-sum-exp of logits <= 20 in float32; the entropy from the same ids is exact float64 counting
         assert results[world_size]["gen_ppl"] == pytest.approx(results[1]["gen_ppl"], rel=forward_tol(16 + 333, 20))
         assert results[world_size]["gen_entropy"] == pytest.approx(results[1]["gen_entropy"], rel=1e-12)
+        for key in ("gen_ppl_se", "gen_nll_se", "gen_entropy_se", "gen_ppl_lo", "gen_ppl_hi"):   # pooled moments
+            assert results[world_size][key] == pytest.approx(results[1][key], rel=1e-9), key
 
 
 def test_sample_groups_cover_every_sample_once_whatever_the_world_size():
@@ -153,3 +161,47 @@ def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_v
     assert two["val_tokens"] == one["val_tokens"] == load_meta(str(d / "data"))["val_sequences"] * 32
     for key in ("val_nelbo", "val_ppl", "val_loss"):
         assert two[key] == pytest.approx(one[key], rel=RANKS_REL), key
+
+
+def test_validation_is_eval_ppls_estimator_on_the_same_draws_at_every_evaluation(trained, one_thread, monkeypatch,
+                                                                                   capsys):
+    """Issue 36: training printed PPL 181.7 for the demo and eval_ppl.py 150.0, 184.7, 194.2 with its seeds, with no
+    error bars: other draws of a noisy estimator. Now training's validation NELBO is eval_ppl.py's estimator at its
+    defaults on the same draws: the run's log and eval_ppl.py's first two rounds (--rel_se 0) on the same weights
+    and sequences give the same NELBO and standard error (float32 forwards of other batch shapes: 1e-6); an
+    evaluation at other weights sees the same times and corruptions (curves compare like with like); and eval_ppl.py
+    with another seed agrees with the log within 4 standard errors of the difference of two independent estimates."""
+    import eval_ppl as ep
+    d, args, ckpt = trained
+    record = [json.loads(line) for line in open(d / "out" / "log.jsonl") if "val_nelbo" in line][-1]
+    seen, real = [], ep.nelbo_per_token
+
+    def spy(model, x0, t, vocab_size, autocast, generator=None, draws=None):
+        seen.append((t.clone(), draws[0].clone(), draws[1].clone()))
+        return real(model, x0, t, vocab_size, autocast, generator, draws)
+    monkeypatch.setattr(ep, "nelbo_per_token", spy)
+
+    def eval_ppl_cli(*extra):      # the run validated eval_iters 1 x batch 8: the split's first 8 sequences
+        out = d / f"nelbo{len(seen)}.json"
+        assert ep.main(["--ckpt", str(d / "out" / "ckpt.pt"), "--batch_size", "8", "--max_batches", "1",
+                        "--out", str(out), *extra]) == 0
+        return json.loads(out.read_text())["results"][0]
+    same = eval_ppl_cli("--rel_se", "0")
+    by_eval_ppl, seen[:] = list(seen), []
+    assert record["val_nelbo"] == pytest.approx(same["nll"], rel=1e-6)
+    assert record["val_nelbo_se"] == pytest.approx(same["nll_se"], rel=1e-5) and same["nll_se"] > 0
+    assert (record["val_ppl_lo"], record["val_ppl_hi"]) == pytest.approx((same["ppl_lo"], same["ppl_hi"]), rel=1e-5)
+    cfg, runs = rank_runs(args + ["--loss", "sddlm", "--eval_iters", "1"], ckpt, 1)
+    run, env = runs[0]
+    ep.evaluate(run, cfg, str(d / "data"), env)
+    first, seen[:] = list(seen), []
+    with torch.no_grad():
+        for e in run.ema:                                   # other weights: a later evaluation of the run
+            e.mul_(0.9)
+    ep.evaluate(run, cfg, str(d / "data"), env)
+    for draws in (seen, by_eval_ppl):
+        assert len(draws) == len(first) == 2 * ep.VAL_DRAWS
+        assert all(all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(first, draws))
+    other = eval_ppl_cli("--rel_se", "0", "--seed", "1")
+    assert other["nll"] != same["nll"]
+    assert abs(other["nll"] - record["val_nelbo"]) < 4 * math.hypot(other["nll_se"], record["val_nelbo_se"])
