@@ -173,7 +173,7 @@ def round_sums(nats, tokens):
 
 @torch.no_grad()
 def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_DRAWS, rounds=VAL_ROUNDS, rel_se=0.0,
-              max_rounds=64, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_batches=None):
+              max_rounds=32, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_batches=None):
     """Token-mean NELBO over all batches, its perplexity and their standard errors (Duo spec 3.3; the estimator
     above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
     (B, L) bool or None (False = padding); sequences are numbered in that order. Each sequence gets `rounds`
@@ -475,7 +475,7 @@ class EvalConfig:
     mc_draws: int = VAL_DRAWS        # (t, xt) draws per sequence in one round, t stratified over [t_min, 1]
     rounds: int = VAL_ROUNDS         # rounds per sequence at least (>= 2: their spread is the standard error)
     rel_se: float = 0.02             # then more rounds until the PPL's relative standard error is at most this (0: no)
-    max_rounds: int = 64             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
+    max_rounds: int = 32             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
     seq_len: int = 0                 # zeroshot block length / genppl sample length (0 = the model's block_size;

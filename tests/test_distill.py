@@ -411,7 +411,8 @@ def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path,
                         "--judge", str(base_ckpts / "ar" / "ckpt.pt"), "--steps", "2,4", "--num_samples", "4"],
                        cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "| greedy |" in r.stdout, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "eval_ppl.py", "--ckpt", str(out / "ckpt.pt"), "--metric", "nelbo"],
+    r = subprocess.run([sys.executable, "eval_ppl.py", "--ckpt", str(out / "ckpt.pt"), "--metric", "nelbo",
+                        "--rel_se", "0"],
                        cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -253,7 +253,8 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
     assert all(p.returncode == 0 for p in texts), texts[0].stderr[-2000:]
     assert texts[0].stdout == texts[1].stdout and "--- sample 1 ---" in texts[0].stdout
     nelbo = [eval_ppl.run_nelbo(SimpleNamespace(data_dir="", split="val", batch_size=4, max_batches=0, seed=0,
-                                                mc_draws=1, t_min=1e-3, ckpt=str(c)),
+                                                mc_draws=1, rounds=2, rel_se=0.0, max_rounds=2, t_min=1e-3,
+                                                ckpt=str(c)),
                                 *load_model(str(c), "cpu"), "cpu", None)
              for c in (out / "model", out / "ckpt.pt")]
     assert nelbo[0] == nelbo[1]
