@@ -40,6 +40,7 @@ from data import DataError, not_a_file
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
                                         run_lm_eval)
 from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
+from eval_ppl import mean_se
 from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import refuse_overwrite, save_atomic, write_json
@@ -89,9 +90,20 @@ def multiple_choice_requests(items):
     return [(item["context"], " " + choice) for item in items for choice in item["choices"]]
 
 
+def accuracy_se(hits, n):
+    """The standard error of an accuracy, hits of n items (a binomial proportion p): sqrt(p (1 - p) / (n - 1)), the
+    standard error of the mean of the n outcomes 0 / 1 (lm-eval's acc_stderr); None for one item. The items are the
+    draws: the Monte-Carlo noise of each item's score is inside its outcome."""
+    if n < 2:
+        return None
+    p = hits / n
+    return math.sqrt(p * (1 - p) / (n - 1))
+
+
 def run_multiple_choice(items, loglikelihood):
     """items [{"context", "choices", "gold"}]; loglikelihood([(ctx, cont)]) -> [(ll, is_greedy)].
-    -> {"acc", "acc_norm", "n"} with acc_norm dividing ll by the choice's length in characters."""
+    -> {"acc", "acc_se", "acc_norm", "acc_norm_se", "n"} with acc_norm dividing ll by the choice's length in
+    characters, each with its standard error (accuracy_se)."""
     lls = [ll for ll, _ in loglikelihood(multiple_choice_requests(items))]
     acc = acc_norm = 0
     for item in items:
@@ -100,7 +112,9 @@ def run_multiple_choice(items, loglikelihood):
         best_norm = max(range(len(scores)), key=lambda k: scores[k] / max(1, len(item["choices"][k])))
         acc += best == item["gold"]
         acc_norm += best_norm == item["gold"]
-    return {"acc": acc / len(items), "acc_norm": acc_norm / len(items), "n": len(items)}
+    n = len(items)
+    return {"acc": acc / n, "acc_se": accuracy_se(acc, n), "acc_norm": acc_norm / n,
+            "acc_norm_se": accuracy_se(acc_norm, n), "n": n}
 
 
 def lambada_request(item):
@@ -110,13 +124,18 @@ def lambada_request(item):
 
 
 def run_lambada(items, scorer, cfg_w=0.0):
-    """-> {"acc_generate" (protocol a), "acc_argmax" (protocol b), "perplexity", "n"}."""
+    """-> {"acc_generate" (protocol a), "acc_argmax" (protocol b), "perplexity", "n"}, each with its standard error
+    over the passages ("_se": accuracy_se; the perplexity's by the delta method, perplexity x the SE of the mean
+    of -ll)."""
     pairs = [lambada_request(item) for item in items]
     scored = scorer.loglikelihood(pairs, cfg_w, "argmax", desc="lambada likelihood")
     generated = scorer.generate_matches(pairs, cfg_w, desc="lambada generate")
     n = len(items)
-    return {"acc_generate": sum(generated) / n, "acc_argmax": sum(g for _, g in scored) / n,
-            "perplexity": math.exp(min(-sum(ll for ll, _ in scored) / n, 700.0)), "n": n}
+    nll = [-ll for ll, _ in scored]
+    ppl, se = math.exp(min(sum(nll) / n, 700.0)), mean_se(n, sum(nll), sum(v * v for v in nll))
+    return {"acc_generate": sum(generated) / n, "acc_generate_se": accuracy_se(sum(generated), n),
+            "acc_argmax": sum(g for _, g in scored) / n, "acc_argmax_se": accuracy_se(sum(g for _, g in scored), n),
+            "perplexity": ppl, "perplexity_se": None if se is None else ppl * se, "n": n}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -239,14 +258,21 @@ def validate(cfg):
 
 
 def markdown_table(rows):
-    """One line per (task, guidance setting); accuracies in percent as the paper's Tables."""
-    present = {m for r in rows for m in r if m not in ROW_KEYS}
+    """One line per (task, guidance setting); accuracies in percent as the paper's Tables, each ± its standard
+    error (a metric's "_se") where the run gave one."""
+    present = {m for r in rows for m in r if m not in ROW_KEYS and not (m.endswith("_se") and m[:-3] in r)}
     metrics = [m for m in METRIC_ORDER if m in present] + sorted(present - set(METRIC_ORDER))
+
+    def cell(r, m):
+        if m not in r:
+            return "–"
+        scale = 1 if m in PLAIN_METRICS else 100
+        se = r.get(f"{m}_se")
+        return f"{scale * r[m]:.2f}" + (f" ± {scale * se:.2f}" if isinstance(se, (int, float)) else "")
     lines = ["| task | setting | w | runner | n | " + " | ".join(metrics) + " |",
              "|---|---|---:|---|---:|" + "---:|" * len(metrics)]
     for r in rows:
-        cells = [("–" if m not in r else f"{r[m]:.2f}" if m in PLAIN_METRICS else f"{100 * r[m]:.2f}")
-                 for m in metrics]
+        cells = [cell(r, m) for m in metrics]
         lines.append(f"| {r['task']} | {r['setting']} | {r['cfg_w']:g} | {r['runner']} | {r['n']} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -326,8 +352,11 @@ def main(argv=None):
                 print(f"FAILED {name}: {e}", file=sys.stderr)
             else:
                 rows.append({"task": name, "setting": setting, "cfg_w": w, "runner": runner, **metrics})
-                print(f"done {name} ({setting}): " + ", ".join(f"{m} {v:.4g}" for m, v in metrics.items()
-                      if m not in ROW_KEYS), file=sys.stderr)
+                print(f"done {name} ({setting}): " + ", ".join(
+                    f"{m} {v:.4g}" + (f" ± {metrics[m + '_se']:.2g}" if isinstance(metrics.get(m + "_se"), float)
+                                      else "")
+                    for m, v in metrics.items() if m not in ROW_KEYS and not m.endswith("_se")
+                    and isinstance(v, (int, float))), file=sys.stderr)
             if cfg.out:
                 write_results(cfg.out, result)
             if failed and failed[-1]["task"] == name:

@@ -223,13 +223,14 @@ def check_lm_eval_tasks(names, include_path=""):
 
 
 def run_lm_eval(task, lm, limit, include_path=""):
-    """One lm-eval task, zero-shot, with the adapter instance `lm` -> {metric: value, "n": ...}; a metric under a
-    filter other than "none" is named "metric,filter". include_path: a folder of extra task YAMLs (e.g. offline
-    tasks over local files)."""
+    """One lm-eval task, zero-shot, with the adapter instance `lm` -> {metric: value, "n": ...} and each metric's
+    standard error as lm-eval gives it ("metric_se": closed form for means such as acc, 1,000 bootstrap resamples
+    for perplexities); a metric under a filter other than "none" is named "metric,filter". include_path: a folder
+    of extra task YAMLs (e.g. offline tasks over local files)."""
     import lm_eval
     try:
         res = lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=limit or None,
-                                      bootstrap_iters=0, log_samples=False, task_manager=_task_manager(include_path))
+                                      bootstrap_iters=1000, log_samples=False, task_manager=_task_manager(include_path))
     except EvalError:
         raise
     except Exception as e:  # dataset download, a request the adapter cannot serve, ...: reported in one line
@@ -240,10 +241,12 @@ def run_lm_eval(task, lm, limit, include_path=""):
     metrics = {"output_type": output_type}
     for key, value in res["results"][task].items():
         name, _, filt = key.partition(",")
-        if filt and not name.endswith("_stderr") and isinstance(value, (int, float)):
+        if filt and isinstance(value, (int, float)):
+            se = name.endswith("_stderr")
+            name = name.removesuffix("_stderr")
             if output_type == "loglikelihood" and name == "acc":
                 name = f"acc_{lm.greedy_check}"   # LAMBADA-style acc is our is_greedy: say which protocol
-            metrics[name if filt == "none" else f"{name},{filt}"] = value
+            metrics[(name if filt == "none" else f"{name},{filt}") + ("_se" if se else "")] = value
     n = (res.get("n-samples") or {}).get(task, {})
     metrics["n"] = n.get("effective", n.get("original")) if isinstance(n, dict) else None
     return metrics

@@ -360,7 +360,10 @@ def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
         seen.extend(pairs)
         return [(table[p], False) for p in pairs]
 
-    assert ed.run_multiple_choice(items, stub_loglikelihood) == {"acc": 3 / 4, "acc_norm": 2 / 4, "n": 4}
+    # the standard errors: of the mean of 4 outcomes 0 / 1, sqrt(p (1 - p) / (n - 1)) (lm-eval's acc_stderr)
+    assert ed.run_multiple_choice(items, stub_loglikelihood) == {
+        "acc": 3 / 4, "acc_se": math.sqrt(3 / 4 * 1 / 4 / 3), "acc_norm": 2 / 4, "acc_norm_se": math.sqrt(1 / 4 / 3),
+        "n": 4}
     assert seen == list(table)                    # one (context, " " + choice) request per choice, in order
     path = tmp_path / "mc.jsonl"
     path.write_text("\n".join(json.dumps(i) for i in items) + "\n")
@@ -434,6 +437,35 @@ def test_lambada_protocols_recover_an_obvious_last_word(trained):
 def write_jsonl(path, items):
     path.write_text("".join(json.dumps(i) + "\n" for i in items))
     return str(path)
+
+
+def test_accuracies_carry_their_binomial_standard_error_in_the_results_and_the_table():
+    """An accuracy is a binomial proportion over the items: its standard error is that of the mean of the n
+    outcomes 0 / 1, exactly sqrt(p (1 - p) / (n - 1)) (here against the sample standard deviation of the
+    outcomes, computed apart); the table prints each metric ± its SE, in percent for accuracies; LAMBADA's
+    perplexity ± the delta method's SE over the passages (perplexity x the SE of the mean of -ll)."""
+    import statistics
+    for hits, n in ((3, 4), (0, 10), (7, 7), (512, 1000)):
+        outcomes = [1.0] * hits + [0.0] * (n - hits)
+        assert ed.accuracy_se(hits, n) == pytest.approx(statistics.stdev(outcomes) / math.sqrt(n), rel=1e-12, abs=0)
+    assert ed.accuracy_se(1, 1) is None
+
+    class Stub:
+        def loglikelihood(self, pairs, cfg_w, check, desc=""):
+            return [(-v, v < 1.5) for v in (1.0, 2.0, 0.5, 3.0)][:len(pairs)]
+
+        def generate_matches(self, pairs, cfg_w, desc=""):
+            return [True, False, False, False][:len(pairs)]
+    res = ed.run_lambada([{"text": f"a passage ending in word{i}"} for i in range(4)], Stub())
+    nll = [1.0, 2.0, 0.5, 3.0]
+    assert res["perplexity"] == pytest.approx(math.exp(1.625))
+    assert res["perplexity_se"] == pytest.approx(math.exp(1.625) * statistics.stdev(nll) / 2, rel=1e-12)
+    assert (res["acc_argmax"], res["acc_generate"]) == (0.5, 0.25)
+    assert res["acc_argmax_se"] == pytest.approx(math.sqrt(0.25 / 3)) and res["acc_generate_se"] == pytest.approx(
+        math.sqrt(3 / 16 / 3))
+    table = ed.markdown_table([{"task": "lambada", "setting": "no CFG", "cfg_w": 0.0, "runner": "builtin", **res}])
+    assert "| 25.00 ± 25.00 | 50.00 ± 28.87 |" in table and f"| {math.exp(1.625):.2f} ± " in table
+    assert "_se" not in table.splitlines()[0]                   # no column of its own
 
 
 @pytest.mark.slow
