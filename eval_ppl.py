@@ -99,16 +99,20 @@ def ppl_summary(nll, se, prefix):
 
 def stratified_times(draws, generator, t_min=diffusion.T_MIN):
     """One round's times of one sequence and their weights: t_h in stratum h = [a_h, b_h) of [t_min, 1], edges
-    t_min + (1 - t_min) (h / n)^2 (n = draws: narrower near t_min, where the NELBO's draws vary most), drawn
-    log-uniformly within it, t_h = a_h (b_h / a_h)^u, with the weight w_h = t_h log(b_h / a_h) / (1 - t_min) (one over
-    its density, over the length of [t_min, 1]). For any f, sum_h w_h f(t_h) is an unbiased estimate of
-    E_{t ~ U[t_min, 1]} f(t). Near t_min a token is corrupted with probability ~t and then weighs ~1/t: the
-    log-uniform draw takes the 1/t out of the weight, which keeps the variance and tames the rare huge draws that
-    made a few rounds' spread a poor estimate of it (RESULTS.md). -> (t, w), each (draws,) float64."""
+    t_min + (1 - t_min) (h / n)^2 (n = draws: narrower near t_min, where the NELBO's draws vary most), with weight
+    w_h = one over t_h's density in [a_h, b_h), over the length of [t_min, 1]: uniform, w_h = (b_h - a_h) /
+    (1 - t_min), but log-uniform in the first stratum, t_0 = a_0 (b_0 / a_0)^u, w_0 = t_0 log(b_0 / a_0) /
+    (1 - t_min). For any f, sum_h w_h f(t_h) is an unbiased estimate of E_{t ~ U[t_min, 1]} f(t). Near t_min a
+    token is corrupted with probability ~t and then weighs ~1/t: the log-uniform draw takes that 1/t out of the
+    weight, which keeps the variance but tames the rare huge draws that made a few rounds' spread a poor estimate
+    of it (RESULTS.md). -> (t, w), each (draws,) float64."""
     edges = t_min + (1 - t_min) * (torch.arange(draws + 1, dtype=torch.float64) / draws) ** 2
     a, b = edges[:-1], edges[1:]
-    t = a * (b / a) ** torch.rand(draws, generator=generator, dtype=torch.float64)
-    return t, t * torch.log(b / a) / (1 - t_min)
+    u = torch.rand(draws, generator=generator, dtype=torch.float64)
+    t, w = a + u * (b - a), (b - a) / (1 - t_min)
+    t[0] = a[0] * (b[0] / a[0]) ** u[0]
+    w[0] = t[0] * torch.log(b[0] / a[0]) / (1 - t_min)
+    return t, w
 
 
 def draw_seed(seed, index, rnd):

@@ -222,7 +222,8 @@ def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_th
         t = (1 - alpha) / (1 - 1e-3)
         lo, hi = 1e-3 + (1 - 1e-3) * (h / D) ** 2, 1e-3 + (1 - 1e-3) * ((h + 1) / D) ** 2
         assert bool(((t >= lo - 1e-6) & (t <= hi + 1e-6)).all()), (k, t, lo, hi)     # float32 t, float64 edges
-        weight = t * math.log(hi / lo) / (1 - 1e-3)            # one over the log-uniform density in the stratum
+        # one over t's density in its stratum, over the length of [1e-3, 1]: log-uniform in the first, else uniform
+        weight = t * math.log(hi / lo) / (1 - 1e-3) if h == 0 else torch.full_like(t, (hi - lo) / (1 - 1e-3))
         for b, l in mask.nonzero().tolist():
             per_round[r, first + b] += float(weight[b]) * printed_nelbo(
                 logits[b, l].tolist(), int(x0[b, l]), int(xt[b, l]), float(alpha[b]), -(1 - 1e-3))
@@ -241,26 +242,28 @@ def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_th
 
 
 def test_stratified_times_cover_their_strata_and_estimate_any_integral_without_bias():
-    """One time in each stratum [a_h, b_h), drawn log-uniformly, weighted by one over its density over the length
-    of [t_min, 1], t log(b_h / a_h) / (1 - t_min); the weighted sum's mean over many rounds is E_{t ~ U[t_min, 1]}
-    f(t): for f = 1/sqrt(t) and f = t^2 within 4 standard errors of the rounds' own spread (CLT: the mean of 20,000
-    independent rounds) of the exact integral; for f = 1/t (the NELBO's heavy part near t_min) every round is the
-    exact log(1 / t_min) / (1 - t_min), up to float64 rounding."""
+    """One time in each stratum [a_h, b_h), weighted by one over its density over the length of [t_min, 1]: uniform,
+    (b_h - a_h) / (1 - t_min), but log-uniform in the first, t log(b_0 / a_0) / (1 - t_min); the weighted sum's
+    mean over many rounds is E_{t ~ U[t_min, 1]} f(t): for f = 1/t (the NELBO's heavy part near t_min), 1/sqrt(t)
+    and t^2 within 4 standard errors of the rounds' own spread (CLT: the mean of 20,000 independent rounds) of the
+    exact integral; and the first stratum's part of f = 1/t is exactly log(b_0 / t_min) / (1 - t_min) in every
+    round (no 1/t left in its draws), up to float64 rounding."""
     t_min, D = 1e-3, 5
     g = torch.Generator().manual_seed(0)
     rounds = [stratified_times(D, g, t_min) for _ in range(20_000)]
     edges = [t_min + (1 - t_min) * (h / D) ** 2 for h in range(D + 1)]
     for t, w in rounds[:50]:
         assert all(edges[h] <= t[h] < edges[h + 1] for h in range(D))
-        assert w.tolist() == pytest.approx([float(t[h]) * math.log(edges[h + 1] / edges[h]) / (1 - t_min)
-                                            for h in range(D)], rel=1e-12)
-    for f, exact in ((lambda t: t ** -0.5, 2 * (1 - math.sqrt(t_min)) / (1 - t_min)),
+        assert w.tolist() == pytest.approx([float(t[0]) * math.log(edges[1] / edges[0]) / (1 - t_min)] + [
+            (edges[h + 1] - edges[h]) / (1 - t_min) for h in range(1, D)], rel=1e-12)
+    for f, exact in ((lambda t: 1 / t, math.log(1 / t_min) / (1 - t_min)),
+                     (lambda t: t ** -0.5, 2 * (1 - math.sqrt(t_min)) / (1 - t_min)),
                      (lambda t: t * t, (1 - t_min ** 3) / 3 / (1 - t_min))):
         values = torch.stack([(w * f(t)).sum() for t, w in rounds])
         assert abs(float(values.mean()) - exact) < 4 * float(values.std()) / math.sqrt(len(values)), f
         assert float(values.std()) > 0
-    exact = math.log(1 / t_min) / (1 - t_min)
-    assert all(float((w / t).sum()) == pytest.approx(exact, rel=1e-13) for t, w in rounds[:100])
+    first = math.log(edges[1] / t_min) / (1 - t_min)
+    assert all(float(w[0] / t[0]) == pytest.approx(first, rel=1e-13) for t, w in rounds[:100])
 
 
 def test_the_ratio_estimators_standard_error_is_the_delta_method_and_matches_the_spread_of_resamples():

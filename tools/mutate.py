@@ -47,7 +47,7 @@ MUTATIONS = [
       new="nats[k] += (w[h] * per_token.double().sum(1)).cpu()",
       tests=["tests/test_eval_ppl.py::test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw"]),
     M(name="nelbo_strata_weighed_by_width", file="eval_ppl.py",
-      old="return t, t * torch.log(b / a) / (1 - t_min)", new="return t, (b - a) / (1 - t_min)",
+      old="w[0] = t[0] * torch.log(b[0] / a[0]) / (1 - t_min)", new="w[0] = (b[0] - a[0]) / (1 - t_min)",
       tests=["tests/test_eval_ppl.py::test_stratified_times_cover_their_strata_and_estimate_any_integral_without_bias"]),
     M(name="nelbo_draws_belong_to_the_batch_row", file="eval_ppl.py",
       old="sequence_draws(seed, first + b, rnd,", new="sequence_draws(seed, b, rnd,",
