@@ -28,7 +28,8 @@ its judge in the title by a short label (an AR checkpoint's folder and step, a h
 judges are never drawn in one figure. A log.jsonl line that is not a whole record (torn by a crash, garbage) is
 skipped and counted; an input file of the wrong shape is refused in one line.
 --table writes the rows of Table main_results_metrics (Gen PPL and entropy at --table_steps sampling steps, with
-the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given), each naming its
+the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given; each ± its standard
+error where the evaluation recorded one), each naming its
 checkpoint, step, judge, sampler settings and seed; models that differ only in ε also form an ε-sweep table.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
@@ -500,8 +501,9 @@ def plot_time_memory(bench, cfg):
 # -----------------------------------------------------------------------------------------------
 # tables (no matplotlib)
 
-def _fmt(x, spec):
-    return "—" if x is None else format(x, spec)
+def _fmt(x, spec, se=None):
+    """x formatted, "± se" beside it when the evaluation gave its standard error."""
+    return "—" if x is None else format(x, spec) + ("" if not isinstance(se, (int, float)) else f" ± {se:{spec}}")
 
 
 def tables(gen, nelbo, steps):
@@ -515,13 +517,14 @@ def tables(gen, nelbo, steps):
             picked[r["ckpt"]] = r
     if not picked:
         raise UsageError(f"--table: no Gen PPL evaluation at {steps or 'any number of'} sampling steps")
-    ppl = lambda r: nelbo.get(r["ckpt"], {}).get("ppl")
+    ppl = lambda r: _fmt(nelbo.get(r["ckpt"], {}).get("ppl"), ".1f", nelbo.get(r["ckpt"], {}).get("ppl_se"))
     lines = ["| model | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint (step) | judge | sampler | samples | seed |",
              "|---|---:|---:|---:|---|---|---|---:|---:|"]
     for r in picked.values():
         if "ε=" in r["label"]:          # the ε sweep's models: in the sweep table below
             continue
-        lines.append(f"| {r['label']} | {r['gen_ppl']:.1f} | {r['entropy']:.2f} | {_fmt(ppl(r), '.1f')} "
+        lines.append(f"| {r['label']} | {_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
+                     f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | {ppl(r)} "
                      f"| `{r['ckpt']}` ({r['ckpt_step']}) | `{r['judge']}` | ancestral, {r['steps']} steps, final "
                      f"{r['final_step']}, top-p {r['top_p']} | {r['samples']} | {r['seed']} |")
     out = "\n".join(lines) + "\n"
@@ -535,7 +538,8 @@ def tables(gen, nelbo, steps):
                 "|---|---:|---:|---:|---:|---|\n")
         for loss, items in sweep.items():
             for eps, r in sorted(items, key=lambda x: x[0]):
-                out += (f"| {loss} | {eps:g} | {r['gen_ppl']:.1f} | {r['entropy']:.2f} | {_fmt(ppl(r), '.1f')} "
+                out += (f"| {loss} | {eps:g} | {_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
+                        f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | {ppl(r)} "
                         f"| `{r['ckpt']}` |\n")
     return out
 

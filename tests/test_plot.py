@@ -69,6 +69,20 @@ def test_table_rows_name_checkpoint_step_judge_sampler_and_seed_and_sweep_eps(tm
         plot.tables(gen, nelbo, 16)
 
 
+def test_table_cells_carry_the_standard_errors_the_evaluations_recorded(tmp_path):
+    """Gen PPL, entropy and the NELBO PPL of a table row each ± its standard error, as eval_ppl.py --out records
+    them (gen_ppl_se, entropy_se; ppl_se); an evaluation without them (an older file) prints the value alone."""
+    ckpt = str(tmp_path / "run" / "ckpt.pt")
+    gen = tmp_path / "gen.json"
+    gen.write_text(json.dumps({"metric": "genppl", "ckpt": ckpt, "ckpt_step": 9, "config": {"seed": 0},
+                               "results": [{"steps": 32, "samples": 16, "gen_ppl": 724.25, "gen_ppl_se": 35.5,
+                                            "entropy": 4.5, "entropy_se": 0.0125, "judge": JUDGE}]}))
+    nelbo = tmp_path / "nelbo.json"
+    nelbo.write_text(json.dumps({"metric": "nelbo", "ckpt": ckpt, "results": [{"ppl": 159.72, "ppl_se": 2.84}]}))
+    text = plot.tables(*plot.eval_rows([str(gen), str(nelbo)]), 32)
+    assert "| 724.2 ± 35.5 | 4.50 ± 0.01 | 159.7 ± 2.8 |" in text, text
+
+
 def png_ok(path, min_bytes=8000):
     """A real, non-blank PNG: the signature, a plausible size, and more than one colour in its pixels."""
     import matplotlib.image
