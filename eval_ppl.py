@@ -739,7 +739,7 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
                 drawn = []
                 for b in range(B):
                     g = torch.Generator().manual_seed(draw_seed(EVAL_SEED, first + b, -1 - r))
-                    drawn.append((stratified_times(1, g)[0].float(), *draw(1, L, K, g, "cpu")))
+                    drawn.append((diffusion.sample_t(1, g), *draw(1, L, K, g, "cpu")))    # t ~ U[t_min, 1]
                 t, *draws = (torch.cat(d).to(env.device) for d in zip(*drawn))
                 with autocast:
                     per_token, weight = per_token_loss(model, x0, mask, t, draws)

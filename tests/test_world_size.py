@@ -202,6 +202,17 @@ def test_validation_is_eval_ppls_estimator_on_the_same_draws_at_every_evaluation
     for draws in (seen, by_eval_ppl):
         assert len(draws) == len(first) == 2 * ep.VAL_DRAWS
         assert all(all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(first, draws))
+    times, real_terms = [], ep.loss_terms                  # the objective's own draws: t ~ U[1e-3, 1]
+
+    def spy_terms(model, cfg, x0, t, *rest):
+        times.extend(t.tolist())
+        return real_terms(model, cfg, x0, t, *rest)
+    monkeypatch.setattr(ep, "loss_terms", spy_terms)
+    cfg, runs = rank_runs(args + ["--loss", "sddlm", "--eval_iters", "0"], ckpt, 1)
+    ep.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1])
+    n = len(times)          # the mean of n uniform times: 0.5005 within 4 SE, SE = sqrt(1 / 12 / n)
+    assert n == 2 * load_meta(str(d / "data"))["val_sequences"] and min(times) >= 1e-3
+    assert abs(sum(times) / n - 0.5005) < 4 * math.sqrt(0.999 ** 2 / 12 / n)
     other = eval_ppl_cli("--rel_se", "0", "--seed", "1")
     assert other["nll"] != same["nll"]
     assert abs(other["nll"] - record["val_nelbo"]) < 4 * math.hypot(other["nll_se"], record["val_nelbo_se"])
