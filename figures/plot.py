@@ -362,8 +362,8 @@ def plot_training(curves, cfg):
             ax.set_ylabel(ylabel)
             if log:
                 ax.set_yscale("log")
-            ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights; band: 95% "
-                         f"interval over the samples", fontsize=9)
+            ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights (live without EMA); "
+                         f"band: 95% interval over the samples", fontsize=9)
             ax.grid(alpha=0.3)
             _legend(ax)
             written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
@@ -382,8 +382,8 @@ def plot_training(curves, cfg):
         ax.set_xlabel("training step")
         ax.set_ylabel("validation NELBO PPL (upper bound; AR: exact)")
         ax.set_yscale("log")
-        ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights; "
-                     "band: 95% interval of its Monte-Carlo draws", fontsize=9)
+        ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights "
+                     "(live without EMA); band: 95% interval of its Monte-Carlo draws", fontsize=9)
         ax.grid(alpha=0.3)
         _legend(ax)
         written.append(_save(fig, cfg.out_dir, "training_val_ppl.png", cfg.dpi))
