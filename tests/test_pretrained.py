@@ -245,7 +245,8 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
     assert sorted(os.listdir(out / "model")) == ["README.md", "config.json", "model.safetensors", "tokenizer.model"]
     card = (out / "model" / "README.md").read_text()
     last_val = [json.loads(line) for line in open(out / "log.jsonl") if "val_nelbo" in line][-1]
-    assert f"{last_val['val_nelbo']:.4f} nats/token" in card and f"at step {last_val['step']}" in card
+    assert (f"{last_val['val_nelbo']:.4f} ± {last_val['val_nelbo_se']:.4f} nats/token" in card
+            and f"at step {last_val['step']}" in card)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     texts = [subprocess.run([sys.executable, "sample.py", "--ckpt", str(c), "--num_samples", "2", "--steps", "3",
                              "--out", str(tmp_path / f"s{i}.jsonl")], cwd=HERE, env=env, capture_output=True,
