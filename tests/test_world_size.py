@@ -80,7 +80,7 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
         # a standard error from the rounds' spread: each round's value moves by <= RANKS_REL of its size, so the SE
         # by <= 2 RANKS_REL x that size (the spread's norm, triangle inequality): absolute, on the estimate's scale
         for key, scale in (("val_nelbo_se", "val_nelbo"), ("val_loss_se", "val_loss"), ("val_ppl_se", "val_ppl")):
-            size = results[1][scale] * (results[1]["val_nelbo"] if key == "val_ppl_se" else 1)
+            size = abs(results[1][scale]) * (results[1]["val_nelbo"] if key == "val_ppl_se" else 1)
             assert results[world_size][key] == pytest.approx(results[1][key], abs=2 * RANKS_REL * size), key
     assert 1 < results[1]["val_ppl"] < 320                    # a trained model, better than uniform over K = 320
 
@@ -163,12 +163,14 @@ def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_v
         assert two[key] == pytest.approx(one[key], rel=RANKS_REL), key
 
 
+@pytest.mark.numerics
 def test_validation_is_eval_ppls_estimator_on_the_same_draws_at_every_evaluation(trained, one_thread, monkeypatch,
                                                                                    capsys):
     """Issue 36: training printed PPL 181.7 for the demo and eval_ppl.py 150.0, 184.7, 194.2 with its seeds, with no
     error bars: other draws of a noisy estimator. Now training's validation NELBO is eval_ppl.py's estimator at its
     defaults on the same draws: the run's log and eval_ppl.py's first two rounds (--rel_se 0) on the same weights
-    and sequences give the same NELBO and standard error (float32 forwards of other batch shapes: 1e-6); an
+    and sequences give the same NELBO and standard error (within RANKS_REL, and the SE within 2 RANKS_REL of the
+    NELBO: see test_validation_is_the_same_for_1_2_and_4_processes); an
     evaluation at other weights sees the same times and corruptions (curves compare like with like); and eval_ppl.py
     with another seed agrees with the log within 4 standard errors of the difference of two independent estimates."""
     import eval_ppl as ep
@@ -188,9 +190,12 @@ def test_validation_is_eval_ppls_estimator_on_the_same_draws_at_every_evaluation
         return json.loads(out.read_text())["results"][0]
     same = eval_ppl_cli("--rel_se", "0")
     by_eval_ppl, seen[:] = list(seen), []
-    assert record["val_nelbo"] == pytest.approx(same["nll"], rel=1e-6)
-    assert record["val_nelbo_se"] == pytest.approx(same["nll_se"], rel=1e-5) and same["nll_se"] > 0
-    assert (record["val_ppl_lo"], record["val_ppl_hi"]) == pytest.approx((same["ppl_lo"], same["ppl_hi"]), rel=1e-5)
+    assert record["val_nelbo"] == pytest.approx(same["nll"], rel=RANKS_REL)
+    assert record["val_nelbo_se"] == pytest.approx(same["nll_se"], abs=2 * RANKS_REL * same["nll"])
+    assert same["nll_se"] > 4 * RANKS_REL * same["nll"]           # that tolerance is under half of the SE
+    # the interval exp(nll -+ 1.96 SE): relative errors of nll and 1.96 SE, times the nll, add
+    assert (record["val_ppl_lo"], record["val_ppl_hi"]) == pytest.approx(
+        (same["ppl_lo"], same["ppl_hi"]), rel=5 * RANKS_REL * same["nll"])
     cfg, runs = rank_runs(args + ["--loss", "sddlm", "--eval_iters", "1"], ckpt, 1)
     run, env = runs[0]
     ep.evaluate(run, cfg, str(d / "data"), env)
