@@ -61,7 +61,7 @@ from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, res
 from data import get_tokenizer, not_a_file
 from diffusion import draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_writable, refuse_overwrite, write_json
+from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, check_stride, default_final_step, generate, generate_ar, generate_long, psi_from_flags
 from plumbing.folder import is_model_folder
@@ -661,7 +661,8 @@ def run_genppl(cfg, device, dtype):
                             final_step=final_step, top_p=cfg.top_p, seed=cfg.seed, use_ema=cfg.use_ema,
                             sampler="ar" if mc.causal else cfg.sampler, psi=psi._asdict() if psi else None,
                             **length)
-            append_jsonl(cfg.save_samples, [dict(sample=i, text=t, ids=r, settings=settings)
+            mark = signature("eval_ppl.py")
+            append_jsonl(cfg.save_samples, [{WRITTEN_BY: mark, "sample": i, "text": t, "ids": r, "settings": settings}
                                             for i, (t, r) in enumerate(zip(texts, ids))])
         row = dict(score_samples(ids, texts, tok, judge, cfg.judge_batch_size, device, label=cfg.ckpt,
                                  steps=steps if steps else "ar"), ckpt_step=ckpt.get("step"), **length)
@@ -900,9 +901,7 @@ def main(argv=None):
         raise UsageError(f"--t_min must be in (0, 1), got {cfg.t_min}")
     if cfg.max_batches < 0:
         raise UsageError(f"--max_batches must be >= 0 (0 = all), got {cfg.max_batches}")
-    for flag, path in (("--out", cfg.out), ("--save_samples", cfg.save_samples)):
-        if path:
-            check_writable(path, flag)
+    check_outputs({"--out": cfg.out, "--save_samples": cfg.save_samples})   # new, or written by sddlm
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     ckpt = None
@@ -915,7 +914,8 @@ def main(argv=None):
         run = run_nelbo if cfg.metric == "nelbo" else run_zeroshot
         rows = run(cfg, model, ckpt, device, dtype)
         columns = ["data", "estimator", "tokens", "mc_draws", "nll", "nll_se", "ppl", "ppl_se", "ppl_lo", "ppl_hi"]
-    result = dict(metric=cfg.metric, ckpt=None if cfg.metric == "genppl" and cfg.samples else cfg.ckpt,
+    result = dict({WRITTEN_BY: signature("eval_ppl.py")}, metric=cfg.metric,
+                  ckpt=None if cfg.metric == "genppl" and cfg.samples else cfg.ckpt,
                   ckpt_step=ckpt.get("step") if ckpt else None, config=asdict(cfg), results=rows)
     text = json.dumps(result, indent=2)
     if cfg.out:

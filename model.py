@@ -37,16 +37,30 @@ class ModelConfig:
     vocab_multiple: int = 1  # pad the output layer to a multiple of this (its padding logits are never returned)
 
     def __post_init__(self):
+        """Every field of its type and in its range, however the config was made (flags, a checkpoint, a model
+        folder's config.json): else ValueError, its message starting with the field's name."""
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 4 * self.n_embd
+        for name, kind in (("arch", str), ("time_cond", bool), ("causal", bool)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        for name, low in (("vocab_size", 2), ("block_size", 1), ("n_layer", 1), ("n_head", 1), ("n_embd", 2),
+                          ("cond_dim", 1), ("mlp_hidden", 1), ("vocab_multiple", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for name, low, high in (("dropout", 0.0, 1.0), ("rope_base", 0.0, math.inf), ("norm_eps", 0.0, math.inf)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or not (low <= value < high if name == "dropout" else low < value < high):
+                raise ValueError(f"{name} must be a finite number in {'[' if name == 'dropout' else '('}{low:g}, "
+                                 f"{high:g}), got {value!r}")
         if self.arch not in ("dit", "llama"):
             raise ValueError(f"arch must be 'dit' or 'llama', got {self.arch!r}")
         if self.arch == "llama" and self.time_cond:
             raise ValueError("arch='llama' has no time input (as in SMDM): set time_cond=False")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
             raise ValueError(f"n_embd={self.n_embd} must split into n_head={self.n_head} heads of even size")
-        if self.mlp_hidden is None:
-            self.mlp_hidden = 4 * self.n_embd
-        if self.vocab_multiple < 1:
-            raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
 
     @property
     def padded_vocab_size(self):

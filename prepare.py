@@ -51,7 +51,7 @@ from data import (PROBE, DataError, DiskFullError, data_identity, file_sha256, f
 from plumbing.checkpoint import check_resume_data
 from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
-from plumbing.files import refuse_overwrite, remove_stale_temps, run_outputs
+from plumbing.files import kind_of, refuse_overwrite, remove_stale_temps, run_outputs
 from plumbing.integrity import check_data_tokenizer
 from plumbing.cli import ignore_stop_signals
 from plumbing.signals import deferred_signals
@@ -150,7 +150,7 @@ def _replace_ours(tmp, out_dir):
     goes first and comes back last, so no reader takes old and new files for one folder; a stop signal waits."""
     ours, names = _ours(out_dir), sorted(os.listdir(tmp), key=lambda n: n == "meta.json")
     theirs = [n for n in names if os.path.lexists(os.path.join(out_dir, n)) and
-              (n not in ours or not os.path.isfile(os.path.join(out_dir, n)))]
+              (n not in ours or kind_of(os.path.join(out_dir, n)) != "file")]   # a link, a device: not ours
     if theirs:
         raise DataError(f"{os.path.join(out_dir, theirs[0])} was not written by prepare.py, and preparing {out_dir} "
                         f"again would replace it; move it elsewhere or use another --data_dir")

@@ -65,7 +65,7 @@ from data import DataError
 from kernels.gumbel import sample_categorical
 from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
-from plumbing.files import append_jsonl, check_appendable, check_writable, refuse_overwrite
+from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature
 
 FINAL_STEPS = ("ancestral", "greedy", "none")
 NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes
@@ -602,9 +602,7 @@ def main(argv=None):
     psi = psi_from_flags(cfg, cfg.steps)
     if cfg.num_samples < 1 or cfg.batch_size < 0:
         raise UsageError("--num_samples must be >= 1 and --batch_size >= 0")
-    if cfg.out:
-        check_writable(cfg.out, "--out")       # before minutes of sampling, not after
-        check_appendable(cfg.out, "--out", ("sample", "settings"), "sample.py")
+    check_outputs({"--out": cfg.out}, append=(("sample", "settings"), "sample.py"))   # before minutes of sampling
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
@@ -669,7 +667,8 @@ def main(argv=None):
         records = []
         for row in ids.tolist():
             text = tok.decode(row) if tok else None
-            records.append(dict(sample=index, text=text, ids=row, settings=settings))
+            records.append({WRITTEN_BY: signature("sample.py"), "sample": index, "text": text, "ids": row,
+                            "settings": settings})
             print(f"--- sample {index} ---\n{text if text is not None else row}")
             index += 1
         if cfg.out:

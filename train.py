@@ -29,9 +29,10 @@ from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sampl
 from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import open_out_dir
-from plumbing.distributed import micro_batches, run_distributed, torchrun_on_cuda
+from plumbing.distributed import check_launch, micro_batches, run_distributed, torchrun_on_cuda
 from plumbing.finetune import start_from
 from plumbing.flags import check_train_flags, curriculum_from_share
+from plumbing.memory import check_run_fits
 from plumbing.run import RunPlumbing
 from prepare import check_settings, prepare_for_run
 
@@ -69,6 +70,7 @@ class OptimConfig:
     dtype: str = "auto"              # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: str = "auto"            # torch.compile the model: auto (on CUDA for every preset but tiny) | 1 | 0
     threads: int = 0                 # CPU: torch threads per process; 0 = $OMP_NUM_THREADS or idle cores / local procs
+    dist_timeout: float = 600.0      # torchrun: seconds a rank waits for the others to join at start (then exit 2)
     wandb: bool = False              # log.jsonl's scalars, the config and the samples to wandb too (pip install wandb)
     wandb_project: str = "sddlm"     # the wandb project; the run is named after out_dir, its id kept in out_dir
     tensorboard: bool = False        # log.jsonl's scalars to out_dir/tensorboard too (pip install tensorboard)
@@ -182,12 +184,15 @@ def default_preset(given):
 
 
 def check_config(cfg):
-    """At start-up, before out_dir is locked or made: every flag, no output over an input (plumbing/flags.py), the
-    data preparation's flags (prepare.py), the model's shape at any vocabulary (e.g. n_embd into n_head heads)."""
-    check_train_flags(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    """At start-up, before out_dir is locked or made: the launch environment and the threads as a whole (WORLD_SIZE,
+    RANK, MASTER_ADDR, ..., --threads, OMP_NUM_THREADS: plumbing.distributed.check_launch), every flag, no output
+    over an input (plumbing/flags.py), the data preparation's flags (prepare.py), the model's shape at any
+    vocabulary (e.g. n_embd into n_head heads) and its size against the machine (plumbing.memory.check_run_fits)."""
+    launch = check_launch(cfg)
+    check_train_flags(cfg, launch.world_size)
     check_settings(cfg.num_proc)
     if not cfg.init:                  # with --init the model is SOURCE's (plumbing.finetune.check_flags)
-        model_config_for(cfg, cfg.vocab_size or 2)
+        check_run_fits(cfg, model_config_for(cfg, cfg.vocab_size or 2), launch)   # impossible, or too large
 
 
 def model_config_for(cfg, vocab_size):

@@ -88,8 +88,8 @@ from kernels.fused_head import HEADS, Head
 from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
 from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
-from plumbing.distributed import Env
-from plumbing.memory import cuda_allocator_env
+from plumbing.distributed import Env, check_threads, omp_threads
+from plumbing.memory import check_training_memory, cuda_allocator_env
 from train import TRAIN_PRESETS, Run, TrainConfig, make_optimizer, model_config_for, train_step
 
 ALL_LOSSES = ",".join(OBJECTIVES)
@@ -136,6 +136,9 @@ def parse_args(argv=None):
                          "--head_chunks, --long_blocks >= 0")
     if cfg.head not in HEADS:
         raise UsageError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
+    if cfg.threads:
+        check_threads(cfg.threads, "--threads")      # a million threads crash torch's pool: refused here
+    omp_threads()                                    # OMP_NUM_THREADS, likewise
     if cfg.block_size and cfg.block_size < 2:
         raise UsageError("--block_size must be >= 2")
     resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -308,7 +311,11 @@ def row_names(cfg):
 def configs_for(cfg, name):
     """A row's TrainConfig and the ModelConfig of its model."""
     tcfg = train_config_for(cfg, name.removesuffix(CURRICULUM), curriculum=name.endswith(CURRICULUM))
-    return tcfg, model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
+    mcfg = model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
+    check_training_memory(mcfg, tcfg.batch_size, tcfg.ema, resolve_device(cfg.device),   # before it is allocated
+                          lambda f: "--batch_size" if f == "micro" else f"--{f}"
+                          if f in ("n_layer", "n_embd", "block_size", "vocab_size") else f"--preset's {f}")
+    return tcfg, mcfg
 
 
 def random_tokens(run, tcfg, gen):

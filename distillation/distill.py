@@ -50,10 +50,11 @@ from eval_ppl import validation_record, validation_sums
 from hub.pretrained import export
 from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script
-from plumbing.distributed import compiles, micro_batches, run_distributed
+from plumbing.distributed import check_launch, compiles, micro_batches, run_distributed
 from plumbing.finetune import read_init, tokenizer_identity
 from plumbing.integrity import check_tokenizer_identity
 from plumbing.files import refuse_overwrite, run_outputs
+from plumbing.memory import check_run_fits
 from plumbing.run import RunPlumbing
 from plumbing.tracking import require_trackers
 
@@ -274,12 +275,14 @@ def data_for(cfg, init_ckpt, record, vocab_size):
     return os.path.abspath(data_dir), meta, tok
 
 
-def base_of(cfg, init_ckpt, record):
-    """The model config of the checkpoint distilled and its data (data_for) -> (mcfg, data_dir, meta, tokenizer)."""
+def base_of(cfg, init_ckpt, record, env):
+    """The model config of the checkpoint distilled, checked to fit env's memory, and its data (data_for) -> (mcfg,
+    data_dir, meta, tokenizer)."""
     try:
         mcfg = ModelConfig(**init_ckpt["model_config"])
     except (TypeError, ValueError) as e:
         raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
+    check_run_fits(cfg, mcfg, env, model_from=f"--init {cfg.init}: model_config.")   # before any allocation
     return (mcfg, *data_for(cfg, init_ckpt, record, mcfg.vocab_size))
 
 
@@ -393,19 +396,20 @@ def main(argv=None):
     cfg = parse_config(argv)
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
                      {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))    # once, before out_dir is locked or made
+    launch = check_launch(cfg)                               # WORLD_SIZE, RANK, MASTER_ADDR, ... as a whole
+    validate(cfg, launch.world_size)                         # once, before out_dir is locked or made
     return run_distributed(cfg, lambda env: distill(cfg, env))
 
 
 def distill(cfg, env):
     if not cfg.resume:                   # every fault of --init and its data is found before out_dir is made
         weights, init_ckpt = load_init(cfg)
-        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, init_ckpt)
+        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, init_ckpt, env)
     ckpt = open_out_dir(cfg)
     if ckpt is not None:
         weights, init_ckpt = None, saved_init(ckpt)
         cfg.init = init_ckpt["path"] or cfg.init
-        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt)
+        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt, env)
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
     plumbing = RunPlumbing(cfg, env, mcfg, meta, export, what="distillation", label=f"dcd {base_loss}",
                            loss_name="DCD loss", extra=lambda: checkpoint_extra(cfg, init_ckpt, data_dir, teacher))

@@ -43,7 +43,7 @@ from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
 from eval_ppl import mean_se
 from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
-from plumbing.files import refuse_overwrite, save_atomic, write_json
+from plumbing.files import WRITTEN_BY, check_outputs, refuse_overwrite, save_atomic, signature, text_mark, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, check_stride, default_final_step
 
@@ -285,15 +285,22 @@ def write_results(path, result):
 
     def write_md(tmp):
         with open(tmp, "w") as f:
-            f.write(table + "\n" + failed + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in DEFINITIONS.items()) + "\n")
+            f.write(text_mark("downstream/eval_downstream.py") + "\n" + table + "\n" + failed + "\n\n"
+                    + "\n".join(f"- {k}: {v}" for k, v in DEFINITIONS.items()) + "\n")
     write_json(path, result)
-    save_atomic(os.path.splitext(path)[0] + ".md", write_md)
+    save_atomic(results_md(path), write_md)
+
+
+def results_md(path):
+    """The table written beside --out: res.json -> res.md (refused, like --out itself, unless sddlm wrote it)."""
+    return os.path.splitext(path)[0] + ".md"
 
 
 def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
-    refuse_overwrite({"--out": [cfg.out, os.path.splitext(cfg.out)[0] + ".md"] if cfg.out else ""},
+    refuse_overwrite({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""},
                      {"--ckpt": cfg.ckpt, "--jsonl": cfg.jsonl.split(",")})
+    check_outputs({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""})   # new, or written by sddlm
     validate(cfg)
     plan = plan_tasks(cfg)
     if any(runner == "lm-eval" for _, runner, _ in plan):
@@ -327,8 +334,9 @@ def main(argv=None):
           f"{', '.join(f'{n} [{r}]' for n, r, _ in plan)}; {cfg.mc_draws} MC draws, cfg={cfg.cfg}", file=sys.stderr)
 
     rows, failed = [], []
-    result = {"config": dataclasses.asdict(cfg), "checkpoint": {"step": ckpt.get("step"),
-              "loss": (ckpt.get("train_config") or {}).get("loss"), "model_config": ckpt.get("model_config")},
+    result = {WRITTEN_BY: signature("downstream/eval_downstream.py"), "config": dataclasses.asdict(cfg),
+              "checkpoint": {"step": ckpt.get("step"), "loss": (ckpt.get("train_config") or {}).get("loss"),
+                             "model_config": ckpt.get("model_config")},
               "tokenizer": tokenizer.spec, "definitions": DEFINITIONS, "results": rows, "failed": failed}
     for name, runner, _ in plan:
         for k, (setting, guided) in enumerate(settings):

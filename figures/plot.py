@@ -8,7 +8,8 @@ The paper's figures and the rows of its main table, from train.py run folders, e
 
 The PNGs go beside the data (--out_dir, default: the run folder's plots/, the runs' common parent's plots/ for
 several, else beside the first --evals or --bench file), never by default into the repository's figures/. A file
-that exists already is replaced only with --overwrite 1 (otherwise one error line, and nothing is written).
+that exists already is replaced only with --overwrite 1, and only when figures/plot.py wrote it (otherwise one error
+line, and nothing is written).
 
 Figures (PNG; matplotlib, an optional dependency, is imported only to draw them):
   training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 import losses
 from plumbing.cli import UsageError, parse_flags, run_cli
-from plumbing.files import refuse_overwrite
+from plumbing.files import PNG_SOFTWARE, check_outputs, refuse_overwrite, save_atomic, text_mark
 
 
 @dataclass
@@ -280,7 +281,7 @@ def _legend(ax):
 def _save(fig, out_dir, name, dpi):
     path = os.path.join(out_dir, name)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, metadata={"Software": f"{PNG_SOFTWARE} figures/plot.py"})   # ours: --overwrite 1
     return path
 
 
@@ -562,8 +563,10 @@ def main(argv=None):
         raise UsageError(f"--bench {cfg.bench}: not a bench/bench.py --json 1 output")
     written = []
     outputs = [os.path.join(cfg.out_dir, name) for name in figure_names(curves, gen, bench)]
+    table = [cfg.table] if cfg.table not in ("", "-") else []
     if not cfg.overwrite:
-        refuse_existing(outputs + ([cfg.table] if cfg.table not in ("", "-") else []))
+        refuse_existing(outputs + table)
+    check_outputs({"--out_dir": outputs, "--table": table})   # --overwrite 1 replaces only what sddlm wrote
     if outputs:
         _pyplot()                        # without matplotlib: its one line, before a folder is made
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -579,8 +582,10 @@ def main(argv=None):
         text = tables(gen, nelbo, cfg.table_steps)
         print(text)
         if cfg.table != "-":
-            with open(cfg.table, "w") as f:
-                f.write(text)
+            def write(tmp):
+                with open(tmp, "w") as f:
+                    f.write(text_mark("figures/plot.py") + "\n" + text)
+            save_atomic(cfg.table, write)
     return 0
 
 

@@ -5,7 +5,8 @@ Model folders: a trained model as the Hugging Face ecosystem shares one, and the
       model.safetensors   the weights only (EMA by default): reading them runs no code, unlike a pickle
       config.json         "model_type": "sddlm" and the model's fields on top (the hub's flat form), the objective, the
                           noise schedule, the default final step, the tokenizer (spec, sha256, special ids), the step,
-                          the validation NELBO the run measured, the training config
+                          the validation NELBO the run measured, the training config, the weights' sha256 (checked
+                          by every reader)
       tokenizer.model     the SentencePiece model, when the tokenizer is a local file (gpt2 and hf:NAME are not)
       README.md           the model card: the hub's metadata header, then what the model is and how to load it
 
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from plumbing.files import remove_stale_temps, writing
+from plumbing.integrity import sha256_file
 from plumbing.signals import deferred_signals
 from plumbing.folder import (CARD, CARD_MARK, CONFIG, FORMAT, MODEL_TYPE, TOKENIZER, WEIGHTS, _sha256,  # noqa: F401
                              check_target, is_model_folder, is_our_card, load_folder, our_files)
@@ -234,6 +236,7 @@ def save_folder(folder, state, config, name=None):
         save_file({k.removeprefix("_orig_mod."): v.detach().to("cpu").contiguous().clone() for k, v in state.items()},
                   os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
         os.chmod(os.path.join(tmp, WEIGHTS), 0o644)     # safetensors writes it owner-only; a folder is for sharing
+        config["weights_sha256"] = sha256_file(os.path.join(tmp, WEIGHTS))   # every reader checks the bytes by it
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(config, f, indent=1)
             f.write("\n")

@@ -15,10 +15,12 @@ import torch.distributed as dist
 from data import DataError, full_data_key, get_tokenizer, not_a_file
 from model import ModelConfig, build_model
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
-from plumbing.files import check_writable, remove_stale_temps, run_output_names, save_atomic
+from plumbing.files import check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic
 from plumbing.folder import check_target
 from plumbing.lock import LOCK
-from plumbing.integrity import check_checkpoint_fields, check_finite_weights, check_tokenizer_identity
+from plumbing.memory import check_model_memory
+from plumbing.integrity import (check_checkpoint_fields, check_config_matches, check_finite_weights,
+                                check_tokenizer_identity, check_weights, check_zip)
 from plumbing.signals import deferred_signals
 
 # what a resumed run requires of its checkpoint (save writes them)
@@ -98,13 +100,22 @@ def _restore(run, ckpt, env):
 
 
 def read_checkpoint(path, map_location="cpu", mmap=False):
-    """torch.load with weights_only=True, quietly: a file that is no checkpoint (random bytes can look like a
-    pickle of an unknown protocol, which torch warns about) -> ValueError with a short reason, for the caller's
-    one line."""
+    """torch.load with weights_only=True, quietly, of bytes that are the ones written: every member of the zip
+    is checked against its CRC-32 first (integrity.check_zip; torch.load checks none), in the same open file.
+    A damaged file, or one that is no checkpoint (random bytes can look like a pickle of an unknown protocol,
+    which torch warns about) -> ValueError with a short reason, for the caller's one line. mmap=True: a peek at
+    the fields (no weights read, no check)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            if mmap:
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+            with open(path, "rb") as f:
+                check_zip(f, path)
+                f.seek(0)
+                return torch.load(f, map_location=map_location, weights_only=True)
+    except ValueError:                  # check_zip's: a member that fails its CRC
+        raise
     except OSError as e:
         raise ValueError(os_error_line(e)) from None
     except pickle.UnpicklingError:      # torch's advice (weights_only=False) would run whatever the file holds
@@ -135,6 +146,7 @@ def load_resume_checkpoint(cfg):
         return None
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
+    check_run_outputs(cfg.out_dir)       # what the run appends to and replaces: files and folders, no links
     # the run ends by exporting out_dir/model: a folder there of the user's is refused now, not after the training
     check_target(os.path.join(cfg.out_dir, "model"), f"--out_dir {cfg.out_dir}: its model folder",
                  "move them elsewhere, then resume")
@@ -273,18 +285,30 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     try:
         ckpt = read_checkpoint(path, device)
     except ValueError as e:
-        raise ValueError(f"could not read checkpoint {path}: {e}") from None
+        raise ValueError(f"could not read checkpoint {path}: {e}; use another copy of it") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
-    check_checkpoint_fields(ckpt, path)
-    model = build_model(ckpt["model_config"])
-    state = ckpt["ema"] if use_ema and ckpt.get("ema") is not None else ckpt["model"]
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
+    check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
+    mcfg, state = checked_weights(ckpt, path, use_ema)
+    check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
+    model = build_model(mcfg)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
     return model.to(device).eval(), ckpt
+
+
+def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
+    """A checkpoint's weights to load (its EMA's when use_ema and it has them, else the model's; a torch.compile'd
+    model's "_orig_mod." prefix dropped), checked before a model is built: floating-point and finite, and as many
+    blocks and as wide an embedding as its model_config says -> (ModelConfig, state dict)."""
+    ema = use_ema and ckpt.get("ema") is not None
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["ema" if ema else "model"].items()}
+    check_weights(state, path, "ema" if ema else "model", error)
+    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
+    check_config_matches(mcfg, state, path, "model_config.")
+    return mcfg, state
 
 
 def load_model(path, device, use_ema=True):

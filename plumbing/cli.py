@@ -354,13 +354,20 @@ def install():
 _REPORTED = []       # the error line this process printed (run_cli's _fail), so a late signal adds no second one
 
 
+def _rank():
+    """This process's RANK as a string, "0" when unset or not a whole number (a launch environment that launch_env
+    refuses: its line must still be printed)."""
+    rank = os.environ.get("RANK", "0").strip()
+    return str(int(rank)) if rank.isdigit() else "0"
+
+
 def _exit_now(signum, frame):
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    if not _REPORTED and os.environ.get("RANK", "0") == "0":
+    if not _REPORTED and _rank() == "0":
         try:
             os.write(2, f"error: interrupted by {signal_name(signum)} while exiting\n".encode())
         except OSError:
@@ -427,7 +434,7 @@ def _out_of_memory_while_starting(kind, e, trace):
 
 
 def _exit_while_starting(signum, frame):
-    if os.environ.get("RANK", "0") == "0":
+    if _rank() == "0":
         try:
             os.write(2, f"error: interrupted by {signal_name(signum)} while starting\n".encode())
         except OSError:
@@ -451,7 +458,7 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
             raise
         _fail(f"out of memory: {oom_summary(e)}; {oom_hint}", any_rank=True)
     except (UsageError, *errors) as e:
-        _fail(str(e))
+        _fail(str(e), any_rank=getattr(e, "every_rank", False))
     except OSError as e:
         _fail(os_error_line(e))
     except KeyboardInterrupt as e:
@@ -465,7 +472,7 @@ def _fail(message, code=2, any_rank=False):
     """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
     exiting()
-    rank = os.environ.get("RANK", "0")
+    rank = _rank()
     if rank == "0" or any_rank:
         from tqdm import tqdm
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plumbing.cli import OutOfMemory, UsageError, oom_summary, parse_bool, resolve_device
+from plumbing.cli import OutOfMemory, UsageError, first_line, oom_summary, parse_bool, resolve_device
 from plumbing.lock import acquire_folder
 from plumbing.memory import cuda_allocator_env
 from plumbing.signals import deferred_signals
@@ -67,6 +67,29 @@ def idle_cores(cores, seconds=0.1):
     return sum((d[3] + d[4]) / sum(d) if sum(d) else 1.0 for d in spent)
 
 
+def check_threads(threads, source):
+    """A number of CPU threads asked for (source: "--threads" or "OMP_NUM_THREADS=") within this process's usable
+    cores: a thread beyond them only waits, and a million of them crash torch's thread pool (a segmentation fault)
+    -> UsageError naming the source."""
+    cores = len(usable_cores())
+    if threads > cores:
+        raise UsageError(f"{source}{' ' if source.startswith('--') else ''}{threads} asks for more threads than the "
+                         f"{cores} usable cores of this machine; give at most {cores}, or leave it unset (the default)")
+
+
+def omp_threads(environ=None):
+    """OMP_NUM_THREADS as a number of threads (its first item: OpenMP also takes a list per nesting level), or 0 when
+    unset or empty; a value that is no positive whole number, or above the usable cores -> UsageError."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return 0
+    first = value.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise UsageError(f"OMP_NUM_THREADS={value!r} is not a number of threads; set a whole number >= 1, or unset it")
+    check_threads(int(first), "OMP_NUM_THREADS=")
+    return int(first)
+
+
 def cpu_threads(threads, local_world_size):
     """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins; else OMP_NUM_THREADS when set
     (by the user, or by torchrun, which sets 1 for several processes per node); else the usable cores that are
@@ -74,10 +97,11 @@ def cpu_threads(threads, local_world_size):
     each. A thread beyond the free cores only waits: on this 2-core machine with other work running, two threads
     made the tiny demo several times slower than one, and idle they made it faster (RESULTS.md, CPU threads)."""
     if threads > 0:
+        check_threads(threads, "--threads")
         return threads, "--threads"
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp), "OMP_NUM_THREADS"
+    omp = omp_threads()
+    if omp:
+        return omp, "OMP_NUM_THREADS"
     cores = usable_cores()
     idle = idle_cores(cores)
     free = len(cores) if idle is None else min(len(cores), max(1, round(idle)))
@@ -85,25 +109,167 @@ def cpu_threads(threads, local_world_size):
     return max(1, free // local_world_size), f"{why}, {local_world_size} per node"
 
 
+# -----------------------------------------------------------------------------------------------
+# the launch: torchrun's environment, checked as a whole, and the ranks joining
+
+LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+@dataclass
+class Launch:
+    """This process's place in a job, as its environment says (launch_env)."""
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: int = 0
+    nnodes: int = 1
+    master_addr: str = ""
+    master_port: int = 0
+    restart: int = 0                 # torchrun's TORCHELASTIC_RESTART_COUNT
+
+
+class LaunchError(UsageError):
+    """A launch environment that is incomplete or contradictory: every rank prints it (exit code 2), since a rank
+    that cannot trust RANK cannot know that rank 0 speaks for it."""
+    every_rank = True
+
+
+def launch_env(environ=None):
+    """torchrun's variables (LAUNCH_VARS) -> Launch, checked as a whole before anything starts: each a whole number
+    (MASTER_PORT in 1-65535, WORLD_SIZE >= 1), none contradicting another (RANK < WORLD_SIZE, LOCAL_RANK <
+    LOCAL_WORLD_SIZE <= WORLD_SIZE, GROUP_RANK < GROUP_WORLD_SIZE), and all that a job of several processes needs
+    (RANK, MASTER_ADDR, MASTER_PORT) present. Without WORLD_SIZE (or with 1) this is one process, whose rank
+    variables, if set, say 0. Otherwise one line naming them -> LaunchError (exit code 2, every rank)."""
+    e = os.environ if environ is None else environ
+    given = {k: e[k].strip() for k in LAUNCH_VARS if k in e}
+    shown = ", ".join(f"{k}={v}" for k, v in given.items()) or "none set"
+    fix = "launch with torchrun (it sets them all), or unset them to run one process"
+
+    def fail(problem):
+        raise LaunchError(f"the launch environment is {problem} ({shown}); {fix}")
+    for k, v in given.items():
+        if k != "MASTER_ADDR" and not v.isdigit():
+            fail(f"not usable: {k}={e[k]!r} is not a whole number")
+    num = {k: int(v) for k, v in given.items() if k != "MASTER_ADDR"}
+    world = num.get("WORLD_SIZE", 1)
+    if world < 1:
+        fail("not usable: WORLD_SIZE must be >= 1")
+    rank, local_rank = num.get("RANK", 0), num.get("LOCAL_RANK", 0)
+    local_world = num.get("LOCAL_WORLD_SIZE", world)
+    nnodes = num.get("GROUP_WORLD_SIZE", max(1, world // max(local_world, 1)))
+    node = num.get("GROUP_RANK", rank // max(local_world, 1))
+    if world > 1:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not given.get(k)]
+        if missing:
+            fail(f"incomplete: WORLD_SIZE={world} but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                 f"not set")
+        if not 1 <= num["MASTER_PORT"] <= 65535:
+            fail(f"not usable: MASTER_PORT={num['MASTER_PORT']} is not a port (1-65535)")
+    contradictions = [
+        (rank >= world, f"RANK={rank} is not below WORLD_SIZE={world}"),
+        (not 1 <= local_world <= world, f"LOCAL_WORLD_SIZE={local_world} is not in 1..WORLD_SIZE={world}"),
+        (local_rank >= local_world, f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}"),
+        (local_rank > rank, f"LOCAL_RANK={local_rank} is above RANK={rank}"),
+        (node >= nnodes, f"GROUP_RANK={node} is not below GROUP_WORLD_SIZE={nnodes}")]
+    for wrong, why in contradictions:
+        if wrong:
+            fail(f"contradictory: {why}")
+    return Launch(world, rank, local_rank, local_world, node, nnodes, given.get("MASTER_ADDR", ""),
+                  num.get("MASTER_PORT", 0), num.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def check_launch(cfg):
+    """A training script's start, before anything else runs: the launch environment (launch_env) and the CPU threads
+    asked for (--threads, OMP_NUM_THREADS) against the cores -> Launch, or one line (exit code 2)."""
+    launch = launch_env()
+    if getattr(cfg, "threads", 0) < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
+    if getattr(cfg, "threads", 0) > 0:
+        check_threads(cfg.threads, "--threads")
+    omp_threads()
+    if not getattr(cfg, "dist_timeout", 1) > 0:
+        raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
+    return launch
+
+
+def join(launch, timeout, poll=0.2, report=30.0):
+    """Every rank of the job meets the others at rank 0's store (MASTER_ADDR:MASTER_PORT; torchrun's agent hosts it
+    where it says so) before the process group is made, waiting in short steps in Python, not in one C++ call: a
+    stop signal ends the wait at once (exit code 130), each rank says whom it waits for (at once, then every
+    `report` seconds), and after `timeout` seconds (--dist_timeout) it stops with one line naming the ranks that
+    never came (exit code 2). -> the store, for dist.init_process_group."""
+    import datetime
+    import socket
+    import sys
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    where, start = f"{launch.master_addr}:{launch.master_port}", time.monotonic()
+    step = datetime.timedelta(seconds=max(1.0, min(10.0, timeout)))
+    said = [start - report]
+
+    def waiting(what, missing=None):
+        waited = time.monotonic() - start
+        if waited > timeout:
+            raise UsageError(f"rank {launch.rank}: {what} within --dist_timeout {timeout:g} s at {where}: start "
+                             f"every rank (torchrun on each node, the same MASTER_ADDR and MASTER_PORT), or raise "
+                             f"--dist_timeout")
+        if time.monotonic() - said[0] >= report:
+            print(f"rank {launch.rank}: waiting for {missing or what} at {where} ({waited:.0f} s; gives up after "
+                  f"--dist_timeout {timeout:g} s)", file=sys.stderr, flush=True)
+            said[0] = time.monotonic()
+        time.sleep(poll)
+    if launch.rank == 0 and not agent:
+        try:
+            store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, True, timeout=step,
+                                  wait_for_workers=False, multi_tenant=True,
+                                  use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
+        except (RuntimeError, ValueError) as e:
+            raise UsageError(f"rank 0 cannot host the job's store at {where} ({first_line(e).split('. ')[0]}); "
+                             f"choose another MASTER_PORT") from None
+    else:
+        while True:                      # a plain socket first: the store's own retries log C++ traces
+            try:
+                socket.create_connection((launch.master_addr, launch.master_port), timeout=1).close()
+                break
+            except socket.gaierror as e:
+                raise UsageError(f"MASTER_ADDR={launch.master_addr} is no address this host resolves ({e}); give "
+                                 f"rank 0's host name or IP") from None
+            except OSError:
+                waiting("rank 0's store did not answer", "rank 0's store")
+        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, timeout=step)
+    arrivals = dist.PrefixStore(f"sddlm/join/{launch.restart}", store)
+    arrivals.set(f"rank{launch.rank}", "1")
+    arrivals.add("count", 1)
+    while arrivals.add("count", 0) < launch.world_size:
+        missing = [r for r in range(launch.world_size) if not arrivals.check([f"rank{r}"])] \
+            if time.monotonic() - said[0] >= report or time.monotonic() - start > timeout else []
+        names = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}" + \
+            (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        waiting(f"{names} of {launch.world_size} did not join", f"{names} of {launch.world_size} to join")
+    store.set_timeout(dist.default_pg_timeout)
+    return dist.PrefixStore("default_pg", store)
+
+
 def setup_distributed(cfg):
-    """torchrun's environment -> Env (process group joined, CUDA device chosen, CPU threads set by cpu_threads),
-    or a single process. Nodes: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of
-    LOCAL_WORLD_SIZE per node (torchrun numbers the ranks of one node consecutively)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    """torchrun's environment -> Env (the ranks joined, the process group made, CUDA device chosen, CPU threads set by
+    cpu_threads), or a single process. Nodes: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks
+    of LOCAL_WORLD_SIZE per node (torchrun numbers the ranks of one node consecutively)."""
+    launch = launch_env()
     device = resolve_device(cfg.device)
-    env = Env(device, ddp=world_size > 1, world_size=world_size, local_world_size=world_size)
+    env = Env(device, ddp=launch.world_size > 1, world_size=launch.world_size, local_world_size=launch.world_size)
     if env.ddp:
-        env.rank, env.local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        env.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-        env.node = int(os.environ.get("GROUP_RANK", str(env.rank // env.local_world_size)))
-        env.nnodes = int(os.environ.get("GROUP_WORLD_SIZE", str(max(1, world_size // env.local_world_size))))
+        env.rank, env.local_rank, env.local_world_size = launch.rank, launch.local_rank, launch.local_world_size
+        env.node, env.nnodes = launch.node, launch.nnodes
     if device.type == "cpu":
         env.threads, env.threads_from = cpu_threads(getattr(cfg, "threads", 0), env.local_world_size)
         torch.set_num_threads(env.threads)
     if device.type == "cuda":           # before the first CUDA allocation: the allocator reads it once
         os.environ.update(cuda_allocator_env(os.environ))
     if env.ddp:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        store = join(launch, getattr(cfg, "dist_timeout", 600.0))
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=launch.rank,
+                                world_size=launch.world_size)
     if device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
         env.device = torch.device("cuda", env.local_rank)

@@ -10,6 +10,8 @@ import torch
 
 from model import build_model
 from plumbing.cli import first_line
+from plumbing.integrity import check_weights, check_zip, checked_model_config
+from plumbing.memory import check_model_memory
 
 
 DUO_KEYS = [   # (Duo's name after its "backbone." prefix, ours): regular expressions, in order
@@ -87,9 +89,18 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
         except Exception as e:
             raise ValueError(f"duo:{spec}: could not download it ({type(e).__name__}: {first_line(e)})") from None
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
-                extra = json.load(f)
+        config_path = os.path.join(path, "config.json")
+        if os.path.isfile(config_path):
+            try:
+                with open(config_path, encoding="utf-8") as f:
+                    extra = json.load(f)
+            except (UnicodeDecodeError, ValueError) as e:
+                raise ValueError(f"{config_path} is not valid JSON ({e}); restore Duo's config.json") from None
+            for key in ("n_heads", "model_length"):     # the two fields read here, checked as flags are
+                value = extra.get(key) if isinstance(extra, dict) else None
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise ValueError(f"{config_path}: its field {key} holds {value!r}, not an int >= 1; restore "
+                                     f"Duo's config.json")
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
         if not files:
             raise ValueError(f"duo:{spec}: no model.safetensors or pytorch_model.bin in {path}")
@@ -99,18 +110,24 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
         raw = {"state_dict": load_file(path)}
     else:
         try:
-            raw = torch.load(path, map_location="cpu", weights_only=False)
+            with open(path, "rb") as f:
+                check_zip(f, path)              # torch.load checks no CRC
+                f.seek(0)
+                raw = torch.load(f, map_location="cpu", weights_only=False)
         except Exception as e:
-            raise ValueError(f"could not read Duo checkpoint {path}: {type(e).__name__}: {e}") from None
+            raise ValueError(f"could not read Duo checkpoint {path}: {type(e).__name__}: {first_line(e)}") from None
     state = raw.get("state_dict", raw) if isinstance(raw, dict) else None
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise ValueError(f"{path} holds no state dict of tensors")
     ema = (raw.get("ema") or {}).get("shadow_params") if use_ema else None
     ours, fields = duo_state_dict(state, ema)
+    check_weights(ours, path, "weights", fix="use another copy of the checkpoint")   # floating-point and finite
     d, K = fields["n_embd"], fields["vocab_size"]
     fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)
     fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)
-    model = build_model(fields)
+    mcfg = checked_model_config(fields, f"duo:{spec}", "", fix="use another checkpoint")
+    check_model_memory(mcfg, device, lambda field: f"duo:{spec}: {field}")
+    model = build_model(mcfg)
     missing = set(model.state_dict()) - set(ours)
     if missing:
         raise ValueError(f"duo:{spec}: the checkpoint lacks {sorted(missing)[:4]}")

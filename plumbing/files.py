@@ -1,4 +1,5 @@
-"""Output that is never half-written, never written over an input, and the leftovers of writers that were killed."""
+"""Output that is never half-written, never written over an input, never written over what the project did not write
+(the one rule for every writer: check_output), and the leftovers of writers that were killed."""
 import errno
 import fnmatch
 import json
@@ -6,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 
 from plumbing.cli import UsageError, first_line, os_error_line
 from plumbing.signals import deferred_signals
@@ -18,8 +20,9 @@ def append_jsonl(path, records):
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    refuse_special(path)
     with deferred_signals():
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         size = os.fstat(fd).st_size
         try:
             while data:
@@ -35,7 +38,13 @@ def append_jsonl(path, records):
 def save_atomic(path, write):
     """write(tmp_path) then fsync and rename over `path`: a reader sees the old file or the new one, never
     a part. The temp file is unique to this process and removed when the write fails; a failed write (a full
-    disk: OSError, or torch.save's RuntimeError) becomes one OSError saying what was kept."""
+    disk: OSError, or torch.save's RuntimeError) becomes one OSError saying what was kept. The rename replaces only
+    a regular file this project wrote (written_by_us): a device node, a pipe, a link or anyone else's file is
+    refused (OSError), whoever the caller and whatever it checked before (root may rename over /dev/null)."""
+    refuse_special(path)
+    if os.path.lexists(path) and not written_by_us(path):
+        raise OSError(errno.EEXIST, f"{path} exists and was not written by sddlm; refusing to replace it (move it "
+                                    f"away, then run again)")
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -126,6 +135,7 @@ def pid_alive(pid):
 # what a train.py / distillation/distill.py run writes into its out_dir (runlog, checkpoint, pretrained.export, tracking)
 RUN_OUTPUTS = ("ckpt.pt", "ckpt_*.pt", "config.json", "log.jsonl", "model", "tensorboard", "wandb_run_id", "wandb",
                ".lock")
+RUN_FOLDERS = ("model", "tensorboard", "wandb")
 
 
 def run_outputs(out_dir):
@@ -139,6 +149,18 @@ def run_output_names(out_dir):
         return [e for e in os.listdir(out_dir) if any(fnmatch.fnmatchcase(e, n) for n in RUN_OUTPUTS)]
     except OSError:
         return []
+
+
+def check_run_outputs(out_dir):
+    """A resumed run replaces and appends to the outputs in out_dir that its earlier part wrote: each must be what a
+    run writes there, a regular file (ckpt.pt, log.jsonl, ...) or a folder (model/, tensorboard/, wandb/), never a
+    symbolic link or a device -> UsageError naming it, before any work."""
+    for name in run_output_names(out_dir):
+        path, want = os.path.join(out_dir, name), "folder" if name in RUN_FOLDERS else "file"
+        kind = kind_of(path)
+        if name != ".lock" and kind != want:
+            raise UsageError(f"{path} is a {kind}, not the {want} a run writes there, so the run would not replace "
+                             f"it; move it away, then resume")
 
 
 def remove_unfinished(out_dir, before):
@@ -229,6 +251,150 @@ def check_appendable(path, flag, keys, writer):
     if not (isinstance(record, dict) and all(k in record for k in keys)):
         raise UsageError(f"{flag} {path} exists and was not written by {writer} (its first line is not a {writer} "
                          f"record); appending would change it: choose another {flag}")
+
+
+# -----------------------------------------------------------------------------------------------
+# the one rule for every writer: create a new file, or replace (append to) a regular file this project wrote
+
+WRITTEN_BY = "written_by"       # the field every JSON output (and JSONL record) carries: "sddlm <script>"
+TEXT_MARK = "<!-- written by sddlm"   # the first line of a text output (markdown): a comment no renderer shows
+PNG_SOFTWARE = "sddlm"          # a PNG's tEXt "Software" chunk starts with this (figures/plot.py)
+# what earlier versions wrote without the field, recognised by their keys: a run's config.json, eval_ppl.py's
+# --out, eval_downstream.py's --out, a sample.py / --save_samples record, a log.jsonl record
+OUR_KEYS = ({"train_config", "model_config", "meta"}, {"distill_config", "model_config", "meta"},
+               {"metric", "results", "config"}, {"checkpoint", "definitions", "results"},
+               {"sample", "ids", "settings"}, {"step"})
+
+
+def signature(script):
+    """The value of WRITTEN_BY for a file `script` writes: 'sddlm eval_ppl.py'."""
+    return f"sddlm {script}"
+
+
+def text_mark(script):
+    """The first line of a text file `script` writes, by which the next run knows it may replace it."""
+    return (f"{TEXT_MARK} {script}; its next run replaces this file (delete this line to keep the file as your "
+            f"own) -->")
+
+
+def kind_of(path):
+    """What is at `path`, in words: None (nothing), "file" (a regular file), "folder", "symbolic link", "named
+    pipe", "socket", "character device", "block device"."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
+                       (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def refuse_special(path, flag=None):
+    """Nothing that is not a regular file is written over: a symbolic link (renaming over it would drop the link, and
+    writing through it would write elsewhere), a device node, a named pipe, a socket -> OSError (UsageError
+    naming `flag`, before any work)."""
+    kind = kind_of(path)
+    if kind in (None, "file", "folder"):
+        return
+    what = f"{kind} (to {os.readlink(path)})" if kind == "symbolic link" else kind
+    text = (f"{path} is a {what}, not a regular file: outputs are written only to regular files (results are "
+            f"printed on stdout as well)")
+    if flag is None:
+        raise OSError(errno.EEXIST, f"refusing to write {text}")
+    raise UsageError(f"{flag} {text}; give a file path")
+
+
+def written_by_us(path):
+    """Whether the regular file at `path` is one this project wrote, by its content: a JSON object (or a JSONL
+    file's first record) whose WRITTEN_BY starts with 'sddlm ' (or with the keys an earlier version wrote,
+    OUR_KEYS); a text file whose first lines hold TEXT_MARK (or a model card's mark); a PNG whose "Software" is
+    ours; a torch checkpoint (a zip whose pickle names a model_config). Reads at most a few MiB."""
+    from plumbing.folder import CARD_MARK
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            if head.startswith(b"\x89PNG"):
+                return _png_software(head).startswith(PNG_SOFTWARE)
+            if head.startswith(b"PK"):
+                return _torch_checkpoint(f)
+            text = head.decode("utf-8", errors="replace")
+            if text.lstrip().startswith("{"):
+                record = _json_head(f, text)
+                if isinstance(record, dict):
+                    mark = record.get(WRITTEN_BY)
+                    return (isinstance(mark, str) and mark.startswith("sddlm ")) or \
+                        any(keys <= set(record) for keys in OUR_KEYS)
+                return False
+            return any(line.startswith((TEXT_MARK, CARD_MARK)) for line in text.splitlines()[:8])
+    except OSError:
+        return False
+
+
+def _json_head(f, text, limit=16 << 20):
+    """The first record of a JSONL file, or the whole of a JSON file of at most `limit` bytes; None otherwise."""
+    try:
+        return json.loads(text.split("\n", 1)[0])
+    except ValueError:
+        pass
+    if os.fstat(f.fileno()).st_size > limit:
+        return None
+    f.seek(0)
+    try:
+        return json.loads(f.read().decode("utf-8"))
+    except ValueError:
+        return None
+
+
+def _png_software(head):
+    """A PNG's tEXt "Software" value among the chunks before its image data ('' if none)."""
+    i = 8
+    while i + 8 <= len(head):
+        n, kind = int.from_bytes(head[i:i + 4], "big"), head[i + 4:i + 8]
+        if kind == b"IDAT":
+            break
+        if kind == b"tEXt":
+            key, _, value = head[i + 8:i + 8 + n].partition(b"\0")
+            if key == b"Software":
+                return value.decode("latin-1")
+        i += 12 + n
+    return ""
+
+
+def _torch_checkpoint(f):
+    """Whether a zip is a torch.save'd checkpoint of this project (its data.pkl names a model_config)."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(f) as z:
+            pickles = [i for i in z.infolist() if i.filename.endswith("/data.pkl")]
+            return bool(pickles) and pickles[0].file_size < (64 << 20) and b"model_config" in z.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def check_output(path, flag, append=None):
+    """The one rule every writer follows, before any work: an output path is new (its folder writable, made if
+    need be), or a regular file this project wrote (written_by_us), which is replaced. A user's file, a folder, a
+    symbolic link, a device, a named pipe or a socket is refused -> UsageError naming `flag` and the fix. Devices
+    are never written through: the results go to stdout anyway. append=(keys, writer): the file is appended to, so
+    an existing one must hold `writer`'s records (check_appendable)."""
+    refuse_special(path, flag)
+    check_writable(path, flag)
+    if append is not None:
+        check_appendable(path, flag, *append)
+    elif os.path.lexists(path) and not written_by_us(path):
+        raise UsageError(f"{flag} {path} exists and was not written by sddlm, so it is not replaced; move it away or "
+                         f"choose another {flag}")
+
+
+def check_outputs(outputs, append=None):
+    """check_output for each {flag: path or list of paths} ('' and None skipped)."""
+    for flag, spec in outputs.items():
+        for path in ([spec] if isinstance(spec, str) else list(spec or ())):
+            if path:
+                check_output(str(path), flag, append)
 
 
 def write_json(path, obj):

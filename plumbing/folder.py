@@ -1,9 +1,11 @@
 """Reading a model folder (model.safetensors + config.json + the tokenizer's file + the README.md model card, as
 hub/pretrained.py writes one) as a checkpoint: every script's --ckpt takes a folder through
 plumbing.checkpoint.load_model. Which files of a folder are ours, so that writing one replaces only those."""
+import dataclasses
 import hashlib
 import json
 import os
+import sys
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -49,7 +51,15 @@ def check_target(folder, flag="the output folder", fix="choose another"):
     from plumbing.cli import UsageError
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise UsageError(f"{flag} {folder} is a file, not a folder")
-    if not os.path.isdir(folder) or is_model_folder(folder):
+    if not os.path.isdir(folder):
+        return
+    if is_model_folder(folder):
+        from plumbing.files import kind_of
+        odd = [(name, kind_of(os.path.join(folder, name))) for name in our_files(folder)]
+        odd = [(name, kind) for name, kind in odd if kind != "file"]
+        if odd:          # os.replace would drop a link (or a device node) the user put there
+            raise UsageError(f"{flag} {folder}: its {odd[0][0]} is a {odd[0][1]}, not a file sddlm wrote, so it is "
+                             f"not replaced: {fix}")
         return
     entries = sorted(os.listdir(folder))
     if entries:
@@ -78,18 +88,88 @@ def _sha256(path):
 # -----------------------------------------------------------------------------------------------
 # reading
 
+FOLDER_FIX = "export the folder again (python hub/pretrained.py --ckpt CKPT --out FOLDER)"
+
+
+def read_config(folder):
+    """A model folder's config.json -> its dict; one that is missing, not JSON or of another format -> ValueError
+    saying which (a broken config.json is not "no config.json")."""
+    path = os.path.join(folder, CONFIG)
+    inside = [f for f in ("model", "ckpt.pt") if os.path.exists(os.path.join(folder, f))]
+    hint = f"; give {' or '.join(os.path.join(folder, f) for f in inside)}" if inside else ""   # a run's folder
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder} is a folder but not a model folder (no {CONFIG}){hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it was damaged or edited: {FOLDER_FIX}") from None
+    if not isinstance(config, dict) or config.get("format") not in FORMATS:
+        shown = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"{folder} is a folder but not a model folder (its {CONFIG} is of format {shown!r}, not "
+                         f"{' or '.join(FORMATS)}){hint}")
+    return config
+
+
+def check_config(config, path):
+    """A model folder's config.json, field by field as its flags and a checkpoint's fields are checked (the
+    objective, noise schedule, final step, weights, step, the tokenizer record, the training config, the model's
+    fields) -> the ModelConfig; else ConfigError naming the file and the field."""
+    import diffusion
+    from plumbing.integrity import (TRAIN_CONFIG_TYPES, _expect, _fits, _is_int, check_train_config_values,
+                                    checked_model_config)
+    from sample import FINAL_STEPS
+    hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+    optional = lambda test: lambda v: v is None or test(v)
+    fields = {"objective": (optional(lambda v: v in diffusion.OBJECTIVES),
+                            f"one of {', '.join(diffusion.OBJECTIVES)}"),
+              "noise_schedule": (optional(lambda v: v in diffusion.SCHEDULES),
+                                 f"one of {', '.join(diffusion.SCHEDULES)}"),
+              "final_step": (optional(lambda v: v in FINAL_STEPS), f"one of {', '.join(FINAL_STEPS)}"),
+              "weights": (optional(lambda v: v in ("ema", "raw")), "ema or raw"),
+              "step": (optional(lambda v: _is_int(v) and v >= 0), "an int >= 0"),
+              "weights_sha256": (optional(hex64), "a sha256 (64 hex digits)"),
+              "tokenizer": (optional(lambda v: isinstance(v, dict)), "an object (spec, sha256, file, vocab_size, ids)"),
+              "train_config": (optional(lambda v: isinstance(v, dict)), "an object"),
+              "distilled_from": (optional(lambda v: isinstance(v, (dict, str))), "an object or a path"),
+              "validation": (optional(lambda v: isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) and not
+                                                                            isinstance(v.get(k), bool)
+                                                                            for k in ("step", "nelbo", "ppl"))),
+                             "an object with the numbers step, nelbo, ppl")}
+    for k, (ok, wanted) in fields.items():
+        _expect(ok(config.get(k)), path, k, config.get(k), wanted, fix=FOLDER_FIX)
+    tok = config.get("tokenizer") or {}
+    for k, (ok, wanted) in {"spec": (optional(lambda v: isinstance(v, str)), "a string"),
+                            "sha256": (optional(hex64), "a sha256 (64 hex digits)"),
+                            "file": (optional(lambda v: isinstance(v, str) and v and os.path.basename(v) == v
+                                              and v not in (".", "..")), "a file name inside the folder"),
+                            "vocab_size": (optional(lambda v: _is_int(v) and v >= 1), "an int >= 1"),
+                            **{i: (optional(lambda v: _is_int(v) and v >= 0), "an int >= 0")
+                               for i in ("bos_id", "eos_id", "pad_id")}}.items():
+        _expect(ok(tok.get(k)), path, f"tokenizer.{k}", tok.get(k), wanted, fix=FOLDER_FIX)
+    train = config.get("train_config") or {}
+    for k, kind in TRAIN_CONFIG_TYPES.items():
+        if train.get(k) is not None:
+            _expect(_fits(train[k], kind), path, f"train_config.{k}", train[k], kind, fix=FOLDER_FIX)
+    check_train_config_values(train, path, "train_config.", fix=FOLDER_FIX)
+    nested = isinstance(config.get("model_config"), dict)
+    return checked_model_config(model_config_of(config), path, "model_config." if nested else "", fix=FOLDER_FIX)
+
+
 def load_folder(folder, device="cpu", use_ema=True):
     """A model folder -> (model in eval mode, a checkpoint-like dict: model_config, train_config (objective and
     noise schedule), meta (the tokenizer, as the folder's own file), step, ema) as model.load_checkpoint returns,
-    so every script treats a folder as a checkpoint. Raises ValueError (one line) for a broken folder."""
+    so every script treats a folder as a checkpoint. Everything is checked before the model is built: config.json
+    field by field (check_config), the weights' bytes against the sha256 the export recorded, their dtypes,
+    finiteness and shapes against the config, and the model's size against the memory there is. Raises ValueError
+    (one line) for a broken folder."""
     from safetensors.torch import load_file
     from model import build_model
-    if not is_model_folder(folder):
-        inside = [f for f in ("model", "ckpt.pt") if os.path.exists(os.path.join(folder, f))]
-        raise ValueError(f"{folder} is a folder but not a model folder (no {CONFIG} of format {' or '.join(FORMATS)})"
-                         + (f"; give {' or '.join(os.path.join(folder, f) for f in inside)}" if inside else ""))
-    with open(os.path.join(folder, CONFIG)) as f:
-        config = json.load(f)
+    from plumbing.integrity import check_config_matches, check_weights, sha256_file
+    from plumbing.memory import check_model_memory
+    config = read_config(folder)
+    config_path = os.path.join(folder, CONFIG)
+    mcfg = check_config(config, config_path)
     if not use_ema and config.get("weights") == "ema":
         raise ValueError(f"{folder} holds EMA weights only; for the live ones export them: python hub/pretrained.py "
                          f"--ckpt CKPT --out FOLDER --weights raw")
@@ -104,17 +184,27 @@ def load_folder(folder, device="cpu", use_ema=True):
         if tok.get("sha256") and _sha256(file) != tok["sha256"]:
             raise ValueError(f"{file} is not the tokenizer recorded in {CONFIG} (sha256 mismatch)")
         tok["spec"] = "sp:" + os.path.abspath(file)
-    model_config = model_config_of(config)
+    if config.get("weights_sha256"):
+        if sha256_file(path) != config["weights_sha256"]:
+            raise ValueError(f"{path} is not the file its {CONFIG} records (sha256 mismatch: damaged or replaced "
+                             f"after the export); {FOLDER_FIX}")
+    else:
+        print(f"note: {config_path} records no sha256 of {WEIGHTS} (exported by an earlier version), so its bytes "
+              f"are not checked; {FOLDER_FIX} to record one", file=sys.stderr)
     try:
-        model = build_model(model_config)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{os.path.join(folder, CONFIG)}: not a model configuration ({e})") from None
+        weights = load_file(path)
+    except Exception as e:     # a truncated file (SafetensorError)
+        raise ValueError(f"{path}: weights do not load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    check_weights(weights, path, "weights", fix=FOLDER_FIX)
+    check_config_matches(mcfg, weights, config_path, "", weights=f"the weights ({WEIGHTS})", fix=FOLDER_FIX)
+    check_model_memory(mcfg, device, lambda field: f"{config_path}: {field}")
+    model = build_model(mcfg)
     try:
-        model.load_state_dict(load_file(path))
-    except Exception as e:     # a truncated file (SafetensorError) or weights of another shape (RuntimeError)
+        model.load_state_dict(weights)
+    except Exception as e:     # weights of another shape (RuntimeError)
         raise ValueError(f"{path}: weights do not load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     state = model.state_dict()
-    ckpt = {"model_config": model_config,
+    ckpt = {"model_config": dataclasses.asdict(mcfg),
             "train_config": {**(config.get("train_config") or {}), "loss": config.get("objective"),
                              "noise_schedule": config.get("noise_schedule")},
             "meta": {"tokenizer": tok.get("spec"), "tokenizer_sha256": tok.get("sha256"),

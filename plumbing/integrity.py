@@ -1,6 +1,9 @@
-"""What a script checks before it trusts what it reads: a checkpoint's fields have the types its writer gave them,
-its weights are finite, the tokenizer is the one its ids came from; and the rule by which a training loss counts
-as diverged. Each failure is one line naming the field or file and the fix."""
+"""What a script checks before it trusts what it reads: a checkpoint's fields have the types and values its writer
+gave them (its model config is one this model.py builds), its bytes are the ones written (the zip's CRC-32s, a model
+folder's recorded sha256), its weights are floating-point and finite, the tokenizer is the one its ids came from;
+and the rule by which a training loss counts as diverged. Each failure is one line naming the field or file and the
+fix."""
+import hashlib
 import math
 import os
 import statistics
@@ -19,11 +22,14 @@ def _type_name(value):
     return "None" if value is None else type(value).__name__
 
 
-def _expect(ok, path, field, value, wanted, error=ConfigError):
+CHECKPOINT_FIX = "the checkpoint was damaged or written by other code: use another checkpoint"
+
+
+def _expect(ok, path, field, value, wanted, error=ConfigError, fix=CHECKPOINT_FIX):
+    """Not ok -> error: '{path}: its field {field} holds {value} ({type}), not {wanted}; {fix}'."""
     if not ok:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise error(f"{path}: its field {field} holds {shown} ({_type_name(value)}), not {wanted}; the checkpoint "
-                    f"was damaged or written by other code: use another checkpoint")
+        raise error(f"{path}: its field {field} holds {shown} ({_type_name(value)}), not {wanted}; {fix}")
 
 
 def _is_int(v):
@@ -80,19 +86,22 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
     if "model_config" in ckpt:
         _expect(isinstance(ckpt["model_config"], dict), path, "model_config", ckpt["model_config"], "a dict", error)
         _check_dataclass_fields(ckpt["model_config"], ModelConfig, path, "model_config", error)
+        checked_model_config(ckpt["model_config"], path, "model_config.", error=error)
     if ckpt.get("train_config") is not None:
         config = ckpt["train_config"]
         _expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
         for k, kind in TRAIN_CONFIG_TYPES.items():
             if config.get(k) is not None:
                 _expect(_fits(config[k], kind), path, f"train_config.{k}", config[k], kind, error)
+        check_train_config_values(config, path, "train_config.", error)
     for name in ("meta", "optimizer", "distill_config", "distilled_from"):
         if ckpt.get(name) is not None:
             _expect(isinstance(ckpt[name], dict), path, name, ckpt[name], "a dict", error)
     meta = ckpt.get("meta") or {}
     for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "block_size"):
         if meta.get(k) is not None:
-            _expect(_is_int(meta[k]), path, f"meta.{k}", meta[k], "an int", error)
+            _expect(_is_int(meta[k]) and meta[k] >= (1 if k in ("vocab_size", "block_size") else 0), path,
+                    f"meta.{k}", meta[k], "an int >= 1" if k in ("vocab_size", "block_size") else "an int >= 0", error)
     for k in ("tokenizer", "tokenizer_sha256"):
         if meta.get(k) is not None:
             _expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)
@@ -103,15 +112,137 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
             _expect(_is_int(ckpt[k]) and ckpt[k] >= 0, path, k, ckpt[k], "an int >= 0", error)
 
 
+def checked_model_config(config, path, prefix="model_config.", error=ConfigError, fix="use another checkpoint"):
+    """A model config read from disk (a checkpoint's model_config, a model folder's config.json, Duo's) -> ModelConfig,
+    validated as the same flags are on the command line (ModelConfig.__post_init__: types, ranges, heads that split
+    the width). A field it does not know or a bad value -> `error` naming the file and the field (prefix: how the
+    file nests it, "model_config." in a checkpoint, "" in a flat config.json)."""
+    from model import ModelConfig
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise error(f"{path}: its {prefix.rstrip('.') or 'model config'} has keys this model.py does not know: "
+                    f"{', '.join(unknown)} (written by other code or another version); {fix}")
+    try:
+        return ModelConfig(**config)
+    except (TypeError, ValueError) as e:
+        raise error(f"{path}: {prefix}{e}; the file was damaged or edited: {fix}") from None
+
+
+def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECKPOINT_FIX):
+    """The values readers act on, checked as their flags are: the objective (train.py --loss), the noise schedule
+    (--noise_schedule), the sizes (--block_size, --batch_size, --max_iters >= 1)."""
+    import diffusion
+    checks = {"loss": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
+              "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
+              "block_size": (lambda v: _is_int(v) and v >= 2, "an int >= 2"),
+              "batch_size": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+              "max_iters": (lambda v: _is_int(v) and v >= 1, "an int >= 1")}
+    for k, (ok, wanted) in checks.items():
+        if config.get(k) is not None:
+            _expect(ok(config[k]), path, prefix + k, config[k], wanted, error, fix)
+
+
+def check_config_matches(mcfg, state, path, prefix, weights="its weights", fix="use another checkpoint"):
+    """A model config read from disk against the weights beside it, before a model of that config is built (a
+    config.json saying n_layer 10**9 over two blocks' weights would otherwise allocate them all first): the number
+    of blocks (n_layer) and the embedding's shape (vocab_size x n_embd) -> ConfigError naming the field."""
+    blocks = {k.split(".")[1] for k in state if k.startswith("blocks.")}
+    found = {"n_layer": (mcfg.n_layer, len(blocks), "blocks")}
+    wte = state.get("wte.weight")
+    if wte is not None and wte.dim() == 2:
+        found.update(vocab_size=(mcfg.vocab_size, wte.shape[0], "embedding rows"),
+                     n_embd=(mcfg.n_embd, wte.shape[1], "embedding columns"))
+    for field, (said, held, what) in found.items():
+        if said != held:
+            raise ConfigError(f"{path}: {weights} do not fit its {prefix}{field} {said}: they hold {held} {what}; "
+                              f"the file was damaged or edited: {fix}")
+
+
+# the dtypes weights are saved in (torch.save of a float32 model; bf16 / fp16 / fp64 copies load by casting)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_weights(state, path, name, error=ConfigError, fix="use another checkpoint"):
+    """A dict of named weights (a model's, its EMA, a teacher's, an optimizer's moments) is floating-point, of the
+    dtypes weights are saved in, and finite (one min/max pass per tensor, ~3 GB/s on CPU: torch.aminmax propagates
+    NaN and shows an infinity). load_state_dict would cast integers to floats and load NaN silently -> `error`
+    naming the file, the entry and `fix`."""
+    for k, v in state.items():
+        if v.dtype not in WEIGHT_DTYPES:
+            raise error(f"{path}: its {name} {k} holds {str(v.dtype).removeprefix('torch.')} values, not weights "
+                        f"(float32, bfloat16, float16); the file was damaged or written by other code; {fix}")
+        if v.numel() == 0:
+            continue
+        low, high = torch.aminmax(v.detach())
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise error(f"{path}: its weights are not finite ({name} {k} holds NaN or inf: the file is damaged, or "
+                        f"it was saved after training diverged); {fix}")
+
+
 def check_finite_weights(ckpt, path):
-    """A checkpoint to resume holds finite weights (model, EMA): one saved after training diverged -> ConfigError
-    naming the file and the first non-finite tensor."""
-    for name in ("model", "ema"):
-        for k, v in (ckpt.get(name) or {}).items():
-            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                raise ConfigError(f"cannot resume from {path}: its weights are not finite ({name} {k} holds NaN or "
-                                  f"inf; it was saved after training diverged); resume from an earlier checkpoint "
-                                  f"(ckpt_<step>.pt) or start again with a lower --lr")
+    """A checkpoint to resume holds finite floating-point weights (model, EMA, a distillation's teacher) and optimizer
+    moments: one saved after training diverged -> ConfigError naming the file and the first bad tensor."""
+    fix = "resume from an earlier checkpoint (ckpt_<step>.pt) or start again with a lower --lr"
+    for name in ("model", "ema", "teacher"):
+        check_weights(ckpt.get(name) or {}, f"cannot resume from {path}", name, fix=fix)
+    moments = {f"state {i} {k}": v for i, state in ((ckpt.get("optimizer") or {}).get("state") or {}).items()
+               for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0}
+    check_weights(moments, f"cannot resume from {path}", "optimizer", fix=fix)
+
+
+# -----------------------------------------------------------------------------------------------
+# the bytes of a weights file
+
+def check_zip(f, path):
+    """torch.save writes a zip whose members each carry a CRC-32, which torch.load never checks: a flipped bit in a
+    tensor loads silently. Each member is checked against its CRC (stored members straight from the file, memory-
+    mapped, in a thread per core: zlib releases the GIL; ~1.4-2.4 GB/s on one core of this CPU) -> ValueError
+    naming the member. f: the open file (binary), so that what is checked is what is loaded. A file that is no zip
+    (torch's legacy format) is left to torch.load."""
+    import mmap
+    import struct
+    import zipfile
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+    try:
+        archive = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return
+    with archive, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+        def sound(info):
+            if info.compress_type != zipfile.ZIP_STORED:
+                try:
+                    with archive.open(info) as member:       # zipfile checks the CRC at the member's end
+                        while member.read(1 << 24):
+                            pass
+                    return True
+                except (zipfile.BadZipFile, OSError, ValueError):
+                    return False
+            at = info.header_offset
+            if view[at:at + 4] != b"PK\x03\x04":
+                return False
+            name_len, extra_len = struct.unpack("<HH", view[at + 26:at + 30])
+            start = at + 30 + name_len + extra_len
+            return start + info.compress_size <= len(view) and \
+                zlib.crc32(view[start:start + info.compress_size]) == info.CRC
+        infos = archive.infolist()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        with ThreadPoolExecutor(max(1, min(8, cores))) as pool:
+            verdicts = list(pool.map(sound, infos))
+    for info, ok in zip(infos, verdicts):
+        if not ok:
+            raise ValueError(f"its member {info.filename} fails its CRC-32 check: the file was damaged after it "
+                             f"was written (a changed byte)")
+
+
+def sha256_file(path, block=1 << 22):
+    """The sha256 of a file, read in blocks (streaming: memory stays flat for any size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # -----------------------------------------------------------------------------------------------

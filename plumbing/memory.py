@@ -1,6 +1,12 @@
-"""GPU memory: the micro-batch probe (CUDA: before training, one forward + backward of each kind of step the run
-will take shows whether the micro-batch fits; if not, --grad_accum is raised or the run stops with the flag to set),
-the margin it leaves for what torch's allocator does not count, and the allocator's settings."""
+"""Memory: sizes checked against the machine before anything is allocated (check_model_memory,
+check_training_memory: a lower bound of what a model, its training state and one micro-batch need, against the
+memory there is, naming the flag or config field at fault); and on CUDA the micro-batch probe (before training, one
+forward + backward of each kind of step the run will take shows whether the micro-batch fits; if not, --grad_accum is
+raised or the run stops with the flag to set), the margin it leaves for what torch's allocator does not count, and
+the allocator's settings."""
+import os
+import resource
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +29,141 @@ def usable_bytes(total):
     """The largest measured peak (bytes) a micro-batch may reach on a device of `total` bytes: the total less
     OUTSIDE_ALLOCATOR and FRAGMENTATION x total (80 GiB -> 71.6 GiB; 141 GiB -> 127.7 GiB)."""
     return int(total * (1 - FRAGMENTATION)) - OUTSIDE_ALLOCATOR
+
+
+# -----------------------------------------------------------------------------------------------
+# sizes against the machine, before anything is allocated
+
+def model_numel(c):
+    """Elements of model.DiffusionTransformer's tensors for config c (a ModelConfig or any object with its fields),
+    counted from the shapes without building it (Python ints: no overflow, no allocation) -> (parameters with the
+    output layer's padding rows, RoPE buffer elements)."""
+    d, h, cd, K = c.n_embd, c.mlp_hidden or 4 * c.n_embd, c.cond_dim, c.vocab_size
+    dit, tc = c.arch == "dit", c.time_cond
+    padded = -(-K // c.vocab_multiple) * c.vocab_multiple
+    block = 2 * d + 4 * d * d + (2 * d * h + h + d if dit else 3 * d * h) + (6 * d * (cd + 1) if tc else 0)
+    params = (K * d + (256 * cd + cd * cd + 2 * cd if tc else 0) + c.n_layer * block + d
+              + (2 * d * (cd + 1) if tc else 0) + padded * d + (padded if dit else 0))
+    return params, 2 * c.block_size * (d // c.n_head)
+
+
+def training_bytes(c, micro, ema):
+    """A lower bound of the bytes training config c takes before its first step ends: float32 weights, gradients and
+    AdamW's two moments (16 bytes a parameter), the EMA copy (4 more), the RoPE tables, and one micro-batch's
+    activations, of which backward keeps at least each block's input (micro x block_size x n_embd values of 2
+    bytes or more per block). The true peak is higher (attention, MLP, the output layer): a run this refuses cannot
+    fit."""
+    params, buffers = model_numel(c)
+    return params * (16 + 4 * bool(ema)) + 4 * buffers + 2 * micro * c.block_size * c.n_embd * c.n_layer
+
+
+def available_memory(device):
+    """(bytes, where) a new allocation may take: on CUDA the device's total memory; on the CPU the least of the
+    kernel's MemAvailable, the cgroup's limit less its usage (a container's or a job's) and `ulimit -v` less the
+    process's address space (None where none can be read)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"GPU memory ({props.name})"
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = {row.split(":")[0]: int(row.split()[1]) * 1024 for row in f if row.split()[1:2]}
+        found.append((info["MemAvailable"], "available RAM"))
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next(row.strip().split(":", 2)[2] for row in f if row.startswith("0::"))
+        base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f, open(os.path.join(base, "memory.current")) as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append((int(limit) - int(g.read()), "memory left under its cgroup's limit"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status") as f:
+                size = next(int(row.split()[1]) * 1024 for row in f if row.startswith("VmSize:"))
+            found.append((soft - size, "address space left under ulimit -v"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return min(found) if found else (None, "")
+
+
+def _size(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+
+
+def _refuse_if_too_big(need, c, device, name, what, fix, smaller):
+    """need(config, micro) -> bytes; above the memory there is -> UsageError naming the field whose value costs the
+    most (the one whose reset to smaller's value saves the most), as name(field) says it."""
+    from types import SimpleNamespace
+    from plumbing.cli import UsageError
+    total = need(c)
+    free, where = available_memory(device)
+    if free is None or total <= free:
+        return
+    savings = {}
+    for field, small in smaller.items():
+        if getattr(c, field) is not None and getattr(c, field) > small:
+            savings[field] = total - need(SimpleNamespace(**{**vars(c), field: small}))
+    field = max(savings, key=savings.get) if savings else "n_layer"
+    params = model_numel(c)[0]
+    raise UsageError(f"{name(field)} {getattr(c, field)}: {what} needs at least {_size(total)} ({params:,} "
+                     f"parameters), more than the {_size(max(free, 0))} of {where}; {fix}")
+
+
+# the reference sizes (--preset tiny's model, a micro-batch of one) against which the field at fault is found
+SMALL = dict(n_layer=4, n_embd=128, mlp_hidden=512, cond_dim=64, vocab_size=2048, block_size=128, micro=1)
+
+
+def check_model_memory(mcfg, device, name, fix="use a machine with more memory"):
+    """Before a model is built (sample.py, eval_ppl.py, a model folder or checkpoint read anywhere): its weights and
+    RoPE tables (float32) fit in the memory there is, else one line naming the field at fault (name(field) -> how
+    the user knows it, e.g. "out/model/config.json: n_layer")."""
+    from types import SimpleNamespace
+    c = SimpleNamespace(**vars(mcfg), micro=0)
+    _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), c, device, name, "the model", fix,
+                       {k: v for k, v in SMALL.items() if k != "micro"})
+
+
+def check_training_memory(mcfg, micro, ema, device, name, fix="lower it"):
+    """Before a training run allocates its model: weights, gradients, AdamW's state, the EMA and one micro-batch of
+    micro sequences fit in the memory there is (training_bytes, a lower bound), else one line naming the flag at
+    fault (name(field) -> e.g. "--n_layer"; field "micro" is the micro-batch)."""
+    from types import SimpleNamespace
+    c = SimpleNamespace(**vars(mcfg), micro=micro)
+    _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), c, device, name,
+                       "training (weights, gradients, AdamW's moments, EMA, one micro-batch)", fix, SMALL)
+
+
+def check_run_fits(cfg, mcfg, launch, model_from=None):
+    """train.py's / distillation/distill.py's start, before any data or model: check_training_memory for the run's
+    micro-batch on this rank's device, the field at fault named as the run's flags set it (--n_layer, --block_size,
+    the micro-batch's --batch_size / --grad_accum; a preset's own fields; model_from: where the model's fields come
+    from instead, e.g. distill's "--init ckpt.pt: model_config.")."""
+    from plumbing.cli import resolve_device
+    micro = max(1, cfg.batch_size // (launch.world_size * cfg.grad_accum))
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", launch.local_rank)
+
+    def name(field):
+        if field == "micro":
+            return (f"--batch_size {cfg.batch_size} / {launch.world_size} rank(s) / --grad_accum {cfg.grad_accum}: "
+                    f"the micro-batch")
+        if model_from and field != "block_size":
+            return f"{model_from}{field}"
+        if field in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
+            return f"--{field}"
+        return f"--preset {cfg.preset}'s {field}"
+    check_training_memory(mcfg, micro, cfg.ema, device, name)
 
 
 def cuda_allocator_env(environ):

@@ -35,6 +35,8 @@ results = []
 for case in json.load(sys.stdin):
     os.chdir(case["cwd"])
     sys.argv = [case["script"], *case["argv"]]
+    saved = dict(os.environ)
+    os.environ.update(case.get("env") or {})
     err, out, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
@@ -44,6 +46,8 @@ for case in json.load(sys.stdin):
         except BaseException:
             traceback.print_exc()
             code = "traceback"
+    os.environ.clear()
+    os.environ.update(saved)
     results.append(dict(case, code=code, stderr=err.getvalue(), stdout=out.getvalue()))
 json.dump(results, sys.__stdout__)
 """
@@ -65,9 +69,10 @@ def run_batches(*batches):
     return results
 
 
-def case(script, *argv, cwd, expect):
-    """expect: words of the one error line (exit code 2), or ("ok", words in stdout) for exit code 0."""
-    return dict(script=script, argv=[str(a) for a in argv], cwd=str(cwd), expect=expect)
+def case(script, *argv, cwd, expect, env=None):
+    """expect: words of the one error line (exit code 2), or ("ok", words in stdout) for exit code 0. env: variables
+    set for this case only."""
+    return dict(script=script, argv=[str(a) for a in argv], cwd=str(cwd), expect=expect, env=env or {})
 
 
 def check(results):
@@ -131,7 +136,7 @@ def test_run_cli_turns_os_faults_and_ctrl_c_into_one_line(capsys):
 
 def test_failed_writes_keep_the_previous_file_and_leave_no_temp(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
-    torch.save({"step": 1}, path)
+    torch.save({"step": 1, "model_config": {}}, path)     # a checkpoint of ours: replaced, or kept on a failure
     before = path.read_bytes()
 
     def torch_on_a_full_disk(tmp):   # what torch.save says when the disk fills
@@ -321,7 +326,7 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
         case("eval_ppl.py", "--ckpt", t / "bad_tokenizer.pt", "--metric", "zeroshot", "--dataset", base.corpus,
              cwd=t, expect="bad.model is not a SentencePiece model"),
         case("sample.py", "--ckpt", t / "unknown_key.pt", "--out", "", cwd=t,
-             expect="its model_config does not fit this version of model.py"),
+             expect="its model_config has keys this model.py does not know: foo"),
         case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "gold_true.jsonl", cwd=t,
              expect="gold_true.jsonl:1: expected"),
         case("downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "empty_choice.jsonl", cwd=t,

@@ -13,6 +13,7 @@ import torch
 
 import data
 import plumbing.distributed
+from plumbing.cli import UsageError
 from plumbing.distributed import Env, cpu_threads, idle_cores, on_each_node, usable_cores
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
@@ -125,12 +126,18 @@ def test_on_each_node_in_one_process_is_the_work_and_its_error():
 
 
 def test_threads_flag_then_omp_num_threads_then_idle_cores_per_process(monkeypatch):
+    assert usable_cores() == sorted(os.sched_getaffinity(0))
+    monkeypatch.setattr(plumbing.distributed, "usable_cores", lambda: list(range(8)))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(5, 1) == (5, "--threads")
     assert cpu_threads(0, 1) == (3, "OMP_NUM_THREADS")
+    for threads, omp, words in [(9, "3", "--threads 9 asks for more threads than the 8 usable cores"),
+                                (0, "9", "OMP_NUM_THREADS=9 asks for more threads than the 8 usable cores"),
+                                (0, "abc", "OMP_NUM_THREADS='abc' is not a number of threads")]:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        with pytest.raises(UsageError, match=words):
+            cpu_threads(threads, 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert usable_cores() == sorted(os.sched_getaffinity(0))
-    monkeypatch.setattr(plumbing.distributed, "usable_cores", lambda: list(range(8)))
     for idle, local, threads in [(8.0, 1, 8), (7.6, 2, 4), (2.4, 1, 2), (0.2, 1, 1), (0.0, 4, 1), (None, 2, 4),
                                  (None, 16, 1)]:
         monkeypatch.setattr(plumbing.distributed, "idle_cores", lambda cores, idle=idle: idle)

@@ -336,9 +336,19 @@ def test_figures_go_beside_the_runs_and_an_existing_file_is_replaced_only_when_a
     assert "training_gen_ppl.png" in err[0] and not os.path.exists(os.path.join(plots, "gen_ppl_vs_steps.png"))
     assert (tmp_path / "table.md").read_text() == "my table"
     assert before == {p: os.path.getmtime(os.path.join(plots, p)) for p in before}
+    # --overwrite 1 replaces what figures/plot.py wrote (the PNGs above), never a file of the user's (issue 38)
     code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table", tmp_path / "table.md",
                                  "--overwrite", "1", cwd=work)
-    assert code == 0 and (tmp_path / "table.md").read_text().startswith("|"), err
+    assert code == 2 and err == [f"error: --table {tmp_path / 'table.md'} exists and was not written by sddlm, so it "
+                                 f"is not replaced; move it away or choose another --table"], err
+    assert (tmp_path / "table.md").read_text() == "my table"
+    assert before == {p: os.path.getmtime(os.path.join(plots, p)) for p in before}
+    os.remove(tmp_path / "table.md")
+    for _ in range(2):                  # a new table, then the same one replaced
+        code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table", tmp_path / "table.md",
+                                     "--overwrite", "1", cwd=work)
+        assert code == 0 and (tmp_path / "table.md").read_text().split("\n", 1)[1].startswith("|"), err
+    assert (tmp_path / "table.md").read_text().startswith("<!-- written by sddlm figures/plot.py")
     assert (tmp_path / "exp" / "run0" / "plots" / "gen_ppl_vs_steps.png").exists()
     assert committed == {name: open(os.path.join(here, "figures", name), "rb").read() for name in committed}
     assert sorted(os.listdir(os.path.join(here, "figures"))) == listing        # the repository's figures/ untouched
