@@ -237,7 +237,7 @@ def check_appendable(path, flag, keys, writer):
     """An existing file at `path` is appended to only when `writer` wrote it: its first line is a JSON object
     holding `keys` (an empty file too). Anything else -> UsageError (one line): appending would change a file the
     project did not write."""
-    if not os.path.isfile(path):           # absent, or a pipe or device: nothing written there to keep
+    if not os.path.isfile(path):           # absent (a link, pipe or device: check_output refuses it first)
         return
     try:
         with open(path, "rb") as f:

@@ -131,8 +131,8 @@ MUTATIONS = [
       tests=["tests/test_train.py::test_resume_continues_bit_identically"]),
     # --- reliability: inputs never overwritten, one run per folder, every stop signal -------------------------
     M(name="users_file_replaced", file="plumbing/files.py",
-      old="    if os.path.lexists(path) and not written_by_us(path):\n        raise UsageError",
-      new="    if False:\n        raise UsageError",
+      old="    elif os.path.lexists(path) and not written_by_us(path):\n        raise UsageError",
+      new="    elif False:\n        raise UsageError",
       tests=["tests/test_faults5.py::test_an_output_is_new_or_a_regular_file_sddlm_wrote"]),
     M(name="zip_crc_unchecked", file="plumbing/integrity.py",
       old="zlib.crc32(view[start:start + info.compress_size]) == info.CRC", new="True",
