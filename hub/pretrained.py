@@ -356,13 +356,17 @@ class SDDLM:
             folder = self.save_pretrained(os.path.join(tmp, "model"), name=repo_id)
             return push_to_hub(folder, repo_id, private=private, token=token)
 
-    def generate(self, num_samples=1, steps=128, seq_len=None, prompt=None, seed=0, stride=0, **sampler):
-        """num_samples texts of seq_len tokens (default block_size) from the default sampler: the config's noise
-        schedule and final step (an AR model: one token per step from BOS). Longer than the block: windows that
-        draw `stride` tokens each (0 = half a block; sample.generate_long). prompt: a clean prefix. sampler: more
-        of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi). -> list of str."""
+    def generate(self, num_samples=1, steps=128, length=None, prompt=None, seed=0, stride=0, seq_len=None,
+                 **sampler):
+        """num_samples texts of `length` tokens (default block_size; seq_len: the same, sample.py's name) from the
+        default sampler: the config's noise schedule and final step (an AR model: one token per step from BOS).
+        Longer than the block: windows that draw `stride` tokens each (0 = half a block; sample.generate_long).
+        prompt: a clean prefix. sampler: more of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi).
+        -> list of str."""
         from sample import default_final_step, generate_ar, generate_long
-        seq_len = seq_len or self.model.config.block_size
+        if length and seq_len and length != seq_len:
+            raise ValueError(f"length={length} and seq_len={seq_len} name the same thing; give one")
+        seq_len = length or seq_len or self.model.config.block_size
         prompt_ids = self.tokenizer.encode(prompt) if prompt else None
         g = torch.Generator(device=self.device).manual_seed(seed)
         if self.model.config.causal:

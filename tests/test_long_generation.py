@@ -262,7 +262,10 @@ def test_python_api_generates_past_the_block(tiny_ckpt):
     from hub.pretrained import SDDLM
     ckpt, tok = tiny_ckpt
     lm = SDDLM.from_pretrained(ckpt)
-    texts = lm.generate(2, steps=2, seq_len=70, stride=10, seed=3)
+    texts = lm.generate(2, steps=2, length=70, stride=10, seed=3)
     ids = generate_long(lm.model, 2, 70, tok.vocab_size, 2, stride=10, final_step="ancestral", generator=gen(3),
                         show_progress=False)
-    assert texts == [tok.decode(row) for row in ids.tolist()]
+    assert ids.shape == (2, 70) and texts == [tok.decode(row) for row in ids.tolist()]
+    assert lm.generate(2, steps=2, seq_len=70, stride=10, seed=3) == texts        # sample.py's name for it
+    with pytest.raises(ValueError, match="name the same thing"):
+        lm.generate(1, length=70, seq_len=60)
