@@ -187,10 +187,16 @@ class Objective:
       x0; its loss at position i scores token i + 1, so it is (B, L - 1) and the batch's mask aligns as mask[:, 1:].
     full_logits: always given the (B, L, V) logits; the others, with --head fused (auto: on CUDA), get a
       kernels.fused_head.Head (the last hidden state and the output layer: the loss computes the logits chunk by
-      chunk and never holds all of them)."""
+      chunk and never holds all of them).
+    final_step: the sampler's final step for its models (default_final_step), measured (RESULTS.md, few-step
+      generation: the lower Gen PPL among final steps whose sample entropy stays within 1 nat of the data's):
+      greedy (Duo's tail) for the NELBO, whose x_theta is trained on every position, x_t included; ancestral for
+      the SDDLM family, whose x_theta puts (almost) no mass on x_t, so argmax x_theta would replace clean tokens
+      and the entropy collapse. The same with or without distillation."""
     per_token: Callable
     causal: bool = False
     full_logits: bool = False
+    final_step: str = "ancestral"
 
     def __call__(self, out, c, eps):
         return self.per_token(out, c, eps)
@@ -209,10 +215,19 @@ OBJECTIVES = {
     "naive": Objective(lambda out, c, eps: losses.naive_denoising_loss(out, c.x0)),
     # Duo's NELBO computed as Duo does (the reference); duo_lean is the same, memory-lean
     "duo": Objective(lambda out, c, eps: losses.usdm_nelbo_loss(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
-                     full_logits=True),
-    "duo_lean": Objective(lambda out, c, eps: fused_head.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t)),
+                     full_logits=True, final_step="greedy"),
+    "duo_lean": Objective(lambda out, c, eps: fused_head.usdm_nelbo_loss_lean(out, c.x0, c.xt, c.alpha_t, c.dalpha_t),
+                          final_step="greedy"),
     "ar": Objective(lambda out, c, eps: losses.ar_loss(out, c.x0), causal=True),
 }
+FINAL_STEPS = ("ancestral", "greedy", "none")   # the sampler's last step at t_end (sample.py --final_step)
+
+
+def default_final_step(ckpt):
+    """--final_step auto: the final step of the checkpoint's objective (Objective.final_step), base or distilled;
+    ancestral where it names none. ckpt: a checkpoint dict (its train_config names the objective)."""
+    loss = (ckpt.get("train_config") or {}).get("loss")
+    return OBJECTIVES[loss].final_step if isinstance(loss, str) and loss in OBJECTIVES else "ancestral"
 
 
 def draw_noise(batch, length, vocab_size, generator, device):

@@ -59,11 +59,11 @@ from kernels import fused_head
 from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype,
                           run_cli)
 from data import get_tokenizer, not_a_file
-from diffusion import draw_noise, loss_terms
+from diffusion import default_final_step, draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, check_stride, default_final_step, generate, generate_ar, generate_long, psi_from_flags
+from sample import check_sampler, check_stride, generate, generate_ar, generate_long, psi_from_flags
 from plumbing.folder import is_model_folder
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")

@@ -62,13 +62,12 @@ from tqdm import tqdm
 
 import diffusion
 from data import DataError
+from diffusion import FINAL_STEPS, default_final_step
 from kernels.gumbel import sample_categorical
 from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature
 
-FINAL_STEPS = ("ancestral", "greedy", "none")
-NELBO_OBJECTIVES = ("duo", "duo_lean")   # x_theta trained on every position (x_t included), as Duo's greedy tail assumes
 
 
 # -----------------------------------------------------------------------------------------------
@@ -174,16 +173,6 @@ def _device_of(model):
         return next(model.parameters()).device
     except (AttributeError, StopIteration):
         return torch.device("cpu")
-
-
-def default_final_step(ckpt):
-    """--final_step auto: the final step measured better for the checkpoint's objective (RESULTS.md, few-step
-    generation: the lower Gen PPL among final steps whose sample entropy stays within 1 nat of the data's).
-    Greedy (Duo's tail) for NELBO models, base or distilled; ancestral for everything else: the SDDLM family's
-    x_theta puts (almost) no mass on x_t, so argmax x_theta replaces clean tokens and the entropy collapses.
-    The same with or without distillation. ckpt: a checkpoint dict (its train_config names the objective)."""
-    loss = (ckpt.get("train_config") or {}).get("loss")
-    return "greedy" if loss in NELBO_OBJECTIVES else "ancestral"
 
 
 # -----------------------------------------------------------------------------------------------

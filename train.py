@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import curriculum.gaussian as curriculum
 import diffusion
 import losses
 from data import BatchLoader, DataError, get_tokenizer
@@ -360,8 +359,6 @@ def train(cfg, env, source=None):
             loss = train_step(run, cfg, env, x0, mask)
             last = run.it == cfg.max_iters
             stopping = plumbing.sync_loss_and_stop(run.it, loss, lr_at(run.it - 1, cfg))   # the loop's one host sync
-            if run.it == cfg.curriculum_iters < cfg.max_iters:     # the loss jumps here: the log says why
-                plumbing.event(run.it, "curriculum_end", curriculum.end_note(cfg, run.raw_model.config.vocab_size))
             if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation loss, NELBO (EMA weights)
                 stopping = plumbing.sync_metrics_and_stop(run.it, lambda: evaluate(run, cfg, data_dir, env),
                                                           lambda sums: val_metrics(sums, cfg, data_dir))

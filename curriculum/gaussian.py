@@ -187,20 +187,3 @@ def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=No
     xt, soft = curriculum_input(x0, gamma, vocab_size, tau, generator)
     alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))
     return xt, soft, alpha_t, dalpha_dgamma * (gamma_max - gamma_min)
-
-
-
-def end_note(cfg, vocab_size):
-    """Why the training loss jumps when the curriculum ends (train.py logs this as the event "curriculum_end" after
-    step cfg.curriculum_iters, and figures/plot.py marks it): the curriculum's inputs have alpha_t = T(gamma) over
-    [gamma_min, gamma_max] only, the forward process afterwards the schedule's whole range, its noisiest inputs
-    included. -> one line."""
-    import diffusion                 # here: diffusion imports this module
-    gamma = torch.tensor([cfg.gamma_max, cfg.gamma_min], dtype=torch.float64)
-    lo, hi = gamma_to_alpha(gamma, vocab_size, min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))[0].tolist()
-    after = diffusion.SCHEDULES[cfg.noise_schedule](torch.tensor([1.0, diffusion.T_MIN], dtype=torch.float64))[0]
-    return (f"the curriculum ends (--curriculum_iters {cfg.curriculum_iters}): its inputs had alpha_t in [{lo:.3f}, "
-            f"{hi:.3f}] (the Gaussian latent's argmax, gamma in [{cfg.gamma_min:g}, {cfg.gamma_max:g}]); from step "
-            f"{cfg.curriculum_iters + 1} they follow Eq. (discrete_marginal) with alpha_t in [{float(after[0]):.3f}, "
-            f"{float(after[1]):.3f}] ({cfg.noise_schedule}), the noisiest inputs included: the training loss measures "
-            f"another task from here, so it jumps (not a divergence)")

@@ -456,8 +456,8 @@ def describe(cfg, init_ckpt, base_loss, K, env):
 
 def print_samples(run, cfg, init_ckpt, tok, env):
     """A few few-step samples from the EMA weights, with the final step --final_step auto picks."""
-    from sample import default_final_step, generate
-    final_step = default_final_step({**init_ckpt, "distill_config": asdict(cfg)})
+    from sample import generate
+    final_step = diffusion.default_final_step({**init_ckpt, "distill_config": asdict(cfg)})
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     schedule = (init_ckpt.get("train_config") or {}).get("noise_schedule", "loglinear")
     with ema_weights(run) as model:

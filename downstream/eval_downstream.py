@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 
 from data import DataError, not_a_file
+from diffusion import default_final_step
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
                                         run_lm_eval)
 from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
@@ -45,7 +46,7 @@ from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtyp
 from plumbing.checkpoint import load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, check_outputs, refuse_overwrite, save_atomic, signature, text_mark, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, check_stride, default_final_step
+from sample import check_sampler, check_stride
 
 # the paper's eight zero-shot benchmarks, by their lm-eval names
 PAPER_TASKS = ["arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "race", "social_iqa", "lambada_standard"]

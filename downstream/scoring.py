@@ -187,7 +187,7 @@ class Scorer:
     def __init__(self, model, tokenizer, *, mc_draws=128, batch_size=16, seed=1234, lambada_steps=8,
                  dtype=torch.float32, add_bos=True, progress=True, schedule="loglinear", final_step="ancestral"):
         """schedule: the noise schedule the model was trained with (its sampler's time grid); final_step: what
-        final_step=auto means for this model (sample.default_final_step of its checkpoint)."""
+        final_step=auto means for this model (diffusion.default_final_step of its checkpoint)."""
         if model.config.causal:
             raise EvalError("this checkpoint is autoregressive (causal); eval_downstream scores diffusion models")
         self.model, self.tokenizer = model, tokenizer

@@ -363,7 +363,8 @@ class SDDLM:
         Longer than the block: windows that draw `stride` tokens each (0 = half a block; sample.generate_long).
         prompt: a clean prefix. sampler: more of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi).
         -> list of str."""
-        from sample import default_final_step, generate_ar, generate_long
+        from diffusion import default_final_step
+        from sample import generate_ar, generate_long
         if length and seq_len and length != seq_len:
             raise ValueError(f"length={length} and seq_len={seq_len} name the same thing; give one")
         seq_len = length or seq_len or self.model.config.block_size

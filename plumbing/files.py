@@ -258,6 +258,10 @@ def check_appendable(path, flag, keys, writer):
 
 WRITTEN_BY = "written_by"       # the field every JSON output (and JSONL record) carries: "sddlm <script>"
 TEXT_MARK = "<!-- written by sddlm"   # the first line of a text output (markdown): a comment no renderer shows
+# a model card's second part starts with this line (plumbing/folder.py): a README.md without it is the user's, and is
+# never replaced
+CARD_MARK = ("<!-- sddlm model card, written by hub/pretrained.py and replaced by the next export into this folder; "
+             "delete this line to keep the file as your own -->")
 PNG_SOFTWARE = "sddlm"          # a PNG's tEXt "Software" chunk starts with this (figures/plot.py)
 # what earlier versions wrote without the field, recognised by their keys: a run's config.json, eval_ppl.py's
 # --out, eval_downstream.py's --out, a sample.py / --save_samples record, a log.jsonl record
@@ -312,7 +316,6 @@ def written_by_us(path):
     file's first record) whose WRITTEN_BY starts with 'sddlm ' (or with the keys an earlier version wrote,
     OUR_KEYS); a text file whose first lines hold TEXT_MARK (or a model card's mark); a PNG whose "Software" is
     ours; a torch checkpoint (a zip whose pickle names a model_config). Reads at most a few MiB."""
-    from plumbing.folder import CARD_MARK
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16)

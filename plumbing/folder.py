@@ -7,13 +7,12 @@ import json
 import os
 import sys
 
+from plumbing.files import CARD_MARK, kind_of
+
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
 MODEL_TYPE = "sddlm"
 WEIGHTS, CONFIG, TOKENIZER, CARD = "model.safetensors", "config.json", "tokenizer.model", "README.md"
-# the model card's second part starts with this line: a README.md without it is the user's and is never replaced
-CARD_MARK = ("<!-- sddlm model card, written by hub/pretrained.py and replaced by the next export into this folder; "
-             "delete this line to keep the file as your own -->")
 
 
 def is_model_folder(path):
@@ -54,7 +53,6 @@ def check_target(folder, flag="the output folder", fix="choose another"):
     if not os.path.isdir(folder):
         return
     if is_model_folder(folder):
-        from plumbing.files import kind_of
         odd = [(name, kind_of(os.path.join(folder, name))) for name in our_files(folder)]
         odd = [(name, kind) for name, kind in odd if kind != "file"]
         if odd:          # os.replace would drop a link (or a device node) the user put there
@@ -116,9 +114,9 @@ def check_config(config, path):
     objective, noise schedule, final step, weights, step, the tokenizer record, the training config, the model's
     fields) -> the ModelConfig; else ConfigError naming the file and the field."""
     import diffusion
+    from diffusion import FINAL_STEPS
     from plumbing.integrity import (TRAIN_CONFIG_TYPES, _expect, _fits, _is_int, check_train_config_values,
                                     checked_model_config)
-    from sample import FINAL_STEPS
     hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
     optional = lambda test: lambda v: v is None or test(v)
     fields = {"objective": (optional(lambda v: v in diffusion.OBJECTIVES),

@@ -16,7 +16,7 @@ from plumbing.distributed import agree, any_rank, compiles, wrap_model
 from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
 from plumbing.memory import fit_micro_batch
-from plumbing.runlog import Log, finish_lines, kept, start_lines
+from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines
 from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -81,6 +81,7 @@ class RunPlumbing:
         self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size)
         self.rule = DivergenceRule(self.cfg.diverge_margin, math.log(self.mcfg.vocab_size))
         self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
+        self.curriculum_end = getattr(self.cfg, "curriculum_iters", 0)   # train.py's curriculum (distill.py has none)
         self.loss_sum = self.bad = None
         return self
 
@@ -103,7 +104,8 @@ class RunPlumbing:
         over the ranks and whether any rank saw a non-finite loss or a stop signal; the divergence rule checks the
         mean (the first step's loss, of sound weights, starts its history), then it is logged. A diverged loss
         raises FloatingPointError: no checkpoint of these weights is written. -> whether the run stops (a stop
-        signal on any rank: the loop saves and ends, stopped)."""
+        signal on any rank: the loop saves and ends, stopped). After the curriculum's last step (train.py's
+        --curriculum_iters), the log says why the loss jumps there (event)."""
         cfg, env = self.cfg, self.env
         if self.loss_sum is None:
             self.loss_sum = torch.zeros((), device=loss.device)
@@ -115,15 +117,17 @@ class RunPlumbing:
             self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
         signalled = self.stop["signal"] is not None
         saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
-        if not (step % cfg.log_interval == 0 or saves or (signalled and not env.ddp)):
-            return False
-        total, bad, stopping = agree(env, self.loss_sum, self.bad, signalled)
-        why = "non-finite loss" if bad else self.rule.check(total / max(1, step - self.logged_step))
-        if why:
-            raise self.diverged(why, step)
-        self.log.progress(step, total, lr)
-        self.logged_step = step
-        self.loss_sum.zero_()
+        stopping = False
+        if step % cfg.log_interval == 0 or saves or (signalled and not env.ddp):
+            total, bad, stopping = agree(env, self.loss_sum, self.bad, signalled)
+            why = "non-finite loss" if bad else self.rule.check(total / max(1, step - self.logged_step))
+            if why:
+                raise self.diverged(why, step)
+            self.log.progress(step, total, lr)
+            self.logged_step = step
+            self.loss_sum.zero_()
+        if step == self.curriculum_end < cfg.max_iters:      # the loss jumps here: the log says why
+            self.event(step, "curriculum_end", curriculum_end_note(cfg, self.mcfg.vocab_size))
         return stopping
 
     def event(self, step, name, message):

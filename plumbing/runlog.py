@@ -1,7 +1,7 @@
 """The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume, and the
-trackers beside it (Log); the lines a run prints before its bar starts and after it ends (start_lines,
-finish_lines, kept, Log.stopped); and the one reader of JSONL files the evaluation scripts take as input. What is
-logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
+trackers beside it (Log); the lines a run prints before its bar starts, when its curriculum ends and after it ends
+(start_lines, curriculum_end_note, finish_lines, kept, Log.stopped); and the one reader of JSONL files the
+evaluation scripts take as input. What is logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
 import importlib.util
 import json
 import os
@@ -9,6 +9,10 @@ import shlex
 import signal
 import time
 
+import torch
+
+import diffusion
+from curriculum.gaussian import gamma_to_alpha
 from plumbing.files import append_jsonl, save_atomic
 from plumbing.tracking import open_trackers
 
@@ -167,6 +171,21 @@ def start_lines(cfg, raw_model, env):
             f"model: {raw_model.num_params() / 1e6:.2f}M parameters "
             f"({raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; world {env.world_size} x micro-batch {per_rank} x accum "
             f"{cfg.grad_accum} = {cfg.batch_size} sequences/step")
+
+
+def curriculum_end_note(cfg, vocab_size):
+    """Why the training loss jumps when the curriculum ends (logged as the event "curriculum_end" after step
+    cfg.curriculum_iters: plumbing.run.RunPlumbing.sync_loss_and_stop; figures/plot.py marks it): the curriculum's
+    inputs have alpha_t = T(gamma) over [gamma_min, gamma_max] only, the forward process afterwards the schedule's
+    whole range, its noisiest inputs included. -> one line."""
+    gamma = torch.tensor([cfg.gamma_max, cfg.gamma_min], dtype=torch.float64)
+    lo, hi = gamma_to_alpha(gamma, vocab_size, min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))[0].tolist()
+    after = diffusion.SCHEDULES[cfg.noise_schedule](torch.tensor([1.0, diffusion.T_MIN], dtype=torch.float64))[0]
+    return (f"the curriculum ends (--curriculum_iters {cfg.curriculum_iters}): its inputs had alpha_t in [{lo:.3f}, "
+            f"{hi:.3f}] (the Gaussian latent's argmax, gamma in [{cfg.gamma_min:g}, {cfg.gamma_max:g}]); from step "
+            f"{cfg.curriculum_iters + 1} they follow Eq. (discrete_marginal) with alpha_t in [{float(after[0]):.3f}, "
+            f"{float(after[1]):.3f}] ({cfg.noise_schedule}), the noisiest inputs included: the training loss measures "
+            f"another task from here, so it jumps (not a divergence)")
 
 
 def finish_lines(cfg, what, step, ckpt_path, folder):

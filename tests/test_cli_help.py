@@ -281,7 +281,7 @@ def every_help(scripts=SCRIPTS, columns=120):
 
 def test_every_scripts_help_speaks_the_users_words():
     """Issue 31: help texts named code (LOCAL_FORMATS, HF_CORPORA, TRAIN_PRESETS, OBJECTIVES,
-    model.PRESETS[preset], sample.default_final_step, ...), showed (True)/(False) for flags that take 0/1, and
+    model.PRESETS[preset], diffusion.default_final_step, ...), showed (True)/(False) for flags that take 0/1, and
     '(default 0)' with no word on what 0 means. Every script's --help, as a user runs it."""
     helps = every_help()
     problems = []

@@ -23,7 +23,8 @@ import train
 from model import ModelConfig, build_model
 from plumbing.checkpoint import ema_weights
 from plumbing.distributed import Env
-from sample import default_final_step, generate
+from diffusion import default_final_step
+from sample import generate
 from conftest import assert_adam_moments_close, unit_roundoff
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root

@@ -539,7 +539,7 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     out = lm.loglikelihood(reqs)
     assert len(out) == 4 and all(type(ll) is float and type(g) is bool for ll, g in out)
     assert max(range(4), key=lambda i: out[i][0]) == COLOURS.index("white")
-    assert lm.final_step == "greedy"         # final_step=auto for this Duo-NELBO checkpoint (sample.default_final_step)
+    assert lm.final_step == "greedy"         # final_step=auto for this Duo-NELBO checkpoint (diffusion.default_final_step)
     assert cls.create_from_arg_string(f"ckpt={trained['ckpt']},final_step=ancestral", extras).final_step == "ancestral"
     bad = {"unknown sddlm model argument\\(s\\) mc_draw;": "mc_draw=8", "rolling_context must be in": "rolling_context=32",
            "final_step must be one of": "final_step=best", "cfg_w='high' is not a valid float": "cfg_w=high"}
@@ -595,7 +595,8 @@ def test_harness_command_line_serves_every_request_type_as_the_scorer_does(train
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     import glob
     import re
-    from sample import default_final_step, generate
+    from diffusion import default_final_step
+    from sample import generate
     items = write_tasks(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf")}

@@ -81,7 +81,7 @@ def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path,
     assert torch.equal(logits_of(model_f), logits_of(model_c))
     config = json.load(open(os.path.join(folder, "config.json")))
     assert (config["objective"], config["noise_schedule"], config["final_step"], config["weights"]) == \
-        ("duo", "cosine", "greedy", "ema")     # Duo's greedy tail for a NELBO model (sample.default_final_step)
+        ("duo", "cosine", "greedy", "ema")     # Duo's greedy tail for a NELBO model (diffusion.default_final_step)
     assert config["tokenizer"]["sha256"] == sha256(tok_path) == sha256(os.path.join(folder, "tokenizer.model"))
     assert info["step"] == 7 and info["train_config"]["loss"] == "duo" and info["ema"] is not None
     # the live weights on request, and the folder is what a reader of weights needs only (no optimizer, no RNG)
