@@ -25,7 +25,6 @@ import diffusion
 import losses
 from data import BatchLoader, DataError, get_tokenizer
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
-from hub.pretrained import export
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import open_out_dir
 from plumbing.distributed import check_launch, micro_batches, run_distributed, torchrun_on_cuda
@@ -335,7 +334,7 @@ def train(cfg, env, source=None):
     # the model: the flags' (a preset's); fine-tuning: SOURCE's, whose tokenizer must be the data's
     mcfg = model_config_for(cfg, meta["vocab_size"]) if source is None else source.model_config_for(cfg, data_dir, meta)
     ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, extra=source and source.extra)
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, extra=source and source.extra)
     if plumbing.done(ckpt):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)

@@ -47,7 +47,6 @@ import train
 from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_record, validation_sums
-from hub.pretrained import export
 from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script
 from plumbing.distributed import check_launch, compiles, micro_batches, run_distributed
@@ -411,7 +410,7 @@ def distill(cfg, env):
         cfg.init = init_ckpt["path"] or cfg.init
         mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt, env)
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, what="distillation", label=f"dcd {base_loss}",
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, what="distillation", label=f"dcd {base_loss}",
                            loss_name="DCD loss", extra=lambda: checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
     if plumbing.done(ckpt):
         return 0

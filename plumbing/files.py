@@ -78,7 +78,7 @@ def write_failure(e, path, then=""):
 
 
 def writing(path, write, *args, then=""):
-    """write(*args), which writes `path` (a file or a folder, e.g. hub/pretrained.export): a write that fails for
+    """write(*args), which writes `path` (a file or a folder, e.g. plumbing.export.export): a write that fails for
     lack of space or another OS fault, in whatever error its library raises, -> one OSError (write_failure);
     any other error passes through."""
     try:
@@ -94,7 +94,7 @@ def writing(path, write, *args, then=""):
 
 def remove_stale_temps(path):
     """Remove the temp files and folders of `path` left by writers that no longer run (killed half-way): save_atomic's
-    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (pretrained.save_folder) and a preparation's
+    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (plumbing.export.save_folder) and a preparation's
     <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). A living writer's (this process's included) are kept."""
     folder, name = os.path.dirname(path) or ".", os.path.basename(os.path.normpath(path))
     if os.name != "posix" or not os.path.isdir(folder):      # os.kill(pid, 0) probes a process only on POSIX
@@ -132,7 +132,7 @@ def pid_alive(pid):
     return True
 
 
-# what a train.py / distillation/distill.py run writes into its out_dir (runlog, checkpoint, pretrained.export, tracking)
+# what a train.py / distillation/distill.py run writes into its out_dir (runlog, checkpoint, plumbing.export, tracking)
 RUN_OUTPUTS = ("ckpt.pt", "ckpt_*.pt", "config.json", "log.jsonl", "model", "tensorboard", "wandb_run_id", "wandb",
                ".lock")
 RUN_FOLDERS = ("model", "tensorboard", "wandb")

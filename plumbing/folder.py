@@ -1,5 +1,5 @@
 """Reading a model folder (model.safetensors + config.json + the tokenizer's file + the README.md model card, as
-hub/pretrained.py writes one) as a checkpoint: every script's --ckpt takes a folder through
+plumbing/export.py writes one) as a checkpoint: every script's --ckpt takes a folder through
 plumbing.checkpoint.load_model. Which files of a folder are ours, so that writing one replaces only those."""
 import dataclasses
 import hashlib
@@ -28,7 +28,7 @@ def is_model_folder(path):
 
 
 def is_our_card(path):
-    """True for a README.md that hub/pretrained.py wrote (it holds CARD_MARK), False for anyone else's."""
+    """True for a README.md that an export wrote (it holds CARD_MARK), False for anyone else's."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return CARD_MARK in f.read(1 << 16)

@@ -13,6 +13,7 @@ import torch
 from plumbing.checkpoint import keep_checkpoint, restore, save
 from plumbing.cli import Interrupted
 from plumbing.distributed import agree, any_rank, compiles, wrap_model
+from plumbing.export import export
 from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
 from plumbing.memory import fit_micro_batch
@@ -23,13 +24,13 @@ from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
 class RunPlumbing:
     """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig: out_dir,
     max_iters, the intervals, the trackers, ...); env: where this process runs (plumbing.distributed.Env); mcfg,
-    meta: the model's config and the data's meta, which every checkpoint records; export(ckpt_path, folder): what
-    writes the model folder (hub.pretrained.export). what: "training" | "distillation", in the lines it prints;
+    meta: the model's config and the data's meta, which every checkpoint records. what: "training" | "distillation",
+    in the lines it prints;
     label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a divergence names
     it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's teacher)."""
 
-    def __init__(self, cfg, env, mcfg, meta, export, what="training", label=None, loss_name="loss", extra=None):
-        self.cfg, self.env, self.mcfg, self.meta, self.export = cfg, env, mcfg, meta, export
+    def __init__(self, cfg, env, mcfg, meta, what="training", label=None, loss_name="loss", extra=None):
+        self.cfg, self.env, self.mcfg, self.meta = cfg, env, mcfg, meta
         self.what, self.label, self.loss_name, self.extra = what, label or cfg.loss, loss_name, extra
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
@@ -197,8 +198,8 @@ class RunPlumbing:
         return 0
 
     def export_model(self, then=""):
-        """out_dir/model from the checkpoint (the shareable model folder: hub/pretrained.py). A write that fails for
+        """out_dir/model from the checkpoint (the shareable model folder: plumbing.export.export). A write that fails for
         want of space or another fault of the OS -> one OSError (plumbing.files.writing: what failed, the free
         space, what is kept, and `then`). -> the folder."""
-        folder, _ = writing(self.model_dir, self.export, self.ckpt_path, self.model_dir, then=then)
+        folder, _ = writing(self.model_dir, export, self.ckpt_path, self.model_dir, then=then)
         return folder

@@ -48,7 +48,7 @@ def source(tmp_path_factory):
     config.json and a flat backbone.* state dict, as tests/test_duo_checkpoint.py builds one), and its live weights
     as a model folder."""
     import random
-    from hub.pretrained import export
+    from plumbing.export import export
     d = tmp_path_factory.mktemp("finetune")
     rng = random.Random(0)
     nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]

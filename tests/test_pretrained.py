@@ -1,4 +1,4 @@
-"""Model folders (hub/pretrained.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
+"""Model folders (hub/pretrained.py; written by plumbing/export.py, read by plumbing/folder.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
 checkpoint's logits and samples, carries its own tokenizer and refuses another one, samples with the schedule
 and final step its config names, scores text with the NELBO (exact NLL for the AR baseline, checked by brute
 force), uploads offline to a stand-in hub and loads back from it; every script's --ckpt reads it."""
@@ -21,6 +21,8 @@ from hub import pretrained
 import sample
 from model import ModelConfig, build_model
 from plumbing.checkpoint import load_checkpoint, load_model
+from plumbing.export import export
+from plumbing.folder import is_model_folder
 from hub.pretrained import SDDLM
 from conftest import unit_roundoff
 from test_losses import usdm_sizes
@@ -71,7 +73,7 @@ def logits_of(model, seed=0):
 def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path, tok_path):
     from safetensors.torch import load_file
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
-    folder, used = pretrained.export(ckpt_path, tmp_path / "model")
+    folder, used = export(ckpt_path, tmp_path / "model")
     saved = torch.load(ckpt_path, weights_only=True)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     assert used == "ema" and tensors.keys() == saved["ema"].keys()
@@ -85,7 +87,7 @@ def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path,
     assert config["tokenizer"]["sha256"] == sha256(tok_path) == sha256(os.path.join(folder, "tokenizer.model"))
     assert info["step"] == 7 and info["train_config"]["loss"] == "duo" and info["ema"] is not None
     # the live weights on request, and the folder is what a reader of weights needs only (no optimizer, no RNG)
-    raw, used = pretrained.export(ckpt_path, tmp_path / "raw", weights="raw")
+    raw, used = export(ckpt_path, tmp_path / "raw", weights="raw")
     assert used == "raw" and torch.equal(logits_of(load_model(raw, "cpu", use_ema=False)[0]),
                                          logits_of(load_checkpoint(ckpt_path, use_ema=False)[0]))
     assert not torch.equal(logits_of(load_model(raw, "cpu")[0]), logits_of(model_c))
@@ -99,7 +101,7 @@ def test_folder_carries_its_own_tokenizer_and_refuses_another(tmp_path, tok_path
     own.parent.mkdir()
     shutil.copyfile(tok_path, own)
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", str(own))
-    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    folder, _ = export(ckpt_path, tmp_path / "model")
     os.remove(own)                         # the training data's tokenizer is gone: the folder has its own
     lm = SDDLM.from_pretrained(folder)
     assert lm.tokenizer.spec == "sp:" + os.path.join(os.path.abspath(folder), "tokenizer.model")
@@ -110,13 +112,13 @@ def test_folder_carries_its_own_tokenizer_and_refuses_another(tmp_path, tok_path
         load_model(folder, "cpu")
     shutil.copyfile(os.path.join(folder, "tokenizer.model"), own)   # another file at the checkpoint's tokenizer path
     with pytest.raises(cli.UsageError, match="is not the tokenizer this model was trained with"):
-        pretrained.export(ckpt_path, tmp_path / "again")
+        export(ckpt_path, tmp_path / "again")
     assert not os.path.exists(tmp_path / "again")
 
 
 def test_generate_uses_the_schedule_and_final_step_of_the_config(tmp_path, tok_path):
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
-    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    folder, _ = export(ckpt_path, tmp_path / "model")
     texts = SDDLM.from_pretrained(folder).generate(3, steps=4, seq_len=16, seed=5)
     model, _ = load_checkpoint(ckpt_path)
     from data import get_tokenizer
@@ -141,7 +143,7 @@ def test_score_is_the_exact_nll_of_an_ar_model_and_the_nelbo_of_a_diffusion_mode
     V, u = ar.model.config.vocab_size, unit_roundoff(torch.float32)
     assert r["tokens"] == ids.shape[1] and r["nll"] == pytest.approx(-log_p.mean().item(), abs=(V + 33) * u)
 
-    lm = SDDLM.from_pretrained(pretrained.export(fake_checkpoint(tmp_path / "d.pt", tok_path), tmp_path / "m")[0])
+    lm = SDDLM.from_pretrained(export(fake_checkpoint(tmp_path / "d.pt", tok_path), tmp_path / "m")[0])
     [r] = lm.score(TEXT, mc_draws=8, seed=3)
     # the same draws by hand: two rounds of 4 stratified times (eval_ppl.sequence_draws: the text is sequence 0),
     # x_t from Eq. (discrete_marginal), Eq. (usdm) in float64 on the same float32 logits, each time weighted as drawn
@@ -193,7 +195,7 @@ def fake_hub(monkeypatch, root):
 
 
 def test_push_to_hub_uploads_the_folder_and_from_pretrained_loads_it_back(tmp_path, tok_path, monkeypatch):
-    folder, _ = pretrained.export(fake_checkpoint(tmp_path / "ckpt.pt", tok_path), tmp_path / "model")
+    folder, _ = export(fake_checkpoint(tmp_path / "ckpt.pt", tok_path), tmp_path / "model")
     open(os.path.join(folder, "notes.txt"), "w").write("not part of the model")
     hub, calls = fake_hub(monkeypatch, tmp_path / "hub")
     assert pretrained.push_to_hub(folder, "me/tiny", private=True) == "commit"
@@ -230,7 +232,7 @@ def test_export_command_errors_are_one_line(tmp_path, tok_path, capsys):
     assert pretrained.main(["--ckpt", ckpt_path]) == 0           # default: model/ beside the checkpoint
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "model", f"model.tmp{os.getppid()}", "run"]
     assert "wrote " + str(tmp_path / "model") in capsys.readouterr().out
-    assert pretrained.is_model_folder(tmp_path / "model")
+    assert is_model_folder(tmp_path / "model")
 
 
 @pytest.mark.slow
@@ -324,7 +326,7 @@ def test_config_is_flat_with_model_type_and_folders_written_the_old_way_still_lo
     """config.json as the hub's: "model_type": "sddlm" and the model's fields at the top; a folder of the first
     format (fields nested under "model_config") reads as before, and the real script re-exports it to the new one."""
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
-    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    folder, _ = export(ckpt_path, tmp_path / "model")
     config = json.load(open(os.path.join(folder, "config.json")))
     saved = torch.load(ckpt_path, weights_only=True)
     assert config["model_type"] == "sddlm" and "model_config" not in config
@@ -391,7 +393,7 @@ def test_every_folder_has_a_model_card_with_the_hubs_header_the_run_and_its_meas
     SDDLM.from_pretrained(run / "model").save_pretrained(tmp_path / "copy")
     assert "PPL 457.10, at step 7" in (tmp_path / "copy" / "README.md").read_text()
     (run / "log.jsonl").unlink()
-    pretrained.export(ckpt_path, tmp_path / "nolog")
+    export(ckpt_path, tmp_path / "nolog")
     assert "validation | not recorded" in (tmp_path / "nolog" / "README.md").read_text()
     assert "validation" not in json.load(open(tmp_path / "nolog" / "config.json"))
 
@@ -410,7 +412,7 @@ def test_the_card_reports_the_validation_of_the_weights_the_run_evaluated_with_i
               "val_ppl": 181.69, "val_ppl_se": 3.11, "val_ppl_lo": 175.7, "val_ppl_hi": 187.9, "val_tokens": 10240,
               "val_draws": 16}
     (run / "log.jsonl").write_text(json.dumps({"step": 5, "loss": 2.9}) + "\n" + json.dumps(record) + "\n")
-    folder, used = pretrained.export(run / "ckpt.pt", tmp_path / "live")
+    folder, used = export(run / "ckpt.pt", tmp_path / "live")
     card = (tmp_path / "live" / "README.md").read_text()
     assert used == "raw" and ("| validation | 5.2023 ± 0.0171 nats/token (NELBO, an upper bound on the NLL), PPL "
                               "181.69 ± 3.11 (95% interval 175.70–187.90), at step 7 (live weights") in card, card
@@ -421,9 +423,9 @@ def test_the_card_reports_the_validation_of_the_weights_the_run_evaluated_with_i
     with_ema.mkdir()
     fake_checkpoint(with_ema / "ckpt.pt", tok_path)
     (with_ema / "log.jsonl").write_text(json.dumps(record) + "\n")
-    pretrained.export(with_ema / "ckpt.pt", tmp_path / "raw", weights="raw")
+    export(with_ema / "ckpt.pt", tmp_path / "raw", weights="raw")
     assert "| validation | not recorded for these weights" in (tmp_path / "raw" / "README.md").read_text()
-    pretrained.export(with_ema / "ckpt.pt", tmp_path / "emaw")
+    export(with_ema / "ckpt.pt", tmp_path / "emaw")
     assert "± 0.0171 nats/token" in (tmp_path / "emaw" / "README.md").read_text()
 
 
@@ -435,7 +437,7 @@ def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_
     from downstream import lm_eval_sddlm  # noqa: F401  (importing it registers "sddlm")
     from downstream.scoring import EvalError
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
-    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    folder, _ = export(ckpt_path, tmp_path / "model")
     cls = get_model("sddlm")
     extra = {"batch_size": 2, "device": "cpu"}
     by_name = cls.create_from_arg_string(f"pretrained={folder},mc_draws=2,seed=3", extra)
@@ -454,7 +456,7 @@ def test_lm_eval_command_line_with_pretrained_scores_as_with_ckpt(tmp_path, tok_
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
     import glob
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
-    folder, _ = pretrained.export(ckpt_path, tmp_path / "model")
+    folder, _ = export(ckpt_path, tmp_path / "model")
     (tmp_path / "facts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
                                                   ("the cat sees the dog", "the bird likes the fish")))
     (tmp_path / "facts.yaml").write_text(
