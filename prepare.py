@@ -51,6 +51,7 @@ from data import (PROBE, DataError, DiskFullError, data_identity, file_sha256, f
 from plumbing.checkpoint import check_resume_data
 from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
+from plumbing.flags import check_prepare_flags
 from plumbing.files import kind_of, refuse_overwrite, remove_stale_temps, run_outputs
 from plumbing.integrity import check_data_tokenizer
 from plumbing.cli import ignore_stop_signals
@@ -481,14 +482,6 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
 # -----------------------------------------------------------------------------
 # A training run's data (train.py): prepared by the first process of each node, agreed on by content
 
-def check_settings(num_proc, val_fraction=0.05):
-    """prepare.py's and train.py's preparation flags, before any work."""
-    if num_proc < 0:                        # more than the cores is capped when preparing (worker_count)
-        raise ConfigError(f"--num_proc must be >= 0 (0 = the usable cores), got {num_proc}")
-    if not 0 < val_fraction < 1:
-        raise ConfigError(f"--val_fraction must be between 0 and 1 (a share of the characters), got {val_fraction}")
-
-
 def prepare_for_run(cfg, env):
     """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
     env: its ranks). Tokenize the corpus once per node (its first process) into token memmaps in that node's data
@@ -538,7 +531,7 @@ class PrepareConfig:
 def main(argv=None):
     from plumbing.cli import parse_flags
     cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
-    check_settings(cfg.num_proc, cfg.val_fraction)
+    check_prepare_flags(cfg.num_proc, cfg.val_fraction)
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field)
     data_dir = cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size, **settings)

@@ -9,14 +9,12 @@ Train a uniform-state diffusion LM (or the AR baseline) with any of the objectiv
 
 Every field of TrainConfig is a flag (--help: what it does, the value the run takes); --preset applies a recipe
 (TRAIN_PRESETS: tiny without --preset, small for a torchrun launch on CUDA), explicit flags win. Top to bottom: the
-config, the step (paper Algorithm 1), the run and its loop, whose plumbing (checkpoints, log, stop signals,
-divergence, memory probe, model folder) is one object, plumbing.run.RunPlumbing.
+config, the step (paper Algorithm 1), the run and its loop, whose plumbing is one face (plumbing/run.py).
 """
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,13 +24,8 @@ import losses
 from data import BatchLoader, DataError, get_tokenizer
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
-from plumbing.checkpoint import open_out_dir
-from plumbing.distributed import check_launch, micro_batches, run_distributed, torchrun_on_cuda
-from plumbing.finetune import start_from
-from plumbing.flags import check_train_flags, curriculum_from_share
-from plumbing.memory import check_run_fits
-from plumbing.run import RunPlumbing
-from prepare import check_settings, prepare_for_run
+from plumbing.run import Run, RunPlumbing, launch_training
+from prepare import prepare_for_run
 
 
 @dataclass
@@ -160,37 +153,38 @@ def parse_config(argv=None, given=None):
     """The command line -> TrainConfig, parsed once: the preset (--preset, else default_preset's), the flags given
     over it, and the curriculum's share of the run (curriculum_from_share). given: a dict that receives the flags
     on the command line (--init's rules need them: plumbing.finetune.start_from)."""
-    def resolve(cfg, flags):
-        if given is not None:
-            given.update(flags)
-        return curriculum_from_share(cfg, flags)
-    return cli.parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS,
-                           default_preset=default_preset, resolve=resolve,
+    return cli.parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS, given=given,
+                           default_preset=default_preset, resolve=curriculum_from_share,
                            preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
                                                     f"{', '.join(f'{k}={v}' for k, v in PRESETS[name].items())}")
 
 
 FLAGSHIP_PRESET = "small"    # what a torchrun launch on CUDA trains without --preset: the paper's recipe
 FLAGSHIP_NOTE = ("torchrun on CUDA: training the paper's recipe, --preset small (DiT-small, OpenWebText, GPT-2 BPE, "
-                 "L = 1024, global batch 512, Duo's curriculum for 500K steps), the default of a torchrun launch "
-                 "on CUDA; --preset tiny gives the offline demo")
+                 "L = 1024, global batch 512, Duo's curriculum for 500K steps), the default of a torchrun launch on "
+                 "CUDA; --preset tiny gives the offline demo")
 
 
 def default_preset(given):
     """The preset without --preset (given: the flags): the paper's recipe under torchrun on CUDA, else the demo."""
-    return FLAGSHIP_PRESET if torchrun_on_cuda(given.get("device", TrainConfig.device)) else "tiny"
+    return FLAGSHIP_PRESET if cli.torchrun_on_cuda(given.get("device", TrainConfig.device)) else "tiny"
 
 
-def check_config(cfg):
-    """At start-up, before out_dir is locked or made: the launch environment and the threads as a whole (WORLD_SIZE,
-    RANK, MASTER_ADDR, ..., --threads, OMP_NUM_THREADS: plumbing.distributed.check_launch), every flag, no output
-    over an input (plumbing/flags.py), the data preparation's flags (prepare.py), the model's shape at any
-    vocabulary (e.g. n_embd into n_head heads) and its size against the machine (plumbing.memory.check_run_fits)."""
-    launch = check_launch(cfg)
-    check_train_flags(cfg, launch.world_size)
-    check_settings(cfg.num_proc)
-    if not cfg.init:                  # with --init the model is SOURCE's (plumbing.finetune.check_flags)
-        check_run_fits(cfg, model_config_for(cfg, cfg.vocab_size or 2), launch)   # impossible, or too large
+def curriculum_from_share(cfg, given):
+    """The curriculum's steps (given: the flags on the command line): --curriculum_iters when given; else, for the
+    diffusion losses, round(--curriculum_share x --max_iters): a preset's curriculum (0.5: Duo's 500K of 1M) covers
+    its share of any run (a resumed run keeps its checkpoint's steps: RunPlumbing.open_out_dir). None for the AR
+    baseline, nor from a trained model (--init) unless asked for: Duo's curriculum starts from random weights."""
+    causal = cfg.loss in diffusion.OBJECTIVES and diffusion.OBJECTIVES[cfg.loss].causal
+    if causal and given.get("curriculum_share"):
+        raise cli.ConfigError("--curriculum_share applies to diffusion losses, not --loss ar")
+    if cfg.init and "curriculum_share" not in given:
+        cfg.curriculum_share = 0.0
+    if "curriculum_iters" in given or causal:      # the user's steps, or none
+        cfg.curriculum_iters, cfg.curriculum_share = given.get("curriculum_iters", 0), 0.0
+    elif cfg.curriculum_share:
+        cfg.curriculum_iters = round(cfg.curriculum_share * cfg.max_iters)
+    return cfg
 
 
 def model_config_for(cfg, vocab_size):
@@ -228,21 +222,6 @@ def lr_at(it, cfg):
 # -----------------------------------------------------------------------------------------------
 # the parts of a run
 
-@dataclass
-class Run:
-    """The state a training run carries from step to step (and saves in its checkpoint)."""
-    raw_model: torch.nn.Module           # the DiffusionTransformer itself
-    model: torch.nn.Module               # what the step calls: raw_model, or it in DDP and/or compiled (wrap_model)
-    optimizer: torch.optim.Optimizer
-    ema: list                            # EMA copies of raw_model.parameters(), or None
-    loader: BatchLoader                  # None in bench/bench.py (random tokens)
-    gen_shared: torch.Generator          # identical on every rank: times and corruption noise
-    gen_local: torch.Generator           # per rank: the curriculum's Gaussian latent
-    it: int = 0                          # optimizer steps done
-    n_ema: int = 0                       # EMA updates done
-    eval_model: torch.nn.Module = None   # what evaluation calls: raw_model compiled (--compile), or None: raw_model
-
-
 def make_optimizer(raw_model, cfg, device):
     """AdamW (weight decay on matrices only) and the EMA copy of the weights (None when cfg.ema == 0)."""
     decay = [p for p in raw_model.parameters() if p.dim() >= 2]
@@ -255,11 +234,13 @@ def make_optimizer(raw_model, cfg, device):
 
 
 def build_run(cfg, mcfg, env, data_dir=None):
-    """Model (seeded per rank; run.model = raw_model until wrap_model), optimizer, EMA, loader over data_dir (None:
-    no loader; on CUDA its batches are pinned and copied asynchronously) and generators."""
-    torch.manual_seed(cfg.seed + env.rank)
+    """Model and its EMA (the same on every rank: DDP broadcasts rank 0's weights, not its EMA; run.model = raw_model
+    until wrap_model), optimizer, loader over data_dir (None: no loader; on CUDA its batches are pinned and copied
+    asynchronously) and generators; then torch's RNG seeded per rank (dropout)."""
+    torch.manual_seed(cfg.seed)
     raw_model = build_model(mcfg).to(env.device)
     optimizer, ema = make_optimizer(raw_model, cfg, env.device)
+    torch.manual_seed(cfg.seed + env.rank)
     loader = None
     if data_dir is not None:
         micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
@@ -275,8 +256,8 @@ def build_run(cfg, mcfg, env, data_dir=None):
 
 def train_step(run, cfg, env, x0_all, mask_all=None):
     """One optimizer step on this rank's part x0_all (B_rank, L) of a global batch: times t and corruption noise
-    drawn for the GLOBAL batch from gen_shared, each micro-batch taking its slice (micro_batches: a DDP run equals
-    one process); per micro-batch the objective (diffusion.loss_terms: xt ~ q_t(. | x0), the model, the per-token
+    drawn for the GLOBAL batch from gen_shared, each micro-batch taking its slice (env.micro_batches: a DDP run
+    equals one process); per micro-batch the objective (diffusion.loss_terms: xt ~ q_t(. | x0), the model, the per-token
     loss), its token mean and backward; then optimizer_step. -> the step's mean loss (a detached 0-dim tensor: no
     host sync here)."""
     objective = diffusion.OBJECTIVES[cfg.loss]
@@ -286,9 +267,9 @@ def train_step(run, cfg, env, x0_all, mask_all=None):
     draws_all = diffusion.draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size,
                                      run.gen_shared, env.device)
     total = torch.zeros((), device=env.device)
-    for x0, mask, (t, *draws), sync in micro_batches(run.model, cfg, env, x0_all, mask_all, (t_all, *draws_all)):
+    for x0, mask, (t, *draws), sync in env.micro_batches(run.model, cfg, x0_all, mask_all, (t_all, *draws_all)):
         with sync:                   # DDP all-reduces the gradients on the last micro-batch only
-            with cli.autocast_for(env.device, cli.resolve_dtype(cfg.dtype, env.device)):
+            with env.autocast(cfg.dtype):
                 per_token, _ = diffusion.loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
                 loss = diffusion.token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum
             loss.backward()
@@ -320,36 +301,27 @@ def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
 def main(argv=None):
     given = {}
     cfg = parse_config(argv, given)
-    check_config(cfg)
-    source = start_from(cfg, given)   # --init: the trained model the run starts from (its model, tokenizer, length)
-    return run_distributed(cfg, lambda env: train(cfg, env, source))   # this process in a torchrun job; out_dir locked
+    # every flag and size checked, --init's SOURCE read; then this process in its torchrun job, out_dir locked
+    return launch_training(cfg, given, model_config_for, lambda env, source: train(cfg, env, source))
 
 
 def train(cfg, env, source=None):
-    if env.master and cfg.preset == FLAGSHIP_PRESET and torchrun_on_cuda(cfg.device) and source is None:
+    if env.master and cfg.preset == FLAGSHIP_PRESET and cli.torchrun_on_cuda(cfg.device) and source is None:
         print(FLAGSHIP_NOTE, flush=True)         # first: the flagship default, before hours of data preparation
     judge = load_gen_judge(cfg, env)             # a judge that cannot load fails before the data are prepared
     data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
     cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
     # the model: the flags' (a preset's); fine-tuning: SOURCE's, whose tokenizer must be the data's
-    mcfg = model_config_for(cfg, meta["vocab_size"]) if source is None else source.model_config_for(cfg, data_dir, meta)
-    ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, extra=source and source.extra)
+    mcfg = source.model_config_for(cfg, data_dir, meta) if source else model_config_for(cfg, meta["vocab_size"])
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, source)
+    ckpt = plumbing.open_out_dir()               # the checkpoint to resume, checked against this run; None: fresh
     if plumbing.done(ckpt):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
-    if ckpt is not None:
-        if cfg.curriculum_share:                 # a curriculum from its share: the steps the run started with
-            cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
-        plumbing.resume(run, ckpt)
-    elif source is not None:
-        source.start(run)                        # SOURCE's weights; the EMA starts at them
+    plumbing.start_weights(run, ckpt)            # the checkpoint's state; fine-tuning: SOURCE's; else as built
     plumbing.place_model(run)                    # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
-    config = {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}
-    config.update(source.extra() if source else {})           # fine-tuning: what the run started from
-    lines = source and source.lines(cfg, run.raw_model, env)  # ... said in the start lines too (None: the two usual)
-    with plumbing.start(run, config, lines):     # config.json, the run in two lines, log.jsonl; signals set a flag
+    with plumbing.start(run, {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
             plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env),
                                            lambda sums: {**val_metrics(sums, cfg, data_dir), "init": source.described})

@@ -90,7 +90,8 @@ from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
 from plumbing.distributed import Env, check_threads, omp_threads
 from plumbing.memory import check_training_memory, cuda_allocator_env
-from train import TRAIN_PRESETS, Run, TrainConfig, make_optimizer, model_config_for, train_step
+from plumbing.run import Run
+from train import TRAIN_PRESETS, TrainConfig, make_optimizer, model_config_for, train_step
 
 ALL_LOSSES = ",".join(OBJECTIVES)
 MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token block weight matrices)"

@@ -60,6 +60,14 @@ def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
     return out_a.to(gamma.dtype), out_d.to(gamma.dtype)
 
 
+def alpha_range(vocab_size, gamma_min, gamma_max):
+    """The discrete alpha_t = T(gamma) the curriculum's inputs span (its table over [min(-5, gamma_min),
+    max(-1, gamma_max)], as curriculum_sample reads it) -> (alpha at gamma_max, alpha at gamma_min): floats."""
+    gamma = torch.tensor([gamma_max, gamma_min], dtype=torch.float64)
+    lo, hi = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))[0].tolist()
+    return lo, hi
+
+
 def gaussian_latent(x0, gamma, vocab_size, generator=None):
     """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K), alpha~ = sqrt(sigmoid(-gamma)), sigma~ = sqrt(sigmoid(gamma)).
     x0 (B, L); gamma (B, 1) -> w (B, L, K) float32. This is Duo's exact (and memory-hungry) method: a

@@ -44,17 +44,17 @@ import torch
 import curriculum.gaussian as curriculum
 import diffusion
 import train
-from plumbing.cli import UsageError, autocast_for, parse_flags, resolve_dtype, run_cli
+from plumbing.cli import UsageError, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_record, validation_sums
 from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script
-from plumbing.distributed import check_launch, compiles, micro_batches, run_distributed
+from plumbing.distributed import compiles
 from plumbing.finetune import read_init, tokenizer_identity
 from plumbing.integrity import check_tokenizer_identity
 from plumbing.files import refuse_overwrite, run_outputs
 from plumbing.memory import check_run_fits
-from plumbing.run import RunPlumbing
+from plumbing.run import RunPlumbing, launch
 from plumbing.tracking import require_trackers
 
 
@@ -210,6 +210,10 @@ def parse_config(argv=None):
 
 
 def validate(cfg, world_size):
+    """The flags at start-up (plumbing.run.launch's check; world_size: the torchrun job's ranks): no output over an
+    input, each flag against the values it may take -> UsageError naming it."""
+    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
+                     {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
     require_trackers(cfg)
     if not cfg.out_dir.strip():
         raise UsageError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out-dcd")
@@ -348,9 +352,9 @@ def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
     noise_all = draw_pair_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
                                 env.device)
     total = torch.zeros((), device=env.device)
-    for x0, mask, (t, *noise), sync in micro_batches(run.model, cfg, env, x0_all, mask_all, (t_all, *noise_all)):
+    for x0, mask, (t, *noise), sync in env.micro_batches(run.model, cfg, x0_all, mask_all, (t_all, *noise_all)):
         with sync:                   # DDP all-reduces the gradients on the last micro-batch only
-            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+            with env.autocast(cfg.dtype):
                 per_token = dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise)
                 loss = diffusion.token_mean(per_token, mask) / cfg.grad_accum
             loss.backward()
@@ -393,11 +397,8 @@ def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
-                     {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
-    launch = check_launch(cfg)                               # WORLD_SIZE, RANK, MASTER_ADDR, ... as a whole
-    validate(cfg, launch.world_size)                         # once, before out_dir is locked or made
-    return run_distributed(cfg, lambda env: distill(cfg, env))
+    # the launch environment and every flag checked; then this process in its torchrun job, out_dir locked
+    return launch(cfg, lambda where: validate(cfg, where.world_size), lambda env, _: distill(cfg, env))
 
 
 def distill(cfg, env):
@@ -442,9 +443,7 @@ def distill(cfg, env):
 
 def describe(cfg, init_ckpt, base_loss, K, env):
     """The distillation in one line, printed before the progress bar starts."""
-    table = (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
-    a_lo, a_hi = (float(curriculum.gamma_to_alpha(torch.tensor(g, dtype=torch.float64), K, *table)[0])
-                  for g in (cfg.gamma_max, cfg.gamma_min))
+    a_lo, a_hi = curriculum.alpha_range(K, cfg.gamma_min, cfg.gamma_max)
     rounds = (cfg.max_iters + cfg.round_iters - 1) // cfg.round_iters
     return (f"DCD of {cfg.init} (loss {base_loss}, step {init_ckpt.get('step')}, "
             f"{'EMA' if cfg.init_ema else 'live'} weights): {rounds} rounds of {cfg.round_iters} steps, "

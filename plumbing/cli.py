@@ -122,7 +122,8 @@ def finite_floats(s, flag, sep=","):
     return tuple(values)
 
 
-def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None, default_preset=None, resolve=None):
+def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None, default_preset=None, resolve=None,
+                given=None):
     """One --flag per field of the dataclass `cls`, described and grouped in --help from its source comments
     (field_help); argparse errors become UsageError. The command line is parsed once.
     presets: {name: {field: value}}; the field `preset` picks one (without --preset: default_preset(given), given
@@ -131,19 +132,22 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
     the run). --help shows for each flag the value the run takes when the flag is not given: the default, the
     preset's value and what resolve makes of them; `--preset NAME --help` marks NAME's values where they differ
     from a run without --preset. preset_note(name) -> more lines about what NAME sets beyond the flags (train.py:
-    its model's shape)."""
+    its model's shape). given: a dict that receives the flags on the command line, for the script's later rules
+    (train.py: --init's)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    given = vars(_parser(cls, description).parse_args(argv))
-    wants_help = given.pop("help", False)
+    flags = vars(_parser(cls, description).parse_args(argv))
+    wants_help = flags.pop("help", False)
     default, name = None, None
     if presets is not None:
-        default = default_preset(given) if default_preset else cls.preset
-        name = given.get("preset", default)
+        default = default_preset(flags) if default_preset else cls.preset
+        name = flags.get("preset", default)
         if name not in presets:
             raise UsageError(f"unknown --preset {name!r}; choose from {', '.join(presets)}")
     if wants_help:
-        _print_help(cls, description, presets, name, default, "preset" in given, preset_note, resolve)
-    return _config(cls, presets, name, given, resolve)
+        _print_help(cls, description, presets, name, default, "preset" in flags, preset_note, resolve)
+    if given is not None:
+        given.update(flags)
+    return _config(cls, presets, name, flags, resolve)
 
 
 def _config(cls, presets, name, given, resolve):
@@ -498,6 +502,12 @@ def resolve_device(name):
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     return torch.device(name)
+
+
+def torchrun_on_cuda(device):
+    """Whether this process was launched by torchrun (its environment says so) to run on CUDA (--device)."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    return torchrun and resolve_device(device).type == "cuda"
 
 
 def resolve_dtype(name, device):

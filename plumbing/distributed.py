@@ -1,7 +1,8 @@
 """Where a process runs in a torchrun job, and how the ranks agree: set-up and tear-down (nodes, processes, CPU
-threads), the model each rank trains (wrap_model: DDP, torch.compile), each rank's slice of the draws made for the
-global batch (rank_slice), the one host sync of the training loop (agree), any_rank, a decision taken on rank 0
-that every rank then shares, and work done once per node (on_each_node: data, where nodes share no storage)."""
+threads), the model each rank trains (wrap_model: DDP, torch.compile), each rank's micro-batches of a global batch
+and its slice of the draws made for it (Env.micro_batches, rank_slice), the one host sync of the training loop
+(agree), any_rank, a decision taken on rank 0 that every rank then shares, and work done once per node
+(on_each_node: data, where nodes share no storage)."""
 import os
 import time
 from contextlib import nullcontext
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plumbing.cli import OutOfMemory, UsageError, first_line, oom_summary, parse_bool, resolve_device
+from plumbing.cli import (OutOfMemory, UsageError, autocast_for, first_line, oom_summary, parse_bool, resolve_device,
+                          resolve_dtype)
 from plumbing.lock import acquire_folder
 from plumbing.memory import cuda_allocator_env
 from plumbing.signals import deferred_signals
@@ -41,6 +43,22 @@ class Env:
         where = f"{plural(self.nnodes, 'node')} x {plural(self.local_world_size, 'process')}, {self.device.type}"
         return where + (f", {plural(self.threads, 'torch thread')} per process ({self.threads_from})"
                         if self.threads else "")
+
+    def autocast(self, dtype):
+        """The network's autocast on this device for --dtype `dtype` (auto: bf16 on CUDA, float32 elsewhere)."""
+        return autocast_for(self.device, resolve_dtype(dtype, self.device))
+
+    def micro_batches(self, model, cfg, x0_all, mask_all, draws_all):
+        """This rank's part of a global batch, x0_all (B_rank, L) and its mask or None, in cfg.grad_accum micro-batches,
+        each with its slice of every draw made for the global batch (rank_slice: a DDP run equals one process) and
+        the context its backward runs in: DDP all-reduces the gradients on the last micro-batch only (model.no_sync
+        before). Yields (x0, mask, draws, context) on this process's device."""
+        micro = x0_all.shape[0] // cfg.grad_accum
+        for m in range(cfg.grad_accum):
+            x0 = x0_all[m * micro:(m + 1) * micro].to(self.device, non_blocking=True)
+            mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(self.device)
+            draws = [rank_slice(v, self.rank, self.world_size, m, cfg.grad_accum) for v in draws_all]
+            yield x0, mask, draws, (model.no_sync() if self.ddp and m < cfg.grad_accum - 1 else nullcontext())
 
 
 def usable_cores():
@@ -278,12 +296,6 @@ def setup_distributed(cfg):
     return env
 
 
-def torchrun_on_cuda(device):
-    """Whether this process was launched by torchrun (its environment says so) to run on CUDA (--device)."""
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return torchrun and resolve_device(device).type == "cuda"
-
-
 def compiles(flag, preset, device):
     """--compile auto | 1 | 0 -> whether the training model and evaluation's forward are torch.compile'd. auto: on
     CUDA for the paper's presets (every preset but tiny), where the model and the fused output layer compile to one
@@ -322,19 +334,6 @@ def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
     per_micro = per_rank // grad_accum
     start = rank * per_rank + micro_step * per_micro
     return t_global[start:start + per_micro]
-
-
-def micro_batches(model, cfg, env, x0_all, mask_all, draws_all):
-    """This rank's part of a global batch, x0_all (B_rank, L) and its mask or None, in cfg.grad_accum micro-batches,
-    each with its slice of every draw made for the global batch (rank_slice) and the context its backward runs in:
-    DDP all-reduces the gradients on the last micro-batch only (model.no_sync before). Yields (x0, mask, draws,
-    context) on env.device."""
-    micro = x0_all.shape[0] // cfg.grad_accum
-    for m in range(cfg.grad_accum):
-        x0 = x0_all[m * micro:(m + 1) * micro].to(env.device, non_blocking=True)
-        mask = None if mask_all is None else mask_all[m * micro:(m + 1) * micro].to(env.device)
-        draws = [rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum) for v in draws_all]
-        yield x0, mask, draws, (model.no_sync() if env.ddp and m < cfg.grad_accum - 1 else nullcontext())
 
 
 def any_rank(env, flag):

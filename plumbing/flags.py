@@ -1,6 +1,5 @@
-"""What train.py's flags may hold, checked once at start-up, before out_dir is locked or made: each bad value is
-one line naming the flag and the values it takes (exit code 2); and the rule by which a preset's curriculum covers
-its share of the run (curriculum_from_share)."""
+"""What train.py's flags may hold (and prepare.py's, which train.py shares), checked once at start-up, before out_dir
+is locked or made: each bad value is one line naming the flag and the values it takes (exit code 2)."""
 import math
 
 import torch
@@ -15,31 +14,11 @@ from plumbing.files import refuse_overwrite, run_outputs
 from plumbing.tracking import require_trackers
 
 
-def curriculum_from_share(cfg, given):
-    """The curriculum's steps, a rule of train.py's config (parse_flags' resolve; given: the flags on the command
-    line): --curriculum_iters when given (the share is then 0: the steps are the user's); else, for the diffusion
-    losses, round(--curriculum_share x --max_iters): a preset's curriculum (0.5: Duo's 500K of 1M) covers the same
-    share of a shorter or longer run. The AR baseline has none (--curriculum_share given with it is refused, as
-    --curriculum_iters is by check_train_flags). A nonzero share in a config says its steps came from it: a run
-    resumed without --curriculum_iters keeps the steps its checkpoint recorded (train.py). A run from a trained model
-    (--init) has a curriculum only when asked for (--curriculum_iters or --curriculum_share given): Duo's curriculum
-    is for the start of training, from random weights."""
-    causal = cfg.loss in OBJECTIVES and OBJECTIVES[cfg.loss].causal
-    if causal and given.get("curriculum_share"):
-        raise ConfigError("--curriculum_share applies to diffusion losses, not --loss ar")
-    if cfg.init and "curriculum_share" not in given:
-        cfg.curriculum_share = 0.0
-    if "curriculum_iters" in given or causal:      # the user's steps, or none
-        cfg.curriculum_iters, cfg.curriculum_share = given.get("curriculum_iters", 0), 0.0
-    elif cfg.curriculum_share:
-        cfg.curriculum_iters = round(cfg.curriculum_share * cfg.max_iters)
-    return cfg
-
-
 def check_train_flags(cfg, world_size):
     """train.py's flags (train.TrainConfig) at start-up, each against the values it may take (world_size: the
-    torchrun job's ranks), and no output of the run over one of its inputs -> ConfigError (UsageError) naming the
-    flag and what it accepts. train.check_config adds the data preparation's flags and the model's shape."""
+    torchrun job's ranks), its data preparation's among them (check_prepare_flags), and no output of the run over
+    one of its inputs -> ConfigError (UsageError) naming the flag and what it accepts. The model's shape and size
+    are plumbing.run.launch_training's next check."""
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir,
                                                                "--tokenizer": cfg.tokenizer, "--judge": cfg.judge,
                                                                "--init": cfg.init})
@@ -97,3 +76,12 @@ def check_train_flags(cfg, world_size):
         raise ConfigError(f"--gamma_min {cfg.gamma_min} must be below --gamma_max {cfg.gamma_max}")
     resolve_dtype(cfg.dtype, torch.device("cpu"))     # an unknown --dtype fails here, before any work
     compiles(cfg.compile, cfg.preset, torch.device("cpu"))   # --compile: auto, 1 or 0
+    check_prepare_flags(cfg.num_proc)
+
+
+def check_prepare_flags(num_proc, val_fraction=0.05):
+    """prepare.py's and train.py's preparation flags, before any work."""
+    if num_proc < 0:                        # more than the cores is capped when preparing (worker_count)
+        raise ConfigError(f"--num_proc must be >= 0 (0 = the usable cores), got {num_proc}")
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"--val_fraction must be between 0 and 1 (a share of the characters), got {val_fraction}")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import diffusion
 from diffusion import loss_terms
-from plumbing.cli import OutOfMemory, autocast_for, resolve_dtype
+from plumbing.cli import OutOfMemory, autocast_for, resolve_device, resolve_dtype
 
 # What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
 # leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
@@ -148,7 +148,6 @@ def check_run_fits(cfg, mcfg, launch, model_from=None):
     micro-batch on this rank's device, the field at fault named as the run's flags set it (--n_layer, --block_size,
     the micro-batch's --batch_size / --grad_accum; a preset's own fields; model_from: where the model's fields come
     from instead, e.g. distill's "--init ckpt.pt: model_config.")."""
-    from plumbing.cli import resolve_device
     micro = max(1, cfg.batch_size // (launch.world_size * cfg.grad_accum))
     device = resolve_device(cfg.device)
     if device.type == "cuda":

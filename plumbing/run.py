@@ -1,43 +1,108 @@
-"""The run's plumbing behind one face, RunPlumbing, for the two training loops (train.py, distillation/distill.py):
-the model placed for the run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers,
-the checkpoints and what they record, the model folder exported at the end (a full disk: one line, the checkpoint
-kept), the lines printed before and after; and the stop signals and the divergence rule that decide when a run
-stops. out_dir is locked for the whole process by plumbing.distributed.run_distributed. Each method is named for
-what the loop does and takes what the loop knows; how is here, in the rooms it calls."""
+"""The run's plumbing behind one face, for the two training loops (train.py, distillation/distill.py): the launch
+(launch, launch_training: the launch environment and every flag checked before anything is made, then this process
+in its place of a torchrun job, out_dir locked for the whole process), the run's state (Run) and RunPlumbing: out_dir
+opened (the checkpoint to resume), where the weights start (that checkpoint, a trained model, or as built), the model
+placed for the run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the
+checkpoints and what they record, the model folder exported at the end (a full disk: one line, the checkpoint kept),
+the lines printed before, during (the curriculum's end) and after; and the stop signals and the divergence rule that
+decide when a run stops. Each method is named for what the loop does and takes what the loop knows; how is here, in
+the rooms it calls."""
 import math
 import os
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 
-from plumbing.checkpoint import keep_checkpoint, restore, save
+from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
 from plumbing.cli import Interrupted
-from plumbing.distributed import agree, any_rank, compiles, wrap_model
+from plumbing.distributed import agree, any_rank, check_launch, compiles, run_distributed, wrap_model
 from plumbing.export import export
 from plumbing.files import write_json, writing
+from plumbing.finetune import start_from
+from plumbing.flags import check_train_flags
 from plumbing.integrity import DivergenceRule
-from plumbing.memory import fit_micro_batch
+from plumbing.memory import check_run_fits, fit_micro_batch
 from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines
 from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
+
+
+# -----------------------------------------------------------------------------------------------
+# the launch: everything checked before out_dir is locked or made
+
+def launch(cfg, check, work):
+    """A training script's start: the launch environment and the CPU threads as a whole (WORLD_SIZE, RANK,
+    MASTER_ADDR, ..., --threads, OMP_NUM_THREADS: plumbing.distributed.check_launch), then check(launch) -> what the
+    run starts from (the script's flags and sizes, each bad one a line, exit code 2), then work(env, that) in this
+    process's place of a torchrun job, out_dir locked for the whole process (plumbing.distributed.run_distributed).
+    -> work's exit code."""
+    start = check(check_launch(cfg))
+    return run_distributed(cfg, lambda env: work(env, start))
+
+
+def launch_training(cfg, given, model_config, work):
+    """train.py's launch, checking every flag, its data preparation's among them, and no output over an input
+    (plumbing.flags.check_train_flags); the model's shape at any vocabulary (model_config(cfg, vocab_size) ->
+    ModelConfig, else ConfigError) and its size against the machine (plumbing.memory.check_run_fits); with --init
+    (or a resumed fine-tuning run) reading SOURCE and checking the flags given against it, whose model is then the
+    run's (plumbing.finetune.start_from; given: the flags on the command line) -> work(env, that Source or None)."""
+    def check(where):
+        check_train_flags(cfg, where.world_size)
+        if not cfg.init:                  # with --init the model is SOURCE's (plumbing.finetune.check_flags)
+            check_run_fits(cfg, model_config(cfg, cfg.vocab_size or 2), where)    # impossible, or too large
+        return start_from(cfg, given)
+    return launch(cfg, check, work)
+
+
+# -----------------------------------------------------------------------------------------------
+# the run: its state, and its plumbing
+
+@dataclass
+class Run:
+    """The state a training run carries from step to step (and saves in its checkpoint): train.build_run makes it,
+    the step (train.train_step, distill.dcd_step) advances it, RunPlumbing places, saves and restores it."""
+    raw_model: torch.nn.Module           # the DiffusionTransformer itself
+    model: torch.nn.Module               # what the step calls: raw_model, or it in DDP and/or compiled (wrap_model)
+    optimizer: torch.optim.Optimizer
+    ema: list                            # EMA copies of raw_model.parameters(), or None
+    loader: object                       # a data.BatchLoader (None in bench/bench.py: random tokens)
+    gen_shared: torch.Generator          # identical on every rank: times and corruption noise
+    gen_local: torch.Generator           # per rank: the curriculum's Gaussian latent
+    it: int = 0                          # optimizer steps done
+    n_ema: int = 0                       # EMA updates done
+    eval_model: torch.nn.Module = None   # what evaluation calls: raw_model compiled (--compile), or None: raw_model
 
 
 class RunPlumbing:
     """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig: out_dir,
     max_iters, the intervals, the trackers, ...); env: where this process runs (plumbing.distributed.Env); mcfg,
-    meta: the model's config and the data's meta, which every checkpoint records. what: "training" | "distillation",
-    in the lines it prints;
-    label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a divergence names
-    it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's teacher)."""
+    meta: the model's config and the data's meta, which every checkpoint records; source: the trained model a
+    fine-tuning run starts from (plumbing.finetune.Source: its weights, and where the run started, which config.json,
+    the start lines and every checkpoint record), or None. what: "training" | "distillation", in the lines it
+    prints; label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a
+    divergence names it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's
+    teacher; default: source's)."""
 
-    def __init__(self, cfg, env, mcfg, meta, what="training", label=None, loss_name="loss", extra=None):
-        self.cfg, self.env, self.mcfg, self.meta = cfg, env, mcfg, meta
-        self.what, self.label, self.loss_name, self.extra = what, label or cfg.loss, loss_name, extra
+    def __init__(self, cfg, env, mcfg, meta, source=None, what="training", label=None, loss_name="loss", extra=None):
+        self.cfg, self.env, self.mcfg, self.meta, self.source = cfg, env, mcfg, meta, source
+        self.what, self.label, self.loss_name = what, label or cfg.loss, loss_name
+        self.extra = extra or (source.extra if source is not None else None)
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
         self.log = self.stop = self.rule = None
 
     # -------------------------------------------------------------------------------------------
     # before the loop
+
+    def open_out_dir(self):
+        """train.py's out_dir, before anything is written there: a fresh run never overwrites a checkpoint nor mixes
+        its log with an earlier run's; a resume's checkpoint must match this run (plumbing.checkpoint.open_out_dir).
+        -> the checkpoint to resume, or None. A resumed run whose curriculum came from its share (--curriculum_share)
+        keeps the steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
+        ckpt = open_out_dir(self.cfg, self.mcfg, self.meta)
+        if ckpt is not None and self.cfg.curriculum_share:
+            self.cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", self.cfg.curriculum_iters)
+        return ckpt
 
     def done(self, ckpt):
         """Whether the checkpoint resumed (None: a fresh run) is already at --max_iters: then nothing is trained and
@@ -51,6 +116,14 @@ class RunPlumbing:
             print(f"{self.ckpt_path} is already at step {self.cfg.max_iters} = --max_iters; nothing to do (raise "
                   f"--max_iters to go on)")
         return True
+
+    def start_weights(self, run, ckpt):
+        """Where the run's weights start: the checkpoint's state, to continue bit for bit (resume); else SOURCE's
+        weights, the EMA at them (fine-tuning: plumbing.finetune.Source.start); else as build_run made them."""
+        if ckpt is not None:
+            self.resume(run, ckpt)
+        elif self.source is not None:
+            self.source.start(run)
 
     def resume(self, run, ckpt):
         """The checkpoint's state into the run: weights, EMA, optimizer, step, this rank's data position and RNG
@@ -72,10 +145,13 @@ class RunPlumbing:
     def start(self, run, config, lines=None):
         """The run starts at step run.it: config.json (config: the run's configs) and `lines` (what the run is, in a
         few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl (cut back
-        to run.it on a resume) and the trackers.
+        to run.it on a resume) and the trackers. A fine-tuning run adds where it started (its source) to both.
         Used as `with plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag
         the loop reads (sync_loss_and_stop) instead of ending the process; the way out closes the bar and trackers
         and puts the handlers back."""
+        if self.source is not None:
+            config = {**config, **self.source.extra()}
+            lines = lines or self.source.lines(self.cfg, run.raw_model, self.env)
         if self.env.master:
             write_json(os.path.join(self.cfg.out_dir, "config.json"), config)
             print(lines or start_lines(self.cfg, run.raw_model, self.env), flush=True)
@@ -198,8 +274,8 @@ class RunPlumbing:
         return 0
 
     def export_model(self, then=""):
-        """out_dir/model from the checkpoint (the shareable model folder: plumbing.export.export). A write that fails for
-        want of space or another fault of the OS -> one OSError (plumbing.files.writing: what failed, the free
+        """out_dir/model from the checkpoint (the shareable model folder: plumbing.export.export). A write that fails
+        for want of space or another fault of the OS -> one OSError (plumbing.files.writing: what failed, the free
         space, what is kept, and `then`). -> the folder."""
         folder, _ = writing(self.model_dir, export, self.ckpt_path, self.model_dir, then=then)
         return folder

@@ -12,7 +12,7 @@ import time
 import torch
 
 import diffusion
-from curriculum.gaussian import gamma_to_alpha
+from curriculum.gaussian import alpha_range
 from plumbing.files import append_jsonl, save_atomic
 from plumbing.tracking import open_trackers
 
@@ -178,8 +178,7 @@ def curriculum_end_note(cfg, vocab_size):
     cfg.curriculum_iters: plumbing.run.RunPlumbing.sync_loss_and_stop; figures/plot.py marks it): the curriculum's
     inputs have alpha_t = T(gamma) over [gamma_min, gamma_max] only, the forward process afterwards the schedule's
     whole range, its noisiest inputs included. -> one line."""
-    gamma = torch.tensor([cfg.gamma_max, cfg.gamma_min], dtype=torch.float64)
-    lo, hi = gamma_to_alpha(gamma, vocab_size, min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))[0].tolist()
+    lo, hi = alpha_range(vocab_size, cfg.gamma_min, cfg.gamma_max)
     after = diffusion.SCHEDULES[cfg.noise_schedule](torch.tensor([1.0, diffusion.T_MIN], dtype=torch.float64))[0]
     return (f"the curriculum ends (--curriculum_iters {cfg.curriculum_iters}): its inputs had alpha_t in [{lo:.3f}, "
             f"{hi:.3f}] (the Gaussian latent's argmax, gamma in [{cfg.gamma_min:g}, {cfg.gamma_max:g}]); from step "

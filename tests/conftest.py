@@ -2,8 +2,12 @@
 called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
 (Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices), which live
 in test_losses.py (it travels alone with losses.py) and are shared from here; the rounding bounds every float
-tolerance of the suite is derived from (below); and CI's --skipped_before (below)."""
+tolerance of the suite is derived from (below); train.py in one process and in two (the DDP tests); and CI's --skipped_before
+(below)."""
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,6 +82,18 @@ def assert_adam_moments_close(state_a, state_b, n_terms, dtype=torch.float32):
 
 # CI's stage 2 (.ci/run): the fast suite has just passed on README's install, so of the fast tests it reruns only
 # those that run skipped (for want of an optional extra, now installed); the slow tests all run.
+
+def train_in_one_and_two_processes(args, tmp_path):
+    """train.py with `args` in one process (out_dir tmp_path/one) and under torchrun in two (tmp_path/two), one
+    torch thread each -> their two checkpoints, loaded (the DDP tests compare them)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+        r = subprocess.run([sys.executable, *launcher, "train.py", *map(str, args), "--out_dir", str(tmp_path / name)],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+    return [torch.load(tmp_path / name / "ckpt.pt", weights_only=False) for name in ("one", "two")]
+
 
 def pytest_addoption(parser):
     parser.addoption("--skipped_before", action="store_true",

@@ -139,7 +139,6 @@ def test_train_help_shows_the_values_the_run_will_use(capsys, monkeypatch):
     Every flag's help shows the value the run takes without it: the default preset's (tiny, or small for a
     torchrun launch on CUDA), with the curriculum's share of the run applied; the tiny width is set in one place."""
     import torch
-    import plumbing.distributed
     import train
     from model import ModelConfig
     from plumbing import cli
@@ -166,8 +165,7 @@ def test_train_help_shows_the_values_the_run_will_use(capsys, monkeypatch):
     assert check(["--device", "cpu"], "tiny") == dataclasses.replace(run, device="cpu")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")                          # torchrun train.py, on CUDA
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(plumbing.distributed, "resolve_device", lambda name: torch.device(
-        "cpu" if name == "cpu" else "cuda"))
+    monkeypatch.setattr(cli, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
     flagship = check([], "small")
     assert (flagship.max_iters, flagship.curriculum_iters, flagship.block_size) == (1_000_000, 500_000, 1024)
     assert check(["--device", "cpu"], "tiny") == dataclasses.replace(run, device="cpu")

@@ -13,6 +13,7 @@ import data
 import corpora
 import prepare
 from data import DataError
+from plumbing.flags import check_prepare_flags
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXTS = ["Hello world", "  leading and trailing spaces  ",
@@ -228,7 +229,7 @@ def test_preparation_flags_out_of_range_are_one_line_before_any_work(tmp_path, c
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
     assert os.listdir(tmp_path) == []
-    prepare.check_settings(1000 * cores, 0.5)               # more than the cores is capped when preparing
+    check_prepare_flags(1000 * cores, 0.5)               # more than the cores is capped when preparing
 
 
 def test_an_unreachable_hub_is_our_one_line_not_the_hub_clients_log(monkeypatch, capsys):

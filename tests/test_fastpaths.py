@@ -23,6 +23,7 @@ import losses
 from kernels import fused_head
 from model import ModelConfig, build_model
 from plumbing.distributed import Env
+from plumbing.run import Run
 import train
 from diffusion import loss_terms, token_mean
 from train import TrainConfig, model_config_for
@@ -548,7 +549,7 @@ def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
     for global_seed in (100, 200):  # dropout is 0, so the global seed must change nothing
         model, tcfg = small_model(name, perturb=0.0)
         gen = torch.Generator().manual_seed(7)
-        run = train.Run(model, model, *train.make_optimizer(model, tcfg, torch.device("cpu")), loader=None,
+        run = Run(model, model, *train.make_optimizer(model, tcfg, torch.device("cpu")), loader=None,
                         gen_shared=gen, gen_local=gen)
         torch.manual_seed(global_seed)
         step_losses = []

@@ -19,7 +19,7 @@ import torch
 import curriculum.gaussian as curriculum
 import diffusion
 import train
-from conftest import assert_adam_moments_close, forward_tol
+from conftest import assert_adam_moments_close, forward_tol, train_in_one_and_two_processes
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 # the run's recipe: the model, tokenizer and length come from SOURCE
@@ -248,16 +248,7 @@ def test_two_process_torchrun_fine_tuning_matches_one_process(source, tmp_path):
     assert finetune(source, tmp_path / "prep", "--init", source["ckpt"], "--max_iters", "1") == 0   # data prepared
     common = [*source["args"], "--init", source["ckpt"], "--loss", "sddlm_v1", "--max_iters", "4", "--lr", "1e-30",
               "--grad_clip", "0", "--lr_schedule", "constant", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "train.py", *common, "--out_dir", str(tmp_path / "one")],
-                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", *common, "--out_dir", str(tmp_path / "two")],
-                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
-    b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
+    a, b = train_in_one_and_two_processes(common, tmp_path)
     assert_adam_moments_close(a["optimizer"], b["optimizer"], n_terms=8 * 32)     # 8 sequences of 32 tokens
     # step 0, SOURCE's numbers on 2 ranks, each running half the rows: each per-token NELBO term (>= 0) is a float32
     # forward of ~1400 roundings along its path (2 blocks of 64-, 256- and 32-term sums, the 64-wide head, the

@@ -127,7 +127,7 @@ def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch,
         with pytest.raises(Started):
             train.main(argv)
         return seen[-1]
-    monkeypatch.setattr(plumbing.distributed, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
+    monkeypatch.setattr(cli, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
     monkeypatch.setattr(plumbing.distributed, "setup_distributed", lambda cfg: Env(torch.device("cpu")))
     monkeypatch.setattr(train, "load_gen_judge", started)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

@@ -18,8 +18,9 @@ import eval_ppl
 import losses
 from model import ModelConfig
 from plumbing.distributed import Env
+from plumbing.run import Run
 import train
-from conftest import assert_adam_moments_close, reduction_tol, unit_roundoff
+from conftest import assert_adam_moments_close, reduction_tol, train_in_one_and_two_processes, unit_roundoff
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
@@ -196,16 +197,7 @@ def test_two_process_torchrun_matches_one_process(head, corpus, tmp_path):
     trained_copies("sddlm_v1", corpus, tmp_path, ("one", "two"))
     common = TINY + ["--dataset", path, "--data_dir", data_dir, "--loss", "sddlm_v1", "--device", "cpu", "--head",
                      head, "--max_iters", str(TRAINED_STEPS + 4)] + SAME_WEIGHTS
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "train.py", *common, "--out_dir", str(tmp_path / "one")],
-                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", *common, "--out_dir", str(tmp_path / "two")],
-                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
-    b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
+    a, b = train_in_one_and_two_processes(common, tmp_path)
     assert_adam_moments_close(a["optimizer"], b["optimizer"], n_terms=8 * 32)     # 8 sequences of 32 tokens
 
 
@@ -236,6 +228,23 @@ def test_grad_accumulation_matches_one_big_batch(corpus, tmp_path):
         for i, (ga, gb) in enumerate(zip(a, b)):
             torch.testing.assert_close(gb, ga, rtol=0, atol=tol * ga.abs().max().item(), msg=f"step {step}, {i}")
         assert all(g.abs().max() > 0 for g in a)         # every parameter's gradient is compared
+
+
+def test_every_rank_builds_rank_0s_weights_and_ema_then_draws_its_own_dropout():
+    """DDP broadcasts rank 0's weights at wrap time, not its EMA: a rank > 0 that built its model from its own seed
+    kept an EMA of other random weights (its evaluation and export would differ). Every rank builds the model and the
+    EMA from --seed; only torch's RNG afterwards (dropout) is per rank."""
+    cfg = train.TrainConfig(ema=0.999, seed=3)
+    mcfg = ModelConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16, cond_dim=8, dropout=0.1)
+    runs, after = [], []
+    for rank in (0, 1):
+        runs.append(train.build_run(cfg, mcfg, Env(torch.device("cpu"), rank=rank, world_size=2)))
+        after.append(torch.rand(4))
+    for a, b in zip(runs[0].raw_model.state_dict().values(), runs[1].raw_model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].ema, runs[1].ema))
+    assert all(torch.equal(a, p) for a, p in zip(runs[1].ema, runs[1].raw_model.parameters()))
+    assert not torch.equal(*after)                     # the dropout masks differ between ranks
 
 
 def cli(args, tmp_path, corpus):
@@ -378,7 +387,7 @@ def spy_step(loss, vocab_size, batch, length, seed=0, **overrides):
     cfg = train.TrainConfig(loss=loss, batch_size=batch, block_size=length, ema=0, warmup_iters=0, seed=seed,
                             **overrides)
     model = SpyModel(vocab_size)
-    run = train.Run(model, model, torch.optim.SGD(model.parameters(), lr=0.1), None, None,
+    run = Run(model, model, torch.optim.SGD(model.parameters(), lr=0.1), None, None,
                     gen_shared=torch.Generator().manual_seed(seed), gen_local=torch.Generator().manual_seed(seed + 1))
     x0 = torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed + 2))
     state = run.gen_shared.get_state()

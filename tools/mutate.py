@@ -70,8 +70,8 @@ MUTATIONS = [
       tests=["tests/test_train.py::test_every_loss_trains_and_its_loss_goes_down"]),
     # --- the float tolerances: derived from rounding, still tight enough to catch (tests/conftest.py) -------------
     M(name="micro_batches_share_the_first_draws", file="plumbing/distributed.py",
-      old="rank_slice(v, env.rank, env.world_size, m, cfg.grad_accum)",
-      new="rank_slice(v, env.rank, env.world_size, 0, cfg.grad_accum)",
+      old="rank_slice(v, self.rank, self.world_size, m, cfg.grad_accum)",
+      new="rank_slice(v, self.rank, self.world_size, 0, cfg.grad_accum)",
       tests=["tests/test_train.py::test_grad_accumulation_matches_one_big_batch"]),
     M(name="micro_batch_loss_not_divided_by_grad_accum", file="train.py",
       old="loss = token_mean(per_token, weight) / cfg.grad_accum", new="loss = token_mean(per_token, weight)",
