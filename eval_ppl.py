@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -230,8 +231,12 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
             done = nats.shape[0]
             if rel_se <= 0 or summary["rel_se"] <= rel_se or done >= max_rounds:
                 break
-            more = min(max_rounds, math.ceil(done * (summary["rel_se"] / rel_se) ** 2)) - done   # SE ~ 1/sqrt(R)
-            nats = torch.cat([nats, passes(range(done, done + max(1, more)))[0]])
+            more = max(1, min(max_rounds, math.ceil(done * (summary["rel_se"] / rel_se) ** 2)) - done)  # SE ~ 1/sqrt(R)
+            if show_progress:          # the wait that follows, said before it starts
+                tqdm.write(f"relative SE {100 * summary['rel_se']:.2f}% after {done} rounds, above --rel_se "
+                           f"{100 * rel_se:g}%: {more} more round{'s' * (more > 1)} (~{more / done:.3g}x the time "
+                           f"so far; at most --max_rounds {max_rounds} in all)", file=sys.stderr)
+            nats = torch.cat([nats, passes(range(done, done + more))[0]])
     return dict(**summary, bpd=summary["nll"] / math.log(2), tokens=int(tokens.sum()), sequences=len(tokens),
                 estimator="ar_exact" if causal else "nelbo", mc_draws=0 if causal else mc_draws * nats.shape[0],
                 rounds=0 if causal else nats.shape[0], seed=None if causal else seed)

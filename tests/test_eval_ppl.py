@@ -357,10 +357,11 @@ def test_nelbo_draws_belong_to_the_sequence_not_to_the_batch_nor_the_checkpoint(
     assert nelbo_ppl(model, [(x0, mask)], V, seed=4, mc_draws=3, rounds=2, show_progress=False)["nll"] != whole["nll"]
 
 
-def test_rel_se_adds_rounds_until_reached_and_the_rounds_nest():
+def test_rel_se_adds_rounds_until_reached_and_the_rounds_nest(capsys):
     """--rel_se: rounds are added until the PPL's relative standard error is at most the target; the result is the
     fixed-rounds estimate at that count (the rounds nest: round r's draws never depend on how many follow), and at
-    --max_rounds it stops, above the target."""
+    --max_rounds it stops, above the target. The added rounds are said before they run (an untrained model can take
+    --max_rounds / --rounds times as long)."""
     model = perturbed(DIT)
     x0, mask = toy_split()
     two = nelbo_ppl(model, [(x0, mask)], V, seed=5, mc_draws=2, rounds=2, show_progress=False)
@@ -369,9 +370,11 @@ def test_rel_se_adds_rounds_until_reached_and_the_rounds_nest():
     assert r["rel_se"] <= target and r["rounds"] > 2 and r["mc_draws"] == 2 * r["rounds"]
     fixed = nelbo_ppl(model, [(x0, mask)], V, seed=5, mc_draws=2, rounds=r["rounds"], show_progress=False)
     assert r["nll"] == fixed["nll"] and r["nll_se"] == fixed["nll_se"]
-    capped = nelbo_ppl(model, [(x0, mask)], V, seed=5, mc_draws=2, rounds=2, rel_se=target, max_rounds=3,
-                       show_progress=False)
+    capsys.readouterr()
+    capped = nelbo_ppl(model, [(x0, mask)], V, seed=5, mc_draws=2, rounds=2, rel_se=target, max_rounds=3)
     assert capped["rounds"] == 3 and capped["rel_se"] > target
+    said = f"relative SE {100 * two['rel_se']:.2f}% after 2 rounds, above --rel_se {100 * target:g}%: 1 more round ("
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.numerics
