@@ -74,7 +74,8 @@ MUTATIONS = [
       new="rank_slice(v, self.rank, self.world_size, 0, cfg.grad_accum)",
       tests=["tests/test_train.py::test_grad_accumulation_matches_one_big_batch"]),
     M(name="micro_batch_loss_not_divided_by_grad_accum", file="train.py",
-      old="loss = token_mean(per_token, weight) / cfg.grad_accum", new="loss = token_mean(per_token, weight)",
+      old="loss = diffusion.token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum",
+      new="loss = diffusion.token_mean(per_token, objective.token_weights(mask))",
       tests=["tests/test_train.py::test_grad_accumulation_matches_one_big_batch"]),
     M(name="ema_warmup_decay_off_by_one", file="train.py",
       old="d = min(cfg.ema, (1 + n_ema) / (10 + n_ema))", new="d = min(cfg.ema, (2 + n_ema) / (11 + n_ema))",
@@ -156,7 +157,7 @@ MUTATIONS = [
     M(name="diverged_loss_not_checked", file="plumbing/run.py",
       old='why = "non-finite loss" if bad else self.rule.check(', new='why = None and self.rule.check(',
       tests=["tests/test_train.py::test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint"]),
-    M(name="preset_curriculum_not_its_share", file="plumbing/flags.py",
+    M(name="preset_curriculum_not_its_share", file="train.py",
       old="cfg.curriculum_iters = round(cfg.curriculum_share * cfg.max_iters)", new="pass",
       tests=["tests/test_experiments.py::test_a_presets_curriculum_keeps_its_share_of_a_shorter_run_and_a_resumed_run_"
              "keeps_its_own"]),
@@ -170,7 +171,7 @@ MUTATIONS = [
     M(name="finetune_resume_forgets_its_source", file="plumbing/finetune.py",
       old="source = resumed_source(cfg.out_dir)", new="source = None",
       tests=["tests/test_finetune.py::test_a_resumed_fine_tuning_run_continues_bit_identically"]),
-    M(name="finetune_runs_the_presets_curriculum", file="plumbing/flags.py",
+    M(name="finetune_runs_the_presets_curriculum", file="train.py",
       old='if cfg.init and "curriculum_share" not in given:', new="if False:",
       tests=["tests/test_finetune.py::test_the_curriculum_is_off_unless_asked_for"]),
     # --- bench/bench.py: every row starts from the same memory (issue 36) -----------------------------------------
