@@ -62,6 +62,7 @@ from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, res
 from data import get_tokenizer, not_a_file
 from diffusion import default_final_step, draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
+from plumbing.memory import check_fits
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, check_stride, generate, generate_ar, generate_long, psi_from_flags
@@ -144,6 +145,10 @@ def sequence_nelbo(model, x0, mask, first, rounds, *, seed=EVAL_SEED, draws=VAL_
     of every sequence's summed NELBO) and tokens (B,) float64."""
     B, L = x0.shape
     K = model.config.vocab_size
+    # a round's draws are drawn whole before its forwards: 12 bytes a (draw, token) (float32 keep-uniforms, int64
+    # ids), twice while stacked; a --mc_draws past the machine is one line here, not the kernel's OOM killer
+    check_fits(24 * B * draws * L, "cpu", f"the --mc_draws {draws} draws of a batch of {B} x {L} tokens",
+               "lower --mc_draws (more --rounds draw as many, a round at a time)")
     autocast = autocast or autocast_for(x0.device, None)
     mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.bool()
     nats = torch.zeros(len(rounds), B, dtype=torch.float64)
@@ -521,7 +526,9 @@ def _fmt(v):
 
 def _read_samples(path):
     if not os.path.isfile(path):
-        raise UsageError(not_a_file(path, f"--samples {path}: no such file", "--samples"))
+        raise UsageError(not_a_file(path, f"--samples {path}: " + ("a folder; give the JSONL file of sample.py's "
+                                                                   "--out" if os.path.isdir(path) else "no such file"),
+                                    "--samples"))
     records = []
     for n, record in jsonl_records(path, lambda n, e: UsageError(f"--samples {path}:{n}: not a JSON line ({e}); "
                                                                  f"a truncated file?")):

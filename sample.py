@@ -51,6 +51,7 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import math
+import numbers
 import os
 import sys
 from contextlib import nullcontext
@@ -410,6 +411,25 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     return keep_fixed(x)
 
 
+def check_sample_size(num_samples, seq_len, device=None, names=("num_samples", "seq_len")):
+    """num_samples sequences of seq_len tokens: both integers >= 1 (a bool, a float or 0 -> ValueError naming them,
+    as names says them: the flags, or the API's keywords), and their tokens within the memory there is: at least
+    24 bytes a token (the int64 samples, their copy while a window is appended, a list's slot once returned), so a
+    length past the machine is refused at the start in one line, not after hours of windows or by the kernel's
+    out-of-memory killer (which kills without a word). Every sampler of any length calls it (generate_long,
+    generate_ar); sample.py and SDDLM.generate first, with their own names."""
+    from plumbing.memory import check_fits
+    for value, name in zip((num_samples, seq_len), names):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+    device, tokens = torch.device(device if device is not None else "cpu"), num_samples * seq_len
+    needs = {torch.device("cpu"): 8 * tokens}
+    needs[device] = needs.get(device, 0) + 16 * tokens
+    for where, need in needs.items():
+        check_fits(need, where, f"{names[0]} {num_samples} x {names[1]} {seq_len}: {tokens:,} tokens",
+                   f"lower {names[1]} or {names[0]}")
+
+
 @torch.no_grad()
 def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, top_p=1.0, generator=None,
                 device=None, dtype=None, show_progress=True, block_size=None):
@@ -420,6 +440,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
     model's context; default model.config.block_size, or the whole prefix for a model without a config)."""
     block_size = block_size or getattr(getattr(model, "config", None), "block_size", None)
     device = torch.device(device) if device is not None else _device_of(model)
+    check_sample_size(num_samples, seq_len, device)
     prefix = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
     if bos_id is not None:
         prefix = torch.full((num_samples, 1), bos_id, dtype=torch.long, device=device)
@@ -486,6 +507,7 @@ def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=
     each window that holds tokens is guided against random tokens in their place (null_tokens of the same
     cfg_seed in every window); a first window without a prompt holds nothing and is drawn unguided."""
     block_size = block_size or model.config.block_size
+    check_sample_size(num_samples, seq_len, device if device is not None else _device_of(model))
     if seq_len <= block_size:
         return generate(model, num_samples, seq_len, vocab_size, steps, prompt_ids=prompt_ids, cfg_w=cfg_w,
                         cfg_seed=cfg_seed, generator=generator, device=device, show_progress=show_progress, **sampler)
@@ -602,6 +624,8 @@ def main(argv=None):
     seq_len = cfg.seq_len or mc.block_size
     if seq_len < 1:
         raise UsageError(f"--seq_len must be >= 1 (0 = the model's block_size {mc.block_size}), got {seq_len}")
+    check_sample_size(min(cfg.batch_size or cfg.num_samples, cfg.num_samples), seq_len, device,
+                      ("--batch_size", "--seq_len"))
     stride = check_stride(cfg.stride, mc.block_size)
     long = seq_len > mc.block_size
     prompt = parse_prompt(cfg, tok, mc.vocab_size)

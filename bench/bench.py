@@ -569,6 +569,10 @@ def run(cfg):
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.sample_steps and cfg.long_blocks:        # the long samples' length, at the start (not after the rows)
+        from sample import check_sample_size
+        L = configs_for(cfg, row_names(cfg)[0])[1].block_size
+        check_sample_size(cfg.batch_size, cfg.long_blocks * L, device, ("--batch_size", "--long_blocks x L"))
     rows, baseline = Rows(device), allocated_bytes(device)
     training = rows.measure("training rows", lambda: bench_training(cfg, device, dtype, rows), end_of_table=True)
     results, model, L, peak = training or (None, None, None, None)

@@ -130,10 +130,12 @@ class SDDLM:
         prompt: a clean prefix. sampler: more of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi).
         -> list of str."""
         from diffusion import default_final_step
-        from sample import generate_ar, generate_long
-        if length and seq_len and length != seq_len:
+        from sample import check_sample_size, generate_ar, generate_long
+        if length is not None and seq_len is not None and length != seq_len:
             raise ValueError(f"length={length} and seq_len={seq_len} name the same thing; give one")
-        seq_len = length or seq_len or self.model.config.block_size
+        name = "length" if length is not None else "seq_len"
+        seq_len = next((n for n in (length, seq_len) if n is not None), self.model.config.block_size)
+        check_sample_size(num_samples, seq_len, self.device, ("num_samples", name))
         prompt_ids = self.tokenizer.encode(prompt) if prompt else None
         g = torch.Generator(device=self.device).manual_seed(seed)
         if self.model.config.causal:
@@ -152,6 +154,8 @@ class SDDLM:
         over mc_draws noise draws (two rounds of mc_draws / 2 stratified times, eval_ppl.nelbo_ppl's estimator), with
         its Monte-Carlo standard error -> list of dict(nll, nll_se, ppl, ppl_se, tokens)."""
         from eval_ppl import nelbo_ppl
+        if isinstance(mc_draws, bool) or not isinstance(mc_draws, int) or mc_draws < 1:
+            raise ValueError(f"mc_draws must be an integer >= 1, got {mc_draws!r}")
         out = []
         for text in ([texts] if isinstance(texts, str) else texts):
             ids = self.tokenizer.encode(text)

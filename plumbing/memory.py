@@ -3,7 +3,7 @@ check_training_memory: a lower bound of what a model, its training state and one
 memory there is, naming the flag or config field at fault); and on CUDA the micro-batch probe (before training, one
 forward + backward of each kind of step the run will take shows whether the micro-batch fits; if not, --grad_accum is
 raised or the run stops with the flag to set), the margin it leaves for what torch's allocator does not count, and
-the allocator's settings."""
+the allocator's settings. check_fits: any other size a script knows at its start (samples' tokens, NELBO draws)."""
 import os
 import resource
 
@@ -98,6 +98,16 @@ def _size(n):
         if n < 1024 or unit == "EiB":
             return f"{n:.3g} {unit}"
         n /= 1024
+
+
+def check_fits(need, device, what, fix):
+    """`what` (words naming the values at fault) needs at least `need` bytes on `device`: more than the memory there
+    is (available_memory) -> UsageError, one line with both sizes and `fix`. For the sizes a script knows at its
+    start that are not a model's: sample.py's tokens, eval_ppl.py's draws."""
+    from plumbing.cli import UsageError
+    free, where = available_memory(device)
+    if free is not None and need > free:
+        raise UsageError(f"{what} need at least {_size(need)}, more than the {_size(max(free, 0))} of {where}; {fix}")
 
 
 def _refuse_if_too_big(need, c, device, name, what, fix, smaller):

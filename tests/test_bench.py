@@ -169,3 +169,12 @@ def test_profile_prints_where_one_more_step_of_each_row_spends_its_time(capsys):
     assert "One more sddlm step under torch.profiler, after the timed rounds:" in table
     profile = table.split("One more sddlm step under torch.profiler")[1]
     assert "Self CPU time total" in profile and "aten::mm" in profile and "aten::addmm" in profile
+
+
+def test_a_long_generation_past_the_machine_is_refused_at_the_start_naming_the_flag(monkeypatch):
+    """--long_blocks 10^12: the long samples' tokens (>= 24 bytes each) fit no machine's memory: one line naming
+    --long_blocks before any row runs (before: after every training row, by torch, or by the kernel's OOM killer)."""
+    record_entries(monkeypatch, ["bench_training"], lambda name, args: pytest.fail("a row ran before the check"))
+    with pytest.raises(bench.UsageError, match=r"--batch_size 2 x --long_blocks x L 16000000000000: .* lower "
+                                               r"--long_blocks"):
+        bench.main(TINY + ["--losses", "sddlm", "--sample_steps", "1", "--long_blocks", str(10 ** 12)])

@@ -3,6 +3,8 @@ hand, the held context equal to the previous output at every window boundary, th
 within the block, seeds, the composition with CFG, Psi and nucleus, a periodic corpus continued across the
 boundaries (by its exact denoiser; by a tiny model trained here, slow), and the command line and the Python API."""
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -269,3 +271,45 @@ def test_python_api_generates_past_the_block(tiny_ckpt):
     assert lm.generate(2, steps=2, seq_len=70, stride=10, seed=3) == texts        # sample.py's name for it
     with pytest.raises(ValueError, match="name the same thing"):
         lm.generate(1, length=70, seq_len=60)
+
+
+def test_python_api_refuses_bad_sizes_with_a_value_error_naming_them(tiny_ckpt):
+    """generate's num_samples and length, score's mc_draws: an integer >= 1, else a ValueError naming the keyword
+    (not torch's error from deep inside, nor a silent default); a length whose tokens cannot fit in any machine's
+    memory (10^15 tokens at >= 24 bytes each) is refused before a window is drawn."""
+    from hub.pretrained import SDDLM
+    lm = SDDLM.from_pretrained(tiny_ckpt[0])
+    for n in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"num_samples must be an integer >= 1, got {n!r}"):
+            lm.generate(n, steps=2)
+    for length in (0, -5, 40.5):
+        with pytest.raises(ValueError, match=rf"length must be an integer >= 1, got {length!r}"):
+            lm.generate(1, steps=2, length=length)
+    with pytest.raises(ValueError, match=r"seq_len must be an integer >= 1, got 0"):
+        lm.generate(1, steps=2, seq_len=0)
+    with pytest.raises(ValueError, match=r"num_samples 1 x length 1000000000000000: .* need at least .* lower length"):
+        lm.generate(1, steps=2, length=10 ** 15)
+    for draws in (0, -4, float("nan"), 2.0):
+        with pytest.raises(ValueError, match=r"mc_draws must be an integer >= 1"):
+            lm.score("The", mc_draws=draws)
+
+
+def test_cli_refuses_a_length_past_the_machine_in_one_line(tiny_ckpt):
+    """sample.py --seq_len 10^15 (or a --num_samples as large): one `error:` line naming the flags, exit code 2, at
+    the start. Run under an 8 GiB address-space limit, so that the code before the check (which built the windows'
+    list, then drew them for ever) fails here within that limit rather than taking the machine's memory."""
+    import resource
+    import subprocess
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+    for flags, named in ((["--num_samples", "1", "--seq_len", str(10 ** 15)], "--batch_size 1 x --seq_len 10000"),
+                         (["--num_samples", str(10 ** 15), "--seq_len", "40"], "--batch_size 1000000000000000 x")):
+        proc = subprocess.run([sys.executable, "sample.py", "--ckpt", str(tiny_ckpt[0]), "--out", "", "--steps", "2",
+                               *flags], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1"), preexec_fn=limit,
+                              capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and lines[-1].startswith(f"error: {named}") and "lower --seq_len" in lines[-1], \
+            proc.stderr
+        assert "Traceback" not in proc.stderr and not proc.stdout.strip()
