@@ -65,7 +65,7 @@ from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
 from plumbing.memory import check_fits
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature, write_json
 from plumbing.runlog import jsonl_records
-from sample import check_sampler, check_stride, generate, generate_ar, generate_long, psi_from_flags
+from sample import check_sample_size, check_sampler, check_stride, generate, generate_ar, generate_long, psi_from_flags
 from plumbing.folder import is_model_folder
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
@@ -653,6 +653,9 @@ def run_genppl(cfg, device, dtype):
     if seq_len < 2:
         raise UsageError(f"--seq_len must be >= 2 for genppl (the judge never scores a sample's first token), "
                          f"got {seq_len}")
+    # every sample is kept, as lists, until it is scored (>= 24 bytes a token: a slot and an int object); each
+    # sampler call's batch on the device is checked by the sampler itself
+    check_sample_size(cfg.num_samples, seq_len, "cpu", ("--num_samples", "--seq_len"))
     length = dict(seq_len=seq_len, **({"stride": stride} if seq_len > mc.block_size and not mc.causal else {}))
     rows = []
     for steps in steps_list:

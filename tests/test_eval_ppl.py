@@ -535,15 +535,19 @@ def test_cli_never_substitutes_an_unavailable_judge(setup):
         assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error:") and cases[judge] in stderr
 
 
-def test_cli_refuses_mc_draws_past_the_machine_in_one_line(setup):
+def test_cli_refuses_mc_draws_and_a_genppl_length_past_the_machine_in_one_line(setup):
     """--mc_draws 10^12: a round's draws of one batch (>= 24 bytes a draw and token) fit no machine's memory: one
     `error:` line naming --mc_draws and exit code 2 before a draw is made (not torch's failed allocation, nor, for
-    a size the kernel overcommits, its out-of-memory killer without a word)."""
+    a size the kernel overcommits, its out-of-memory killer without a word). genppl's --seq_len 10^15: the same,
+    naming the flags, before a sample is drawn."""
     import eval_ppl
     with pytest.raises(eval_ppl.UsageError, match=r"the --mc_draws 1000000000000 draws of a batch of 2 x 32 tokens "
                                                   r"need at least .*; lower --mc_draws"):
         eval_ppl.main(["--ckpt", str(setup["diffusion"]), "--metric", "nelbo", "--batch_size", "2",
                        "--mc_draws", str(10 ** 12), "--rel_se", "0", "--max_batches", "1"])
+    with pytest.raises(eval_ppl.UsageError, match=r"--num_samples 4 x --seq_len 1000000000000000: .* lower --seq_len"):
+        eval_ppl.main(["--ckpt", str(setup["diffusion"]), "--metric", "genppl", "--judge", str(setup["ar"]),
+                       "--num_samples", "4", "--seq_len", str(10 ** 15), "--steps", "1"])
 
 
 def test_cli_genppl_samples_that_is_a_folder_is_said_so(setup, tmp_path):
