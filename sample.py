@@ -580,8 +580,8 @@ def parse_prompt(cfg, tok, vocab_size):
         raise UsageError("give --prompt or --prompt_ids, not both")
     if cfg.prompt_ids:
         try:
-            ids = [int(s) for s in cfg.prompt_ids.replace(" ", "").split(",") if s]
-        except ValueError:
+            ids = [int(s) for s in cfg.prompt_ids.replace(" ", "").strip(",").split(",")]
+        except ValueError:      # a word, or no id between commas ("," or "1,,2"): not what was meant
             raise UsageError(f"--prompt_ids must be comma-separated integers, got {cfg.prompt_ids!r}") from None
     elif cfg.prompt:
         if tok is None:

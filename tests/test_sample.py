@@ -683,3 +683,16 @@ def test_lm_eval_model_args_take_duos_psi_settings(tiny_ckpt):
                            device="cpu")
     assert harness.psi == parse_psi("psi", "eta,sigma_constant,eta", "1,0.01,1", "loop", steps=8, rescale="duo",
                                     grid="duo")
+
+
+def test_cli_prompt_ids_without_an_id_between_commas_is_an_error_not_no_prompt(tiny_ckpt, tmp_path):
+    """--prompt_ids "," or "1,,2" was read as no prompt (or as 1,2): a malformed value, refused in one line before
+    anything is written; a trailing comma is harmless and accepted."""
+    import sample
+    for bad in (",", "1,,2", " , "):
+        with pytest.raises(sample.UsageError, match="--prompt_ids must be comma-separated integers"):
+            sample.main(["--ckpt", str(tiny_ckpt[0]), "--prompt_ids", bad, "--out", str(tmp_path / "s.jsonl")])
+    assert not (tmp_path / "s.jsonl").exists()
+    assert sample.main(["--ckpt", str(tiny_ckpt[0]), "--prompt_ids", "5,6,", "--steps", "1", "--num_samples", "1",
+                        "--out", str(tmp_path / "s.jsonl")]) == 0
+    assert json.loads((tmp_path / "s.jsonl").read_text())["ids"][:2] == [5, 6]
