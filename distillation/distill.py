@@ -331,6 +331,18 @@ def saved_init(ckpt):
             "step": origin.get("step"), "distill_config": origin.get("distill_config")}
 
 
+def check_resumed_init(cfg, recorded):
+    """A resume distils the model its checkpoint records (recorded: its path); an --init naming another one (other
+    than the default, which a resume leaves as it is) would be ignored without a word -> UsageError."""
+    if not recorded or cfg.init == DistillConfig.init:
+        return
+    same = (cfg.init == recorded if cfg.init.startswith("duo:") or recorded.startswith("duo:")
+            else os.path.realpath(cfg.init) == os.path.realpath(recorded))
+    if not same:
+        raise UsageError(f"--init {cfg.init}: the run in {cfg.out_dir} distils {recorded}, which --resume 1 continues; "
+                         f"leave --init out to resume it, or distil {cfg.init} in another --out_dir")
+
+
 def refresh_teacher(teacher, run, cfg):
     """The teacher of a new round: a copy of the student's live (Duo) or EMA weights, frozen, in eval mode."""
     source = run.ema if cfg.teacher == "ema" else [p.detach() for p in run.raw_model.parameters()]
@@ -408,6 +420,7 @@ def distill(cfg, env):
     ckpt = open_out_dir(cfg)
     if ckpt is not None:
         weights, init_ckpt = None, saved_init(ckpt)
+        check_resumed_init(cfg, init_ckpt["path"])
         cfg.init = init_ckpt["path"] or cfg.init
         mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt, env)
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")

@@ -445,6 +445,7 @@ def test_init_from_a_model_folder_distils_exactly_as_from_its_checkpoint(base_ck
     (["--T", "2", "--round_iters", "1", "--max_iters", "3"], "dt reaches"),
     (["--resume", "1", "--T", "32"], "DCD settings differ"),
     (["--resume", "1", "--max_iters", "2"], "below the checkpoint's step"),
+    (["--resume", "1", "--init", "AR"], "which --resume 1 continues; leave --init out"),   # was ignored
     (["--resume", "1", "CORRUPT"], "not a readable checkpoint"),
     (["LOG"], "holds the log of an earlier run"),
     (["--eval_interval", "0"], "must be >= 1"),
