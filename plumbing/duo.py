@@ -78,6 +78,8 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     BPE + [PAD] with Duo's ids; K = 30522: "hf:bert-base-uncased") and the log-linear schedule Duo trains with.
     Only load trusted files (.ckpt and .pt unpickle)."""
     path, extra = spec, {}
+    if not os.path.exists(path) and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1):
+        raise ValueError(f"duo:{spec}: no such file or folder (a hub name is duo:USER/NAME)")  # a path, not a name
     if not os.path.exists(path):
         try:
             from huggingface_hub import snapshot_download

@@ -155,6 +155,9 @@ def test_unknown_or_mismatched_duo_keys_are_refused(tmp_path):
     torch.save({"state_dict": {"backbone.foo": torch.zeros(1)}}, tmp_path / "bad.ckpt")
     with pytest.raises(UsageError, match="foo"):
         load_model("duo:" + str(tmp_path / "bad.ckpt"), "cpu")
+    for path in (str(tmp_path / "missing.ckpt"), "./no/such/folder"):     # a path, not a hub name: said so
+        with pytest.raises(UsageError, match=f"duo:{path}: no such file or folder"):
+            load_model("duo:" + path, "cpu")
 
 
 def test_duo_folder_with_config_loads_through_the_cli_with_gpt2_tokenizer(tmp_path, one_thread):
