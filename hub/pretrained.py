@@ -137,6 +137,9 @@ class SDDLM:
         seq_len = next((n for n in (length, seq_len) if n is not None), self.model.config.block_size)
         check_sample_size(num_samples, seq_len, self.device, ("num_samples", name))
         prompt_ids = self.tokenizer.encode(prompt) if prompt else None
+        if prompt_ids and len(prompt_ids) >= seq_len:
+            raise ValueError(f"the prompt is {len(prompt_ids)} tokens, not shorter than {name}={seq_len}: give a "
+                             f"{name} above it (past the block: windows of `stride` tokens) or a shorter prompt")
         g = torch.Generator(device=self.device).manual_seed(seed)
         if self.model.config.causal:
             ids = generate_ar(self.model, num_samples, seq_len, bos_id=None if prompt_ids else self.tokenizer.bos_id,

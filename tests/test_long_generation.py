@@ -289,6 +289,8 @@ def test_python_api_refuses_bad_sizes_with_a_value_error_naming_them(tiny_ckpt):
         lm.generate(1, steps=2, seq_len=0)
     with pytest.raises(ValueError, match=r"num_samples 1 x length 1000000000000000: .* need at least .* lower length"):
         lm.generate(1, steps=2, length=10 ** 15)
+    with pytest.raises(ValueError, match=r"the prompt is \d+ tokens, not shorter than length=5: give a length above"):
+        lm.generate(1, steps=2, length=5, prompt="The the the the the the the the")
     for draws in (0, -4, float("nan"), 2.0):
         with pytest.raises(ValueError, match=r"mc_draws must be an integer >= 1"):
             lm.score("The", mc_draws=draws)
