@@ -363,6 +363,13 @@ def check_meta_fields(meta, path):
             raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not {kind}; {fix}")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: field 'dtype' is {meta['dtype']!r}, not uint16 or uint32; {fix}")
+    for name, least in (("vocab_size", 1), ("block_size", 3), ("bos_id", 0), ("eos_id", 0), ("pad_id", 0),
+                        ("train_sequences", 0), ("val_sequences", 0)):    # what prepare.py's flags allow
+        if meta[name] < least:
+            raise DataError(f"{path}: field {name!r} is {meta[name]}, not an int >= {least}; {fix}")
+    name = meta.get("tokenizer_file")
+    if name is not None and (os.path.basename(name) != name or name in ("", ".", "..")):
+        raise DataError(f"{path}: field 'tokenizer_file' is {name!r}, not a file name inside the folder; {fix}")
     unlisted = unlisted_checksums(meta)
     if unlisted:
         raise DataError(f"{path} lists no sha256 for {', '.join(unlisted)}, so the prepared files cannot be verified; "
@@ -568,6 +575,12 @@ class BatchLoader:
             raise DataError(f"cannot resume data order: saved seed/global batch/sequences {state['seed']}/"
                             f"{state['global_batch']}/{state['n']}, now {self.seed}/{self.global_batch}/{self.n}")
         self.epoch, self.position = state["epoch"], state["position"]
+
+
+def check_split(data_dir, split, meta):
+    """The files of a prepared split have the sizes its meta.json gives (DataError naming the file otherwise):
+    checked before any work, not at the first batch."""
+    _open_split(data_dir, split, meta)
 
 
 def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, device="cpu"):

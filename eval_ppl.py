@@ -573,7 +573,7 @@ def precision_line(row, cfg):
 
 
 def run_nelbo(cfg, model, ckpt, device, dtype):
-    from data import DataError, check_tokenizer, eval_batches, load_meta, verify_prepared
+    from data import DataError, check_split, check_tokenizer, eval_batches, load_meta, verify_prepared
     from plumbing.integrity import check_data_tokenizer
     recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
     data_dir = cfg.data_dir or recorded
@@ -588,6 +588,10 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
     if not meta.get(f"{cfg.split}_sequences"):
         raise UsageError(f"--split {cfg.split!r}: {data_dir} has no sequences there (splits: train, val)")
     verify_prepared(data_dir, meta, [f"{cfg.split}.bin", f"{cfg.split}_mask.bin"])   # its sha256 in meta.json
+    try:
+        check_split(data_dir, cfg.split, meta)       # the files' sizes against meta.json, before the progress bar
+    except DataError as e:
+        raise UsageError(str(e)) from None
     batches = lambda: eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
     n_batches = -(-meta[f"{cfg.split}_sequences"] // cfg.batch_size)      # the progress bar's total
     result = nelbo_ppl(model, batches, model.config.vocab_size, device=device, dtype=dtype,

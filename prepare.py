@@ -52,7 +52,7 @@ from plumbing.checkpoint import check_resume_data
 from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.flags import check_prepare_flags
-from plumbing.files import kind_of, refuse_overwrite, remove_stale_temps, run_outputs
+from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs
 from plumbing.integrity import check_data_tokenizer
 from plumbing.cli import ignore_stop_signals
 from plumbing.signals import deferred_signals
@@ -326,9 +326,10 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
 def _exclusive(lock_path, what):
     """Hold an exclusive lock on lock_path (a file beside the folder, removed afterwards). It spares a second
     process the same work; correctness does not rest on it (the folder appears by an atomic rename)."""
+    from plumbing.lock import open_lock_file
     try:
         import fcntl
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock_file(lock_path, f"--data_dir {what}", "choose another --data_dir")   # never a user's file
     except (ImportError, OSError):   # no flock here (or an unwritable folder, which fails just below)
         fd = None
     if fd is None:
@@ -367,8 +368,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
     redo = _unverifiable(out_dir, key)
     if os.path.isfile(os.path.join(out_dir, "meta.json")) and not redo:
         return _check_reusable(out_dir, key, verify)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise DataError(f"--data_dir {out_dir} is a file, not a folder")
+    check_writable(out_dir, "--data_dir", folder=True)     # not a file, pipe or device, nor under one; writable
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not redo:
         raise DataError(f"{out_dir} exists but holds no prepared dataset (no meta.json); delete it or use another "
                         f"--data_dir")

@@ -79,6 +79,10 @@ def main(argv=None):
     from plumbing.cli import parse_flags
     cfg = parse_flags(BenchPrepareConfig, argv, "Benchmark prepare.py with several worker counts.")
     procs = [int(n) for n in cfg.num_procs.split(",")]
+    if cfg.work_dir:
+        from plumbing.files import check_writable
+        check_writable(cfg.work_dir, "--work_dir", folder=True)     # a folder (made if need be), writable
+        os.makedirs(cfg.work_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cfg.work_dir or None) as work:
         corpus = cfg.corpus or make_corpus(os.path.join(work, "corpus.txt"), cfg.mb)
         mb = os.path.getsize(corpus) / 2 ** 20

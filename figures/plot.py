@@ -564,9 +564,9 @@ def main(argv=None):
     written = []
     outputs = [os.path.join(cfg.out_dir, name) for name in figure_names(curves, gen, bench)]
     table = [cfg.table] if cfg.table not in ("", "-") else []
-    if not cfg.overwrite:
-        refuse_existing(outputs + table)
     check_outputs({"--out_dir": outputs, "--table": table})   # --overwrite 1 replaces only what sddlm wrote
+    if not cfg.overwrite:                # so the one left to refuse here is a file --overwrite 1 would replace
+        refuse_existing(outputs + table)
     if outputs:
         _pyplot()                        # without matplotlib: its one line, before a folder is made
         os.makedirs(cfg.out_dir, exist_ok=True)

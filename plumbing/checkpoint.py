@@ -20,7 +20,7 @@ from plumbing.folder import check_target
 from plumbing.lock import LOCK
 from plumbing.memory import check_model_memory
 from plumbing.integrity import (check_checkpoint_fields, check_config_matches, check_finite_weights,
-                                check_tokenizer_identity, check_weights, check_zip)
+                                check_state_fits, check_tokenizer_identity, check_weights, check_zip)
 from plumbing.signals import deferred_signals
 
 # what a resumed run requires of its checkpoint (save writes them)
@@ -292,6 +292,10 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     mcfg, state = checked_weights(ckpt, path, use_ema)
     check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
     model = build_model(mcfg)
+    for name in ("model", "ema"):        # both sets, the one not used too: a damaged file is refused whole
+        if ckpt.get(name) is not None:
+            check_state_fits(model.state_dict(), {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()},
+                             path, name)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
@@ -306,6 +310,9 @@ def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
     ema = use_ema and ckpt.get("ema") is not None
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["ema" if ema else "model"].items()}
     check_weights(state, path, "ema" if ema else "model", error)
+    if ckpt.get("ema") is not None:      # the set not used is checked too: a damaged file is refused whole
+        other = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model" if ema else "ema"].items()}
+        check_weights(other, path, "model" if ema else "ema", error)
     mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
     check_config_matches(mcfg, state, path, "model_config.")
     return mcfg, state

@@ -218,16 +218,17 @@ def refuse_overwrite(outputs, inputs):
 
 def check_writable(path, flag, folder=False):
     """Fail now, before any long work, unless `path` can be written: a file (not a folder), or with folder=True
-    a folder (not a file); it, or its nearest existing parent, writable. flag names the option in the message."""
+    a folder (not a file, pipe or device: named by what it is); it, or its nearest existing parent, writable. flag
+    names the option in the message."""
     if folder and os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {path} is a file, not a folder")
+        raise UsageError(f"{flag} {path} is a {kind_of(os.path.realpath(path))}, not a folder; give a folder")
     if not folder and os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give a file name")
     nearest = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(nearest):
         nearest = os.path.dirname(nearest)
     if not os.path.isdir(nearest):
-        raise UsageError(f"{flag} {path}: {nearest} is a file, not a folder")
+        raise UsageError(f"{flag} {path}: {nearest} is a {kind_of(os.path.realpath(nearest))}, not a folder")
     target = path if os.path.exists(path) else nearest
     if not os.access(target, os.W_OK):
         raise UsageError(f"{flag} {path}: {target} is not writable")

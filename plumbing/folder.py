@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from plumbing.files import CARD_MARK, kind_of
+from plumbing.files import CARD_MARK, check_writable, kind_of
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -48,8 +48,9 @@ def check_target(folder, flag="the output folder", fix="choose another"):
     our_files); a folder holding anything else is the user's: one line (UsageError, ending in `fix`) before any
     work."""
     from plumbing.cli import UsageError
+    check_writable(folder, flag, folder=True)      # not a file, pipe or device, nor under one; writable
     if os.path.lexists(folder) and not os.path.isdir(folder):
-        raise UsageError(f"{flag} {folder} is a file, not a folder")
+        raise UsageError(f"{flag} {folder} is a {kind_of(os.path.realpath(folder))}, not a folder; give a folder")
     if not os.path.isdir(folder):
         return
     if is_model_folder(folder):
@@ -119,7 +120,8 @@ def check_config(config, path):
                                     checked_model_config)
     hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
     optional = lambda test: lambda v: v is None or test(v)
-    fields = {"objective": (optional(lambda v: v in diffusion.OBJECTIVES),
+    fields = {"model_type": (optional(lambda v: v == MODEL_TYPE), repr(MODEL_TYPE)),
+              "objective": (optional(lambda v: v in diffusion.OBJECTIVES),
                             f"one of {', '.join(diffusion.OBJECTIVES)}"),
               "noise_schedule": (optional(lambda v: v in diffusion.SCHEDULES),
                                  f"one of {', '.join(diffusion.SCHEDULES)}"),
@@ -163,7 +165,7 @@ def load_folder(folder, device="cpu", use_ema=True):
     (one line) for a broken folder."""
     from safetensors.torch import load_file
     from model import build_model
-    from plumbing.integrity import check_config_matches, check_weights, sha256_file
+    from plumbing.integrity import check_config_matches, check_state_fits, check_weights, sha256_file
     from plumbing.memory import check_model_memory
     config = read_config(folder)
     config_path = os.path.join(folder, CONFIG)
@@ -197,6 +199,7 @@ def load_folder(folder, device="cpu", use_ema=True):
     check_config_matches(mcfg, weights, config_path, "", weights=f"the weights ({WEIGHTS})", fix=FOLDER_FIX)
     check_model_memory(mcfg, device, lambda field: f"{config_path}: {field}")
     model = build_model(mcfg)
+    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)
     try:
         model.load_state_dict(weights)
     except Exception as e:     # weights of another shape (RuntimeError)

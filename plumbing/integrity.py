@@ -180,6 +180,29 @@ def check_weights(state, path, name, error=ConfigError, fix="use another checkpo
                         f"it was saved after training diverged); {fix}")
 
 
+def check_state_fits(want, state, path, name, fix="use another checkpoint"):
+    """Named weights `state` against the names and shapes `want` ({name: tensor or shape}: the model's state dict,
+    or the other weight set of the same checkpoint), before load_state_dict (whose refusal names no tensor in its
+    first line): a missing tensor, one the model does not have, or one of another shape -> ConfigError naming the
+    file, the set and the tensor."""
+    shape = lambda v: tuple(v.shape) if torch.is_tensor(v) else tuple(v)
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    wrong = [k for k in want if k in state and shape(state[k]) != shape(want[k])]
+    more = lambda names: f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    if missing:
+        detail = f"lacks {missing[0]}{more(missing)}"
+    elif extra:
+        detail = f"holds {extra[0]}{more(extra)}, which the model has not"
+    elif wrong:
+        detail = (f"holds {wrong[0]} of shape {list(shape(state[wrong[0]]))}, not {list(shape(want[wrong[0]]))}"
+                  f"{more(wrong)}")
+    else:
+        return
+    raise ConfigError(f"{path}: its {name + ' ' if name else ''}weights do not fit the model: it {detail}; the file "
+                      f"was damaged or edited: {fix}")
+
+
 def check_finite_weights(ckpt, path):
     """A checkpoint to resume holds finite floating-point weights (model, EMA, a distillation's teacher) and optimizer
     moments: one saved after training diverged -> ConfigError naming the file and the first bad tensor."""

@@ -6,11 +6,12 @@ flock the recorded pid is probed instead (on the same host). A run that leaves i
 import json
 import os
 import socket
+import stat
 import sys
 import time
 
 from plumbing.cli import UsageError
-from plumbing.files import check_writable, pid_alive, remove_unfinished
+from plumbing.files import check_writable, kind_of, pid_alive, remove_unfinished
 
 LOCK = ".lock"
 
@@ -50,6 +51,37 @@ def _holder(fd):
         return {}
 
 
+def _is_lock_record(fd):
+    """Whether a lock file holds what acquire_folder writes there: nothing yet (a run killed before writing it), or
+    one JSON object naming a pid and a host."""
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8")
+        record = json.loads(text) if text.strip() else {"pid": 0, "host": ""}
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "pid" in record and "host" in record
+
+
+def open_lock_file(path, where, fix):
+    """Open (create) the lock file `path` -> its descriptor, never through a symbolic link. What is there already
+    must be a lock file of ours (a regular file, empty or holding a lock record: _is_lock_record); a link, a folder,
+    a pipe, a device or a user's file is never written to nor removed -> UsageError naming `where` and `fix`.
+    FileNotFoundError when its folder is gone; another OSError when the folder is not writable."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError:                            # a symbolic link (ELOOP), a folder (EISDIR)
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode) or not _is_lock_record(fd):
+        if fd is not None:
+            os.close(fd)
+        kind = kind_of(path) or "file"
+        what = "a file that is not an sddlm lock" if kind == "file" else f"a {kind}, not an sddlm lock file"
+        raise UsageError(f"{where}: {path} is {what}, so it is neither written nor removed; move it away or {fix}")
+    return fd
+
+
 def _in_use(out_dir, holder, path):
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"])) \
         if isinstance(holder.get("started"), (int, float)) else "?"
@@ -73,7 +105,7 @@ def acquire_folder(out_dir):
     while True:
         os.makedirs(out_dir, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock_file(path, f"--out_dir {out_dir}", "choose another --out_dir")
         except FileNotFoundError:              # the folder was removed by a run ending just now
             continue
         try:

@@ -380,3 +380,134 @@ def test_a_rank_waiting_for_the_others_says_whom_and_stops_on_a_signal_or_its_ti
     assert err.strip().splitlines()[-1].startswith(
         "error: rank 0: rank 1 of 2 did not join within --dist_timeout 3 s at 127.0.0.1:"), err
     assert not (tmp_path / "signal").exists() and not (tmp_path / "timeout").exists()
+
+
+# -----------------------------------------------------------------------------------------------
+# the same classes, further cases (a second sweep): lock files, both weight sets, messages that name what is there
+
+def test_lock_files_are_never_written_through_nor_a_users_file_replaced(tmp_path):
+    """out_dir/.lock (train.py, distill.py) and a data folder's <data_dir>.lock (prepare.py) are opened only when
+    they are absent or a lock of ours (empty, or a record naming a pid and a host); a link to elsewhere, a user's
+    file, a pipe or a folder is refused in one line naming it, and left as it was."""
+    from plumbing import lock
+    t = tmp_path
+    (t / "theirs.txt").write_text("my notes\n")
+    for name, make, words in [("link", lambda p: os.symlink(t / "theirs.txt", p), "is a symbolic link"),
+                              ("mine", lambda p: p.write_text("my lock notes\n"), "is a file that is not an sddlm lock"),
+                              ("pipe", lambda p: os.mkfifo(p), "is a named pipe"),
+                              ("dir", lambda p: p.mkdir(), "is a folder")]:
+        (t / name).mkdir()
+        make(t / name / ".lock")
+        with pytest.raises(UsageError, match=f"--out_dir {t / name}: {t / name}/.lock {words}"):
+            lock.acquire_folder(str(t / name))
+        assert files.kind_of(str(t / name / ".lock")) == files.kind_of(str(t / name / ".lock"))   # still there
+        assert os.path.lexists(t / name / ".lock")
+    assert (t / "theirs.txt").read_text() == "my notes\n" and (t / "mine" / ".lock").read_text() == "my lock notes\n"
+    for name, content in (("empty", ""), ("killed", '{"pid": 999999999, "host": "h", "started": 0}\n')):
+        (t / name).mkdir()
+        (t / name / ".lock").write_text(content)         # a killed run's lock (or one killed before writing): taken
+        held = lock.acquire_folder(str(t / name))
+        assert json.loads((t / name / ".lock").read_text())["pid"] == os.getpid()
+        held.release()
+
+
+def test_weight_sets_are_checked_whole_naming_the_tensor():
+    """check_state_fits against a built model's state dict: a missing tensor, one the model has not, one of another
+    shape, each named (load_state_dict's first line names none)."""
+    model = build_model(ModelConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, block_size=8))
+    want = model.state_dict()
+    key = "blocks.0.attn.qkv.weight"
+    integrity.check_state_fits(want, dict(want), "f.pt", "ema")                  # the model's own: fits
+    for state, words in [({k: v for k, v in want.items() if k != key}, f"its ema weights do not fit the model: it "
+                                                                         f"lacks {key};"),
+                         ({**want, "blocks.7.x": torch.zeros(1)}, "it holds blocks.7.x, which the model has not"),
+                         ({**want, key: want[key][:-1]}, f"it holds {key} of shape [95, 32], not [96, 32]")]:
+        with pytest.raises(UsageError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            integrity.check_state_fits(want, state, "f.pt", "ema")
+
+
+def test_meta_json_values_and_writer_folders_are_named_by_what_they_are(tmp_path):
+    """meta.json's numbers in the ranges prepare.py's flags allow and its tokenizer_file a name inside the folder;
+    a folder output that is a pipe or a device is called one (not "a file")."""
+    import data
+    meta = dict(tokenizer="gpt2", vocab_size=50257, bos_id=1, eos_id=2, pad_id=3, block_size=32, wrap=True,
+                dtype="uint16", train_sequences=4, val_sequences=1, probe_ids=[1], sha256={"train.bin": "0",
+                                                                                          "val.bin": "0"})
+    data.check_meta_fields(meta, str(tmp_path / "meta.json"))                    # as prepare.py writes it
+    for field, value, words in [("vocab_size", 0, "field 'vocab_size' is 0, not an int >= 1"),
+                                ("block_size", 2, "field 'block_size' is 2, not an int >= 3"),
+                                ("eos_id", -1, "field 'eos_id' is -1, not an int >= 0"),
+                                ("tokenizer_file", "../x.model", "field 'tokenizer_file' is '../x.model', not a file "
+                                                                 "name inside the folder")]:
+        with pytest.raises(data.DataError, match=words.replace(".", r"\.")):
+            data.check_meta_fields({**meta, field: value}, str(tmp_path / "meta.json"))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="fifo is a named pipe, not a folder"):
+        files.check_writable(str(tmp_path / "fifo"), "--out_dir", folder=True)
+    with pytest.raises(UsageError, match="--out /dev/null is a character device, not a folder"):
+        files.check_writable("/dev/null", "--out", folder=True)
+
+
+@pytest.mark.slow
+def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scripts(base, tmp_path):
+    """Through the real scripts: the weight set not used (the live weights under the default EMA) is checked too;
+    a missing or misshapen tensor is named; config.json's model_type; meta.json's values, and its block size
+    against the files before the progress bar; lock files beside outputs; folder outputs named by what they are;
+    figures/plot.py's refusal of a user's file names no --overwrite that would not help."""
+    t = tmp_path
+    key = "blocks.0.attn.qkv.weight"
+    nan_live = _edit_checkpoint(base.ckpt, t / "nan_live.pt", lambda ck: ck["model"][key].view(-1).__setitem__(
+        0, float("nan")))
+    no_live = _edit_checkpoint(base.ckpt, t / "no_live.pt", lambda ck: ck["model"].pop(key))
+    short_ema = _edit_checkpoint(base.ckpt, t / "short_ema.pt", lambda ck: ck["ema"].update({key: ck["ema"][key][:-1]}))
+    gpt2 = _edit_folder(base.model, t / "gpt2_type", lambda c: c.update(model_type="gpt2"))
+
+    def data_copy(name, **fields):
+        shutil.copytree(base.data_dir, t / name)
+        meta = json.loads((t / name / "meta.json").read_text())
+        meta.update(fields)
+        (t / name / "meta.json").write_text(json.dumps(meta))
+        return str(t / name)
+    half_block = data_copy("half_block", block_size=16)
+    vocab0 = data_copy("vocab0", vocab_size=0)
+    (t / "theirs.txt").write_text("my notes\n")
+    for d in ("run_link", "dcd_mine"):
+        (t / d).mkdir()
+    os.symlink(t / "theirs.txt", t / "run_link" / ".lock")
+    (t / "dcd_mine" / ".lock").write_text("my lock notes\n")
+    (t / "prep.lock").write_text("my lock notes\n")
+    (t / "table.md").write_text("my table\n")
+    samp = lambda ckpt: ["sample.py", "--ckpt", ckpt, "--num_samples", "1", "--steps", "2", "--out", ""]
+    ppl = lambda ckpt, *a: ["eval_ppl.py", "--ckpt", ckpt, "--max_batches", "1", "--mc_draws", "1", *a]
+    cases = [
+        case(*samp(nan_live), cwd=t, expect=f"{nan_live}: its weights are not finite (model {key} holds NaN"),
+        case(*ppl(no_live), cwd=t, expect=f"{no_live}: its model weights do not fit the model: it lacks {key};"),
+        case(*samp(short_ema), cwd=t, expect=f"{short_ema}: its ema weights do not fit the model: it holds {key} of "
+                                             f"shape [191, 64], not [192, 64]"),
+        case(*samp(gpt2), cwd=t, expect=f"{gpt2}/config.json: its field model_type holds 'gpt2'"),
+        case(*ppl(base.ckpt, "--data_dir", half_block), cwd=t, expect=f"{half_block}/val.bin has "),
+        case(*ppl(base.ckpt, "--data_dir", vocab0), cwd=t, expect="field 'vocab_size' is 0, not an int >= 1"),
+        case("train.py", *TINY, "--dataset", base.corpus, "--data_dir", base.data_dir, "--out_dir", t / "run_link",
+             cwd=t, expect=f"{t}/run_link/.lock is a symbolic link, not an sddlm lock file"),
+        case("distillation/distill.py", "--init", base.ckpt, "--out_dir", t / "dcd_mine", cwd=t,
+             expect=f"{t}/dcd_mine/.lock is a file that is not an sddlm lock"),
+        case("prepare.py", "--dataset", base.corpus, "--tokenizer", "gpt2", "--block_size", "16", "--data_dir",
+             t / "prep", cwd=t, expect=f"{t}/prep.lock is a file that is not an sddlm lock"),
+        case("prepare.py", "--dataset", base.corpus, "--tokenizer", "gpt2", "--block_size", "16", "--data_dir",
+             t / "theirs.txt" / "sub", cwd=t, expect=f"--data_dir {t}/theirs.txt/sub: {t}/theirs.txt is a file, not"),
+        case("hub/pretrained.py", "--ckpt", base.ckpt, "--out", "/dev/null", cwd=t,
+             expect="--out /dev/null is a character device, not a folder"),
+        case("figures/plot.py", "--runs", base.out, "--table", t / "table.md", "--out_dir", t / "plots", cwd=t,
+             expect=f"--table {t}/table.md exists and was not written by sddlm"),
+        case("bench/bench_prepare.py", "--work_dir", t / "theirs.txt", cwd=t,
+             expect=f"--work_dir {t}/theirs.txt is a file, not a folder"),
+    ]
+    results = run_batches(cases)
+    check(results)
+    early = [r for r in results if half_block in r["argv"]]      # refused before the progress bar, not after it
+    assert len(early) == 1 and len(early[0]["stderr"].strip().splitlines()) == 1, early[0]["stderr"]
+    assert (t / "theirs.txt").read_text() == "my notes\n" and os.path.islink(t / "run_link" / ".lock")
+    assert (t / "dcd_mine" / ".lock").read_text() == "my lock notes\n" == (t / "prep.lock").read_text()
+    assert (t / "table.md").read_text() == "my table\n"
+    assert not any((t / d).exists() for d in ("prep", "plots", "dcd")) and os.path.exists("/dev/null")
+    assert sorted(os.listdir(t / "run_link")) == [".lock"] and sorted(os.listdir(t / "dcd_mine")) == [".lock"]
