@@ -571,9 +571,17 @@ class BatchLoader:
                     n=self.n)
 
     def load_state_dict(self, state):
+        names = ("epoch", "position", "seed", "global_batch", "n")
+        if not (isinstance(state, dict) and all(type(state.get(k)) is int for k in names)):
+            raise DataError(f"cannot resume data order: the checkpoint's data_state {state!r:.100} is not the ints "
+                            f"{', '.join(names)} that a run saves (damaged or edited); use another checkpoint")
         if (state["seed"], state["global_batch"], state["n"]) != (self.seed, self.global_batch, self.n):
             raise DataError(f"cannot resume data order: saved seed/global batch/sequences {state['seed']}/"
                             f"{state['global_batch']}/{state['n']}, now {self.seed}/{self.global_batch}/{self.n}")
+        if state["epoch"] < 0 or not 0 <= state["position"] <= self.steps_per_epoch:
+            raise DataError(f"cannot resume data order: the checkpoint's data_state has epoch {state['epoch']}, "
+                            f"position {state['position']}, outside the {self.steps_per_epoch} steps of an epoch "
+                            f"(damaged or edited); use another checkpoint")
         self.epoch, self.position = state["epoch"], state["position"]
 
 

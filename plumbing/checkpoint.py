@@ -70,16 +70,43 @@ def save(run, cfg, mcfg, meta, env, extra=None):
     save_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
 
 
-def restore(run, ckpt, env):
-    """Load a checkpoint written by save into the run (this rank's data position and RNG states). A checkpoint
-    whose state does not load -> ConfigError (one line)."""
+def restore(run, ckpt, env, path="ckpt.pt"):
+    """Load a checkpoint written by save (read from `path`) into the run (this rank's data position and RNG
+    states). A checkpoint whose state does not fit or load -> ConfigError (one line)."""
     try:
+        check_resume_state(run, ckpt, path)
         _restore(run, ckpt, env)
-    except DataError:
+    except (DataError, ConfigError):
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"cannot resume: the checkpoint's state does not load ({type(e).__name__}: "
                           f"{first_line(e)})") from None
+
+
+def check_resume_state(run, ckpt, path):
+    """The weights and the optimizer's moments a resume loads fit this run's model, tensor by tensor, before any is
+    loaded (load_state_dict names none in its first line, and AdamW takes moments of another shape until its
+    first step fails) -> ConfigError naming the file and the tensor."""
+    want = run.raw_model.state_dict()
+    fix = "resume from an earlier checkpoint (ckpt_<step>.pt) or start a new run in another --out_dir"
+    for name in ("model", "ema"):
+        if ckpt.get(name) is not None:
+            check_state_fits(want, {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()},
+                             f"cannot resume from {path}", name, fix)
+    saved, params = ckpt["optimizer"], [p for g in run.optimizer.param_groups for p in g["params"]]
+    groups = saved.get("param_groups")
+    ids = [i for g in groups for i in g.get("params", [])] if isinstance(groups, list) and all(
+        isinstance(g, dict) for g in groups) else None
+    if not isinstance(saved.get("state"), dict) or ids is None or len(ids) != len(params):
+        raise ConfigError(f"cannot resume from {path}: its optimizer state is not the one AdamW saves for this model "
+                          f"({len(params)} parameters); {fix}")
+    shapes = dict(zip(ids, (tuple(p.shape) for p in params)))
+    for i, state in saved["state"].items():
+        for k, v in (state.items() if isinstance(state, dict) else [("(the entry)", state)]):
+            if i not in shapes or (torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != shapes[i]):
+                got = list(v.shape) if torch.is_tensor(v) else type(v).__name__
+                raise ConfigError(f"cannot resume from {path}: its optimizer state {i} {k} ({got}) does not fit "
+                                  f"parameter {i} ({list(shapes.get(i, ())) if i in shapes else 'none'}); {fix}")
 
 
 def _restore(run, ckpt, env):

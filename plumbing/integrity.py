@@ -209,8 +209,9 @@ def check_finite_weights(ckpt, path):
     fix = "resume from an earlier checkpoint (ckpt_<step>.pt) or start again with a lower --lr"
     for name in ("model", "ema", "teacher"):
         check_weights(ckpt.get(name) or {}, f"cannot resume from {path}", name, fix=fix)
-    moments = {f"state {i} {k}": v for i, state in ((ckpt.get("optimizer") or {}).get("state") or {}).items()
-               for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0}
+    states = (ckpt.get("optimizer") or {}).get("state")
+    moments = {f"state {i} {k}": v for i, state in (states.items() if isinstance(states, dict) else ())
+               if isinstance(state, dict) for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
     check_weights(moments, f"cannot resume from {path}", "optimizer", fix=fix)
 
 

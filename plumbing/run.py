@@ -128,7 +128,7 @@ class RunPlumbing:
     def resume(self, run, ckpt):
         """The checkpoint's state into the run: weights, EMA, optimizer, step, this rank's data position and RNG
         states (plumbing.checkpoint.restore), so the run continues bit for bit."""
-        restore(run, ckpt, self.env)
+        restore(run, ckpt, self.env, os.path.join(self.cfg.out_dir, "ckpt.pt"))
 
     def place_model(self, run, probe=True):
         """The model as the run trains and evaluates it: with probe, on CUDA, the micro-batch probe first

@@ -477,9 +477,35 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
     (t / "dcd_mine" / ".lock").write_text("my lock notes\n")
     (t / "prep.lock").write_text("my lock notes\n")
     (t / "table.md").write_text("my table\n")
+    def run_copy(name, edit):            # a run folder whose ckpt.pt was damaged, to resume
+        shutil.copytree(base.out, t / name)
+        _edit_checkpoint(base.ckpt, t / name / "ckpt.pt", edit)
+        return ["train.py", *TINY, "--dataset", base.corpus, "--data_dir", base.data_dir, "--out_dir", t / name,
+                "--resume", "1", "--max_iters", "4", "--eval_interval", "2"]
+
+    def first_moment(edit):
+        def change(ck):
+            state = ck["optimizer"]["state"][0]
+            state["exp_avg"] = edit(state["exp_avg"])
+        return change
+    resumes = {name: run_copy(name, edit) for name, edit in [
+        ("r_missing", lambda ck: ck["model"].pop(key)),
+        ("r_moment_shape", first_moment(lambda m: m.reshape(-1)[:-1])),
+        ("r_moment_int", first_moment(lambda m: m.to(torch.int32))),
+        ("r_state_list", lambda ck: ck["optimizer"].update(state=[1])),
+        ("r_position", lambda ck: ck["data_state"].update(position=10 ** 12)),
+        ("r_epoch_str", lambda ck: ck["data_state"].update(epoch="x"))]}
     samp = lambda ckpt: ["sample.py", "--ckpt", ckpt, "--num_samples", "1", "--steps", "2", "--out", ""]
     ppl = lambda ckpt, *a: ["eval_ppl.py", "--ckpt", ckpt, "--max_batches", "1", "--mc_draws", "1", *a]
     cases = [
+        case(*resumes["r_missing"], cwd=t, expect=f"cannot resume from {t}/r_missing/ckpt.pt: its model weights do "
+                                                  f"not fit the model: it lacks {key};"),
+        case(*resumes["r_moment_shape"], cwd=t, expect="its optimizer state 0 exp_avg ([20479]) does not fit parameter "
+                                                       "0 ([320, 64])"),
+        case(*resumes["r_moment_int"], cwd=t, expect="its optimizer state 0 exp_avg holds int32 values"),
+        case(*resumes["r_state_list"], cwd=t, expect="its optimizer state is not the one AdamW saves"),
+        case(*resumes["r_position"], cwd=t, expect="data_state has epoch 0, position 1000000000000, outside the"),
+        case(*resumes["r_epoch_str"], cwd=t, expect="data_state {'epoch': 'x'"),
         case(*samp(nan_live), cwd=t, expect=f"{nan_live}: its weights are not finite (model {key} holds NaN"),
         case(*ppl(no_live), cwd=t, expect=f"{no_live}: its model weights do not fit the model: it lacks {key};"),
         case(*samp(short_ema), cwd=t, expect=f"{short_ema}: its ema weights do not fit the model: it holds {key} of "
@@ -511,3 +537,5 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
     assert (t / "table.md").read_text() == "my table\n"
     assert not any((t / d).exists() for d in ("prep", "plots", "dcd")) and os.path.exists("/dev/null")
     assert sorted(os.listdir(t / "run_link")) == [".lock"] and sorted(os.listdir(t / "dcd_mine")) == [".lock"]
+    for name in resumes:                 # a refused resume changes nothing in its folder
+        assert md5s(t / name) == {**md5s(base.out), "ckpt.pt": md5s(t / name)["ckpt.pt"]}
