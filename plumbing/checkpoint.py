@@ -84,12 +84,12 @@ def restore(run, ckpt, env, path="ckpt.pt"):
 
 
 def check_resume_state(run, ckpt, path):
-    """The weights and the optimizer's moments a resume loads fit this run's model, tensor by tensor, before any is
-    loaded (load_state_dict names none in its first line, and AdamW takes moments of another shape until its
-    first step fails) -> ConfigError naming the file and the tensor."""
+    """The weights (model, EMA, a distillation's teacher) and the optimizer's moments a resume loads fit this run's
+    model, tensor by tensor, before any is loaded (load_state_dict names none in its first line, and AdamW takes
+    moments of another shape until its first step fails) -> ConfigError naming the file and the tensor."""
     want = run.raw_model.state_dict()
     fix = "resume from an earlier checkpoint (ckpt_<step>.pt) or start a new run in another --out_dir"
-    for name in ("model", "ema"):
+    for name in ("model", "ema", "teacher"):        # the teacher: distillation/distill.py's frozen copy
         if ckpt.get(name) is not None:
             check_state_fits(want, {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()},
                              f"cannot resume from {path}", name, fix)

@@ -53,13 +53,13 @@ def _holder(fd):
 
 def _is_lock_record(fd):
     """Whether a lock file holds what acquire_folder writes there: nothing yet (a run killed before writing it), or
-    one JSON object naming a pid and a host."""
+    one JSON object of its fields (pid, host, started, command; a garbled value is still a lock's)."""
     try:
         text = os.pread(fd, 4096, 0).decode("utf-8")
-        record = json.loads(text) if text.strip() else {"pid": 0, "host": ""}
+        record = json.loads(text) if text.strip() else {}
     except (OSError, ValueError):
         return False
-    return isinstance(record, dict) and "pid" in record and "host" in record
+    return isinstance(record, dict) and set(record) <= {"pid", "host", "started", "command"}
 
 
 def open_lock_file(path, where, fix):

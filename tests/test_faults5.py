@@ -424,6 +424,18 @@ def test_weight_sets_are_checked_whole_naming_the_tensor():
                          ({**want, key: want[key][:-1]}, f"it holds {key} of shape [95, 32], not [96, 32]")]:
         with pytest.raises(UsageError, match=words.replace("[", r"\[").replace("]", r"\]")):
             integrity.check_state_fits(want, state, "f.pt", "ema")
+    # a resume checks every set it loads (a distillation's teacher too) and AdamW's moments, before loading any
+    from plumbing.checkpoint import check_resume_state
+    run = SimpleNamespace(raw_model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1)).float().sum().backward()
+    run.optimizer.step()
+    ckpt = {"model": dict(want), "ema": dict(want), "teacher": dict(want), "optimizer": run.optimizer.state_dict()}
+    check_resume_state(run, ckpt, "ckpt.pt")                                    # as saved: fits
+    ckpt["optimizer"]["state"][1]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(UsageError, match=r"its optimizer state 1 exp_avg \(\[3\]\) does not fit parameter 1"):
+        check_resume_state(run, ckpt, "ckpt.pt")
+    with pytest.raises(UsageError, match=f"ckpt.pt: its teacher weights do not fit the model: it lacks {key}"):
+        check_resume_state(run, {**ckpt, "teacher": {k: v for k, v in want.items() if k != key}}, "ckpt.pt")
 
 
 def test_meta_json_values_and_writer_folders_are_named_by_what_they_are(tmp_path):

@@ -329,18 +329,20 @@ def test_figures_go_beside_the_runs_and_an_existing_file_is_replaced_only_when_a
     # an existing file: refused in one line, nothing written, unless --overwrite 1
     plots = os.path.join(runs[0], "plots")
     before = {p: os.path.getmtime(os.path.join(plots, p)) for p in os.listdir(plots)}
-    (tmp_path / "table.md").write_text("my table")
     code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table", tmp_path / "table.md",
                                  cwd=work)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "--overwrite 1" in err[0], err
     assert "training_gen_ppl.png" in err[0] and not os.path.exists(os.path.join(plots, "gen_ppl_vs_steps.png"))
-    assert (tmp_path / "table.md").read_text() == "my table"
     assert before == {p: os.path.getmtime(os.path.join(plots, p)) for p in before}
-    # --overwrite 1 replaces what figures/plot.py wrote (the PNGs above), never a file of the user's (issue 38)
-    code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table", tmp_path / "table.md",
-                                 "--overwrite", "1", cwd=work)
-    assert code == 2 and err == [f"error: --table {tmp_path / 'table.md'} exists and was not written by sddlm, so it "
-                                 f"is not replaced; move it away or choose another --table"], err
+    assert not (tmp_path / "table.md").exists()
+    # --overwrite 1 replaces what figures/plot.py wrote (the PNGs above), never a file of the user's (issue 38), so
+    # a user's file is refused alike with or without it, and the refusal names no --overwrite 1
+    (tmp_path / "table.md").write_text("my table")
+    for overwrite in ([], ["--overwrite", "1"]):
+        code, out, err = plot_script("--runs", runs[0], "--evals", ",".join(evals), "--table",
+                                     tmp_path / "table.md", *overwrite, cwd=work)
+        assert code == 2 and err == [f"error: --table {tmp_path / 'table.md'} exists and was not written by sddlm, "
+                                     f"so it is not replaced; move it away or choose another --table"], err
     assert (tmp_path / "table.md").read_text() == "my table"
     assert before == {p: os.path.getmtime(os.path.join(plots, p)) for p in before}
     os.remove(tmp_path / "table.md")
