@@ -483,7 +483,8 @@ def _fail(message, code=2, any_rank=False):
             bar.close()
         try:
             _REPORTED.append(message)
-            print(f"error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
+            named = rank == "0" or message.startswith(f"rank {rank}: ")      # said once, by the rank it is
+            print(f"error: {'' if named else f'rank {rank}: '}{message}", file=sys.stderr)
         except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
             pass
     sys.exit(code)

@@ -149,8 +149,9 @@ class Launch:
 
 
 class LaunchError(UsageError):
-    """A launch environment that is incomplete or contradictory: every rank prints it (exit code 2), since a rank
-    that cannot trust RANK cannot know that rank 0 speaks for it."""
+    """A launch environment that is incomplete or contradictory, or ranks that did not meet (join): every rank
+    prints it (exit code 2), since a rank that cannot trust RANK, or that waited for rank 0 in vain, cannot know
+    that rank 0 speaks for it."""
     every_rank = True
 
 
@@ -229,7 +230,7 @@ def join(launch, timeout, poll=0.2, report=30.0):
     def waiting(what, missing=None):
         waited = time.monotonic() - start
         if waited > timeout:
-            raise UsageError(f"rank {launch.rank}: {what} within --dist_timeout {timeout:g} s at {where}: start "
+            raise LaunchError(f"rank {launch.rank}: {what} within --dist_timeout {timeout:g} s at {where}: start "
                              f"every rank (torchrun on each node, the same MASTER_ADDR and MASTER_PORT), or raise "
                              f"--dist_timeout")
         if time.monotonic() - said[0] >= report:
@@ -237,13 +238,19 @@ def join(launch, timeout, poll=0.2, report=30.0):
                   f"--dist_timeout {timeout:g} s)", file=sys.stderr, flush=True)
             said[0] = time.monotonic()
         time.sleep(poll)
+    try:                                 # a host name that does not resolve is MASTER_ADDR's fault, not the port's
+        socket.getaddrinfo(launch.master_addr, launch.master_port)
+    except (OSError, UnicodeError) as e:
+        raise LaunchError(f"rank {launch.rank}: MASTER_ADDR={launch.master_addr} does not resolve to an address "
+                         f"({getattr(e, 'strerror', None) or e}); set MASTER_ADDR to rank 0's host name or IP address "
+                         f"(torchrun --master_addr), the same on every rank") from None
     if launch.rank == 0 and not agent:
         try:
             store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, True, timeout=step,
                                   wait_for_workers=False, multi_tenant=True,
                                   use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
         except (RuntimeError, ValueError) as e:
-            raise UsageError(f"rank 0 cannot host the job's store at {where} ({first_line(e).split('. ')[0]}); "
+            raise LaunchError(f"rank 0 cannot host the job's store at {where} ({first_line(e).split('. ')[0]}); "
                              f"choose another MASTER_PORT") from None
     else:
         while True:                      # a plain socket first: the store's own retries log C++ traces
@@ -251,7 +258,7 @@ def join(launch, timeout, poll=0.2, report=30.0):
                 socket.create_connection((launch.master_addr, launch.master_port), timeout=1).close()
                 break
             except socket.gaierror as e:
-                raise UsageError(f"MASTER_ADDR={launch.master_addr} is no address this host resolves ({e}); give "
+                raise LaunchError(f"MASTER_ADDR={launch.master_addr} is no address this host resolves ({e}); give "
                                  f"rank 0's host name or IP") from None
             except OSError:
                 waiting("rank 0's store did not answer", "rank 0's store")

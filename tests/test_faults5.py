@@ -191,6 +191,16 @@ def test_launch_environments_threads_and_absurd_sizes_are_refused_at_start(tmp_p
              expect="WORLD_SIZE='abc' is not a whole number"),
         case("distillation/distill.py", "--init", t / "none.pt", *run("f"), cwd=t, env={"WORLD_SIZE": "2"},
              expect="WORLD_SIZE=2 but RANK and MASTER_ADDR"),
+        # a MASTER_ADDR that does not resolve is named (rank 0 used to blame the port after 5 s); a rank other than 0
+        # that gives up waiting says so itself (it used to exit 2 without a line: rank 0 speaks for all, but is gone)
+        *[case(script, *extra, *run(f"addr{rank}"), cwd=t, env={**ddp, "RANK": rank, "MASTER_ADDR":
+                                                                "no.such.host.invalid", "MASTER_PORT": "29511"},
+               expect=f"rank {rank}: MASTER_ADDR=no.such.host.invalid does not resolve to an address")
+          for rank in ("0", "1") for script, extra in (("train.py", []),
+                                                        ("distillation/distill.py", ["--init", t / "none.pt"]))],
+        case("train.py", *run("alone"), "--dist_timeout", "1", cwd=t,
+             env={**ddp, "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())},
+             expect="rank 1: rank 0's store did not answer within --dist_timeout 1 s at 127.0.0.1:"),
         case("train.py", *run("g"), "--threads", "1000000", cwd=t, expect="--threads 1000000 asks for more threads"),
         case("train.py", *run("h"), cwd=t, env={"OMP_NUM_THREADS": "1000000"},
              expect="OMP_NUM_THREADS=1000000 asks for more threads"),
