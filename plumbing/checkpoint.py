@@ -15,7 +15,8 @@ import torch.distributed as dist
 from data import DataError, full_data_key, get_tokenizer, not_a_file
 from model import ModelConfig, build_model
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
-from plumbing.files import check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic
+from plumbing.files import (check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic,
+                            written_by_us)
 from plumbing.folder import check_target
 from plumbing.lock import LOCK
 from plumbing.memory import check_model_memory
@@ -161,9 +162,10 @@ def load_resume_checkpoint(cfg):
     path = os.path.join(cfg.out_dir, "ckpt.pt")
     remove_stale_temps(path)              # a save killed half-way (SIGKILL) leaves its temp file
     if not cfg.resume:
-        if os.path.exists(path):
+        if os.path.isfile(path) and written_by_us(path):       # (a user's ckpt.pt: refused below, as theirs)
             raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
-        if os.path.exists(os.path.join(cfg.out_dir, "log.jsonl")):
+        log = os.path.join(cfg.out_dir, "log.jsonl")
+        if os.path.isfile(log) and written_by_us(log):
             raise ConfigError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
                               f"checkpoint; delete it or choose another --out_dir")
         theirs = sorted(set(os.listdir(cfg.out_dir)) & set(run_output_names(cfg.out_dir)) - {LOCK})

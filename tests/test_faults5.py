@@ -499,6 +499,10 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
     (t / "dcd_mine" / ".lock").write_text("my lock notes\n")
     (t / "prep.lock").write_text("my lock notes\n")
     (t / "table.md").write_text("my table\n")
+    for n in ("ckpt.pt", "log.jsonl"):
+        (t / f"own_{n}").mkdir()
+        (t / f"own_{n}" / n).write_text("my notes\n")
+
     def run_copy(name, edit):            # a run folder whose ckpt.pt was damaged, to resume
         shutil.copytree(base.out, t / name)
         _edit_checkpoint(base.ckpt, t / name / "ckpt.pt", edit)
@@ -547,6 +551,9 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
              expect="--out /dev/null is a character device, not a folder"),
         case("figures/plot.py", "--runs", base.out, "--table", t / "table.md", "--out_dir", t / "plots", cwd=t,
              expect=f"--table {t}/table.md exists and was not written by sddlm"),
+        *[case("train.py", *TINY, "--dataset", base.corpus, "--data_dir", base.data_dir, "--out_dir", t / f"own_{n}",
+               cwd=t, expect=f"{t}/own_{n}/{n} exists and a new run would replace it; move it elsewhere")
+          for n in ("ckpt.pt", "log.jsonl")],       # a user's: not 'pass --resume 1' nor 'the log of an earlier run'
         case("bench/bench_prepare.py", "--work_dir", t / "theirs.txt", cwd=t,
              expect=f"--work_dir {t}/theirs.txt is a file, not a folder"),
     ]
