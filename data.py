@@ -324,7 +324,8 @@ def _file_sha256(path, size, mtime_ns):
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
-        raise DataError(f"no prepared dataset in {data_dir} (meta.json missing); run prepare.py first")
+        raise DataError(not_a_file(path, f"no prepared dataset in {data_dir} (meta.json missing); run prepare.py "
+                                         f"first"))
     try:
         with open(path) as f:
             meta = json.load(f)
@@ -409,7 +410,7 @@ def verify_prepared(data_dir, meta, names=None, full=False):
             continue
         path = os.path.join(data_dir, name)
         if not os.path.isfile(path):
-            raise DataError(f"{path} is missing; delete {data_dir} to prepare it again")
+            raise DataError(not_a_file(path, f"{path} is missing; delete {data_dir} to prepare it again"))
         seen[name] = file_stat(path)
         if not full and stats.get(name) == seen[name]:
             continue

@@ -96,8 +96,9 @@ def read_config(folder):
     path = os.path.join(folder, CONFIG)
     inside = [f for f in ("model", "ckpt.pt") if os.path.exists(os.path.join(folder, f))]
     hint = f"; give {' or '.join(os.path.join(folder, f) for f in inside)}" if inside else ""   # a run's folder
-    if not os.path.isfile(path):
-        raise ValueError(f"{folder} is a folder but not a model folder (no {CONFIG}){hint}")
+    if not os.path.isfile(path):          # (a pipe or a device there is named as one: data.not_a_file)
+        from data import not_a_file
+        raise ValueError(not_a_file(path, f"{folder} is a folder but not a model folder (no {CONFIG}){hint}"))
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -175,12 +176,14 @@ def load_folder(folder, device="cpu", use_ema=True):
                          f"--ckpt CKPT --out FOLDER --weights raw")
     path = os.path.join(folder, WEIGHTS)
     if not os.path.isfile(path):
-        raise ValueError(f"{folder}: {WEIGHTS} is missing")
+        from data import not_a_file
+        raise ValueError(not_a_file(path, f"{folder}: {WEIGHTS} is missing"))
     tok = dict(config.get("tokenizer") or {})
     if tok.get("file"):
         file = os.path.join(folder, tok["file"])
         if not os.path.isfile(file):
-            raise ValueError(f"{folder}: its tokenizer file {tok['file']} is missing")
+            from data import not_a_file
+            raise ValueError(not_a_file(file, f"{folder}: its tokenizer file {tok['file']} is missing"))
         if tok.get("sha256") and _sha256(file) != tok["sha256"]:
             raise ValueError(f"{file} is not the tokenizer recorded in {CONFIG} (sha256 mismatch)")
         tok["spec"] = "sp:" + os.path.abspath(file)

@@ -502,6 +502,11 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
     for n in ("ckpt.pt", "log.jsonl"):
         (t / f"own_{n}").mkdir()
         (t / f"own_{n}" / n).write_text("my notes\n")
+    piped_tok = _edit_folder(base.model, t / "piped_tok", edit_bytes=lambda d: (os.remove(d / "tokenizer.model"),
+                                                                                 os.mkfifo(d / "tokenizer.model")))
+    piped_val = data_copy("piped_val")
+    os.remove(os.path.join(piped_val, "val.bin"))
+    os.mkfifo(os.path.join(piped_val, "val.bin"))
 
     def run_copy(name, edit):            # a run folder whose ckpt.pt was damaged, to resume
         shutil.copytree(base.out, t / name)
@@ -539,6 +544,8 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
         case(*samp(gpt2), cwd=t, expect=f"{gpt2}/config.json: its field model_type holds 'gpt2'"),
         case(*ppl(base.ckpt, "--data_dir", half_block), cwd=t, expect=f"{half_block}/val.bin has "),
         case(*ppl(base.ckpt, "--data_dir", vocab0), cwd=t, expect="field 'vocab_size' is 0, not an int >= 1"),
+        case(*samp(piped_tok), cwd=t, expect=f"{piped_tok}/tokenizer.model is a named pipe, not a regular file"),
+        case(*ppl(base.ckpt, "--data_dir", piped_val), cwd=t, expect=f"{piped_val}/val.bin is a named pipe, not a "),
         case("train.py", *TINY, "--dataset", base.corpus, "--data_dir", base.data_dir, "--out_dir", t / "run_link",
              cwd=t, expect=f"{t}/run_link/.lock is a symbolic link, not an sddlm lock file"),
         case("distillation/distill.py", "--init", base.ckpt, "--out_dir", t / "dcd_mine", cwd=t,
