@@ -623,16 +623,20 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
 
 def run_genppl(cfg, device, dtype):
     saved = _read_samples(cfg.samples) if cfg.samples else None   # a bad file fails before the judge loads
+    groups, tokenizers = {}, {}
+    for r in saved or ():       # one row per distinct settings (a JSONL may hold several appended runs)
+        groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
+    for key in groups:
+        spec = json.loads(key).get("tokenizer")
+        tokenizers[key], why = load_tokenizer({"meta": {"tokenizer": spec}}) if spec else (None, None)
+        if spec and tokenizers[key] is None:    # else the texts would be retokenized: another number, silently
+            raise UsageError(f"--samples {cfg.samples}: its settings.tokenizer {spec!r} does not load ({why}); the "
+                             f"samples' ids are scored with it: make it loadable where it is recorded")
     judge = load_judge(cfg.judge, device)   # first: fail before any sampling
-    if cfg.samples:   # one row per distinct settings (a JSONL may hold several appended runs)
-        groups = {}
-        for r in saved:
-            groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
+    if cfg.samples:
         rows = []
         for key, records in groups.items():
-            settings = json.loads(key)
-            tok, _ = load_tokenizer({"meta": {"tokenizer": settings["tokenizer"]}}) if settings.get("tokenizer") \
-                else (None, None)
+            settings, tok = json.loads(key), tokenizers[key]
             rows.append(score_samples([r["ids"] for r in records], [r.get("text") for r in records], tok, judge,
                                       cfg.judge_batch_size, device, label=settings.get("ckpt") or cfg.samples,
                                       steps=settings.get("steps")))

@@ -504,6 +504,8 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
         (t / f"own_{n}" / n).write_text("my notes\n")
     piped_tok = _edit_folder(base.model, t / "piped_tok", edit_bytes=lambda d: (os.remove(d / "tokenizer.model"),
                                                                                  os.mkfifo(d / "tokenizer.model")))
+    (t / "bogus_tok.jsonl").write_text(json.dumps({files.WRITTEN_BY: "sddlm sample.py", "sample": 0, "text": "a b",
+                                                   "ids": [1, 5, 6, 2], "settings": {"tokenizer": "zzz"}}) + "\n")
     piped_val = data_copy("piped_val")
     os.remove(os.path.join(piped_val, "val.bin"))
     os.mkfifo(os.path.join(piped_val, "val.bin"))
@@ -544,6 +546,8 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
         case(*samp(gpt2), cwd=t, expect=f"{gpt2}/config.json: its field model_type holds 'gpt2'"),
         case(*ppl(base.ckpt, "--data_dir", half_block), cwd=t, expect=f"{half_block}/val.bin has "),
         case(*ppl(base.ckpt, "--data_dir", vocab0), cwd=t, expect="field 'vocab_size' is 0, not an int >= 1"),
+        case("eval_ppl.py", "--metric", "genppl", "--samples", t / "bogus_tok.jsonl", "--judge", t / "nope.pt", cwd=t,
+             expect=f"--samples {t}/bogus_tok.jsonl: its settings.tokenizer 'zzz' does not load"),   # (retokenized)
         case(*samp(piped_tok), cwd=t, expect=f"{piped_tok}/tokenizer.model is a named pipe, not a regular file"),
         case(*ppl(base.ckpt, "--data_dir", piped_val), cwd=t, expect=f"{piped_val}/val.bin is a named pipe, not a "),
         case("train.py", *TINY, "--dataset", base.corpus, "--data_dir", base.data_dir, "--out_dir", t / "run_link",
