@@ -951,4 +951,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from data import DataError
-    run_cli(main, DataError, oom_hint="lower --batch_size (and --judge_batch_size for genppl)")
+    run_cli(main, DataError, oom_hint="lower --batch_size or --mc_draws (a round's draws are made at once; "
+                                              "--judge_batch_size for genppl)")

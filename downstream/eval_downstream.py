@@ -383,4 +383,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main, DataError, oom_hint="lower --batch_size (Monte Carlo draws per forward)")
+    run_cli(main, DataError, oom_hint="lower --batch_size (Monte Carlo draws per forward) or --mc_draws "
+                                              "(its draws' times are made at once)")

@@ -577,5 +577,16 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
     assert (t / "table.md").read_text() == "my table\n"
     assert not any((t / d).exists() for d in ("prep", "plots", "dcd")) and os.path.exists("/dev/null")
     assert sorted(os.listdir(t / "run_link")) == [".lock"] and sorted(os.listdir(t / "dcd_mine")) == [".lock"]
+    # the flag that costs the memory is named: a round's --mc_draws times are drawn at once (10^9 float64 = 7.45 GiB,
+    # refused under a 6 GiB address-space limit; the hint named only --batch_size)
+    import resource
+    (t / "mc.jsonl").write_text(json.dumps({"context": "the cat", "choices": [" sees", " eats"], "gold": 0}) + "\n")
+    for argv in (["eval_ppl.py", "--ckpt", base.ckpt, "--max_batches", "1", "--batch_size", "1"],
+                 ["downstream/eval_downstream.py", "--ckpt", base.ckpt, "--jsonl", t / "mc.jsonl"]):
+        r = subprocess.run([sys.executable, os.path.join(HERE, argv[0]), *map(str, argv[1:]), "--mc_draws",
+                            "1000000000"], capture_output=True, text=True, env=ENV, cwd=t, timeout=300,
+                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)))
+        assert r.returncode == 2 and "out of memory" in r.stderr and "--mc_draws" in r.stderr.splitlines()[-1], \
+            r.stderr[-2000:]
     for name in resumes:                 # a refused resume changes nothing in its folder
         assert md5s(t / name) == {**md5s(base.out), "ckpt.pt": md5s(t / name)["ckpt.pt"]}
