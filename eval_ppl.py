@@ -924,7 +924,7 @@ def main(argv=None):
         raise UsageError(f"--t_min must be in (0, 1), got {cfg.t_min}")
     if cfg.max_batches < 0:
         raise UsageError(f"--max_batches must be >= 0 (0 = all), got {cfg.max_batches}")
-    check_outputs({"--out": cfg.out, "--save_samples": cfg.save_samples})   # new, or written by sddlm
+    check_outputs({"--out": cfg.out, "--save_samples": cfg.save_samples}, script="eval_ppl.py")   # new, or ours
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     ckpt = None

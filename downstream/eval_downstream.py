@@ -301,7 +301,8 @@ def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     refuse_overwrite({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""},
                      {"--ckpt": cfg.ckpt, "--jsonl": cfg.jsonl.split(",")})
-    check_outputs({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""})   # new, or written by sddlm
+    check_outputs({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""},    # new, or written by it
+                  script="downstream/eval_downstream.py")
     validate(cfg)
     plan = plan_tasks(cfg)
     if any(runner == "lm-eval" for _, runner, _ in plan):

@@ -564,7 +564,7 @@ def main(argv=None):
     written = []
     outputs = [os.path.join(cfg.out_dir, name) for name in figure_names(curves, gen, bench)]
     table = [cfg.table] if cfg.table not in ("", "-") else []
-    check_outputs({"--out_dir": outputs, "--table": table})   # --overwrite 1 replaces only what sddlm wrote
+    check_outputs({"--out_dir": outputs, "--table": table}, script="figures/plot.py")   # replaces only its own
     if not cfg.overwrite:                # so the one left to refuse here is a file --overwrite 1 would replace
         refuse_existing(outputs + table)
     if outputs:

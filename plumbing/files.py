@@ -313,28 +313,46 @@ def refuse_special(path, flag=None):
 
 
 def written_by_us(path):
-    """Whether the regular file at `path` is one this project wrote, by its content: a JSON object (or a JSONL
-    file's first record) whose WRITTEN_BY starts with 'sddlm ' (or with the keys an earlier version wrote,
-    OUR_KEYS); a text file whose first lines hold TEXT_MARK (or a model card's mark); a PNG whose "Software" is
-    ours; a torch checkpoint (a zip whose pickle names a model_config). Reads at most a few MiB."""
+    """Whether the regular file at `path` is one this project wrote (writer_of names the script)."""
+    return writer_of(path) is not None
+
+
+# the script that wrote an earlier version's file without the field, by its keys (OUR_KEYS, in order)
+OUR_KEYS_WRITER = ("train.py", "distillation/distill.py", "eval_ppl.py", "downstream/eval_downstream.py", "sample.py",
+                   "train.py")
+
+
+def writer_of(path):
+    """Which of this project's scripts wrote the regular file at `path`, by its content -> signature(script) (or
+    "sddlm checkpoint" for a torch checkpoint), None when sddlm did not write it: a JSON object (or a JSONL file's
+    first record) whose WRITTEN_BY starts with 'sddlm ' (or with the keys an earlier version wrote, OUR_KEYS); a text
+    file whose first lines hold TEXT_MARK (or a model card's mark); a PNG whose "Software" is ours; a torch checkpoint
+    (a zip whose pickle names a model_config). Reads at most a few MiB."""
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16)
             if head.startswith(b"\x89PNG"):
-                return _png_software(head).startswith(PNG_SOFTWARE)
+                return signature("figures/plot.py") if _png_software(head).startswith(PNG_SOFTWARE) else None
             if head.startswith(b"PK"):
-                return _torch_checkpoint(f)
+                return "sddlm checkpoint" if _torch_checkpoint(f) else None
             text = head.decode("utf-8", errors="replace")
             if text.lstrip().startswith("{"):
                 record = _json_head(f, text)
-                if isinstance(record, dict):
-                    mark = record.get(WRITTEN_BY)
-                    return (isinstance(mark, str) and mark.startswith("sddlm ")) or \
-                        any(keys <= set(record) for keys in OUR_KEYS)
-                return False
-            return any(line.startswith((TEXT_MARK, CARD_MARK)) for line in text.splitlines()[:8])
+                if not isinstance(record, dict):
+                    return None
+                mark = record.get(WRITTEN_BY)
+                if isinstance(mark, str) and mark.startswith("sddlm "):
+                    return mark
+                return next((signature(script) for keys, script in zip(OUR_KEYS, OUR_KEYS_WRITER)
+                             if keys <= set(record)), None)
+            for line in text.splitlines()[:8]:
+                if line.startswith(CARD_MARK):
+                    return signature("hub/pretrained.py")
+                if line.startswith(TEXT_MARK):
+                    return signature(line[len(TEXT_MARK):].strip().split(";")[0].strip())
+            return None
     except OSError:
-        return False
+        return None
 
 
 def _json_head(f, text, limit=16 << 20):
@@ -378,27 +396,35 @@ def _torch_checkpoint(f):
         return False
 
 
-def check_output(path, flag, append=None):
+def check_output(path, flag, append=None, script=None):
     """The one rule every writer follows, before any work: an output path is new (its folder writable, made if
-    need be), or a regular file this project wrote (written_by_us), which is replaced. A user's file, a folder, a
-    symbolic link, a device, a named pipe or a socket is refused -> UsageError naming `flag` and the fix. Devices
-    are never written through: the results go to stdout anyway. append=(keys, writer): the file is appended to, so
-    an existing one must hold `writer`'s records (check_appendable)."""
+    need be), or a regular file this project wrote (writer_of), which is replaced; script: the writer, when only
+    its own earlier outputs may be replaced (eval_ppl.py's --out never replaces a checkpoint, a run's config.json or
+    sample.py's samples). A user's file, a folder, a symbolic link, a device, a named pipe or a socket is refused ->
+    UsageError naming `flag` and the fix. Devices are never written through: the results go to stdout anyway.
+    append=(keys, writer): the file is appended to, so an existing one must hold `writer`'s records
+    (check_appendable)."""
     refuse_special(path, flag)
     check_writable(path, flag)
     if append is not None:
         check_appendable(path, flag, *append)
-    elif os.path.lexists(path) and not written_by_us(path):
-        raise UsageError(f"{flag} {path} exists and was not written by sddlm, so it is not replaced; move it away or "
-                         f"choose another {flag}")
+    elif os.path.lexists(path):
+        writer = writer_of(path)
+        if writer is None:
+            raise UsageError(f"{flag} {path} exists and was not written by sddlm, so it is not replaced; move it "
+                             f"away or choose another {flag}")
+        if script is not None and writer != signature(script):
+            what = "a checkpoint" if writer == "sddlm checkpoint" else f"written by {writer.removeprefix('sddlm ')}"
+            raise UsageError(f"{flag} {path} exists and is {what}, not an earlier output of {script}, so it is not "
+                             f"replaced; choose another {flag}")
 
 
-def check_outputs(outputs, append=None):
+def check_outputs(outputs, append=None, script=None):
     """check_output for each {flag: path or list of paths} ('' and None skipped)."""
     for flag, spec in outputs.items():
         for path in ([spec] if isinstance(spec, str) else list(spec or ())):
             if path:
-                check_output(str(path), flag, append)
+                check_output(str(path), flag, append, script)
 
 
 def write_json(path, obj):

@@ -421,6 +421,30 @@ def test_lock_files_are_never_written_through_nor_a_users_file_replaced(tmp_path
         held.release()
 
 
+def test_an_output_replaces_only_an_earlier_output_of_its_own_script(tmp_path):
+    """sddlm's files are not all alike: eval_ppl.py --out run/ckpt.pt replaced a trained checkpoint with a 1 KB JSON
+    (exit code 0), and a run's config.json or sample.py's samples alike. writer_of names the script by content."""
+    t = tmp_path
+    (t / "ppl.json").write_text(json.dumps({files.WRITTEN_BY: files.signature("eval_ppl.py"), "x": 1}))
+    (t / "table.md").write_text(files.text_mark("downstream/eval_downstream.py") + "\n| a |\n")
+    (t / "run_config.json").write_text(json.dumps({"train_config": {}, "model_config": {}, "meta": {}}))
+    (t / "samples.jsonl").write_text(json.dumps({"sample": 0, "ids": [1], "settings": {}}) + "\n")
+    torch.save({"model": {}, "model_config": {}}, t / "ckpt.pt")
+    assert [files.writer_of(str(t / n)) for n in ("ppl.json", "table.md", "run_config.json", "samples.jsonl",
+                                                   "ckpt.pt")] == \
+        ["sddlm eval_ppl.py", "sddlm downstream/eval_downstream.py", "sddlm train.py", "sddlm sample.py",
+         "sddlm checkpoint"]
+    files.check_output(str(t / "ppl.json"), "--out", script="eval_ppl.py")          # its own: replaced
+    files.check_output(str(t / "table.md"), "--out", script="downstream/eval_downstream.py")
+    for name, script, words in [("ckpt.pt", "eval_ppl.py", "is a checkpoint, not an earlier output of eval_ppl.py"),
+                                ("run_config.json", "eval_ppl.py", "is written by train.py, not an earlier output"),
+                                ("samples.jsonl", "eval_ppl.py", "is written by sample.py"),
+                                ("ppl.json", "downstream/eval_downstream.py", "is written by eval_ppl.py"),
+                                ("table.md", "figures/plot.py", "is written by downstream/eval_downstream.py")]:
+        with pytest.raises(UsageError, match=words):
+            files.check_output(str(t / name), "--out", script=script)
+
+
 def test_weight_sets_are_checked_whole_naming_the_tensor():
     """check_state_fits against a built model's state dict: a missing tensor, one the model has not, one of another
     shape, each named (load_state_dict's first line names none)."""
@@ -565,6 +589,10 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
         *[case("train.py", *TINY, "--dataset", base.corpus, "--data_dir", base.data_dir, "--out_dir", t / f"own_{n}",
                cwd=t, expect=f"{t}/own_{n}/{n} exists and a new run would replace it; move it elsewhere")
           for n in ("ckpt.pt", "log.jsonl")],       # a user's: not 'pass --resume 1' nor 'the log of an earlier run'
+        case(*ppl(base.ckpt, "--out", t / "r_missing" / "ckpt.pt"), cwd=t,
+             expect=f"--out {t}/r_missing/ckpt.pt exists and is a checkpoint, not an earlier output of eval_ppl.py"),
+        case(*ppl(base.ckpt, "--out", t / "r_missing" / "config.json"), cwd=t,
+             expect="config.json exists and is written by train.py, not an earlier output of eval_ppl.py"),
         case("bench/bench_prepare.py", "--work_dir", t / "theirs.txt", cwd=t,
              expect=f"--work_dir {t}/theirs.txt is a file, not a folder"),
     ]
