@@ -369,8 +369,10 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
     if os.path.isfile(os.path.join(out_dir, "meta.json")) and not redo:
         return _check_reusable(out_dir, key, verify)
     check_writable(out_dir, "--data_dir", folder=True)     # not a file, pipe or device, nor under one; writable
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not redo:
-        raise DataError(f"{out_dir} exists but holds no prepared dataset (no meta.json); delete it or use another "
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not redo:   # someone's files (a run?): never advise deleting
+        entries = sorted(os.listdir(out_dir))
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise DataError(f"{out_dir} exists but holds no prepared dataset (no meta.json; it holds {shown}); use another "
                         f"--data_dir")
     parent = os.path.dirname(os.path.abspath(out_dir))
     made_parent = not os.path.isdir(parent)

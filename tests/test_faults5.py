@@ -582,6 +582,9 @@ def test_further_damaged_inputs_and_foreign_outputs_are_one_line_through_the_scr
              t / "prep", cwd=t, expect=f"{t}/prep.lock is a file that is not an sddlm lock"),
         case("prepare.py", "--dataset", base.corpus, "--tokenizer", "gpt2", "--block_size", "16", "--data_dir",
              t / "theirs.txt" / "sub", cwd=t, expect=f"--data_dir {t}/theirs.txt/sub: {t}/theirs.txt is a file, not"),
+        case("prepare.py", "--dataset", base.corpus, "--tokenizer", "gpt2", "--block_size", "16", "--data_dir",
+             t / "r_missing", cwd=t, expect=f"{t}/r_missing exists but holds no prepared dataset (no meta.json; it "
+                                            f"holds ckpt.pt, config.json, log.jsonl, ...); use another --data_dir"),
         case("hub/pretrained.py", "--ckpt", base.ckpt, "--out", "/dev/null", cwd=t,
              expect="--out /dev/null is a character device, not a folder"),
         case("figures/plot.py", "--runs", base.out, "--table", t / "table.md", "--out_dir", t / "plots", cwd=t,
