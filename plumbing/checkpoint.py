@@ -92,8 +92,7 @@ def check_resume_state(run, ckpt, path):
     fix = "resume from an earlier checkpoint (ckpt_<step>.pt) or start a new run in another --out_dir"
     for name in ("model", "ema", "teacher"):        # the teacher: distillation/distill.py's frozen copy
         if ckpt.get(name) is not None:
-            check_state_fits(want, {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()},
-                             f"cannot resume from {path}", name, fix)
+            check_state_fits(want, weight_set(ckpt, name), f"cannot resume from {path}", name, fix)
     saved, params = ckpt["optimizer"], [p for g in run.optimizer.param_groups for p in g["params"]]
     groups = saved.get("param_groups")
     ids = [i for g in groups for i in g.get("params", [])] if isinstance(groups, list) and all(
@@ -323,8 +322,7 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     model = build_model(mcfg)
     for name in ("model", "ema"):        # both sets, the one not used too: a damaged file is refused whole
         if ckpt.get(name) is not None:
-            check_state_fits(model.state_dict(), {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()},
-                             path, name)
+            check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
@@ -332,15 +330,21 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     return model.to(device).eval(), ckpt
 
 
+def weight_set(ckpt, name):
+    """The checkpoint's weight set `name` ("model", "ema", "teacher"), a torch.compile'd model's "_orig_mod." prefix
+    dropped."""
+    return {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()}
+
+
 def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
     """A checkpoint's weights to load (its EMA's when use_ema and it has them, else the model's; a torch.compile'd
     model's "_orig_mod." prefix dropped), checked before a model is built: floating-point and finite, and as many
     blocks and as wide an embedding as its model_config says -> (ModelConfig, state dict)."""
     ema = use_ema and ckpt.get("ema") is not None
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["ema" if ema else "model"].items()}
+    state = weight_set(ckpt, "ema" if ema else "model")
     check_weights(state, path, "ema" if ema else "model", error)
     if ckpt.get("ema") is not None:      # the set not used is checked too: a damaged file is refused whole
-        other = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model" if ema else "ema"].items()}
+        other = weight_set(ckpt, "model" if ema else "ema")
         check_weights(other, path, "model" if ema else "ema", error)
     mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
     check_config_matches(mcfg, state, path, "model_config.")
