@@ -1,17 +1,16 @@
-"""The tiny preset reproduces, from the same seed, recorded numbers exactly: the losses of a few training steps
-(curriculum and plain, every kind of objective), the weights and EMA weights they leave, and an ancestral sample.
+"""The tiny preset reproduces, from the same seed, recorded numbers within their rounding: the losses of a few
+training steps (curriculum and plain, every kind of objective), the weights and EMA weights they leave, and an
+ancestral sample.
 Any change of behaviour in the step, the model or the sampler shows here. Regenerate (only after a deliberate
 change of behaviour) with `PYTHONPATH=. python tests/test_move_fixture.py`.
 
-The fixture records the machine's kernels (torch's CPU capability and version): on kernels like the recording
-machine's the check is bit for bit. Other kernels (another vector width, ATEN_CPU_CAPABILITY=default) draw the
-initial weights and sum in another order, so the same steps round differently: there every number must lie within
-the rounding error of this very computation, which the recording measured as the distance of its float32 run from
-the float64 run of the same steps from the same initial weights (tolerance below)."""
+The recording is compared within the rounding error of this very computation on every machine, the recording one
+included: the same torch version and CPU capability string do not fix the bits (oneDNN and MKL choose kernels by
+finer CPU features; issue 42 met a 1.9e-9 .. 1.2e-7 difference on another AVX-512 CPU). That error is measured by
+the recording as the distance of its float32 run from the float64 run of the same steps from the same initial
+weights (tolerance below). Where bits are the claim (the same seed gives the same run), both runs are made here, on
+this machine, in the test."""
 import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.numerics            # CI runs it under ATEN_CPU_CAPABIL
 
 
 def machine():
-    """What decides the float rounding of the recorded numbers: torch's CPU kernels and its version."""
+    """Where the fixture was recorded (torch's CPU kernels and its version): a note for a reader, never a switch."""
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__.split("+")[0]}
 
 
@@ -41,8 +40,8 @@ def tolerance(rec32, rec64):
     return 4 * gap + 2 * torch.finfo(torch.float32).eps * rec32.abs().max().item()
 
 
-def same(a, b, b64, exact):
-    return torch.equal(a, b) if exact else (a.shape == b.shape and (a - b).abs().max().item() <= tolerance(b, b64))
+def close(a, b, b64):
+    return a.shape == b.shape and (a - b).abs().max().item() <= tolerance(b, b64)
 
 
 def record(dtype=torch.float32):
@@ -79,30 +78,41 @@ def record(dtype=torch.float32):
     return out
 
 
-def test_same_seed_reproduces_the_recorded_steps_weights_and_sample():
+def recorded_now():
     before = torch.get_num_threads()
     try:
-        now = record()
+        return record()
     finally:
         torch.set_num_threads(before)
+
+
+def test_same_seed_gives_the_same_bits_on_this_machine():
+    a, b = recorded_now(), recorded_now()
+    flat = lambda rec: [rec["losses"], *rec["first"].values(), *rec["ema"], rec.get("sample", torch.zeros(0))]
+    for loss in LOSSES:
+        assert all(torch.equal(x, y) for x, y in zip(flat(a[loss]), flat(b[loss]), strict=True)), loss
+
+
+def test_steps_weights_and_sample_match_the_recording():
+    now = recorded_now()
     saved = torch.load(FIXTURE, weights_only=False)
-    exact = saved.pop("machine") == machine()      # the recording machine's kernels: bit for bit
+    saved.pop("machine")
     saved64 = saved.pop("float64")
     assert list(now) == list(saved) == list(saved64)
     for loss in LOSSES:
         a, b, b64 = now[loss], saved[loss], saved64[loss]
-        assert same(a["losses"], b["losses"], b64["losses"], exact), (loss, a["losses"], b["losses"])
+        assert close(a["losses"], b["losses"], b64["losses"]), (loss, a["losses"], b["losses"])
         assert a["n_ema"] == b["n_ema"] == 3
         assert list(a["first"]) == list(b["first"])
         for k in b["first"]:
-            assert same(a["first"][k], b["first"][k], b64["first"][k], exact), (loss, k)
-        assert len(a["ema"]) == 3 and all(same(x, y, y64, exact) for x, y, y64 in zip(a["ema"], b["ema"], b64["ema"]))
+            assert close(a["first"][k], b["first"][k], b64["first"][k]), (loss, k)
+        assert len(a["ema"]) == 3 and all(close(x, y, y64) for x, y, y64 in zip(a["ema"], b["ema"], b64["ema"]))
     # token ids, equal on every machine: a draw changes only where a uniform falls within the rounding (~1e-6) of a
     # category's cumulative probability, for these 2 x 16 x 8 draws a chance of ~3e-4
     assert torch.equal(now["sddlm"]["sample"], saved["sddlm"]["sample"])
 
 
-def test_off_the_recording_machine_a_change_of_behaviour_still_shows():
+def test_the_tolerances_are_far_below_a_change_of_behaviour():
     """The tolerances are rounding-sized, far below what a changed step does: one Adam step moves every weight
     with a nonzero gradient by ~lr = 1e-2 (the first by exactly lr_1 = 5e-3 sign(g)), and a changed objective or
     input moves a loss by >= 1e-3 at these sizes."""
@@ -115,26 +125,6 @@ def test_off_the_recording_machine_a_change_of_behaviour_still_shows():
         for k in b["first"]:
             assert tolerance(b["first"][k], b64["first"][k]) < 1e-3, (loss, k)
         assert max(tolerance(y, y64) for y, y64 in zip(b["ema"], b64["ema"])) < 1e-3, loss
-
-
-@pytest.mark.slow
-def test_on_the_kernels_of_any_cpu_the_recording_holds_within_its_tolerance():
-    """On the recording machine the check above is bit for bit, and the branch every other CPU takes never runs
-    there: a tolerance fitted to the recording's kernels once failed on a user's AVX-512 CPU (issue 36). So run
-    the check under ATEN_CPU_CAPABILITY=default (torch's scalar kernels, on every CPU) in a subprocess (~8 s: slow;
-    CI also runs every numerics test under default, .ci/run)."""
-    saved = torch.load(FIXTURE, weights_only=False)
-    if saved["machine"] != machine():
-        pytest.skip("this machine is not the recording one: the test above compared within the tolerance already")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import torch, test_move_fixture as t; "
-            "assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT' and t.machine() != t.torch.load("
-            "t.FIXTURE, weights_only=False)['machine']; "
-            "t.test_same_seed_reproduces_the_recorded_steps_weights_and_sample()")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ MUTATIONS = [
       tests=["tests/test_train.py::test_grad_accumulation_matches_one_big_batch"]),
     M(name="ema_warmup_decay_off_by_one", file="train.py",
       old="d = min(cfg.ema, (1 + n_ema) / (10 + n_ema))", new="d = min(cfg.ema, (2 + n_ema) / (11 + n_ema))",
-      tests=["tests/test_move_fixture.py::test_same_seed_reproduces_the_recorded_steps_weights_and_sample"]),
+      tests=["tests/test_move_fixture.py::test_steps_weights_and_sample_match_the_recording"]),
     # --- equations: losses, forward process, posterior, sampler ---------------------------------------------------
     M(name="v1_eps_on_one_term_only", file="losses.py",
       old="- log_p_plus_eps(log_p_x0, eps))", new="- log_p_x0)",
