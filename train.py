@@ -254,24 +254,28 @@ def build_run(cfg, mcfg, env, data_dir=None):
 # -----------------------------------------------------------------------------------------------
 # the step: one optimizer step on a global batch (paper Algorithm 1)
 
-def train_step(run, cfg, env, x0_all, mask_all=None):
-    """One optimizer step on this rank's part x0_all (B_rank, L) of a global batch: times t and corruption noise
-    drawn for the GLOBAL batch from gen_shared, each micro-batch taking its slice (env.micro_batches: a DDP run
-    equals one process); per micro-batch the objective (diffusion.loss_terms: xt ~ q_t(. | x0), the model, the per-token
-    loss), its token mean and backward; then optimizer_step. -> the step's mean loss (a detached 0-dim tensor: no
-    host sync here)."""
-    objective = diffusion.OBJECTIVES[cfg.loss]
+def train_step(run, cfg, env, x0_all, mask_all=None, per_token_loss=None, draw=None):
+    """One optimizer step on this rank's part x0_all (B_rank, L) of a global batch: times t and the noise
+    draw(B, L, K, generator, device) drawn for the GLOBAL batch from gen_shared, each micro-batch taking its slice
+    (env.micro_batches: a DDP run equals one process); per micro-batch per_token_loss(model, x0, mask, t, draws) ->
+    (per-token loss, token weights or None), its token mean and backward; then optimizer_step. The defaults are the
+    --loss objective (diffusion.loss_terms: xt ~ q_t(. | x0), the model, the per-token loss) and its draws
+    (diffusion.draw_noise); distill.py passes DCD's. -> the step's mean loss (a detached 0-dim tensor: no host
+    sync here)."""
+    if per_token_loss is None:
+        objective, it = diffusion.OBJECTIVES[cfg.loss], run.it
+        per_token_loss = lambda model, x0, mask, t, draws: (   # noqa: E731
+            diffusion.loss_terms(model, cfg, x0, t, it, run.gen_local, draws)[0], objective.token_weights(mask))
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.it, cfg)
     t_all = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    draws_all = diffusion.draw_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size,
-                                     run.gen_shared, env.device)
+    draws_all = (draw or diffusion.draw_noise)(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size,
+                                               run.gen_shared, env.device)
     total = torch.zeros((), device=env.device)
     for x0, mask, (t, *draws), sync in env.micro_batches(run.model, cfg, x0_all, mask_all, (t_all, *draws_all)):
         with sync:                   # DDP all-reduces the gradients on the last micro-batch only
             with env.autocast(cfg.dtype):
-                per_token, _ = diffusion.loss_terms(run.model, cfg, x0, t, run.it, run.gen_local, draws)
-                loss = diffusion.token_mean(per_token, objective.token_weights(mask)) / cfg.grad_accum
+                loss = diffusion.token_mean(*per_token_loss(run.model, x0, mask, t, draws)) / cfg.grad_accum
             loss.backward()
         total += loss.detach()
     run.n_ema = optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema, env.ddp)
@@ -325,25 +329,33 @@ def train(cfg, env, source=None):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
             plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env),
                                            lambda sums: {**val_metrics(sums, cfg, data_dir), "init": source.described})
-        while run.it < cfg.max_iters:
-            x0, mask = run.loader.next_batch()
-            loss = train_step(run, cfg, env, x0, mask)
-            last = run.it == cfg.max_iters
-            stopping = plumbing.sync_loss_and_stop(run.it, loss, lr_at(run.it - 1, cfg))   # the loop's one host sync
-            if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation loss, NELBO (EMA weights)
-                stopping = plumbing.sync_metrics_and_stop(run.it, lambda: evaluate(run, cfg, data_dir, env),
-                                                          lambda sums: val_metrics(sums, cfg, data_dir))
-            if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
-                stopping = plumbing.sync_metrics_and_stop(run.it, lambda: sample_quality(run, cfg, env, *quality),
-                                                          lambda sums: gen_metrics(sums, cfg, quality[0]))
-            if run.it % cfg.ckpt_interval == 0 or last or stopping:
-                plumbing.save(run)
-            if cfg.keep_every and run.it % cfg.keep_every == 0:
-                plumbing.keep(run)
-            if stopping:
-                return plumbing.stopped(run)
-        return plumbing.finish(run, lambda: print_samples(run, cfg, meta, env))   # model folder, samples, last lines
+        return loop(run, cfg, plumbing, lambda x0, mask: train_step(run, cfg, env, x0, mask),
+                    (lambda: evaluate(run, cfg, data_dir, env), lambda sums: val_metrics(sums, cfg, data_dir)),
+                    lambda: print_samples(run, cfg, meta, env),
+                    quality and (lambda: sample_quality(run, cfg, env, *quality),
+                                 lambda sums: gen_metrics(sums, cfg, quality[0])))
 
+
+def loop(run, cfg, plumbing, step, validation, samples, quality=None):
+    """The training loop from run.it to --max_iters (distill.py's too, with its own step and validation):
+    step(x0, mask) -> the step's loss; validation and quality: (sums() -> this rank's sums, metrics(summed) -> the
+    record) every --eval_interval / --gen_interval steps and at the end; samples() -> the texts printed at the end.
+    -> the exit code."""
+    while run.it < cfg.max_iters:
+        loss = step(*run.loader.next_batch())
+        last = run.it == cfg.max_iters
+        stopping = plumbing.sync_loss_and_stop(run.it, loss, lr_at(run.it - 1, cfg))   # the loop's one host sync
+        if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation loss, NELBO (EMA weights)
+            stopping = plumbing.sync_metrics_and_stop(run.it, *validation)
+        if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
+            stopping = plumbing.sync_metrics_and_stop(run.it, *quality)
+        if run.it % cfg.ckpt_interval == 0 or last or stopping:
+            plumbing.save(run)
+        if getattr(cfg, "keep_every", 0) and run.it % cfg.keep_every == 0:
+            plumbing.keep(run)
+        if stopping:
+            return plumbing.stopped(run)
+    return plumbing.finish(run, samples)   # model folder, samples, last lines
 
 if __name__ == "__main__":
     cli.run_cli(main, DataError, FloatingPointError, FileNotFoundError,

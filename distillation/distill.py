@@ -351,29 +351,15 @@ def refresh_teacher(teacher, run, cfg):
             p.copy_(v)
 
 
-def dcd_step(run, teacher, cfg, env, x0_all, mask_all=None):
-    """One optimizer step of DCD on this rank's part x0_all (B_rank, L) of a global batch, as train.train_step:
-    the teacher refreshed at the start of a round; times and pair noise for the GLOBAL batch from gen_shared, each
-    micro-batch taking its slice (a DDP run equals a single process); per micro-batch the DCD loss, its token mean
-    and backward; then train.optimizer_step. -> the step's mean loss (a detached 0-dim tensor)."""
+def dcd_step(run, teacher, cfg, env, x0, mask=None):
+    """One optimizer step of DCD: train.train_step with DCD's draws (draw_pair_noise, for the global batch) and
+    per-token loss (dcd_loss_terms, weighted by the mask), the teacher refreshed at the start of a round. -> the
+    step's mean loss (a detached 0-dim tensor)."""
     if run.it % cfg.round_iters == 0:
         refresh_teacher(teacher, run, cfg)
-    for g in run.optimizer.param_groups:
-        g["lr"] = train.lr_at(run.it, cfg)
-    t_all = diffusion.sample_t(cfg.batch_size, run.gen_shared, device=env.device)
-    noise_all = draw_pair_noise(cfg.batch_size, x0_all.shape[1], run.raw_model.config.vocab_size, run.gen_shared,
-                                env.device)
-    total = torch.zeros((), device=env.device)
-    for x0, mask, (t, *noise), sync in env.micro_batches(run.model, cfg, x0_all, mask_all, (t_all, *noise_all)):
-        with sync:                   # DDP all-reduces the gradients on the last micro-batch only
-            with env.autocast(cfg.dtype):
-                per_token = dcd_loss_terms(run.model, teacher, cfg, x0, t, run.it, noise)
-                loss = diffusion.token_mean(per_token, mask) / cfg.grad_accum
-            loss.backward()
-        total += loss.detach()
-    run.n_ema = train.optimizer_step(run.raw_model, run.optimizer, run.ema, cfg, run.n_ema, env.ddp)
-    run.it += 1
-    return total
+    it = run.it
+    return train.train_step(run, cfg, env, x0, mask, lambda model, x0, mask, t, noise: (
+        dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask), draw_pair_noise)
 
 
 def evaluate(run, teacher, cfg, data_dir, env):
@@ -440,19 +426,10 @@ def distill(cfg, env):
     config = {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
               "train_config": init_ckpt.get("train_config")}
     with plumbing.start(run, config, describe(cfg, init_ckpt, base_loss, mcfg.vocab_size, env)):
-        while run.it < cfg.max_iters:          # train.py's loop, with DCD's step and evaluation
-            loss = dcd_step(run, teacher_fn, cfg, env, *run.loader.next_batch())
-            last = run.it == cfg.max_iters
-            stopping = plumbing.sync_loss_and_stop(run.it, loss, train.lr_at(run.it - 1, cfg))
-            if (run.it % cfg.eval_interval == 0 or last) and not stopping:   # validation DCD loss and NELBO
-                stopping = plumbing.sync_metrics_and_stop(run.it, lambda: evaluate(run, teacher_fn, cfg, data_dir, env),
-                                                          lambda sums: val_metrics(sums, cfg, data_dir, run.it))
-            if run.it % cfg.ckpt_interval == 0 or last or stopping:
-                plumbing.save(run)
-            if stopping:
-                return plumbing.stopped(run)
-        return plumbing.finish(run, lambda: print_samples(run, cfg, init_ckpt, tok, env))
-
+        return train.loop(run, cfg, plumbing, lambda x0, mask: dcd_step(run, teacher_fn, cfg, env, x0, mask),
+                          (lambda: evaluate(run, teacher_fn, cfg, data_dir, env),      # validation DCD loss, NELBO
+                           lambda sums: val_metrics(sums, cfg, data_dir, run.it)),
+                          lambda: print_samples(run, cfg, init_ckpt, tok, env))
 
 def describe(cfg, init_ckpt, base_loss, K, env):
     """The distillation in one line, printed before the progress bar starts."""
