@@ -33,8 +33,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from plumbing.cli import UsageError
 
-class DataError(ValueError):
+
+class DataError(UsageError):
     """Bad dataset / tokenizer input; the message is one line naming the culprit."""
 
 

@@ -61,12 +61,13 @@ from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, res
                           run_cli)
 from data import get_tokenizer, not_a_file
 from diffusion import default_final_step, draw_noise, loss_terms
-from plumbing.checkpoint import ema_weights, load_model, load_tokenizer
+from plumbing.checkpoint import ema_weights
+from trained.checkpoint import load_model, load_tokenizer
 from plumbing.memory import check_fits
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sample_size, check_sampler, check_stride, generate, generate_ar, generate_long, psi_from_flags
-from plumbing.folder import is_model_folder
+from trained.folder import is_model_folder
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
 
@@ -574,7 +575,7 @@ def precision_line(row, cfg):
 
 def run_nelbo(cfg, model, ckpt, device, dtype):
     from data import DataError, check_split, check_tokenizer, eval_batches, load_meta, verify_prepared
-    from plumbing.integrity import check_data_tokenizer
+    from trained.checkpoint import check_data_tokenizer
     recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
     data_dir = cfg.data_dir or recorded
     if not data_dir:

@@ -6,7 +6,7 @@ Two architectures share one class:
   arch="dit"   Duo's DiT (adaLN-Zero time conditioning, bias-free LayerNorm, GELU MLP, zero-init output).
   arch="llama" SMDM's LLaMA-style encoder (RMSNorm, SwiGLU, no time input, untied head).
 time_cond=False gives a DiT without the sigma MLP and adaLN; with causal=True it is the AR baseline.
-Loading checkpoints (this repo's and Duo's released ones) is plumbing/checkpoint.py and plumbing/duo.py.
+Loading checkpoints (this repo's and Duo's released ones) is trained/checkpoint.py and trained/duo.py.
 """
 
 import math

@@ -48,12 +48,12 @@ from corpora import HF_CORPORA, Docs, corpus_fingerprint, load_corpus, start_met
 from data import (PROBE, DataError, DiskFullError, data_identity, file_sha256, file_stat, full_data_key, get_tokenizer,
                   key_digest, load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums,
                   verify_prepared, wrap_blocks)
-from plumbing.checkpoint import check_resume_data
+from trained.checkpoint import check_resume_data
 from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.flags import check_prepare_flags
 from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs
-from plumbing.integrity import check_data_tokenizer
+from trained.checkpoint import check_data_tokenizer
 from plumbing.cli import ignore_stop_signals
 from plumbing.signals import deferred_signals
 

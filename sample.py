@@ -66,7 +66,7 @@ from data import DataError
 from diffusion import FINAL_STEPS, default_final_step
 from kernels.gumbel import sample_categorical
 from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
-from plumbing.checkpoint import load_model, load_tokenizer
+from trained.checkpoint import load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature
 
 

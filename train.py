@@ -24,8 +24,14 @@ import losses
 from data import BatchLoader, DataError, get_tokenizer
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
-from plumbing.run import Run, RunPlumbing, launch_training
+from plumbing.checkpoint import restore
+from plumbing.flags import check_train_flags
+from plumbing.memory import check_run_fits
+from plumbing.run import Run, RunPlumbing, launch
 from prepare import prepare_for_run
+from trained.checkpoint import open_out_dir
+from trained.export import export
+from trained.finetune import start_from
 
 
 @dataclass
@@ -152,7 +158,7 @@ TRAIN_PRESETS.update({name: TRAIN_PRESETS["large"] for name in PRESETS if name.s
 def parse_config(argv=None, given=None):
     """The command line -> TrainConfig, parsed once: the preset (--preset, else default_preset's), the flags given
     over it, and the curriculum's share of the run (curriculum_from_share). given: a dict that receives the flags
-    on the command line (--init's rules need them: plumbing.finetune.start_from)."""
+    on the command line (--init's rules need them: trained.finetune.start_from)."""
     return cli.parse_flags(TrainConfig, argv, __doc__.split("\n\n")[0], presets=TRAIN_PRESETS, given=given,
                            default_preset=default_preset, resolve=curriculum_from_share,
                            preset_note=lambda name: f"its model (--n_layer etc. of 0 take these): "
@@ -173,7 +179,7 @@ def default_preset(given):
 def curriculum_from_share(cfg, given):
     """The curriculum's steps (given: the flags on the command line): --curriculum_iters when given; else, for the
     diffusion losses, round(--curriculum_share x --max_iters): a preset's curriculum (0.5: Duo's 500K of 1M) covers
-    its share of any run (a resumed run keeps its checkpoint's steps: RunPlumbing.open_out_dir). None for the AR
+    its share of any run (a resumed run keeps its checkpoint's steps: trained.checkpoint.open_out_dir). None for the AR
     baseline, nor from a trained model (--init) unless asked for: Duo's curriculum starts from random weights."""
     causal = cfg.loss in diffusion.OBJECTIVES and diffusion.OBJECTIVES[cfg.loss].causal
     if causal and given.get("curriculum_share"):
@@ -306,7 +312,18 @@ def main(argv=None):
     given = {}
     cfg = parse_config(argv, given)
     # every flag and size checked, --init's SOURCE read; then this process in its torchrun job, out_dir locked
-    return launch_training(cfg, given, model_config_for, lambda env, source: train(cfg, env, source))
+    return launch(cfg, lambda where: check_start(cfg, given, where), lambda env, source: train(cfg, env, source))
+
+
+def check_start(cfg, given, where):
+    """Before anything is made: every flag, its data preparation's among them, and no output over an input
+    (plumbing.flags.check_train_flags); the model's shape at any vocabulary and its size against the machine
+    (where: the launch); with --init (or a resumed fine-tuning run) SOURCE read and the flags given (given: those on
+    the command line) checked against it, whose model is then the run's -> that Source, or None."""
+    check_train_flags(cfg, where.world_size)
+    if not cfg.init:                  # with --init the model is SOURCE's (trained.finetune.check_flags)
+        check_run_fits(cfg, model_config_for(cfg, cfg.vocab_size or 2), where)    # impossible, or too large
+    return start_from(cfg, given)
 
 
 def train(cfg, env, source=None):
@@ -317,12 +334,15 @@ def train(cfg, env, source=None):
     cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
     # the model: the flags' (a preset's); fine-tuning: SOURCE's, whose tokenizer must be the data's
     mcfg = source.model_config_for(cfg, data_dir, meta) if source else model_config_for(cfg, meta["vocab_size"])
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, source)
-    ckpt = plumbing.open_out_dir()               # the checkpoint to resume, checked against this run; None: fresh
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, source)
+    ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
     if plumbing.done(ckpt):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
-    plumbing.start_weights(run, ckpt)            # the checkpoint's state; fine-tuning: SOURCE's; else as built
+    if ckpt is not None:                         # the checkpoint's state, to continue bit for bit
+        restore(run, ckpt, env, plumbing.ckpt_path)
+    elif source is not None:                     # fine-tuning: SOURCE's weights, the EMA at them
+        source.start(run)
     plumbing.place_model(run)                    # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     with plumbing.start(run, {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}):

@@ -48,14 +48,16 @@ from plumbing.cli import UsageError, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_record, validation_sums
 from model import ModelConfig
-from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, load_resume_checkpoint, refuse_other_script
+from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, restore
 from plumbing.distributed import compiles
-from plumbing.finetune import read_init, tokenizer_identity
+from trained.finetune import read_init, tokenizer_identity
 from plumbing.integrity import check_tokenizer_identity
 from plumbing.files import refuse_overwrite, run_outputs
 from plumbing.memory import check_run_fits
 from plumbing.run import RunPlumbing, launch
 from plumbing.tracking import require_trackers
+from trained.checkpoint import read_resume
+from trained.export import export
 
 
 @dataclass
@@ -254,7 +256,7 @@ def validate(cfg, world_size):
 
 def load_init(cfg):
     """The model to distil -> (its weights, a checkpoint dict): anything every script's --ckpt reads (a train.py /
-    distillation/distill.py checkpoint, a model folder, duo:PATH; plumbing.finetune.read_init). Refuses the AR
+    distillation/distill.py checkpoint, a model folder, duo:PATH; trained.finetune.read_init). Refuses the AR
     baseline."""
     model, ckpt = read_init(cfg.init, cfg.init_ema)
     if ckpt["model_config"].get("causal"):
@@ -290,23 +292,18 @@ def base_of(cfg, init_ckpt, record, env):
 
 
 def open_out_dir(cfg):
-    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites a checkpoint nor mixes its
-    log with an earlier run's; a resume must find a readable distillation/distill.py checkpoint with the same DCD settings,
-    short of --max_iters. A refused run changes nothing in out_dir."""
-    ckpt = load_resume_checkpoint(cfg)
+    """The checkpoint to resume (None for a fresh run): trained.checkpoint.read_resume's, a distillation/distill.py
+    checkpoint with the same DCD settings. A refused run changes nothing in out_dir."""
+    ckpt = read_resume(cfg, "distillation/distill.py")
     if ckpt is None:
         return None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    refuse_other_script(ckpt, cfg.out_dir, "distillation/distill.py")
-    saved = ckpt.get("distill_config") if isinstance(ckpt, dict) else None
+    saved = ckpt.get("distill_config")
     if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
         raise UsageError(f"cannot resume from {path}: not a distillation/distill.py checkpoint")
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
         raise UsageError(f"cannot resume from {path}: DCD settings differ (saved, now) {diff}")
-    if cfg.max_iters < ckpt["step"]:
-        raise UsageError(f"--max_iters {cfg.max_iters} is below the checkpoint's step {ckpt['step']}; nothing to "
-                         f"resume (raise --max_iters)")
     return ckpt
 
 
@@ -410,13 +407,13 @@ def distill(cfg, env):
         cfg.init = init_ckpt["path"] or cfg.init
         mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt, env)
     base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, what="distillation", label=f"dcd {base_loss}",
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, what="distillation", label=f"dcd {base_loss}",
                            loss_name="DCD loss", extra=lambda: checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
     if plumbing.done(ckpt):
         return 0
     run = train.build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:
-        plumbing.resume(run, ckpt)
+        restore(run, ckpt, env, plumbing.ckpt_path)
     else:
         load_weights(run, weights)
     teacher = make_teacher(run.raw_model)

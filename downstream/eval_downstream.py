@@ -43,7 +43,7 @@ from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offlin
 from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
 from eval_ppl import mean_se
 from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtype, run_cli
-from plumbing.checkpoint import load_model, load_tokenizer
+from trained.checkpoint import load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, check_outputs, refuse_overwrite, save_atomic, signature, text_mark, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, check_stride

@@ -16,7 +16,7 @@ from data import not_a_file
 from diffusion import default_final_step
 from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, Scorer
 from plumbing.cli import UsageError, finite_float, first_line, parse_bool, resolve_device, resolve_dtype
-from plumbing.checkpoint import load_model, load_tokenizer
+from trained.checkpoint import load_model, load_tokenizer
 from sample import check_sampler, check_stride, parse_psi
 
 

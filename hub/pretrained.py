@@ -18,9 +18,9 @@ train.py and distillation/distill.py write out_dir/model at the end of a run; an
 
     python hub/pretrained.py --ckpt out/ckpt.pt --out out/model        # --weights raw: the live weights, not the EMA
 
-and every script's --ckpt reads a folder as it reads a checkpoint (plumbing.checkpoint.load_model). push_to_hub uploads a
-folder (huggingface_hub, an optional package imported only there). The writing is plumbing/export.py's, beside the
-reading (plumbing/folder.py): it never deletes what the project did not write: into an existing model folder it
+and every script's --ckpt reads a folder as it reads a checkpoint (trained.checkpoint.load_model). push_to_hub uploads a
+folder (huggingface_hub, an optional package imported only there). The writing is trained/export.py's, beside the
+reading (trained/folder.py): it never deletes what the project did not write: into an existing model folder it
 replaces only its own files (weights, config, tokenizer, its own model card); a folder holding anything else is
 refused; a README.md of the user's is kept (no card is written then).
 
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing.export import export, folder_config, save_folder
+from trained.export import export, folder_config, save_folder
 from plumbing.files import writing
-from plumbing.folder import CARD, CONFIG, TOKENIZER, WEIGHTS, check_target, is_model_folder, is_our_card
+from trained.folder import CARD, CONFIG, TOKENIZER, WEIGHTS, check_target, is_model_folder, is_our_card
 
 
 # -----------------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class SDDLM:
     def from_pretrained(cls, name, device="cpu", use_ema=True):
         """A model folder, a train.py / distillation/distill.py checkpoint, duo:PATH, or a hub repository id (downloaded with
         huggingface_hub) -> SDDLM. The tokenizer is the folder's own file (or the checkpoint's)."""
-        from plumbing.checkpoint import load_model, load_tokenizer
+        from trained.checkpoint import load_model, load_tokenizer
         name = str(name)
         if not os.path.exists(name) and not name.startswith("duo:"):
             name = snapshot(name)

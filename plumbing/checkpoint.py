@@ -1,27 +1,21 @@
 """Checkpoints: the one state dict a run saves (ckpt.pt to resume, ckpt_<step>.pt to evaluate), writing and
-restoring it, the checks before a resume, and loading a model with its tokenizer for sampling and evaluation.
+restoring it, and the checks before a resume that need no model (what needs one: trained/checkpoint.py).
 A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
 (the last two per rank), plus a script's own entries (distillation/distill.py: distill_config, distilled_from, teacher)."""
 import os
 import pickle
 import warnings
-import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from data import DataError, full_data_key, get_tokenizer, not_a_file
-from model import ModelConfig, build_model
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from plumbing.files import (check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic,
                             written_by_us)
-from plumbing.folder import check_target
 from plumbing.lock import LOCK
-from plumbing.memory import check_model_memory
-from plumbing.integrity import (check_checkpoint_fields, check_config_matches, check_finite_weights,
-                                check_state_fits, check_tokenizer_identity, check_weights, check_zip)
+from plumbing.integrity import check_finite_weights, check_state_fits, check_zip
 from plumbing.signals import deferred_signals
 
 # what a resumed run requires of its checkpoint (save writes them)
@@ -77,7 +71,7 @@ def restore(run, ckpt, env, path="ckpt.pt"):
     try:
         check_resume_state(run, ckpt, path)
         _restore(run, ckpt, env)
-    except (DataError, ConfigError):
+    except UsageError:              # a one-line fault already (the data position: data.DataError)
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"cannot resume: the checkpoint's state does not load ({type(e).__name__}: "
@@ -151,11 +145,11 @@ def read_checkpoint(path, map_location="cpu", mmap=False):
         raise ValueError(f"not a torch checkpoint, or a damaged one ({type(e).__name__}: {first_line(e)})") from None
 
 
-def load_resume_checkpoint(cfg):
-    """What train.py and distillation/distill.py share at start: out_dir writable and cleared of a killed save's temp file;
-    a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
-    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable), refused
-    when out_dir/model, which the run's end writes, holds what is not a model folder of ours (folder.check_target)."""
+def load_resume_checkpoint(cfg, check=None):
+    """What train.py and distillation/distill.py share at start: out_dir writable and cleared of a killed save's temp
+    file; a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
+    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable), check(ckpt,
+    path) first (the model's own checks: trained.checkpoint.read_resume), then its weights finite."""
     check_writable(cfg.out_dir, "--out_dir", folder=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -175,47 +169,14 @@ def load_resume_checkpoint(cfg):
     if not os.path.exists(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     check_run_outputs(cfg.out_dir)       # what the run appends to and replaces: files and folders, no links
-    # the run ends by exporting out_dir/model: a folder there of the user's is refused now, not after the training
-    check_target(os.path.join(cfg.out_dir, "model"), f"--out_dir {cfg.out_dir}: its model folder",
-                 "move them elsewhere, then resume")
     try:
         ckpt = read_checkpoint(path)
     except ValueError as e:
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({e})") from None
-    check_checkpoint_fields(ckpt, path)
+    if check is not None:
+        check(ckpt, path)
     check_finite_weights(ckpt, path)      # one saved after a divergence is no place to continue from
     return ckpt
-
-
-def check_resume_data(cfg, key):
-    """Before any data preparation: a resume asks for the data its checkpoint was trained on (key: prepare.data_key
-    of this run's flags, against the checkpoint's meta['data_key']), so a changed --block_size, --tokenizer,
-    --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
-    weights are read); one that cannot be read this way is left to the full check after preparation."""
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
-        return
-    try:
-        old = full_data_key(read_checkpoint(path, mmap=True)["meta"]["data_key"])
-    except Exception:
-        return
-    flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
-    changed = [k for k, v in full_data_key(key).items() if old.get(k) != v]
-    detail = [f"{flags[k]} {getattr(cfg, flags[k][2:])!r} is another by content" if k in ("corpus", "tokenizer") else
-              f"{flags.get(k, k)} was {old.get(k)!r}, now {key.get(k, 'text')!r}" for k in changed]
-    if changed:
-        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
-                          f"({', '.join(changed)} changed): {'; '.join(detail)}; resume with the flags it was trained "
-                          f"with (its config.json) or start a new run in another --out_dir")
-
-
-def open_out_dir(cfg, mcfg, meta=None):
-    """The checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
-    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
-    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
-    nothing in out_dir."""
-    ckpt = load_resume_checkpoint(cfg)
-    return None if ckpt is None else check_resume(ckpt, cfg, mcfg, meta)
 
 
 def written_by(ckpt):
@@ -241,44 +202,6 @@ def refuse_other_script(ckpt, out_dir, script):
                       f"python {writer} --out_dir {out_dir} --resume 1{also}")
 
 
-def check_resume(ckpt, cfg, mcfg, meta=None):
-    """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
-    tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    refuse_other_script(ckpt, cfg.out_dir, "train.py")
-    missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
-    unknown = sorted(set(ckpt["model_config"]) - set(asdict(mcfg)))
-    if unknown:
-        raise ConfigError(f"cannot resume from {path}: its model_config has keys this model.py does not know: "
-                          f"{', '.join(unknown)}")
-    try:
-        saved = asdict(ModelConfig(**ckpt["model_config"]))   # fields added since it was saved take their defaults
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"cannot resume from {path}: its model_config is invalid ({e})") from None
-    if saved != asdict(mcfg):
-        diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
-        raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
-    old_meta = ckpt.get("meta") or {}
-    by_content = meta is not None and old_meta.get("tokenizer_sha256") and meta.get("tokenizer_sha256")
-    for k in ("loss", "batch_size") + (() if by_content else ("tokenizer",)):
-        if ckpt["train_config"].get(k) != getattr(cfg, k):
-            raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'].get(k)!r}, now "
-                              f"{getattr(cfg, k)!r}")
-    if by_content and old_meta["tokenizer_sha256"] != meta["tokenizer_sha256"]:
-        raise ConfigError(f"cannot resume from {path}: the tokenizer's content differs from the checkpoint's (sha256 "
-                          f"{old_meta['tokenizer_sha256'][:12]}..., now {meta['tokenizer_sha256'][:12]}...)")
-    if meta is not None and old_meta.get("data_key") and old_meta["data_key"] != meta.get("data_key"):
-        diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
-        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
-                          f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
-    if cfg.max_iters < ckpt["step"]:
-        raise ConfigError(f"--max_iters {cfg.max_iters} is below the checkpoint's step {ckpt['step']}; nothing to "
-                          f"resume (raise --max_iters)")
-    return ckpt
-
-
 @contextmanager
 def ema_weights(run):
     """Evaluate or sample with the EMA weights: swap them into the model, and back on exit. A signal that
@@ -301,84 +224,9 @@ def ema_weights(run):
                 swap()
 
 
-# -----------------------------------------------------------------------------------------------
-# a trained model and its tokenizer, for sampling and evaluation
-
-def load_checkpoint(path, device="cpu", use_ema=True):
-    """Checkpoint written by train.py -> (model in eval mode, checkpoint dict). Uses the EMA weights when
-    use_ema and the checkpoint has them. Read with weights_only=True: a checkpoint holds tensors, dicts, lists
-    and numbers only (RNG states are tensors), so loading one runs no code."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(not_a_file(path, f"checkpoint not found: {path}", "the checkpoint"))
-    try:
-        ckpt = read_checkpoint(path, device)
-    except ValueError as e:
-        raise ValueError(f"could not read checkpoint {path}: {e}; use another copy of it") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
-    check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
-    mcfg, state = checked_weights(ckpt, path, use_ema)
-    check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
-    model = build_model(mcfg)
-    for name in ("model", "ema"):        # both sets, the one not used too: a damaged file is refused whole
-        if ckpt.get(name) is not None:
-            check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
-    return model.to(device).eval(), ckpt
-
-
 def weight_set(ckpt, name):
     """The checkpoint's weight set `name` ("model", "ema", "teacher"), a torch.compile'd model's "_orig_mod." prefix
     dropped."""
     return {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()}
 
 
-def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
-    """A checkpoint's weights to load (its EMA's when use_ema and it has them, else the model's; a torch.compile'd
-    model's "_orig_mod." prefix dropped), checked before a model is built: floating-point and finite, and as many
-    blocks and as wide an embedding as its model_config says -> (ModelConfig, state dict)."""
-    ema = use_ema and ckpt.get("ema") is not None
-    state = weight_set(ckpt, "ema" if ema else "model")
-    check_weights(state, path, "ema" if ema else "model", error)
-    if ckpt.get("ema") is not None:      # the set not used is checked too: a damaged file is refused whole
-        other = weight_set(ckpt, "model" if ema else "ema")
-        check_weights(other, path, "model" if ema else "ema", error)
-    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
-    check_config_matches(mcfg, state, path, "model_config.")
-    return mcfg, state
-
-
-def load_model(path, device, use_ema=True):
-    """load_checkpoint (or, for "duo:PATH_OR_HUB_NAME", plumbing.duo.load_duo_checkpoint: one of Duo's released
-    checkpoints; a folder: plumbing.folder.load_folder, a model folder) with its errors as UsageError (one line)
-    -> (model in eval mode, checkpoint)."""
-    from plumbing.duo import load_duo_checkpoint
-    from plumbing.folder import load_folder
-    try:
-        if path.startswith("duo:"):
-            return load_duo_checkpoint(path[len("duo:"):], device=device, use_ema=use_ema)
-        if os.path.isdir(path):                    # a model folder (hub/pretrained.py): safetensors + config.json
-            return load_folder(path, device=device, use_ema=use_ema)
-        return load_checkpoint(path, device=device, use_ema=use_ema)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    except TypeError as e:    # a model_config with keys this ModelConfig does not know
-        raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
-
-
-def load_tokenizer(ckpt, path=None):
-    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason. One that loads
-    but is not the tokenizer the checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the
-    file; path: the checkpoint's, for that message."""
-    spec = (ckpt.get("meta") or {}).get("tokenizer")
-    if spec is None:
-        return None, "the checkpoint has no meta['tokenizer']"
-    try:
-        tok = get_tokenizer(spec)
-    except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
-        return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {first_line(e)})"
-    check_tokenizer_identity(tok, ckpt, path or "the checkpoint")
-    return tok, None

@@ -78,7 +78,7 @@ def write_failure(e, path, then=""):
 
 
 def writing(path, write, *args, then=""):
-    """write(*args), which writes `path` (a file or a folder, e.g. plumbing.export.export): a write that fails for
+    """write(*args), which writes `path` (a file or a folder, e.g. trained.export.export): a write that fails for
     lack of space or another OS fault, in whatever error its library raises, -> one OSError (write_failure);
     any other error passes through."""
     try:
@@ -94,7 +94,7 @@ def writing(path, write, *args, then=""):
 
 def remove_stale_temps(path):
     """Remove the temp files and folders of `path` left by writers that no longer run (killed half-way): save_atomic's
-    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (plumbing.export.save_folder) and a preparation's
+    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (trained.export.save_folder) and a preparation's
     <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). A living writer's (this process's included) are kept."""
     folder, name = os.path.dirname(path) or ".", os.path.basename(os.path.normpath(path))
     if os.name != "posix" or not os.path.isdir(folder):      # os.kill(pid, 0) probes a process only on POSIX
@@ -132,7 +132,7 @@ def pid_alive(pid):
     return True
 
 
-# what a train.py / distillation/distill.py run writes into its out_dir (runlog, checkpoint, plumbing.export, tracking)
+# what a train.py / distillation/distill.py run writes into its out_dir (runlog, checkpoint, trained.export, tracking)
 RUN_OUTPUTS = ("ckpt.pt", "ckpt_*.pt", "config.json", "log.jsonl", "model", "tensorboard", "wandb_run_id", "wandb",
                ".lock")
 RUN_FOLDERS = ("model", "tensorboard", "wandb")
@@ -259,7 +259,7 @@ def check_appendable(path, flag, keys, writer):
 
 WRITTEN_BY = "written_by"       # the field every JSON output (and JSONL record) carries: "sddlm <script>"
 TEXT_MARK = "<!-- written by sddlm"   # the first line of a text output (markdown): a comment no renderer shows
-# a model card's second part starts with this line (plumbing/folder.py): a README.md without it is the user's, and is
+# a model card's second part starts with this line (trained/folder.py): a README.md without it is the user's, and is
 # never replaced
 CARD_MARK = ("<!-- sddlm model card, written by hub/pretrained.py and replaced by the next export into this folder; "
              "delete this line to keep the file as your own -->")

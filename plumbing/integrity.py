@@ -1,8 +1,8 @@
-"""What a script checks before it trusts what it reads: a checkpoint's fields have the types and values its writer
-gave them (its model config is one this model.py builds), its bytes are the ones written (the zip's CRC-32s, a model
-folder's recorded sha256), its weights are floating-point and finite, the tokenizer is the one its ids came from;
-and the rule by which a training loss counts as diverged. Each failure is one line naming the field or file and the
-fix."""
+"""What a script checks before it trusts what it reads, whatever the model: a field has the type its writer gave it,
+the bytes are the ones written (the zip's CRC-32s, a model folder's recorded sha256), weights are floating-point,
+finite and of the shapes wanted, the tokenizer is the one its ids came from; and the rule by which a training loss
+counts as diverged. Each failure is one line naming the field or file and the fix. The checks that need the model's
+own config live beside it (trained/checkpoint.py)."""
 import hashlib
 import math
 import os
@@ -25,23 +25,23 @@ def _type_name(value):
 CHECKPOINT_FIX = "the checkpoint was damaged or written by other code: use another checkpoint"
 
 
-def _expect(ok, path, field, value, wanted, error=ConfigError, fix=CHECKPOINT_FIX):
+def expect(ok, path, field, value, wanted, error=ConfigError, fix=CHECKPOINT_FIX):
     """Not ok -> error: '{path}: its field {field} holds {value} ({type}), not {wanted}; {fix}'."""
     if not ok:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise error(f"{path}: its field {field} holds {shown} ({_type_name(value)}), not {wanted}; {fix}")
 
 
-def _is_int(v):
+def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _fits(value, annotation):
+def fits(value, annotation):
     """value has the type a dataclass field declares (int: not a bool; float: int or float; None where the
     default is None)."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     if kind == "int":
-        return _is_int(value)
+        return is_int(value)
     if kind == "float":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "bool":
@@ -51,96 +51,18 @@ def _fits(value, annotation):
     return True
 
 
-def _check_dataclass_fields(config, cls, path, name, error):
+def check_dataclass_fields(config, cls, path, name, error):
     """Every key of `config` that is a field of `cls` has that field's type (unknown keys are the caller's)."""
     for f in fields(cls):
         if f.name in config and not (config[f.name] is None and f.default is None):
-            _expect(_fits(config[f.name], f.type), path, f"{name}.{f.name}", config[f.name], f.type if
+            expect(fits(config[f.name], f.type), path, f"{name}.{f.name}", config[f.name], f.type if
                     isinstance(f.type, str) else f.type.__name__, error)
 
 
-def _check_tensors(state, path, name, error):
-    _expect(isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+def check_tensors(state, path, name, error):
+    expect(isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                             for k, v in state.items()), path, name, state,
             "a dict of named tensors", error)
-
-
-# the train_config fields that readers of a checkpoint use (resume checks, samplers, distillation/distill.py)
-TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str", "dataset": "str", "data_dir": "str",
-                      "batch_size": "int", "block_size": "int", "max_iters": "int", "wrap": "bool"}
-
-
-def check_checkpoint_fields(ckpt, path, error=ConfigError):
-    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes: model (and ema, teacher)
-    dicts of tensors, model_config a dict whose known fields have ModelConfig's types, train_config a dict (the fields
-    readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the tokenizer a
-    string), step and n_ema ints >= 0.
-    Otherwise `error` (a UsageError: one line naming the field)."""
-    from model import ModelConfig
-    _expect(isinstance(ckpt, dict), path, "(the whole file)", ckpt, "a dict", error)
-    if "model" in ckpt:
-        _check_tensors(ckpt["model"], path, "model", error)
-    for name in ("ema", "teacher"):
-        if ckpt.get(name) is not None:
-            _check_tensors(ckpt[name], path, name, error)
-    if "model_config" in ckpt:
-        _expect(isinstance(ckpt["model_config"], dict), path, "model_config", ckpt["model_config"], "a dict", error)
-        _check_dataclass_fields(ckpt["model_config"], ModelConfig, path, "model_config", error)
-        checked_model_config(ckpt["model_config"], path, "model_config.", error=error)
-    if ckpt.get("train_config") is not None:
-        config = ckpt["train_config"]
-        _expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
-        for k, kind in TRAIN_CONFIG_TYPES.items():
-            if config.get(k) is not None:
-                _expect(_fits(config[k], kind), path, f"train_config.{k}", config[k], kind, error)
-        check_train_config_values(config, path, "train_config.", error)
-    for name in ("meta", "optimizer", "distill_config", "distilled_from"):
-        if ckpt.get(name) is not None:
-            _expect(isinstance(ckpt[name], dict), path, name, ckpt[name], "a dict", error)
-    meta = ckpt.get("meta") or {}
-    for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "block_size"):
-        if meta.get(k) is not None:
-            _expect(_is_int(meta[k]) and meta[k] >= (1 if k in ("vocab_size", "block_size") else 0), path,
-                    f"meta.{k}", meta[k], "an int >= 1" if k in ("vocab_size", "block_size") else "an int >= 0", error)
-    for k in ("tokenizer", "tokenizer_sha256"):
-        if meta.get(k) is not None:
-            _expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)
-    if meta.get("data_key") is not None:
-        _expect(isinstance(meta["data_key"], dict), path, "meta.data_key", meta["data_key"], "a dict", error)
-    for k in ("step", "n_ema"):
-        if ckpt.get(k) is not None:
-            _expect(_is_int(ckpt[k]) and ckpt[k] >= 0, path, k, ckpt[k], "an int >= 0", error)
-
-
-def checked_model_config(config, path, prefix="model_config.", error=ConfigError, fix="use another checkpoint"):
-    """A model config read from disk (a checkpoint's model_config, a model folder's config.json, Duo's) -> ModelConfig,
-    validated as the same flags are on the command line (ModelConfig.__post_init__: types, ranges, heads that split
-    the width). A field it does not know or a bad value -> `error` naming the file and the field (prefix: how the
-    file nests it, "model_config." in a checkpoint, "" in a flat config.json)."""
-    from model import ModelConfig
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise error(f"{path}: its {prefix.rstrip('.') or 'model config'} has keys this model.py does not know: "
-                    f"{', '.join(unknown)} (written by other code or another version); {fix}")
-    try:
-        return ModelConfig(**config)
-    except (TypeError, ValueError) as e:
-        raise error(f"{path}: {prefix}{e}; the file was damaged or edited: {fix}") from None
-
-
-def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECKPOINT_FIX):
-    """The values readers act on, checked as their flags are: the objective (train.py --loss), the noise schedule
-    (--noise_schedule), the sizes (--block_size, --batch_size, --max_iters >= 1)."""
-    import diffusion
-    checks = {"loss": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
-              "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
-              "block_size": (lambda v: _is_int(v) and v >= 2, "an int >= 2"),
-              "batch_size": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
-              "max_iters": (lambda v: _is_int(v) and v >= 1, "an int >= 1")}
-    for k, (ok, wanted) in checks.items():
-        if config.get(k) is not None:
-            _expect(ok(config[k]), path, prefix + k, config[k], wanted, error, fix)
 
 
 def check_config_matches(mcfg, state, path, prefix, weights="its weights", fix="use another checkpoint"):
@@ -294,42 +216,6 @@ def check_tokenizer_identity(tok, ckpt, path, fix=None):
         diff.append(f"vocab_size {tok.vocab_size} > the model's {model_vocab}")
     if diff:
         raise UsageError(f"{where} is not the tokenizer {path} was trained with ({'; '.join(diff)}); {fix}")
-
-
-def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True):
-    """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
-    (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
-    given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
-    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text).
-    need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
-    check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
-    line naming the folder and the fix)."""
-    from data import DataError, check_tokenizer, get_tokenizer
-    record = (ckpt or {}).get("meta") or {}
-    ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
-    fix = f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its tokenizer"
-    if ours and theirs and ours != theirs:
-        raise UsageError(f"{data_dir} was prepared with another tokenizer ({meta.get('tokenizer')}, sha256 "
-                         f"{ours[:12]}...) than {path} was trained with (sha256 {theirs[:12]}...); {fix}")
-    try:
-        tok = get_tokenizer(meta["tokenizer"])
-    except DataError:
-        if need_tokenizer:
-            raise
-        return None
-    own = dict(vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    diff = [f"{k} {meta.get(k)!r}, its tokenizer's {v!r}" for k, v in own.items() if meta.get(k) != v]
-    if not diff:
-        try:
-            check_tokenizer(meta, tok)         # the probe text's ids and the content hash
-        except DataError:
-            diff = ["the tokenizer's ids or content"]
-    if diff:
-        raise DataError(f"{os.path.join(data_dir, 'meta.json')} does not describe its tokenizer {meta['tokenizer']} "
-                        f"({'; '.join(diff)}: edited?); delete {data_dir} to prepare it again")
-    if ckpt is not None:
-        check_tokenizer_identity(tok, ckpt, path, fix=f"{data_dir} was prepared with it; {fix}")
-    return tok
 
 
 # -----------------------------------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""The run's plumbing behind one face, for the two training loops (train.py, distillation/distill.py): the launch
-(launch, launch_training: the launch environment and every flag checked before anything is made, then this process
-in its place of a torchrun job, out_dir locked for the whole process), the run's state (Run) and RunPlumbing: out_dir
-opened (the checkpoint to resume), where the weights start (that checkpoint, a trained model, or as built), the model
-placed for the run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the
-checkpoints and what they record, the model folder exported at the end (a full disk: one line, the checkpoint kept),
-the lines printed before, during (the curriculum's end) and after; and the stop signals and the divergence rule that
-decide when a run stops. Each method is named for what the loop does and takes what the loop knows; how is here, in
-the rooms it calls."""
+"""The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch (the launch
+environment checked, then the script's own checks before anything is made, then this process in its place of a
+torchrun job, out_dir locked for the whole process), the run's state (Run) and RunPlumbing: the model placed for the
+run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the checkpoints and what
+they record, the model folder exported at the end by the script's export (a full disk: one line, the checkpoint
+kept), the lines printed before, during (the curriculum's end) and after; and the stop signals and the divergence
+rule that decide when a run stops. Each method is named for what the loop does and takes what the loop knows; how
+is here, in the rooms it calls. Nothing here knows the model or the objective: what a script's run needs of them
+comes in as a value or a callable."""
 import math
 import os
 from contextlib import ExitStack
@@ -14,15 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from plumbing.checkpoint import keep_checkpoint, open_out_dir, restore, save
+from plumbing.checkpoint import keep_checkpoint, save
 from plumbing.cli import Interrupted
 from plumbing.distributed import agree, any_rank, check_launch, compiles, run_distributed, wrap_model
-from plumbing.export import export
 from plumbing.files import write_json, writing
-from plumbing.finetune import start_from
-from plumbing.flags import check_train_flags
 from plumbing.integrity import DivergenceRule
-from plumbing.memory import check_run_fits, fit_micro_batch
+from plumbing.memory import fit_micro_batch
 from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines
 from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
 
@@ -38,20 +35,6 @@ def launch(cfg, check, work):
     -> work's exit code."""
     start = check(check_launch(cfg))
     return run_distributed(cfg, lambda env: work(env, start))
-
-
-def launch_training(cfg, given, model_config, work):
-    """train.py's launch, checking every flag, its data preparation's among them, and no output over an input
-    (plumbing.flags.check_train_flags); the model's shape at any vocabulary (model_config(cfg, vocab_size) ->
-    ModelConfig, else ConfigError) and its size against the machine (plumbing.memory.check_run_fits); with --init
-    (or a resumed fine-tuning run) reading SOURCE and checking the flags given against it, whose model is then the
-    run's (plumbing.finetune.start_from; given: the flags on the command line) -> work(env, that Source or None)."""
-    def check(where):
-        check_train_flags(cfg, where.world_size)
-        if not cfg.init:                  # with --init the model is SOURCE's (plumbing.finetune.check_flags)
-            check_run_fits(cfg, model_config(cfg, cfg.vocab_size or 2), where)    # impossible, or too large
-        return start_from(cfg, given)
-    return launch(cfg, check, work)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -77,14 +60,16 @@ class RunPlumbing:
     """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig: out_dir,
     max_iters, the intervals, the trackers, ...); env: where this process runs (plumbing.distributed.Env); mcfg,
     meta: the model's config and the data's meta, which every checkpoint records; source: the trained model a
-    fine-tuning run starts from (plumbing.finetune.Source: its weights, and where the run started, which config.json,
+    fine-tuning run starts from (trained.finetune.Source: its weights, and where the run started, which config.json,
     the start lines and every checkpoint record), or None. what: "training" | "distillation", in the lines it
     prints; label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a
     divergence names it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's
-    teacher; default: source's)."""
+    teacher; default: source's); export(ckpt_path, folder) writes the model folder of a finished run
+    (trained.export.export)."""
 
-    def __init__(self, cfg, env, mcfg, meta, source=None, what="training", label=None, loss_name="loss", extra=None):
-        self.cfg, self.env, self.mcfg, self.meta, self.source = cfg, env, mcfg, meta, source
+    def __init__(self, cfg, env, mcfg, meta, export, source=None, what="training", label=None, loss_name="loss",
+                 extra=None):
+        self.cfg, self.env, self.mcfg, self.meta, self.source, self.export = cfg, env, mcfg, meta, source, export
         self.what, self.label, self.loss_name = what, label or cfg.loss, loss_name
         self.extra = extra or (source.extra if source is not None else None)
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -94,16 +79,6 @@ class RunPlumbing:
     # -------------------------------------------------------------------------------------------
     # before the loop
 
-    def open_out_dir(self):
-        """train.py's out_dir, before anything is written there: a fresh run never overwrites a checkpoint nor mixes
-        its log with an earlier run's; a resume's checkpoint must match this run (plumbing.checkpoint.open_out_dir).
-        -> the checkpoint to resume, or None. A resumed run whose curriculum came from its share (--curriculum_share)
-        keeps the steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
-        ckpt = open_out_dir(self.cfg, self.mcfg, self.meta)
-        if ckpt is not None and self.cfg.curriculum_share:
-            self.cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", self.cfg.curriculum_iters)
-        return ckpt
-
     def done(self, ckpt):
         """Whether the checkpoint resumed (None: a fresh run) is already at --max_iters: then nothing is trained and
         config.json is left as it is; the model folder that the stopped run did not export (a full disk) is
@@ -112,23 +87,10 @@ class RunPlumbing:
             return False
         if self.env.master:
             if not os.path.isdir(self.model_dir):
-                self.export_model()
+                writing(self.model_dir, self.export, self.ckpt_path, self.model_dir)
             print(f"{self.ckpt_path} is already at step {self.cfg.max_iters} = --max_iters; nothing to do (raise "
                   f"--max_iters to go on)")
         return True
-
-    def start_weights(self, run, ckpt):
-        """Where the run's weights start: the checkpoint's state, to continue bit for bit (resume); else SOURCE's
-        weights, the EMA at them (fine-tuning: plumbing.finetune.Source.start); else as build_run made them."""
-        if ckpt is not None:
-            self.resume(run, ckpt)
-        elif self.source is not None:
-            self.source.start(run)
-
-    def resume(self, run, ckpt):
-        """The checkpoint's state into the run: weights, EMA, optimizer, step, this rank's data position and RNG
-        states (plumbing.checkpoint.restore), so the run continues bit for bit."""
-        restore(run, ckpt, self.env, os.path.join(self.cfg.out_dir, "ckpt.pt"))
 
     def place_model(self, run, probe=True):
         """The model as the run trains and evaluates it: with probe, on CUDA, the micro-batch probe first
@@ -204,13 +166,8 @@ class RunPlumbing:
             self.logged_step = step
             self.loss_sum.zero_()
         if step == self.curriculum_end < cfg.max_iters:      # the loss jumps here: the log says why
-            self.event(step, "curriculum_end", curriculum_end_note(cfg, self.mcfg.vocab_size))
+            self.log.event(step, "curriculum_end", curriculum_end_note(cfg, self.mcfg.vocab_size))
         return stopping
-
-    def event(self, step, name, message):
-        """A change in what the run does after step `step` (e.g. "curriculum_end": the loss jumps there), said on the
-        console and logged (runlog.Log.event), so that the curves can mark it."""
-        self.log.event(step, name, message)
 
     def sync_metrics_and_stop(self, step, sums, metrics):
         """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons
@@ -259,9 +216,9 @@ class RunPlumbing:
         abandons them: exit code 130), the trackers closed, then the finish lines. -> the exit code, 0."""
         self.log.close()
         folder = None
-        if self.env.master:
-            folder = self.export_model(then=f"{self.ckpt_path} is saved: free space and run the same command with "
-                                            f"--resume 1")
+        if self.env.master:        # a full disk: one line (plumbing.files.writing), the checkpoint kept
+            folder, _ = writing(self.model_dir, self.export, self.ckpt_path, self.model_dir,
+                                then=f"{self.ckpt_path} is saved: free space and run the same command with --resume 1")
         try:
             with interruptible(self.stop):
                 if self.env.master and self.cfg.num_samples > 0:
@@ -272,10 +229,3 @@ class RunPlumbing:
         if self.env.master:                  # last, after the trackers have closed
             print(finish_lines(self.cfg, self.what, run.it, self.ckpt_path, folder))
         return 0
-
-    def export_model(self, then=""):
-        """out_dir/model from the checkpoint (the shareable model folder: plumbing.export.export). A write that fails
-        for want of space or another fault of the OS -> one OSError (plumbing.files.writing: what failed, the free
-        space, what is kept, and `then`). -> the folder."""
-        folder, _ = writing(self.model_dir, export, self.ckpt_path, self.model_dir, then=then)
-        return folder

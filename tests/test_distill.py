@@ -482,19 +482,18 @@ def test_a_full_disk_at_the_model_export_is_one_line_and_resume_exports(base_ckp
     import errno
     out = tmp_path / "dcd"
     args = DCD + ["--out_dir", str(out), "--max_iters", "3"]
-    import plumbing.run
-    real = plumbing.run.export                  # the face's export (RunPlumbing.export_model)
+    real = distill.export                       # the export RunPlumbing calls at the end
 
     def full_disk(ckpt, folder):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
-    monkeypatch.setattr(plumbing.run, "export", full_disk)
+    monkeypatch.setattr(distill, "export", full_disk)
     with pytest.raises(OSError) as e:
         distill.main(["--init", str(base_ckpts / "duo" / "ckpt.pt")] + args)
     assert e.value.strerror.startswith(f"could not write {out / 'model'} (No space left on device")
     assert e.value.strerror.endswith(f"{out / 'ckpt.pt'} is saved: free space and run the same command with --resume 1")
     before = load(out / "ckpt.pt")
     assert before["step"] == 3 and not (out / "model").exists()
-    monkeypatch.setattr(plumbing.run, "export", real)
+    monkeypatch.setattr(distill, "export", real)
     assert distill.main(args + ["--resume", "1"]) == 0
     assert json.loads((out / "model" / "config.json").read_text())["step"] == 3
     assert all(torch.equal(v, load(out / "ckpt.pt")["model"][k]) for k, v in before["model"].items())

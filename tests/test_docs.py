@@ -152,7 +152,7 @@ FILE_NAME = re.compile(r"\.(py|pt|json|jsonl|md|bin|safetensors|sh|txt|gz|model|
 
 
 def project_module(dotted):
-    """'plumbing.duo' -> True when it is a file of this repository (plumbing/duo.py), else False."""
+    """'trained.duo' -> True when it is a file of this repository (trained/duo.py), else False."""
     return os.path.isfile(os.path.join(ROOT, *dotted.split(".")) + ".py")
 
 

@@ -1,4 +1,4 @@
-"""Duo's released checkpoints load into model.py's DiT through plumbing.duo.DUO_KEYS: a state dict fabricated with Duo's
+"""Duo's released checkpoints load into model.py's DiT through trained.duo.DUO_KEYS: a state dict fabricated with Duo's
 parameter names, order and shapes (s-sahoo/duo models/dit.py: DIT, DDiTBlock, DDiTFinalLayer; the AR baseline's
 DDiTBlockCausal) gives the logits of an independent float64 forward written here from those tensors by their
 Duo names; the Lightning EMA ("shadow_params") is used when asked; anything unknown is refused."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from plumbing.cli import UsageError
-from plumbing import duo
-from plumbing.checkpoint import load_model
+from trained import duo
+from trained.checkpoint import load_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 

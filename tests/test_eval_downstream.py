@@ -21,7 +21,7 @@ import torch
 from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scoring
 from data import get_tokenizer
 from model import ModelConfig, build_model
-from plumbing.checkpoint import load_checkpoint
+from trained.checkpoint import load_checkpoint
 from sample import generate_long
 from conftest import reduction_tol
 

@@ -13,7 +13,7 @@ import train
 from data import load_meta
 from eval_ppl import GEN_GROUPS, entropy, gen_ppl, load_judge
 from model import PRESETS, DiffusionTransformer, ModelConfig
-from plumbing.checkpoint import load_checkpoint
+from trained.checkpoint import load_checkpoint
 from plumbing.cli import ConfigError
 from sample import generate
 from test_train import TINY, _corpus

@@ -48,7 +48,7 @@ def source(tmp_path_factory):
     config.json and a flat backbone.* state dict, as tests/test_duo_checkpoint.py builds one), and its live weights
     as a model folder."""
     import random
-    from plumbing.export import export
+    from trained.export import export
     d = tmp_path_factory.mktemp("finetune")
     rng = random.Random(0)
     nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
@@ -119,7 +119,7 @@ def test_a_run_from_a_checkpoint_starts_at_its_validation_numbers_and_records_it
 @pytest.mark.parametrize("kind", ["folder", "duo"])
 def test_a_run_from_a_model_folder_or_a_duo_checkpoint_starts_at_the_sources_numbers(kind, source, tmp_path):
     """The model folder SOURCE's run wrote (EMA weights) and the same weights in Duo's layout, read through
-    plumbing.duo's map: both evaluate at step 0 to SOURCE's last validation. Duo's objective fine-tuned with
+    trained.duo's map: both evaluate at step 0 to SOURCE's last validation. Duo's objective fine-tuned with
     another (sddlm_v1: its val_loss is V1's, the NELBO the same estimator); a Duo checkpoint of a vocabulary Duo
     never released (320) records no tokenizer, so the run is given it."""
     spec = source["folder"] if kind == "folder" else "duo:" + source["duo"]

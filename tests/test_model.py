@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from model import (PRESETS, SMDM_LADDER, DiffusionTransformer, ModelConfig, apply_rope, build_model, rope_cos_sin,
                    timestep_embedding)
-from plumbing.checkpoint import load_checkpoint
+from trained.checkpoint import load_checkpoint
 
 TINY = dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, cond_dim=16)
 # FORWARD64: a float64 forward of TINY (random_model: weights ~0.3, activations and logits <= 30) against another

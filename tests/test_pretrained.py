@@ -1,4 +1,4 @@
-"""Model folders (hub/pretrained.py; written by plumbing/export.py, read by plumbing/folder.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
+"""Model folders (hub/pretrained.py; written by trained/export.py, read by trained/folder.py): the folder holds exactly the checkpoint's EMA (or live) tensors, gives the
 checkpoint's logits and samples, carries its own tokenizer and refuses another one, samples with the schedule
 and final step its config names, scores text with the NELBO (exact NLL for the AR baseline, checked by brute
 force), uploads offline to a stand-in hub and loads back from it; every script's --ckpt reads it."""
@@ -20,9 +20,9 @@ import losses
 from hub import pretrained
 import sample
 from model import ModelConfig, build_model
-from plumbing.checkpoint import load_checkpoint, load_model
-from plumbing.export import export
-from plumbing.folder import is_model_folder
+from trained.checkpoint import load_checkpoint, load_model
+from trained.export import export
+from trained.folder import is_model_folder
 from hub.pretrained import SDDLM
 from conftest import unit_roundoff
 from test_losses import usdm_sizes

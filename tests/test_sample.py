@@ -613,7 +613,7 @@ def test_default_out_is_samples_jsonl_beside_the_checkpoint_or_model_folder_neve
     there that sample.py did not write is refused (one line) and left as it was."""
     import shutil
     import sample
-    from plumbing.export import export
+    from trained.export import export
     from plumbing.cli import UsageError
     ckpt, _ = tiny_ckpt
     run, elsewhere, other = tmp_path / "run", tmp_path / "elsewhere", tmp_path / "other"

@@ -171,10 +171,10 @@ MUTATIONS = [
       old="if writer is None or writer == script:", new="if True:",
       tests=["tests/test_faults2.py::test_resume_refuses_the_other_scripts_folder"]),
     # --- fine-tuning: train.py --init SOURCE ------------------------------------------------------------------------
-    M(name="finetune_ema_starts_at_random_weights", file="plumbing/finetune.py",
+    M(name="finetune_ema_starts_at_random_weights", file="trained/finetune.py",
       old="e.copy_(p.detach())", new="pass",
       tests=["tests/test_finetune.py::test_a_run_from_a_checkpoint_starts_at_its_validation_numbers_and_records_it"]),
-    M(name="finetune_resume_forgets_its_source", file="plumbing/finetune.py",
+    M(name="finetune_resume_forgets_its_source", file="trained/finetune.py",
       old="source = resumed_source(cfg.out_dir)", new="source = None",
       tests=["tests/test_finetune.py::test_a_resumed_fine_tuning_run_continues_bit_identically"]),
     M(name="finetune_runs_the_presets_curriculum", file="train.py",

@@ -10,7 +10,8 @@ import torch
 
 from model import build_model
 from plumbing.cli import first_line
-from plumbing.integrity import check_weights, check_zip, checked_model_config
+from plumbing.integrity import check_weights, check_zip
+from trained.fields import checked_model_config
 from plumbing.memory import check_model_memory
 
 
@@ -38,7 +39,7 @@ def duo_key(name):
     for pattern, ours in DUO_KEYS:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, ours, name)
-    raise ValueError(f"unexpected parameter {name!r} in a Duo checkpoint (not in plumbing.duo.DUO_KEYS)")
+    raise ValueError(f"unexpected parameter {name!r} in a Duo checkpoint (not in trained.duo.DUO_KEYS)")
 
 
 def duo_state_dict(state, ema_params=None):

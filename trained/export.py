@@ -1,5 +1,5 @@
 """Writing a model folder (model.safetensors + config.json + the tokenizer's file + the README.md model card), the
-other side of plumbing/folder.py, which reads one: export (any checkpoint -> a folder: hub/pretrained.py's command,
+other side of trained/folder.py, which reads one: export (any checkpoint -> a folder: hub/pretrained.py's command,
 and the model folder at the end of a train.py or distillation/distill.py run, plumbing.run.RunPlumbing), save_folder
 (the write itself: nothing the project did not write is replaced, the folder appears whole or not at all),
 folder_config (config.json's content) and model_card (README.md, with the validation the run measured)."""
@@ -9,10 +9,10 @@ import shutil
 import sys
 
 from diffusion import default_final_step
-from plumbing.checkpoint import load_model
+from trained.checkpoint import load_model
 from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, remove_stale_temps
-from plumbing.folder import (CARD, CONFIG, FORMAT, MODEL_TYPE, TOKENIZER, WEIGHTS, _sha256, check_target, is_our_card,
+from trained.folder import (CARD, CONFIG, FORMAT, MODEL_TYPE, TOKENIZER, WEIGHTS, check_target, is_our_card,
                              our_files)
 from plumbing.integrity import sha256_file
 from plumbing.signals import deferred_signals
@@ -186,10 +186,10 @@ def save_folder(folder, state, config, name=None):
         if not os.path.isfile(source):
             raise UsageError(f"the tokenizer file {source} is missing: a model folder carries its tokenizer; "
                              f"put the file back (or re-export from a copy of it)")
-        if tok.get("sha256") and _sha256(source) != tok["sha256"]:
+        if tok.get("sha256") and sha256_file(source) != tok["sha256"]:
             raise UsageError(f"{source} is not the tokenizer this model was trained with (sha256 "
-                             f"{_sha256(source)[:12]}..., recorded {tok['sha256'][:12]}...)")
-        tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=tok.get("sha256") or _sha256(source))
+                             f"{sha256_file(source)[:12]}..., recorded {tok['sha256'][:12]}...)")
+        tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=tok.get("sha256") or sha256_file(source))
     folder = os.path.normpath(folder)
     check_target(folder)
     existing = os.path.isdir(folder) and bool(os.listdir(folder))

@@ -1,5 +1,5 @@
 """A run that starts from a trained model (train.py --init SOURCE: fine-tuning). SOURCE is read by the one loader
-of every script's --ckpt (plumbing.checkpoint.load_model: a train.py or distill.py checkpoint, a model folder,
+of every script's --ckpt (trained.checkpoint.load_model: a train.py or distill.py checkpoint, a model folder,
 duo:PATH or duo:HUB_NAME); the run takes its architecture, its tokenizer and its block size, refuses the flags that
 contradict them, starts from its weights (the EMA at the same weights) and records where it started. The
 optimizer, the schedule, the step count and the EMA are the run's own, fresh. A fine-tuning run resumed with
@@ -55,9 +55,9 @@ class Source:
 
     def check_data(self, data_dir, meta):
         """The prepared data's tokenizer is SOURCE's, as every reader of a prepared folder checks it
-        (plumbing.integrity.check_data_tokenizer: by content where both hashes are known, else its vocabulary and
-        special ids against SOURCE's). Nothing to check on a resume (plumbing.checkpoint.check_resume does)."""
-        from plumbing.integrity import check_data_tokenizer
+        (trained.checkpoint.check_data_tokenizer: by content where both hashes are known, else its vocabulary and
+        special ids against SOURCE's). Nothing to check on a resume (trained.checkpoint.check_resume does)."""
+        from trained.checkpoint import check_data_tokenizer
         if self.weights is None:
             return
         ours, theirs = meta.get("tokenizer_sha256"), (self.meta or {}).get("tokenizer_sha256")
@@ -112,9 +112,9 @@ def fit_output_rows(state, mcfg):
 
 def read_init(spec, use_ema=True):
     """--init SPEC (train.py, distillation/distill.py) -> (model, checkpoint dict) as every script's --ckpt reads it
-    (plumbing.checkpoint.load_model), on the CPU: its EMA weights where it has them and use_ema. One that does not
+    (trained.checkpoint.load_model), on the CPU: its EMA weights where it has them and use_ema. One that does not
     load -> UsageError (one line)."""
-    from plumbing.checkpoint import load_model
+    from trained.checkpoint import load_model
     if not spec.startswith("duo:") and not os.path.exists(spec):
         raise UsageError(f"--init {spec}: no such checkpoint or model folder (duo:PATH or duo:USER/NAME for Duo's)")
     try:
@@ -221,7 +221,7 @@ def tokenizer_identity(meta, model_config, label):
     """A loaded model's meta (label: how messages name it) with its tokenizer's sha256, vocabulary and special ids,
     loaded where it records only the tokenizer's name (Duo's checkpoints: "gpt2"), so that the data's tokenizer is
     checked by content. A tokenizer that cannot be loaded here -> UsageError (the run needs it for its data)."""
-    from plumbing.checkpoint import load_tokenizer
+    from trained.checkpoint import load_tokenizer
     meta = dict(meta or {})
     if not meta.get("tokenizer") or meta.get("tokenizer_sha256"):
         return meta

@@ -1,8 +1,7 @@
 """Reading a model folder (model.safetensors + config.json + the tokenizer's file + the README.md model card, as
-plumbing/export.py writes one) as a checkpoint: every script's --ckpt takes a folder through
-plumbing.checkpoint.load_model. Which files of a folder are ours, so that writing one replaces only those."""
+trained/export.py writes one) as a checkpoint: every script's --ckpt takes a folder through
+trained.checkpoint.load_model. Which files of a folder are ours, so that writing one replaces only those."""
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -76,14 +75,6 @@ def model_config_of(config):
     return {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
 
 
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # -----------------------------------------------------------------------------------------------
 # reading
 
@@ -117,8 +108,8 @@ def check_config(config, path):
     fields) -> the ModelConfig; else ConfigError naming the file and the field."""
     import diffusion
     from diffusion import FINAL_STEPS
-    from plumbing.integrity import (TRAIN_CONFIG_TYPES, _expect, _fits, _is_int, check_train_config_values,
-                                    checked_model_config)
+    from plumbing.integrity import expect, fits, is_int
+    from trained.fields import TRAIN_CONFIG_TYPES, check_train_config_values, checked_model_config
     hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
     optional = lambda test: lambda v: v is None or test(v)
     fields = {"model_type": (optional(lambda v: v == MODEL_TYPE), repr(MODEL_TYPE)),
@@ -128,7 +119,7 @@ def check_config(config, path):
                                  f"one of {', '.join(diffusion.SCHEDULES)}"),
               "final_step": (optional(lambda v: v in FINAL_STEPS), f"one of {', '.join(FINAL_STEPS)}"),
               "weights": (optional(lambda v: v in ("ema", "raw")), "ema or raw"),
-              "step": (optional(lambda v: _is_int(v) and v >= 0), "an int >= 0"),
+              "step": (optional(lambda v: is_int(v) and v >= 0), "an int >= 0"),
               "weights_sha256": (optional(hex64), "a sha256 (64 hex digits)"),
               "tokenizer": (optional(lambda v: isinstance(v, dict)), "an object (spec, sha256, file, vocab_size, ids)"),
               "train_config": (optional(lambda v: isinstance(v, dict)), "an object"),
@@ -138,20 +129,20 @@ def check_config(config, path):
                                                                             for k in ("step", "nelbo", "ppl"))),
                              "an object with the numbers step, nelbo, ppl")}
     for k, (ok, wanted) in fields.items():
-        _expect(ok(config.get(k)), path, k, config.get(k), wanted, fix=FOLDER_FIX)
+        expect(ok(config.get(k)), path, k, config.get(k), wanted, fix=FOLDER_FIX)
     tok = config.get("tokenizer") or {}
     for k, (ok, wanted) in {"spec": (optional(lambda v: isinstance(v, str)), "a string"),
                             "sha256": (optional(hex64), "a sha256 (64 hex digits)"),
                             "file": (optional(lambda v: isinstance(v, str) and v and os.path.basename(v) == v
                                               and v not in (".", "..")), "a file name inside the folder"),
-                            "vocab_size": (optional(lambda v: _is_int(v) and v >= 1), "an int >= 1"),
-                            **{i: (optional(lambda v: _is_int(v) and v >= 0), "an int >= 0")
+                            "vocab_size": (optional(lambda v: is_int(v) and v >= 1), "an int >= 1"),
+                            **{i: (optional(lambda v: is_int(v) and v >= 0), "an int >= 0")
                                for i in ("bos_id", "eos_id", "pad_id")}}.items():
-        _expect(ok(tok.get(k)), path, f"tokenizer.{k}", tok.get(k), wanted, fix=FOLDER_FIX)
+        expect(ok(tok.get(k)), path, f"tokenizer.{k}", tok.get(k), wanted, fix=FOLDER_FIX)
     train = config.get("train_config") or {}
     for k, kind in TRAIN_CONFIG_TYPES.items():
         if train.get(k) is not None:
-            _expect(_fits(train[k], kind), path, f"train_config.{k}", train[k], kind, fix=FOLDER_FIX)
+            expect(fits(train[k], kind), path, f"train_config.{k}", train[k], kind, fix=FOLDER_FIX)
     check_train_config_values(train, path, "train_config.", fix=FOLDER_FIX)
     nested = isinstance(config.get("model_config"), dict)
     return checked_model_config(model_config_of(config), path, "model_config." if nested else "", fix=FOLDER_FIX)
@@ -184,7 +175,7 @@ def load_folder(folder, device="cpu", use_ema=True):
         if not os.path.isfile(file):
             from data import not_a_file
             raise ValueError(not_a_file(file, f"{folder}: its tokenizer file {tok['file']} is missing"))
-        if tok.get("sha256") and _sha256(file) != tok["sha256"]:
+        if tok.get("sha256") and sha256_file(file) != tok["sha256"]:
             raise ValueError(f"{file} is not the tokenizer recorded in {CONFIG} (sha256 mismatch)")
         tok["spec"] = "sp:" + os.path.abspath(file)
     if config.get("weights_sha256"):

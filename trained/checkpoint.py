@@ -1,0 +1,213 @@
+"""A trained model's checkpoint read as the method needs it: its fields typed and its model config one this model.py
+builds, a resume's checkpoint against the run (model, objective, batch, tokenizer, data), and a model with its
+tokenizer loaded for sampling and evaluation (a ckpt.pt, a model folder or Duo's release). The run's state itself
+(saved atomically, restored bit for bit) is plumbing/checkpoint.py's."""
+import os
+import zipfile
+from dataclasses import asdict
+
+from data import DataError, check_tokenizer, full_data_key, get_tokenizer, not_a_file
+from model import ModelConfig, build_model
+from plumbing.checkpoint import RESUME_KEYS, load_resume_checkpoint, read_checkpoint, refuse_other_script, weight_set
+from plumbing.cli import ConfigError, UsageError, first_line
+from plumbing.integrity import check_config_matches, check_state_fits, check_tokenizer_identity, check_weights
+from plumbing.memory import check_model_memory
+from trained.duo import load_duo_checkpoint
+from trained.fields import check_checkpoint_fields
+from trained.folder import check_target, load_folder
+
+
+def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True):
+    """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
+    (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
+    given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
+    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text).
+    need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
+    check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
+    line naming the folder and the fix)."""
+    record = (ckpt or {}).get("meta") or {}
+    ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
+    fix = f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its tokenizer"
+    if ours and theirs and ours != theirs:
+        raise UsageError(f"{data_dir} was prepared with another tokenizer ({meta.get('tokenizer')}, sha256 "
+                         f"{ours[:12]}...) than {path} was trained with (sha256 {theirs[:12]}...); {fix}")
+    try:
+        tok = get_tokenizer(meta["tokenizer"])
+    except DataError:
+        if need_tokenizer:
+            raise
+        return None
+    own = dict(vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    diff = [f"{k} {meta.get(k)!r}, its tokenizer's {v!r}" for k, v in own.items() if meta.get(k) != v]
+    if not diff:
+        try:
+            check_tokenizer(meta, tok)         # the probe text's ids and the content hash
+        except DataError:
+            diff = ["the tokenizer's ids or content"]
+    if diff:
+        raise DataError(f"{os.path.join(data_dir, 'meta.json')} does not describe its tokenizer {meta['tokenizer']} "
+                        f"({'; '.join(diff)}: edited?); delete {data_dir} to prepare it again")
+    if ckpt is not None:
+        check_tokenizer_identity(tok, ckpt, path, fix=f"{data_dir} was prepared with it; {fix}")
+    return tok
+
+
+def check_resume_data(cfg, key):
+    """Before any data preparation: a resume asks for the data its checkpoint was trained on (key: prepare.data_key
+    of this run's flags, against the checkpoint's meta['data_key']), so a changed --block_size, --tokenizer,
+    --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
+    weights are read); one that cannot be read this way is left to the full check after preparation."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
+        return
+    try:
+        old = full_data_key(read_checkpoint(path, mmap=True)["meta"]["data_key"])
+    except Exception:
+        return
+    flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
+    changed = [k for k, v in full_data_key(key).items() if old.get(k) != v]
+    detail = [f"{flags[k]} {getattr(cfg, flags[k][2:])!r} is another by content" if k in ("corpus", "tokenizer") else
+              f"{flags.get(k, k)} was {old.get(k)!r}, now {key.get(k, 'text')!r}" for k in changed]
+    if changed:
+        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
+                          f"({', '.join(changed)} changed): {'; '.join(detail)}; resume with the flags it was trained "
+                          f"with (its config.json) or start a new run in another --out_dir")
+
+
+def read_resume(cfg, script):
+    """out_dir's checkpoint for `script` (train.py, distillation/distill.py) to resume, or None for a fresh run
+    (plumbing.checkpoint.load_resume_checkpoint), with the checks that need the model: out_dir/model, which the run's
+    end exports, holds a model folder of ours or nothing (a user's folder there is refused now, not after the
+    training), the checkpoint's fields and model config are the ones its writer gave them (check_checkpoint_fields),
+    its writer was `script`, and its step is within --max_iters."""
+    if cfg.resume:
+        check_target(os.path.join(cfg.out_dir, "model"), f"--out_dir {cfg.out_dir}: its model folder",
+                     "move them elsewhere, then resume")
+    ckpt = load_resume_checkpoint(cfg, check_checkpoint_fields)
+    if ckpt is not None:
+        refuse_other_script(ckpt, cfg.out_dir, script)
+        if cfg.max_iters < ckpt.get("step", 0):
+            raise ConfigError(f"--max_iters {cfg.max_iters} is below the checkpoint's step {ckpt['step']}; nothing "
+                              f"to resume (raise --max_iters)")
+    return ckpt
+
+
+def open_out_dir(cfg, mcfg, meta=None):
+    """train.py's checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
+    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
+    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
+    nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the steps its
+    checkpoint recorded: it continues as it started, whatever --max_iters is now."""
+    ckpt = read_resume(cfg, "train.py")
+    if ckpt is None:
+        return None
+    check_resume(ckpt, cfg, mcfg, meta)
+    if cfg.curriculum_share:
+        cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
+    return ckpt
+
+
+def check_resume(ckpt, cfg, mcfg, meta=None):
+    """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
+    tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
+    path = os.path.join(cfg.out_dir, "ckpt.pt")
+    missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
+    unknown = sorted(set(ckpt["model_config"]) - set(asdict(mcfg)))
+    if unknown:
+        raise ConfigError(f"cannot resume from {path}: its model_config has keys this model.py does not know: "
+                          f"{', '.join(unknown)}")
+    try:
+        saved = asdict(ModelConfig(**ckpt["model_config"]))   # fields added since it was saved take their defaults
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {path}: its model_config is invalid ({e})") from None
+    if saved != asdict(mcfg):
+        diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
+        raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
+    old_meta = ckpt.get("meta") or {}
+    by_content = meta is not None and old_meta.get("tokenizer_sha256") and meta.get("tokenizer_sha256")
+    for k in ("loss", "batch_size") + (() if by_content else ("tokenizer",)):
+        if ckpt["train_config"].get(k) != getattr(cfg, k):
+            raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'].get(k)!r}, now "
+                              f"{getattr(cfg, k)!r}")
+    if by_content and old_meta["tokenizer_sha256"] != meta["tokenizer_sha256"]:
+        raise ConfigError(f"cannot resume from {path}: the tokenizer's content differs from the checkpoint's (sha256 "
+                          f"{old_meta['tokenizer_sha256'][:12]}..., now {meta['tokenizer_sha256'][:12]}...)")
+    if meta is not None and old_meta.get("data_key") and old_meta["data_key"] != meta.get("data_key"):
+        diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
+        raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
+                          f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
+    return ckpt
+
+
+def load_checkpoint(path, device="cpu", use_ema=True):
+    """Checkpoint written by train.py -> (model in eval mode, checkpoint dict). Uses the EMA weights when
+    use_ema and the checkpoint has them. Read with weights_only=True: a checkpoint holds tensors, dicts, lists
+    and numbers only (RNG states are tensors), so loading one runs no code."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(not_a_file(path, f"checkpoint not found: {path}", "the checkpoint"))
+    try:
+        ckpt = read_checkpoint(path, device)
+    except ValueError as e:
+        raise ValueError(f"could not read checkpoint {path}: {e}; use another copy of it") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
+    check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
+    mcfg, state = checked_weights(ckpt, path, use_ema)
+    check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
+    model = build_model(mcfg)
+    for name in ("model", "ema"):        # both sets, the one not used too: a damaged file is refused whole
+        if ckpt.get(name) is not None:
+            check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
+    return model.to(device).eval(), ckpt
+
+
+def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
+    """A checkpoint's weights to load (its EMA's when use_ema and it has them, else the model's; a torch.compile'd
+    model's "_orig_mod." prefix dropped), checked before a model is built: floating-point and finite, and as many
+    blocks and as wide an embedding as its model_config says -> (ModelConfig, state dict)."""
+    ema = use_ema and ckpt.get("ema") is not None
+    state = weight_set(ckpt, "ema" if ema else "model")
+    check_weights(state, path, "ema" if ema else "model", error)
+    if ckpt.get("ema") is not None:      # the set not used is checked too: a damaged file is refused whole
+        other = weight_set(ckpt, "model" if ema else "ema")
+        check_weights(other, path, "model" if ema else "ema", error)
+    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
+    check_config_matches(mcfg, state, path, "model_config.")
+    return mcfg, state
+
+
+def load_model(path, device, use_ema=True):
+    """load_checkpoint (or, for "duo:PATH_OR_HUB_NAME", trained.duo.load_duo_checkpoint: one of Duo's released
+    checkpoints; a folder: trained.folder.load_folder, a model folder) with its errors as UsageError (one line)
+    -> (model in eval mode, checkpoint)."""
+    try:
+        if path.startswith("duo:"):
+            return load_duo_checkpoint(path[len("duo:"):], device=device, use_ema=use_ema)
+        if os.path.isdir(path):                    # a model folder (hub/pretrained.py): safetensors + config.json
+            return load_folder(path, device=device, use_ema=use_ema)
+        return load_checkpoint(path, device=device, use_ema=use_ema)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    except TypeError as e:    # a model_config with keys this ModelConfig does not know
+        raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
+
+
+def load_tokenizer(ckpt, path=None):
+    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason. One that loads
+    but is not the tokenizer the checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the
+    file; path: the checkpoint's, for that message."""
+    spec = (ckpt.get("meta") or {}).get("tokenizer")
+    if spec is None:
+        return None, "the checkpoint has no meta['tokenizer']"
+    try:
+        tok = get_tokenizer(spec)
+    except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
+        return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {first_line(e)})"
+    check_tokenizer_identity(tok, ckpt, path or "the checkpoint")
+    return tok, None

@@ -1,0 +1,82 @@
+"""The records a trained model carries (a checkpoint's dict, a model folder's config.json, Duo's config) checked as
+their flags would be: each field of the type its writer gave it, the model config one this model.py builds, the
+objective, schedule and sizes ones the readers know. Each failure is one line naming the file and the field."""
+from dataclasses import fields
+
+import diffusion
+from model import ModelConfig
+from plumbing.cli import ConfigError
+from plumbing.integrity import CHECKPOINT_FIX, check_dataclass_fields, check_tensors, expect, fits, is_int
+
+# the train_config fields that readers of a checkpoint use (resume checks, samplers, distillation/distill.py)
+TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str", "dataset": "str", "data_dir": "str",
+                      "batch_size": "int", "block_size": "int", "max_iters": "int", "wrap": "bool"}
+
+
+def check_checkpoint_fields(ckpt, path, error=ConfigError):
+    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes: model (and
+    ema, teacher) dicts of tensors, model_config a dict whose known fields have ModelConfig's types, train_config a
+    dict (the fields readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the
+    tokenizer a string), step and n_ema ints >= 0. Otherwise `error` (a UsageError: one line naming the field)."""
+    expect(isinstance(ckpt, dict), path, "(the whole file)", ckpt, "a dict", error)
+    if "model" in ckpt:
+        check_tensors(ckpt["model"], path, "model", error)
+    for name in ("ema", "teacher"):
+        if ckpt.get(name) is not None:
+            check_tensors(ckpt[name], path, name, error)
+    if "model_config" in ckpt:
+        expect(isinstance(ckpt["model_config"], dict), path, "model_config", ckpt["model_config"], "a dict", error)
+        check_dataclass_fields(ckpt["model_config"], ModelConfig, path, "model_config", error)
+        checked_model_config(ckpt["model_config"], path, "model_config.", error=error)
+    if ckpt.get("train_config") is not None:
+        config = ckpt["train_config"]
+        expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
+        for k, kind in TRAIN_CONFIG_TYPES.items():
+            if config.get(k) is not None:
+                expect(fits(config[k], kind), path, f"train_config.{k}", config[k], kind, error)
+        check_train_config_values(config, path, "train_config.", error)
+    for name in ("meta", "optimizer", "distill_config", "distilled_from"):
+        if ckpt.get(name) is not None:
+            expect(isinstance(ckpt[name], dict), path, name, ckpt[name], "a dict", error)
+    meta = ckpt.get("meta") or {}
+    for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "block_size"):
+        if meta.get(k) is not None:
+            expect(is_int(meta[k]) and meta[k] >= (1 if k in ("vocab_size", "block_size") else 0), path,
+                    f"meta.{k}", meta[k], "an int >= 1" if k in ("vocab_size", "block_size") else "an int >= 0", error)
+    for k in ("tokenizer", "tokenizer_sha256"):
+        if meta.get(k) is not None:
+            expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)
+    if meta.get("data_key") is not None:
+        expect(isinstance(meta["data_key"], dict), path, "meta.data_key", meta["data_key"], "a dict", error)
+    for k in ("step", "n_ema"):
+        if ckpt.get(k) is not None:
+            expect(is_int(ckpt[k]) and ckpt[k] >= 0, path, k, ckpt[k], "an int >= 0", error)
+
+
+def checked_model_config(config, path, prefix="model_config.", error=ConfigError, fix="use another checkpoint"):
+    """A model config read from disk (a checkpoint's model_config, a model folder's config.json, Duo's) -> ModelConfig,
+    validated as the same flags are on the command line (ModelConfig.__post_init__: types, ranges, heads that split
+    the width). A field it does not know or a bad value -> `error` naming the file and the field (prefix: how the
+    file nests it, "model_config." in a checkpoint, "" in a flat config.json)."""
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise error(f"{path}: its {prefix.rstrip('.') or 'model config'} has keys this model.py does not know: "
+                    f"{', '.join(unknown)} (written by other code or another version); {fix}")
+    try:
+        return ModelConfig(**config)
+    except (TypeError, ValueError) as e:
+        raise error(f"{path}: {prefix}{e}; the file was damaged or edited: {fix}") from None
+
+
+def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECKPOINT_FIX):
+    """The values readers act on, checked as their flags are: the objective (train.py --loss), the noise schedule
+    (--noise_schedule), the sizes (--block_size, --batch_size, --max_iters >= 1)."""
+    checks = {"loss": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
+              "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
+              "block_size": (lambda v: is_int(v) and v >= 2, "an int >= 2"),
+              "batch_size": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
+              "max_iters": (lambda v: is_int(v) and v >= 1, "an int >= 1")}
+    for k, (ok, wanted) in checks.items():
+        if config.get(k) is not None:
+            expect(ok(config[k]), path, prefix + k, config[k], wanted, error, fix)
