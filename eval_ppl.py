@@ -6,7 +6,7 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --sampler psi --psi_eta 0.9 --steps 64,1024
     python eval_ppl.py --metric genppl --samples out/samples.jsonl --judge out-ar/ckpt.pt   # sample.py's samples
-    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 4096 --stride 512   # past the block
+    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 512 --stride 64     # past the block
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log-linear schedule, EMA weights: an
           upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each

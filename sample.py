@@ -3,7 +3,7 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 
     python sample.py --ckpt out/ckpt.pt --num_samples 4 --steps 128
     python sample.py --ckpt out/ckpt.pt --prompt "The history of" --cfg_w 1.1 --top_p 0.9
-    python sample.py --ckpt out/ckpt.pt --seq_len 4096 --stride 512     # past the block: semi-AR windows
+    python sample.py --ckpt out/ckpt.pt --seq_len 512 --stride 64       # past the block: semi-AR windows
 
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and

@@ -31,7 +31,7 @@ def saved(tmp_path):
     return tmp_path / "ckpt.pt", tok, data
 
 
-def test_checkpoint_decodes_with_its_own_tokenizer_once_data_is_gone(saved, tmp_path):
+def test_ckpt_decodes_with_its_own_tokenizer_once_data_moves(saved, tmp_path):
     """sample.py --ckpt out/ckpt.pt once data/ was moved wrote ids only: the checkpoint now carries its
     SentencePiece model, so its readers (load_tokenizer: sample.py, eval_ppl.py, SDDLM) and an export to a model
     folder decode as the original file does, with the recorded content hash."""
