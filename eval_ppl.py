@@ -19,7 +19,7 @@ zeroshot  the same estimator on a text the model never saw (a local .txt, or a n
           loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
           paper Appendix: no EOS between segments): documents are concatenated WITHOUT an EOS between them,
           cut into pieces of L - 2 tokens, and each block is [BOS] + piece + [EOS] (Duo's wrap); the final
-          remainder is dropped. The paper uses L = 1024.
+          remainder is dropped. The paper uses L = 1024, its models' length: L is at most the model's block_size.
 genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sample with the judge's tokenizer
           (no BOS added), truncate to the sample length L, score it in one forward of the judge (a sample longer
           than the judge's context: sliding windows, each token scored once given up to the judge's context
@@ -498,8 +498,8 @@ class EvalConfig:
     max_rounds: int = 32             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
-    seq_len: int = 0                 # zeroshot block length / genppl sample length (0 = the model's block_size;
-                                     # paper: 1024); a longer sample is drawn in windows of --stride new tokens
+    seq_len: int = 0                 # zeroshot block length (at most the model's block_size) / genppl sample length
+                                     # (0 = the block_size; paper: 1024); a longer sample: windows of --stride tokens
     stride: int = 0                  # genppl past block_size: new tokens per sampler window (0 = half a block)
     # genppl
     judge: str = "gpt2-large"        # HF causal LM (needs transformers) or an AR checkpoint .pt of this repo
