@@ -109,10 +109,11 @@ def test_reproduce_says_what_its_stages_need_before_any_training(tmp_path, witho
     assert not (tmp_path / "runs").exists()
 
 
-def readme_python_commands():
-    """README's `python SCRIPT.py ...` commands (comments dropped, continuation lines joined) -> [(script, args)]."""
+def readme_python_commands(pages=("README.md", "docs/sampling.md")):
+    """The `python SCRIPT.py ...` commands of README and of docs/sampling.md (comments dropped, continuation lines
+    joined) -> [(script, args)]."""
     from test_docs import commands
-    return [(words[1], words[2:]) for words in map(shlex.split, commands("README.md"))
+    return [(words[1], words[2:]) for page in pages for words in map(shlex.split, commands(page))
             if words[0] == "python" and words[1].endswith(".py")]
 
 
@@ -129,7 +130,7 @@ def flags_parser(script):
 
 
 def test_every_readme_python_command_parses_its_flags():
-    """A README command with a flag its script does not have would stop at once with a usage error."""
+    """A command README or docs/sampling.md gives with a flag its script does not have would stop at once."""
     found = readme_python_commands()
     assert {"train.py", "sample.py", "eval_ppl.py", "prepare.py"} <= {script for script, _ in found}
     for script, args in found:
@@ -169,8 +170,8 @@ CHEAP = {"sample.py": ["--steps", "4", "--num_samples", "1"],
 def test_readme_sample_and_eval_commands_run_on_its_model(readme_out, monkeypatch, capsys):
     """README's long generation asked for --stride 512 of a model with 128-token blocks, and its zero-shot example
     for --seq_len 1024: each stopped, or scored 8x the trained length. Every sample.py and eval_ppl.py command README
-    gives on out/ckpt.pt runs on the model README's demo builds (its block size), with fewer steps and draws; a
-    zero-shot set that needs the network is left out, the local file kept."""
+    and docs/sampling.md give on out/ckpt.pt runs on the model README's demo builds (its block size), with fewer
+    steps and draws; a zero-shot set that needs the network is left out, the local file kept."""
     import eval_ppl
     import sample
     from eval_ppl import ZERO_SHOT_SETS
@@ -185,4 +186,4 @@ def test_readme_sample_and_eval_commands_run_on_its_model(readme_out, monkeypatc
         main = sample.main if script == "sample.py" else eval_ppl.main
         assert main(args + CHEAP[script]) == 0, (script, args)
         ran.append(args)
-    assert len(ran) >= 5 and any("--stride" in a for a in ran) and any("zeroshot" in a for a in ran), ran
+    assert len(ran) >= 9 and any("--stride" in a for a in ran) and any("zeroshot" in a for a in ran), ran
