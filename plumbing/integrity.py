@@ -107,9 +107,6 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
             _expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)
     if meta.get("data_key") is not None:
         _expect(isinstance(meta["data_key"], dict), path, "meta.data_key", meta["data_key"], "a dict", error)
-    if ckpt.get("tokenizer_model") is not None:
-        _expect(isinstance(ckpt["tokenizer_model"], bytes), path, "tokenizer_model", ckpt["tokenizer_model"], "bytes",
-                error)
     for k in ("step", "n_ema"):
         if ckpt.get(k) is not None:
             _expect(_is_int(ckpt[k]) and ckpt[k] >= 0, path, k, ckpt[k], "an int >= 0", error)
