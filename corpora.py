@@ -374,7 +374,7 @@ def _decoded_blocks(path, block):
 
 def _paragraphs(path, block=1 << 20):
     """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
-    of newlines and the empty ones dropped (_paragraph_pieces, each split)."""
+    of newlines, the empty ones dropped, and "\\n\\n" after each (_paragraph_pieces, each split)."""
     for piece, _ in _paragraph_pieces(path, block):
         yield from _split_paragraphs(piece)
 
@@ -413,8 +413,10 @@ def _read_piece(path, begin, end):
 
 
 def _split_paragraphs(text):
-    """text -> its paragraphs, each stripped of newlines, the blank ones dropped (map/filter: no Python loop)."""
-    return list(filter(str.strip, map(str.strip, _SEPARATOR.split(text), itertools.repeat("\n"))))
+    """text -> its paragraphs, each stripped of newlines and then ending in one blank line, the blank ones dropped.
+    The blank line stays in the text: the EOS between two documents decodes to nothing, and without it a sample
+    would run one paragraph into the next ("...woneCORIOLANUS:")."""
+    return [p + "\n\n" for p in map(str.strip, _SEPARATOR.split(text), itertools.repeat("\n")) if p.strip()]
 
 
 def _piece_units(path, pieces, start, stop):

@@ -169,12 +169,12 @@ def not_a_file(path, missing, flag=""):
     return f"{flag + ' ' if flag else ''}{path} is {kind}, not a regular file; save it to a file first and give that"
 
 
-def _sentencepiece_tokenizer(path, threads=None):
+def _sentencepiece_tokenizer(path, threads=None, proto=None):
     import sentencepiece as spm
-    if not os.path.isfile(path):
+    if proto is None and not os.path.isfile(path):
         raise DataError(not_a_file(path, f"SentencePiece model not found: {path}", "the SentencePiece model"))
     try:
-        sp = spm.SentencePieceProcessor(model_file=path)
+        sp = spm.SentencePieceProcessor(**({"model_file": path} if proto is None else {"model_proto": proto}))
     except (RuntimeError, OSError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(f"{path} is not a SentencePiece model ({why})") from None
@@ -183,7 +183,8 @@ def _sentencepiece_tokenizer(path, threads=None):
         raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
     return Tokenizer(f"sp:{path}", sp.get_piece_size(), sp.bos_id(), sp.eos_id(), pad,
                      lambda texts: sp.encode(list(texts), out_type=int, num_threads=threads),
-                     lambda ids: sp.decode([int(i) for i in ids]), file_sha256(path))
+                     lambda ids: sp.decode([int(i) for i in ids]),
+                     file_sha256(path) if proto is None else hashlib.sha256(proto).hexdigest())
 
 
 def _hf_tokenizer(name):
@@ -201,13 +202,14 @@ def _hf_tokenizer(name):
                      lambda ids: tok.decode([int(i) for i in ids]), hashlib.sha256(vocab).hexdigest())
 
 
-def get_tokenizer(spec, threads=None):
+def get_tokenizer(spec, threads=None, proto=None):
     """spec: "gpt2" | "sp:/path/tokenizer.model" (or a path ending in .model) | "hf:NAME" (hf:bert-base-uncased).
-    threads: encoding threads per encode_batch call (None: all cores; 1 in each worker of a parallel preparation)."""
+    threads: encoding threads per encode_batch call (None: all cores; 1 in each worker of a parallel preparation).
+    proto: a SentencePiece model's bytes (a checkpoint's copy), read in place of the spec's file."""
     if spec == "gpt2":
         return _gpt2_tokenizer(threads)
     if spec.startswith("sp:") or spec.endswith(".model"):
-        return _sentencepiece_tokenizer(spec.removeprefix("sp:"), threads)
+        return _sentencepiece_tokenizer(spec.removeprefix("sp:"), threads, proto)
     if spec.startswith("hf:"):
         return _hf_tokenizer(spec[3:])
     raise DataError(f"unknown tokenizer {spec!r}; expected gpt2, sp:PATH.model, hf:NAME (or sp_train:N to prepare)")

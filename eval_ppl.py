@@ -6,7 +6,7 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
     python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --sampler psi --psi_eta 0.9 --steps 64,1024
     python eval_ppl.py --metric genppl --samples out/samples.jsonl --judge out-ar/ckpt.pt   # sample.py's samples
-    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 4096 --stride 512   # past the block
+    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 512 --stride 64     # past the block
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log-linear schedule, EMA weights: an
           upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
@@ -19,7 +19,7 @@ zeroshot  the same estimator on a text the model never saw (a local .txt, or a n
           loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
           paper Appendix: no EOS between segments): documents are concatenated WITHOUT an EOS between them,
           cut into pieces of L - 2 tokens, and each block is [BOS] + piece + [EOS] (Duo's wrap); the final
-          remainder is dropped. The paper uses L = 1024.
+          remainder is dropped. The paper uses L = 1024, its models' length: L is at most the model's block_size.
 genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sample with the judge's tokenizer
           (no BOS added), truncate to the sample length L, score it in one forward of the judge (a sample longer
           than the judge's context: sliding windows, each token scored once given up to the judge's context
@@ -139,11 +139,12 @@ def sequence_draws(seed, index, rnd, draws, length, vocab_size, t_min=diffusion.
 
 @torch.no_grad()
 def sequence_nelbo(model, x0, mask, first, rounds, *, seed=EVAL_SEED, draws=VAL_DRAWS, t_min=diffusion.T_MIN,
-                   autocast=None):
+                   autocast=None, tick=None):
     """Rounds `rounds` (a range) of the NELBO estimate of each sequence of x0 (B, L), rows first, first + 1, ... of
     its split; mask (B, L) bool or None (False = padding, not counted). Per round and stratum one forward of the
-    batch: sum_h w_h sum_l mask * nelbo_per_token. -> nats (len(rounds), B) float64 (each row an unbiased estimate
-    of every sequence's summed NELBO) and tokens (B,) float64."""
+    batch: sum_h w_h sum_l mask * nelbo_per_token; after each, tick(the share of the batch's forwards done).
+    -> nats (len(rounds), B) float64 (each row an unbiased estimate of every sequence's summed NELBO) and tokens
+    (B,) float64."""
     B, L = x0.shape
     K = model.config.vocab_size
     # a round's draws are drawn whole before its forwards: 12 bytes a (draw, token) (float32 keep-uniforms, int64
@@ -159,6 +160,8 @@ def sequence_nelbo(model, x0, mask, first, rounds, *, seed=EVAL_SEED, draws=VAL_
         for h in range(draws):
             per_token = nelbo_per_token(model, x0, t[h].float(), K, autocast, draws=(u[h], ids[h]))
             nats[k] += (w[h] * (per_token.double() * mask).sum(1)).cpu()
+            if tick:
+                tick((k * draws + h + 1) / (len(rounds) * draws))
     return nats, mask.sum(1).double().cpu()
 
 
@@ -184,7 +187,7 @@ def round_sums(nats, tokens):
 
 @torch.no_grad()
 def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_DRAWS, rounds=VAL_ROUNDS, rel_se=0.0,
-              max_rounds=32, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_batches=None):
+              max_rounds=32, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_sequences=None):
     """Token-mean NELBO over all batches, its perplexity and their standard errors (Duo spec 3.3; the estimator
     above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
     (B, L) bool or None (False = padding); sequences are numbered in that order. Each sequence gets `rounds`
@@ -192,7 +195,7 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
     above rel_se (> 0) and fewer than max_rounds are done, more rounds follow, as many as the estimated error says
     (each a pass over the batches: a function re-reads them). A causal model (model.config.causal, the AR baseline)
     is scored exactly with losses.ar_loss instead (one pass, no draws, standard error 0). vocab_size: unused, the
-    model's. n_batches: the progress bar's total where batches has no len().
+    model's. n_sequences: the progress bar's total (it counts sequences, a batch's in steps of its forwards).
     -> dict(nll, nll_se, ppl, ppl_se, ppl_lo, ppl_hi (95% interval), rel_se, bpd, tokens, sequences, estimator
     "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds, seed)."""
     if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
@@ -204,10 +207,10 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
 
     def passes(todo):          # one pass over the batches: per sequence the rounds in `todo`
         nats, tokens = [], []
-        bar = tqdm(fresh(), desc="ar ppl" if causal else f"nelbo rounds {todo.start + 1}-{todo.stop}",
-                   disable=cli.bar_hidden(show_progress), leave=False, total=n_batches, unit="batch")
+        bar = tqdm(desc="ar ppl" if causal else f"nelbo rounds {todo.start + 1}-{todo.stop}",
+                   disable=cli.bar_hidden(show_progress), leave=False, total=n_sequences, unit="seq")
         first = 0
-        for batch in bar:
+        for batch in fresh():
             x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
             x0 = x0.to(device)
             mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
@@ -218,11 +221,14 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
                 nats.append((losses.ar_loss(logits, x0).double() * weight).sum(1).cpu()[None])
                 tokens.append(weight.sum(1).double().cpu())
             else:
+                tick = lambda done: bar.update(first + int(done * len(x0)) - bar.n)    # noqa: E731
                 n, m = sequence_nelbo(model, x0, mask, first, todo, seed=seed, draws=mc_draws, t_min=t_min,
-                                      autocast=autocast)
+                                      autocast=autocast, tick=tick)
                 nats.append(n)
                 tokens.append(m)
             first += x0.shape[0]
+            bar.update(first - bar.n)
+        bar.close()
         if not tokens or float(torch.cat(tokens).sum()) == 0:
             raise ValueError("no tokens to evaluate (empty split or all padding)")
         return torch.cat(nats, 1), torch.cat(tokens)
@@ -493,8 +499,8 @@ class EvalConfig:
     max_rounds: int = 32             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
-    seq_len: int = 0                 # zeroshot block length / genppl sample length (0 = the model's block_size;
-                                     # paper: 1024); a longer sample is drawn in windows of --stride new tokens
+    seq_len: int = 0                 # zeroshot block length (at most the model's block_size) / genppl sample length
+                                     # (0 = the block_size; paper: 1024); a longer sample: windows of --stride tokens
     stride: int = 0                  # genppl past block_size: new tokens per sampler window (0 = half a block)
     # genppl
     judge: str = "gpt2-large"        # HF causal LM (needs transformers) or an AR checkpoint .pt of this repo
@@ -594,9 +600,9 @@ def run_nelbo(cfg, model, ckpt, device, dtype):
     except DataError as e:
         raise UsageError(str(e)) from None
     batches = lambda: eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
-    n_batches = -(-meta[f"{cfg.split}_sequences"] // cfg.batch_size)      # the progress bar's total
-    result = nelbo_ppl(model, batches, model.config.vocab_size, device=device, dtype=dtype,
-                       n_batches=min(n_batches, cfg.max_batches) if cfg.max_batches else n_batches, **estimator(cfg))
+    n_sequences = min(meta[f"{cfg.split}_sequences"], cfg.max_batches * cfg.batch_size or math.inf)   # the bar's total
+    result = nelbo_ppl(model, batches, model.config.vocab_size, device=device, dtype=dtype, n_sequences=n_sequences,
+                       **estimator(cfg))
     return [dict(data=f"{data_dir}:{cfg.split}", **result)]
 
 
@@ -607,8 +613,10 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
     if tok is None:
         raise UsageError(f"zeroshot needs the checkpoint's tokenizer: {why}")
     seq_len = cfg.seq_len or model.config.block_size
-    if seq_len < 3:
-        raise UsageError(f"--seq_len must be >= 3 ([BOS] + tokens + [EOS]), got {seq_len}")
+    if not 3 <= seq_len <= model.config.block_size:      # past it, a NELBO at lengths the model never saw
+        raise UsageError(f"--seq_len {seq_len}: zeroshot blocks are [BOS] + tokens + [EOS], from 3 tokens up to the "
+                         f"model's block_size {model.config.block_size} (the length it was trained at); use --seq_len "
+                         f"{model.config.block_size} or less (0: the block size)")
     rows = []
     for name in [n for n in cfg.dataset.split(",") if n]:
         blocks = zero_shot_blocks(tokenize_documents(zero_shot_documents(name), tok), seq_len, tok.bos_id, tok.eos_id)
@@ -617,7 +625,7 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
         if len(blocks) == 0:
             raise UsageError(f"{name} is shorter than one block of {seq_len} tokens; lower --seq_len")
         result = nelbo_ppl(model, list(blocks.split(cfg.batch_size)), model.config.vocab_size, device=device,
-                           dtype=dtype, **estimator(cfg))
+                           dtype=dtype, n_sequences=len(blocks), **estimator(cfg))
         rows.append(dict(data=name, blocks=len(blocks), seq_len=seq_len, **result))
     return rows
 

@@ -76,6 +76,8 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
                block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
     if text_field != "text":     # only then: keys of data prepared before --text_field existed stay the same
         key["text_field"] = text_field
+    if os.path.isfile(dataset) and dataset.endswith((".txt", ".txt.gz")):   # a lone file's paragraphs (issue 42)
+        key["paragraphs"] = "each ends in a blank line"
     return key
 
 

@@ -3,7 +3,7 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 
     python sample.py --ckpt out/ckpt.pt --num_samples 4 --steps 128
     python sample.py --ckpt out/ckpt.pt --prompt "The history of" --cfg_w 1.1 --top_p 0.9
-    python sample.py --ckpt out/ckpt.pt --seq_len 4096 --stride 512     # past the block: semi-AR windows
+    python sample.py --ckpt out/ckpt.pt --seq_len 512 --stride 64       # past the block: semi-AR windows
 
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
@@ -584,8 +584,6 @@ def parse_prompt(cfg, tok, vocab_size):
         except ValueError:      # a word, or no id between commas ("," or "1,,2"): not what was meant
             raise UsageError(f"--prompt_ids must be comma-separated integers, got {cfg.prompt_ids!r}") from None
     elif cfg.prompt:
-        if tok is None:
-            raise UsageError("--prompt needs the checkpoint's tokenizer, which is unavailable; use --prompt_ids")
         ids = ([tok.bos_id] if cfg.add_bos else []) + tok.encode(cfg.prompt)
     else:
         return None
@@ -619,8 +617,9 @@ def main(argv=None):
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
     mc = model.config
     tok, why = load_tokenizer(ckpt, cfg.ckpt)
-    if tok is None and not cfg.prompt:
-        print(f"warning: {why}; writing ids only (text is null)", file=sys.stderr)
+    if tok is None:       # a checkpoint of train.py carries its SentencePiece model; an older one names a file
+        raise UsageError(f"{why}: the samples' text needs it; put that tokenizer back (or sample a model folder "
+                         f"exported where it was: python hub/pretrained.py --ckpt {cfg.ckpt} --out FOLDER)")
     seq_len = cfg.seq_len or mc.block_size
     if seq_len < 1:
         raise UsageError(f"--seq_len must be >= 1 (0 = the model's block_size {mc.block_size}), got {seq_len}")
@@ -642,12 +641,9 @@ def main(argv=None):
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
     final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
 
-    bos_id = tok.bos_id if tok else (ckpt.get("meta") or {}).get("bos_id")
-    if mc.causal and prompt is None and bos_id is None:
-        raise UsageError(f"the AR sampler starts from BOS, but {why}; give --prompt_ids")
     sampler = "ar" if mc.causal else cfg.sampler
     settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), loss=(ckpt.get("train_config") or {}).get("loss"),
-                    sampler=sampler, tokenizer=tok.spec if tok else None, seq_len=seq_len, seed=cfg.seed,
+                    sampler=sampler, tokenizer=tok.spec, seq_len=seq_len, seed=cfg.seed,
                     use_ema=cfg.use_ema, top_p=cfg.top_p, prompt=cfg.prompt or None, prompt_ids=prompt)
     if not mc.causal:
         settings.update(steps=cfg.steps, nfe=cfg.steps + (final_step != "none"), final_step=final_step,
@@ -670,7 +666,7 @@ def main(argv=None):
     while index < cfg.num_samples:
         n = min(batch_size, cfg.num_samples - index)
         if mc.causal:
-            ids = generate_ar(model, n, seq_len, bos_id=None if prompt else bos_id, prompt_ids=prompt,
+            ids = generate_ar(model, n, seq_len, bos_id=None if prompt else tok.bos_id, prompt_ids=prompt,
                               top_p=cfg.top_p, generator=generator, device=device, dtype=dtype)
         else:
             ids = generate_long(model, n, seq_len, mc.vocab_size, cfg.steps, block_size=mc.block_size, stride=stride,
@@ -679,10 +675,10 @@ def main(argv=None):
                                 dtype=dtype)
         records = []
         for row in ids.tolist():
-            text = tok.decode(row) if tok else None
+            text = tok.decode(row)
             records.append({WRITTEN_BY: signature("sample.py"), "sample": index, "text": text, "ids": row,
                             "settings": settings})
-            print(f"--- sample {index} ---\n{text if text is not None else row}")
+            print(f"--- sample {index} ---\n{text}")
             index += 1
         if cfg.out:
             append_jsonl(cfg.out, records)

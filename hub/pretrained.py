@@ -113,7 +113,8 @@ class SDDLM:
         """Write this model as a model folder (its loaded weights; the tokenizer file travels with it), replacing
         only what an earlier export wrote there (save_folder). name: the model's name in the card's loading lines."""
         weights = "ema" if self.ckpt.get("ema") is not None or self.ckpt.get("used_ema") else "raw"
-        return writing(folder, save_folder, folder, self.model.state_dict(), folder_config(self.ckpt, weights), name)
+        return writing(folder, save_folder, folder, self.model.state_dict(), folder_config(self.ckpt, weights), name,
+                       self.ckpt.get("tokenizer_model"))
 
     def push_to_hub(self, repo_id, private=False, token=None):
         """save_pretrained into a temporary folder, then upload it (push_to_hub)."""

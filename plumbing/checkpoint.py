@@ -31,6 +31,10 @@ def checkpoint_state(run, cfg, mcfg, meta, resume=None):
     if resume is not None:
         state["optimizer"] = run.optimizer.state_dict()
     state.update(model_config=asdict(mcfg), train_config=asdict(cfg), meta=meta, step=run.it, n_ema=run.n_ema)
+    spec = (meta or {}).get("tokenizer") or ""
+    if spec.startswith("sp:") and os.path.isfile(spec[3:]):   # its SentencePiece model: it decodes where data/ is not
+        with open(spec[3:], "rb") as f:
+            state["tokenizer_model"] = f.read()
     if resume is not None:
         state.update(data_state=resume[0], rng=resume[1])
     return state
@@ -228,5 +232,3 @@ def weight_set(ckpt, name):
     """The checkpoint's weight set `name` ("model", "ema", "teacher"), a torch.compile'd model's "_orig_mod." prefix
     dropped."""
     return {k.removeprefix("_orig_mod."): v for k, v in ckpt[name].items()}
-
-

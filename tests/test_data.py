@@ -106,10 +106,10 @@ def test_unwrapped_sequences_are_padded_and_masked(tmp_path, sp_model):
     x0, mask = next(data.eval_batches(out, "train", 8))
     assert x0.dtype == torch.long and mask.dtype == torch.bool and x0.shape == mask.shape == (4, L)
     for row, m, text in zip(x0.tolist(), mask.tolist(), paragraphs):
-        seq = [1] + tok.encode(text)[:L - 2] + [2]
+        seq = [1] + tok.encode(text + "\n\n")[:L - 2] + [2]         # a paragraph keeps its blank line
         assert row == seq + [3] * (L - len(seq))
         assert m == [True] * len(seq) + [False] * (L - len(seq))
-    assert mask.sum(1).tolist() == [min(L, len(tok.encode(t)) + 2) for t in paragraphs[:4]]
+    assert mask.sum(1).tolist() == [min(L, len(tok.encode(t + "\n\n")) + 2) for t in paragraphs[:4]]
 
 
 def test_prepare_reuses_same_settings_and_refuses_different_ones(owt_style):
@@ -438,8 +438,9 @@ def _bins(folder):
 
 
 def test_folders_prepared_before_the_split_keep_their_key_and_bytes(tmp_path, monkeypatch):
-    """Digests and folder names written by data.py before prepare.py existed (measured on that code): the
-    same corpus prepares to the same folder name and the same bytes, so existing folders stay valid."""
+    """Digests and folder names written by data.py before prepare.py existed (measured on that code): the key of
+    every corpus is what it was, but for a lone .txt, whose paragraphs keep their blank line since issue 42: its
+    key gains that one entry (a folder of the old layout is never read as the new one); without it, the old digest."""
     import hashlib
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.txt").write_text("".join(f"Paragraph {i}: the {'cat' if i % 3 else 'dog'} sat on mat number "
@@ -449,10 +450,13 @@ def test_folders_prepared_before_the_split_keep_their_key_and_bytes(tmp_path, mo
                         {"train.bin": "5b67dbfa5d5c655d", "train_mask.bin": "bc494d7c163ce4d3",
                          "val.bin": "c6c2af8e5fad411a", "val_mask.bin": "f07f860e9abc4f82"})}
     for wrap, (name, shas) in expected.items():
+        key = prepare.data_key("c.txt", "gpt2", 64, wrap=wrap)
+        assert key.pop("paragraphs") == "each ends in a blank line" and name.endswith(data.key_digest(key))
         out = prepare.prepare_dataset("c.txt", "gpt2", prepare.prepared_dir("c.txt", "gpt2", 64, wrap=wrap), 64,
                                       wrap=wrap, progress=False, num_proc=2)
-        assert os.path.basename(out) == name
-        assert {n: hashlib.sha256(b).hexdigest()[:16] for n, b in _bins(out).items()} == shas
+        assert os.path.basename(out) != name and os.path.basename(out)[:-12] == name[:-12]
+        digests = {n: hashlib.sha256(b).hexdigest()[:16] for n, b in _bins(out).items()}
+        assert digests.keys() == shas.keys() and not set(digests.values()) & set(shas.values())
 
 
 def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
@@ -466,7 +470,7 @@ def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
         (tmp_path / "t.txt").write_bytes(text.encode())
         norm = text.replace("\r\n", "\n").replace("\r", "\n")
-        want = [d.strip("\n") for d in re.split(r"\n\s*\n", norm) if d.strip()]
+        want = [d.strip("\n") + "\n\n" for d in re.split(r"\n\s*\n", norm) if d.strip()]
         for block in (1, 2, 3, 9, 1 << 20):
             assert list(corpora._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
 
@@ -521,6 +525,7 @@ def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp
     pa, pq, datasets = _optional_arrow()   # None without the optional extras: .parquet and Arrow are left out
     docs = [f"document {i}: the cat sees the dog {i % 7} times.\nand a second line, naïve {i}." for i in range(200)]
     (tmp_path / "c.txt").write_text("\n\n".join(docs) + "\n")
+    docs = [d + "\n\n" for d in docs]                  # a lone .txt's paragraph keeps its blank line
     lines = "".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs))
     (tmp_path / "c.jsonl").write_text(lines)
     (tmp_path / "c.json").write_text(json.dumps([{"body": d} for d in docs]))

@@ -241,6 +241,10 @@ PRESET_CLAIMS = [
                        steps=p["tiny"].max_iters, lr=p["tiny"].lr, beta2=p["tiny"].beta2,
                        warmup=p["tiny"].warmup_iters, curr=p["tiny"].curriculum_iters, top_p=p["tiny"].sample_top_p,
                        no_ema=p["tiny"].ema == 0)),
+    ("docs/model_folders.md",           # float32 weights; the checkpoint adds AdamW's two moments, and no EMA
+     r"`model.safetensors` holds no pickle, 4 bytes a weight: (?P<mb>[\d.]+) MB for the tiny model; its `ckpt.pt` is "
+     r"about three times\s+that \(the weights and AdamW's two moments; the tiny preset keeps no EMA\)",
+     lambda p, m: dict(mb=round(4 * m["tiny"]["params"] / 1e6, 1), no_ema=p["tiny"].ema == 0)),
     ("docs/training.md",
      r"Duo's DiT-small, (?P<params>[\d,]+) params at K = (?P<K>\d+)",
      lambda p, m: dict(params=m["small"]["params"], K=m["small"]["vocab_size"])),
@@ -277,3 +281,44 @@ def test_every_number_the_pages_give_about_a_preset_is_what_the_preset_builds():
             if not ok:
                 wrong.append(f"{page}: {key} {said!r}, the code: {value!r}")
     assert not wrong, "; ".join(wrong)
+
+
+def test_readme_names_the_curves_commands_a_finished_run_prints():
+    """README said a finished run prints the TensorBoard and plot commands; it prints TensorBoard's only when the
+    run logged to TensorBoard."""
+    from types import SimpleNamespace
+    from plumbing.runlog import finish_lines
+    for tensorboard in (False, True):
+        cfg = SimpleNamespace(out_dir="out", num_samples=0, tensorboard=tensorboard, wandb=False)
+        printed = finish_lines(cfg, "training", 1, "out/ckpt.pt", "out/model")
+        assert "python figures/plot.py --runs out" in printed and ("tensorboard --logdir" in printed) == tensorboard
+    assert ("a finished run prints the plot command, and TensorBoard's with `--tensorboard 1`"
+            in " ".join(read("README.md").split()))
+
+
+def test_docs_say_what_the_one_process_vs_ddp_tests_check():
+    """docs/nodes.md said one process and DDP are "tested for equal weights", docs/testing.md that weights after
+    AdamW differ by up to 2 lr. The pages name what the tests compare (gradients through AdamW's moments at lr
+    1e-30, the evaluation), and every test a page names exists."""
+    pages = {page: read(page) for page in DOC_PAGES}
+    assert not [page for page, text in pages.items() if "equal weights" in text]
+    named = {(f, t) for text in pages.values() for f, t in re.findall(r"tests/(test_\w+\.py)::(test_\w+)", text)}
+    missing = [f"{f}::{t}" for f, t in named if f"def {t}(" not in read(os.path.join("tests", f))]
+    assert not missing, f"the docs name tests that do not exist: {missing}"
+    nodes = " ".join(pages["docs/nodes.md"].split())
+    assert "equal gradients, to float32 rounding, through AdamW's moments at `--lr 1e-30`" in nodes
+    assert {("test_train.py", "test_two_process_torchrun_matches_one_process"), ("test_world_size.py",
+            "test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_validation")} <= named
+
+
+def test_readmes_python_api_runs_outside_the_repository(tmp_path):
+    """`from hub.pretrained import SDDLM` failed outside the repository (No module named 'hub'): README says how
+    to run it from anywhere, and that way imports it in another folder."""
+    import subprocess
+    import sys
+    how = re.search(r"put it on the path first: `PYTHONPATH=(\S+) python`", read("README.md"))
+    assert how, "README's three-line API no longer says how to use it outside the repository"
+    env = {**os.environ, "PYTHONPATH": how.group(1).replace("/path/to/sddlm", ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", "from hub.pretrained import SDDLM"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

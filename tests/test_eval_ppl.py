@@ -557,3 +557,30 @@ def test_cli_genppl_samples_that_is_a_folder_is_said_so(setup, tmp_path):
     import eval_ppl
     with pytest.raises(eval_ppl.UsageError, match=rf"--samples {tmp_path}: a folder; give the JSONL file"):
         eval_ppl.main(["--metric", "genppl", "--judge", str(setup["ar"]), "--samples", str(tmp_path)])
+
+
+def test_cli_zeroshot_past_the_trained_length_is_refused(setup):
+    """--seq_len 1024 on a model trained at 128 scored 8x the trained length without a word: now one line naming
+    --seq_len, the model's block_size and the fix."""
+    import eval_ppl
+    with pytest.raises(eval_ppl.UsageError, match=r"--seq_len 64: .* up to the model's block_size 32 \(the length "
+                                                  r"it was trained at\); use --seq_len 32 or less"):
+        eval_ppl.main(["--ckpt", str(setup["diffusion"]), "--metric", "zeroshot", "--dataset", str(setup["text"]),
+                       "--seq_len", "64"])
+
+
+def test_nelbo_progress_counts_sequences_within_a_batch(monkeypatch):
+    """One batch of long blocks sat at "0/1 batch" for minutes: the bar counts sequences, shows their total and
+    moves with each forward of a batch."""
+    import eval_ppl
+    seen = []
+
+    class Bar(eval_ppl.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            seen.append((self.n, self.total, self.unit))
+    monkeypatch.setattr(eval_ppl, "tqdm", Bar)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    model = build_model(ModelConfig(vocab_size=8, block_size=6, n_layer=1, n_head=1, n_embd=8, cond_dim=4)).eval()
+    nelbo_ppl(model, [torch.randint(0, 8, (4, 6))], seed=1, mc_draws=2, rounds=2, n_sequences=4)
+    assert list(dict.fromkeys(n for n, total, unit in seen if total == 4 and unit == "seq")) == [1, 2, 3, 4], seen

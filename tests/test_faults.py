@@ -287,8 +287,8 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(base, tmp_path):
     (t / "empty_choice.jsonl").write_text('{"context": "a", "choices": ["b", ""], "gold": 0}\n')
     (t / "latin1.jsonl").write_bytes('{"context": "é", "choices": ["b", "c"], "gold": 0}\n'.encode("latin-1"))
     ck = torch.load(base.ckpt, weights_only=False)
-    torch.save({**ck, "meta": {**ck["meta"], "tokenizer": f"sp:{t / 'bad.model'}", "tokenizer_file": None}},
-               t / "bad_tokenizer.pt")
+    torch.save({**ck, "meta": {**ck["meta"], "tokenizer": f"sp:{t / 'bad.model'}", "tokenizer_file": None},
+                "tokenizer_model": None}, t / "bad_tokenizer.pt")     # a checkpoint without its copy: the file is read
     torch.save({**ck, "model_config": {**ck["model_config"], "foo": 1}}, t / "unknown_key.pt")
     edited = t / "edited.txt"
     shutil.copy(base.corpus, edited)

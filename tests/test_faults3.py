@@ -122,7 +122,8 @@ def test_a_tokenizer_that_is_not_the_checkpoints_is_refused_where_it_is_used(bas
     swapped_data = t / "swapped_data"                 # the run's data, another tokenizer of the same size in place
     shutil.copytree(base.data_dir, swapped_data)
     shutil.copy(os.path.join(base.other, "tokenizer.model"), swapped_data / "tokenizer.model")
-    run = copy_run(base, t / "run", lambda c: c["meta"].update(tokenizer=f"sp:{swapped_data / 'tokenizer.model'}"))
+    run = copy_run(base, t / "run", lambda c: (c["meta"].update(tokenizer=f"sp:{swapped_data / 'tokenizer.model'}"),
+                                               c.pop("tokenizer_model")))   # without its own copy: the file is read
     ckpt = os.path.join(run, "ckpt.pt")
     (t / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " eats"], "gold": 0}\n')
     before = md5s(run), md5s(base.out), md5s(base.data_dir)

@@ -107,3 +107,83 @@ def test_reproduce_says_what_its_stages_need_before_any_training(tmp_path, witho
     one_error_line(run(["bash", script, "owt", "eval"], env), "the Gen PPL judge gpt2-large (JUDGE=path/to/ar/"
                                                               "ckpt.pt judges offline) needs transformers")
     assert not (tmp_path / "runs").exists()
+
+
+def readme_python_commands(pages=("README.md", "docs/sampling.md")):
+    """The `python SCRIPT.py ...` commands of README and of docs/sampling.md (comments dropped, continuation lines
+    joined) -> [(script, args)]."""
+    from test_docs import commands
+    return [(words[1], words[2:]) for page in pages for words in map(shlex.split, commands(page))
+            if words[0] == "python" and words[1].endswith(".py")]
+
+
+def flags_parser(script):
+    """The script's own command-line parser: its parse_config, else parse_flags on the dataclass its main reads."""
+    import importlib
+    import re
+    from plumbing.cli import parse_flags
+    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    if hasattr(module, "parse_config"):
+        return module.parse_config
+    cls = getattr(module, re.search(r"parse_flags\((\w+)", open(os.path.join(HERE, script)).read()).group(1))
+    return lambda args: parse_flags(cls, args)
+
+
+def test_every_readme_python_command_parses_its_flags():
+    """A command README or docs/sampling.md gives with a flag its script does not have would stop at once."""
+    found = readme_python_commands()
+    assert {"train.py", "sample.py", "eval_ppl.py", "prepare.py"} <= {script for script, _ in found}
+    for script, args in found:
+        flags_parser(script)(args)
+
+
+@pytest.fixture(scope="module")
+def readme_out(tmp_path_factory):
+    """What README's `python train.py` builds, in small: out/ckpt.pt of a model with the tiny preset's block size and
+    its data prepared by prepare.py (a narrower model, a smaller SentencePiece model), and a my.txt."""
+    import torch
+    from dataclasses import asdict
+    from pydoc_data.topics import topics
+    from data import load_meta
+    from model import PRESETS, ModelConfig, build_model
+    from prepare import prepare_dataset
+    tmp = tmp_path_factory.mktemp("readme")
+    (tmp / "corpus.txt").write_text("\n\n".join(topics[k] for k in sorted(topics)[:40]))
+    (tmp / "my.txt").write_text(topics[sorted(topics)[50]])
+    block = PRESETS["tiny"]["block_size"]
+    data_dir = prepare_dataset(str(tmp / "corpus.txt"), "sp_train:400", str(tmp / "data"), block_size=block,
+                               progress=False)
+    meta = load_meta(data_dir)
+    config = ModelConfig(vocab_size=meta["vocab_size"], block_size=block, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
+    (tmp / "out").mkdir()
+    torch.save({"model": build_model(config).state_dict(), "ema": None, "model_config": asdict(config),
+                "train_config": {"loss": "sddlm", "noise_schedule": "loglinear", "data_dir": data_dir}, "meta": meta,
+                "step": 1}, tmp / "out" / "ckpt.pt")
+    return tmp
+
+
+# the settings that make a command cheap, appended (the last flag wins); lengths and strides stay README's
+CHEAP = {"sample.py": ["--steps", "4", "--num_samples", "1"],
+         "eval_ppl.py": ["--mc_draws", "1", "--rel_se", "0", "--max_batches", "1", "--batch_size", "2"]}
+
+
+def test_readme_sample_and_eval_commands_run_on_its_model(readme_out, monkeypatch, capsys):
+    """README's long generation asked for --stride 512 of a model with 128-token blocks, and its zero-shot example
+    for --seq_len 1024: each stopped, or scored 8x the trained length. Every sample.py and eval_ppl.py command README
+    and docs/sampling.md give on out/ckpt.pt runs on the model README's demo builds (its block size), with fewer
+    steps and draws; a zero-shot set that needs the network is left out, the local file kept."""
+    import eval_ppl
+    import sample
+    from eval_ppl import ZERO_SHOT_SETS
+    monkeypatch.chdir(readme_out)
+    ran = []
+    for script, args in readme_python_commands():
+        if script not in CHEAP or "out/ckpt.pt" not in args or "--judge" in args:    # a judge README does not build
+            continue
+        if "--dataset" in args:
+            i = args.index("--dataset") + 1
+            args = args[:i] + [",".join(n for n in args[i].split(",") if n not in ZERO_SHOT_SETS)] + args[i + 1:]
+        main = sample.main if script == "sample.py" else eval_ppl.main
+        assert main(args + CHEAP[script]) == 0, (script, args)
+        ran.append(args)
+    assert len(ran) >= 9 and any("--stride" in a for a in ran) and any("zeroshot" in a for a in ran), ran

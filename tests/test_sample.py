@@ -696,3 +696,18 @@ def test_cli_prompt_ids_without_an_id_between_commas_is_an_error_not_no_prompt(t
     assert sample.main(["--ckpt", str(tiny_ckpt[0]), "--prompt_ids", "5,6,", "--steps", "1", "--num_samples", "1",
                         "--out", str(tmp_path / "s.jsonl")]) == 0
     assert json.loads((tmp_path / "s.jsonl").read_text())["ids"][:2] == [5, 6]
+
+
+def test_cli_without_the_tokenizer_refuses_and_names_the_fix(tiny_ckpt, tmp_path):
+    """An old checkpoint (no copy of its tokenizer) whose tokenizer file is gone wrote ids only with exit 0: now
+    one line naming the missing file and the fix, and nothing written."""
+    import sample
+    from plumbing.cli import UsageError
+    ckpt, tok = tiny_ckpt
+    state = torch.load(ckpt, weights_only=True)
+    state["meta"] = dict(state["meta"], tokenizer=f"sp:{tmp_path}/moved/tokenizer.model")
+    torch.save(state, tmp_path / "old.pt")
+    with pytest.raises(UsageError, match=r"SentencePiece model not found: .*moved/tokenizer.model.*: the samples' "
+                                         r"text needs it; put that tokenizer back .*hub/pretrained.py --ckpt"):
+        sample.main(["--ckpt", str(tmp_path / "old.pt"), "--steps", "2", "--num_samples", "1"])
+    assert sorted(os.listdir(tmp_path)) == ["old.pt"]

@@ -199,14 +199,15 @@ def load_model(path, device, use_ema=True):
 
 
 def load_tokenizer(ckpt, path=None):
-    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"])), or None with the reason. One that loads
-    but is not the tokenizer the checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the
-    file; path: the checkpoint's, for that message."""
+    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"]), from the SentencePiece model's bytes the
+    checkpoint carries where it has them), or None with the reason. One that loads but is not the tokenizer the
+    checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the file; path: the checkpoint's,
+    for that message."""
     spec = (ckpt.get("meta") or {}).get("tokenizer")
     if spec is None:
         return None, "the checkpoint has no meta['tokenizer']"
     try:
-        tok = get_tokenizer(spec)
+        tok = get_tokenizer(spec, proto=ckpt.get("tokenizer_model"))
     except Exception as e:  # a missing tokenizer file, package or network; reported, never hidden
         return None, f"tokenizer {spec!r} unavailable ({type(e).__name__}: {first_line(e)})"
     check_tokenizer_identity(tok, ckpt, path or "the checkpoint")

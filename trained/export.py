@@ -3,6 +3,7 @@ other side of trained/folder.py, which reads one: export (any checkpoint -> a fo
 and the model folder at the end of a train.py or distillation/distill.py run, plumbing.run.RunPlumbing), save_folder
 (the write itself: nothing the project did not write is replaced, the folder appears whole or not at all),
 folder_config (config.json's content) and model_card (README.md, with the validation the run measured)."""
+import hashlib
 import json
 import os
 import shutil
@@ -169,27 +170,29 @@ BIBTEX = """@article{zhu2025simple,
 }"""
 
 
-def save_folder(folder, state, config, name=None):
+def save_folder(folder, state, config, name=None, proto=None):
     """Write a model folder: state (name -> tensor) as model.safetensors, config as config.json, the model card
     README.md, and the tokenizer's file when its spec is a local SentencePiece model (checked against the recorded
     sha256, so a folder never ships another tokenizer than the one its ids came from). Nothing the project did not
     write is touched: a new or empty folder is built beside the target and renamed into place (it appears whole or
     not at all); over an earlier model folder only our files are replaced, config.json last (check_target refuses
     a folder holding anything else); a README.md of the user's is kept and no card is written (said on stderr).
-    name: how the card's loading lines name the model (default: the folder as given)."""
+    name: how the card's loading lines name the model (default: the folder as given). proto: the SentencePiece
+    model's bytes a checkpoint carries, written in place of the spec's file."""
     from safetensors.torch import save_file
     config = json.loads(json.dumps(config))          # a copy; JSON types only
     tok = config["tokenizer"]
     spec = tok.get("spec") or ""
     source = spec.removeprefix("sp:") if spec.startswith("sp:") or spec.endswith(".model") else None
     if source is not None:
-        if not os.path.isfile(source):
+        if proto is None and not os.path.isfile(source):
             raise UsageError(f"the tokenizer file {source} is missing: a model folder carries its tokenizer; "
                              f"put the file back (or re-export from a copy of it)")
-        if tok.get("sha256") and sha256_file(source) != tok["sha256"]:
+        proto = open(source, "rb").read() if proto is None else proto
+        if tok.get("sha256") and hashlib.sha256(proto).hexdigest() != tok["sha256"]:
             raise UsageError(f"{source} is not the tokenizer this model was trained with (sha256 "
-                             f"{sha256_file(source)[:12]}..., recorded {tok['sha256'][:12]}...)")
-        tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=tok.get("sha256") or sha256_file(source))
+                             f"{hashlib.sha256(proto).hexdigest()[:12]}..., recorded {tok['sha256'][:12]}...)")
+        tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=hashlib.sha256(proto).hexdigest())
     folder = os.path.normpath(folder)
     check_target(folder)
     existing = os.path.isdir(folder) and bool(os.listdir(folder))
@@ -208,7 +211,8 @@ def save_folder(folder, state, config, name=None):
             json.dump(config, f, indent=1)
             f.write("\n")
         if source is not None:
-            shutil.copyfile(source, os.path.join(tmp, TOKENIZER))
+            with open(os.path.join(tmp, TOKENIZER), "wb") as f:
+                f.write(proto)
         if not users_card:
             with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
                 f.write(model_card(config, name or folder))
@@ -242,4 +246,5 @@ def export(ckpt, out, weights="ema"):
     used = "ema" if weights == "ema" and has_ema else "raw"
     # the run evaluated its EMA weights, or its live ones when it kept no EMA: its log describes those only
     validation = measured_validation(ckpt, info.get("step")) if used == ("ema" if has_ema else "raw") else None
-    return save_folder(out, model.state_dict(), folder_config(info, used, validation)), used
+    return save_folder(out, model.state_dict(), folder_config(info, used, validation),
+                       proto=info.get("tokenizer_model")), used

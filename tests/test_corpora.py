@@ -1,0 +1,31 @@
+"""corpora.py: what a local file becomes."""
+import re
+
+import pytest
+
+import data
+import prepare
+
+PLAY = "".join(f"First Citizen:\nBefore we proceed any further, hear me speak {i}.\n\nCORIOLANUS:\nWhat's the "
+               f"matter, you dissentious rogues {i}?\n\n\n" for i in range(40))
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_a_lone_txt_keeps_its_lines_and_blank_lines_when_decoded(tmp_path, wrap):
+    """A play's paragraphs became documents whose EOS decodes to nothing: samples ran a speaker into the line
+    before ("...speak 3.CORIOLANUS:"). The prepared ids of a lone .txt decode (BOS, EOS and padding dropped) to its
+    paragraphs with their lines as they were and a blank line after each."""
+    (tmp_path / "play.txt").write_text(PLAY)
+    out = prepare.prepare_dataset(str(tmp_path / "play.txt"), "sp_train:320", str(tmp_path / "data"), 64, wrap=wrap,
+                                  val_fraction=0.1, progress=False)
+    tok = data.get_tokenizer(data.load_meta(out)["tokenizer"])
+    before = []
+    for split in ("train", "val"):      # each split's stream ends where its last whole block ends
+        text = ""
+        for x0, mask in data.eval_batches(out, split, 64):
+            mask = x0 >= 0 if mask is None else mask          # wrapped blocks have no padding
+            text += "".join(tok.decode([i for i, m in zip(row, ms) if m and i not in (tok.bos_id, tok.eos_id)])
+                            for row, ms in zip(x0.tolist(), mask.tolist()))
+        before += [text[m.start() - 2:m.start()] for m in re.finditer("CORIOLANUS:|First Citizen:", text)][1:]
+        assert "\n\n\n" not in text and "CORIOLANUS:\nWhat's the matter" in text
+    assert len(before) > 40 and set(before) == {"\n\n"}, set(before)
