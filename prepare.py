@@ -34,7 +34,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -52,7 +51,8 @@ from plumbing.checkpoint import check_resume_data
 from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.flags import check_prepare_flags
-from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs
+from plumbing.files import (check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs,
+                            temp_name)
 from plumbing.integrity import check_data_tokenizer
 from plumbing.cli import ignore_stop_signals
 from plumbing.signals import deferred_signals
@@ -387,8 +387,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                 print(f"{out_dir}: its meta.json records no sha256 for {', '.join(redo)}, so its files cannot be "
                       f"verified; preparing it again", file=sys.stderr)
             # named before it is made, so that a stop signal at any point finds it to remove
-            tmp = os.path.join(parent, f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-"
-                                       f"{os.urandom(4).hex()}")
+            tmp = temp_name(os.path.join(parent, os.path.basename(out_dir)))
             try:
                 os.mkdir(tmp)
                 _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,

@@ -47,7 +47,7 @@ def save_atomic(path, write):
                                     f"away, then run again)")
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_name(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -92,22 +92,26 @@ def writing(path, write, *args, then=""):
         raise write_failure(e, path, then) from None
 
 
+TEMP_MARK = ".sddlm-tmp-"     # every temp file or folder: <path>.sddlm-tmp-<host>-<pid>-<8 hex>, no user's file's name
+
+
+def temp_name(path):
+    """The one name of a temp file or folder written before it replaces `path` (save_atomic, a model folder, a
+    preparation): unique to this process, and marked as the project's, with its writer's host and pid."""
+    return f"{os.path.normpath(path)}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
 def remove_stale_temps(path):
-    """Remove the temp files and folders of `path` left by writers that no longer run (killed half-way): save_atomic's
-    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (plumbing.export.save_folder) and a preparation's
-    <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). A living writer's (this process's included) are kept."""
-    folder, name = os.path.dirname(path) or ".", os.path.basename(os.path.normpath(path))
+    """Remove the temp files and folders (temp_name) in `path`'s folder left by this host's writers that no longer run
+    (killed half-way). Only names that carry the mark are touched: a living writer's are kept, and so is every other
+    name (a user's model.old2024 or ckpt.pt.tmp2024)."""
+    folder = os.path.dirname(os.path.normpath(path)) or "."
     if os.name != "posix" or not os.path.isdir(folder):      # os.kill(pid, 0) probes a process only on POSIX
         return
-    host = socket.gethostname()
+    ours = re.compile(rf".+{re.escape(TEMP_MARK + socket.gethostname())}-(\d+)-[0-9a-f]{{8}}")
     for entry in os.listdir(folder):
-        rest = entry[len(name):] if entry.startswith(name + ".") else ""
-        pid = rest.removeprefix(".tmp").removeprefix(".old") if rest[:4] in (".tmp", ".old") else ""
-        if pid.startswith(f"-{host}-"):                        # a preparation's folder of this host
-            pid = pid[len(host) + 2:].split("-")[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        remove_path(os.path.join(folder, entry))
+        if (m := ours.fullmatch(entry)) and not pid_alive(int(m.group(1))):
+            remove_path(os.path.join(folder, entry))
 
 
 def remove_path(path):
