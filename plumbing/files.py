@@ -222,8 +222,15 @@ def refuse_overwrite(outputs, inputs):
 
 def check_writable(path, flag, folder=False):
     """Fail now, before any long work, unless `path` can be written: a file (not a folder), or with folder=True
-    a folder (not a file, pipe or device: named by what it is); it, or its nearest existing parent, writable. flag
-    names the option in the message."""
+    a folder (not a file, pipe or device: named by what it is); it, or its nearest existing parent, writable; no
+    link to nothing on the way (one that does not exist: the link is named, and its target). flag names the option."""
+    part = os.path.abspath(path)
+    while not os.path.exists(part):
+        if os.path.islink(part):
+            target = os.path.join(os.path.dirname(part), os.readlink(part))
+            fix = "" if part == os.path.abspath(path) and not folder else f" or create {target}"   # not a file's
+            raise UsageError(f"{flag} {path}: {part} is a link to {target}, which does not exist; remove the link{fix}")
+        part = os.path.dirname(part)
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a {kind_of(os.path.realpath(path))}, not a folder; give a folder")
     if not folder and os.path.isdir(path):
@@ -408,8 +415,8 @@ def check_output(path, flag, append=None, script=None):
     UsageError naming `flag` and the fix. Devices are never written through: the results go to stdout anyway.
     append=(keys, writer): the file is appended to, so an existing one must hold `writer`'s records
     (check_appendable)."""
-    refuse_special(path, flag)
     check_writable(path, flag)
+    refuse_special(path, flag)
     if append is not None:
         check_appendable(path, flag, *append)
     elif os.path.lexists(path):

@@ -4,6 +4,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from hub import pretrained
 import prepare
 import train
@@ -32,3 +34,26 @@ def test_cleanup_removes_dead_writers_temps_not_users_files(tmp_path, monkeypatc
                               "--eval_interval", "1000"]) == 0
     assert pretrained.main(["--ckpt", "run/ckpt.pt", "--out", "model"]) == 0
     assert [n for n in users + stale if os.path.exists(n)] == users
+
+
+def test_outputs_through_dangling_links_are_named(tmp_path, monkeypatch, capsys):
+    """An output that is, or lies under, a link to nothing: one line naming the link and its target, exit 2,
+    nothing written (a folder output may create the target; a file output is never written through a link)."""
+    import sample
+    from plumbing.cli import run_cli
+    monkeypatch.chdir(tmp_path)
+    for link, target in (("run", "gone"), ("up", "gone2"), ("out", "gone3"), ("s.jsonl", "gone4")):
+        os.symlink(target, link)
+    for script, argv, words in [
+            (train, ["--out_dir", "run"], "--out_dir run: {t}/run is a link to {t}/gone, which does not exist; remove "
+                                          "the link or create {t}/gone"),
+            (prepare, ["--data_dir", "up/data"], "--data_dir up/data: {t}/up is a link to {t}/gone2, which"),
+            (pretrained, ["--ckpt", "x.pt", "--out", "out"], "--out out: {t}/out is a link to {t}/gone3, which"),
+            (sample, ["--ckpt", "x.pt", "--out", "s.jsonl"], "--out s.jsonl: {t}/s.jsonl is a link to {t}/gone4, "
+                                                             "which does not exist; remove the link\n")]:
+        with pytest.raises(SystemExit) as e:
+            run_cli(lambda: script.main(argv), ValueError)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: " + words.format(t=tmp_path)) and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["out", "run", "s.jsonl", "up"]
