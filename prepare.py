@@ -175,7 +175,7 @@ def _check_reusable(data_dir, key, verify=False):
     short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
     names = dict(corpus="corpus content", tokenizer="tokenizer content")
     old_key = full_data_key(old["data_key"])
-    if key.get("tokenizer") == old.get("tokenizer_sha256"):     # the very tokenizer it trained (sp_train:N) or was given
+    if key.get("tokenizer") == old.get("tokenizer_sha256"):     # by content: the tokenizer it trained (sp_train:N)
         key = {**key, "tokenizer": old_key.get("tokenizer")}
     diff = [f"{names[k]} ({short(old_key.get(k))}, now {short(v)})" if k in names else
             f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in full_data_key(key).items()
@@ -364,11 +364,12 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
     get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
     out_dir/tokenizer.model. num_proc: tokenizing processes (None: the usable cores; at most them); the bytes do
     not depend on it. An out_dir prepared from the same data_key is reused (its files checked by size and time, or
-    hashed when verify); a different one -> DataError (key: the data_key asked for, if not the arguments'). Safe to run concurrently: the folder is built in a temp folder
-    beside it and renamed into place when complete; a failed preparation leaves nothing behind."""
+    hashed when verify); a different one -> DataError (key: the data_key asked for, if not the arguments'). Safe to
+    run concurrently: the folder is built in a temp folder beside it and renamed into place when complete; a failed
+    preparation leaves nothing behind."""
     if block_size < 3:
         raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
-    key = key or data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # fails early
+    key = key or data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # early
     out_dir = os.path.normpath(out_dir)
     redo = _unverifiable(out_dir, key)
     if os.path.isfile(os.path.join(out_dir, "meta.json")) and not redo:
