@@ -489,13 +489,12 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
 # -----------------------------------------------------------------------------
 # A training run's data (train.py): prepared by the first process of each node, agreed on by content
 
-def prepare_for_run(cfg, env, given=None):
+def prepare_for_run(cfg, env, given):
     """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
     env: its ranks; given: the flags on its command line). Tokenize the corpus once per node (its first process) into
     token memmaps in that node's data folder, or find them there -> (absolute data_dir, meta). A prepared --data_dir
     is used as it is, whatever prepare.py flags made it (adopt_prepared). Nodes need no shared storage: they agree on
     the data's content (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
-    given = given or {}
     old = adopt_prepared(cfg, given)          # every rank: cfg takes the folder's settings
 
     def work():

@@ -305,7 +305,7 @@ def main(argv=None):
     return launch_training(cfg, given, model_config_for, lambda env, source: train(cfg, env, source, given))
 
 
-def train(cfg, env, source=None, given=None):
+def train(cfg, env, source, given):
     if env.master and cfg.preset == FLAGSHIP_PRESET and cli.torchrun_on_cuda(cfg.device) and source is None:
         print(FLAGSHIP_NOTE, flush=True)         # first: the flagship default, before hours of data preparation
     judge = load_gen_judge(cfg, env)             # a judge that cannot load fails before the data are prepared
