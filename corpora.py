@@ -482,8 +482,8 @@ def _records(path, field):
         rows = json.loads(_read_whole(path))
         lines = ((n, row) for n, row in enumerate(rows, 1))
     else:
-        lines = ((n, line) for n, line in enumerate((ln for b in _text_blocks(path) for ln in b.split("\n")), 1)
-                 if line.strip())
+        blocks = (b.removesuffix("\n").split("\n") for b in _text_blocks(path))    # blocks of whole lines
+        lines = ((n, line) for n, line in enumerate(itertools.chain.from_iterable(blocks), 1) if line.strip())
     for n, row in lines:
         if isinstance(row, str):
             try:

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from plumbing.cli import UsageError
+from plumbing.files import temp_name
 
 
 class DataError(UsageError):
@@ -238,7 +239,7 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     except RuntimeError as e:
         raise DataError(f"SentencePiece training of a {vocab_size}-piece tokenizer failed: "
                         f"{sentencepiece_failure(str(e), vocab_size)}") from None
-    tmp = f"{out_prefix}.model.tmp{os.getpid()}"
+    tmp = temp_name(out_prefix + ".model")
     try:
         with open(tmp, "wb") as f:
             f.write(model.getvalue())
@@ -429,7 +430,7 @@ def _record_stat(data_dir, stat):
     """Add verified [size, mtime_ns] entries to meta.json (atomically; a read-only folder is simply re-hashed
     at the next start)."""
     path = os.path.join(data_dir, "meta.json")
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_name(path)
     try:
         with open(path) as f:
             meta = json.load(f)

@@ -34,7 +34,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -52,7 +51,8 @@ from trained.checkpoint import check_resume_data
 from plumbing.cli import ConfigError, UsageError, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.flags import check_prepare_flags
-from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs
+from plumbing.files import (check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs,
+                            temp_name)
 from trained.checkpoint import check_data_tokenizer
 from plumbing.cli import ignore_stop_signals
 from plumbing.signals import deferred_signals
@@ -65,14 +65,17 @@ PREP_VERSION = 2   # bump when preparation changes the tokens it writes
 
 def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05, text_field="text"):
     """Everything that determines the prepared tokens, as a dict (stored in meta.json; its digest names the
-    default folder). The tokenizer enters by content; sp_train:N is trained on the corpus, which is in the key."""
-    if tokenizer_spec.startswith("sp_train:"):
+    default folder). The tokenizer enters by content; sp_train:N is trained on the corpus, which is in the key.
+    dataset / tokenizer_spec None: not read (their entries None)."""
+    if tokenizer_spec is None:
+        tokenizer = None
+    elif tokenizer_spec.startswith("sp_train:"):
         if not tokenizer_spec.removeprefix("sp_train:").isdigit():
             raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
         tokenizer = tokenizer_spec
     else:
         tokenizer = get_tokenizer(tokenizer_spec).fingerprint
-    key = dict(version=PREP_VERSION, corpus=corpus_fingerprint(dataset, text_field), tokenizer=tokenizer,
+    key = dict(version=PREP_VERSION, corpus=dataset and corpus_fingerprint(dataset, text_field), tokenizer=tokenizer,
                block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
     if text_field != "text":     # only then: keys of data prepared before --text_field existed stay the same
         key["text_field"] = text_field
@@ -174,12 +177,14 @@ def _check_reusable(data_dir, key, verify=False):
     short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
     names = dict(corpus="corpus content", tokenizer="tokenizer content")
     old_key = full_data_key(old["data_key"])
+    if key.get("tokenizer") == old.get("tokenizer_sha256"):     # by content: the tokenizer it trained (sp_train:N)
+        key = {**key, "tokenizer": old_key.get("tokenizer")}
     diff = [f"{names[k]} ({short(old_key.get(k))}, now {short(v)})" if k in names else
             f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in full_data_key(key).items()
             if old_key.get(k) != v]
     if diff:
-        raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; use another --data_dir or "
-                        f"delete it")
+        raise DataError(f"{data_dir} was prepared with a different {', '.join(diff)}; give the flags it was prepared "
+                        f"with (its meta.json) or another --data_dir")
     verify_prepared(data_dir, old, full=verify)
     check_data_tokenizer(data_dir, old)            # meta.json still describes its tokenizer (an edited vocab_size)
     return data_dir
@@ -356,16 +361,17 @@ def _exclusive(lock_path, what):
 
 
 def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, insert_eos=True,
-                    val_fraction=0.05, progress=True, num_proc=None, text_field="text", verify=False):
+                    val_fraction=0.05, progress=True, num_proc=None, text_field="text", verify=False, key=None):
     """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
     get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
     out_dir/tokenizer.model. num_proc: tokenizing processes (None: the usable cores; at most them); the bytes do
     not depend on it. An out_dir prepared from the same data_key is reused (its files checked by size and time, or
-    hashed when verify); a different one -> DataError. Safe to run concurrently: the folder is built in a temp folder
-    beside it and renamed into place when complete; a failed preparation leaves nothing behind."""
+    hashed when verify); a different one -> DataError (key: the data_key asked for, if not the arguments'). Safe to
+    run concurrently: the folder is built in a temp folder beside it and renamed into place when complete; a failed
+    preparation leaves nothing behind."""
     if block_size < 3:
         raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
-    key = data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # fails early
+    key = key or data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # early
     out_dir = os.path.normpath(out_dir)
     redo = _unverifiable(out_dir, key)
     if os.path.isfile(os.path.join(out_dir, "meta.json")) and not redo:
@@ -389,8 +395,7 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
                 print(f"{out_dir}: its meta.json records no sha256 for {', '.join(redo)}, so its files cannot be "
                       f"verified; preparing it again", file=sys.stderr)
             # named before it is made, so that a stop signal at any point finds it to remove
-            tmp = os.path.join(parent, f"{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-{os.getpid()}-"
-                                       f"{os.urandom(4).hex()}")
+            tmp = temp_name(os.path.join(parent, os.path.basename(out_dir)))
             try:
                 os.mkdir(tmp)
                 _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos,
@@ -486,15 +491,23 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
 # -----------------------------------------------------------------------------
 # A training run's data (train.py): prepared by the first process of each node, agreed on by content
 
-def prepare_for_run(cfg, env):
+def prepare_for_run(cfg, env, given):
     """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
-    env: its ranks). Tokenize the corpus once per node (its first process) into token memmaps in that node's data
-    folder, or find them there -> (absolute data_dir, meta). Nodes need no shared storage: they agree on the data's content
-    (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
+    env: its ranks; given: the flags on its command line). Tokenize the corpus once per node (its first process) into
+    token memmaps in that node's data folder, or find them there -> (absolute data_dir, meta). A prepared --data_dir
+    is used as it is, whatever prepare.py flags made it (adopt_prepared). Nodes need no shared storage: they agree on
+    the data's content (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
+    old = adopt_prepared(cfg, given)          # every rank: cfg takes the folder's settings
+
     def work():
         try:
-            check_resume_data(cfg, data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap,
-                                            text_field=cfg.text_field))
+            if old is None:
+                key = data_key(cfg.dataset, cfg.tokenizer, cfg.block_size, cfg.wrap, text_field=cfg.text_field)
+            else:                             # the flags given, by content; the folder's for the rest
+                asked = data_key(given.get("dataset"), given.get("tokenizer"), cfg.block_size, cfg.wrap,
+                                 old.get("insert_eos"), old.get("val_fraction"), cfg.text_field)
+                key = {k: old.get(k) if v is None else v for k, v in full_data_key(asked).items()}
+            check_resume_data(cfg, key)
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
             # the default folder too (an explicit --data_dir is checked with the other inputs at start)
@@ -503,13 +516,30 @@ def prepare_for_run(cfg, env):
             except UsageError as e:
                 raise ConfigError(str(e)) from None
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
-                            num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify)
+                            num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify, key=key)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
         return data_identity(data_dir, load_meta(data_dir))
     (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
     same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
+
+
+def adopt_prepared(cfg, given):
+    """A --data_dir prepared already (by prepare.py, with any of its flags; moved, too) is read as it is: the data
+    flags not given (--dataset, --tokenizer, --block_size, --wrap, --text_field) take the folder's values, its
+    tokenizer where the folder is now -> the folder's data_key (None: no prepared folder there; the flags decide)."""
+    try:
+        meta = load_meta(os.path.abspath(cfg.data_dir)) if cfg.data_dir else {}
+        old = full_data_key(meta["data_key"])
+        folder = dict(dataset=meta.get("dataset") or cfg.dataset, tokenizer=meta["tokenizer"],
+                      block_size=meta["block_size"], wrap=meta["wrap"], text_field=old["text_field"])
+    except (DataError, KeyError, TypeError):      # unreadable: the preparation reports it
+        return None
+    for name, value in folder.items():
+        if name not in given:
+            setattr(cfg, name, value)
+    return old
 
 
 # -----------------------------------------------------------------------------

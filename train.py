@@ -312,7 +312,7 @@ def main(argv=None):
     given = {}
     cfg = parse_config(argv, given)
     # every flag and size checked, --init's SOURCE read; then this process in its torchrun job, out_dir locked
-    return launch(cfg, lambda where: check_start(cfg, given, where), lambda env, source: train(cfg, env, source))
+    return launch(cfg, lambda where: check_start(cfg, given, where), lambda env, source: train(cfg, env, source, given))
 
 
 def check_start(cfg, given, where):
@@ -326,11 +326,11 @@ def check_start(cfg, given, where):
     return start_from(cfg, given)
 
 
-def train(cfg, env, source=None):
+def train(cfg, env, source, given):
     if env.master and cfg.preset == FLAGSHIP_PRESET and cli.torchrun_on_cuda(cfg.device) and source is None:
         print(FLAGSHIP_NOTE, flush=True)         # first: the flagship default, before hours of data preparation
     judge = load_gen_judge(cfg, env)             # a judge that cannot load fails before the data are prepared
-    data_dir, meta = prepare_for_run(cfg, env)   # prepare.py: once per node, agreed on by content
+    data_dir, meta = prepare_for_run(cfg, env, given)   # prepare.py: once per node, agreed on by content
     cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
     # the model: the flags' (a preset's); fine-tuning: SOURCE's, whose tokenizer must be the data's
     mcfg = source.model_config_for(cfg, data_dir, meta) if source else model_config_for(cfg, meta["vocab_size"])

@@ -359,10 +359,10 @@ _REPORTED = []       # the error line this process printed (run_cli's _fail), so
 
 
 def _rank():
-    """This process's RANK as a string, "0" when unset or not a whole number (a launch environment that launch_env
-    refuses: its line must still be printed)."""
-    rank = os.environ.get("RANK", "0").strip()
-    return str(int(rank)) if rank.isdigit() else "0"
+    """This process's RANK as a string, "0" when unset or not a whole number, or outside a job of several processes
+    (no WORLD_SIZE above 1: a stray RANK): a launch environment that launch_env refuses must still be printed."""
+    rank, world = (os.environ.get(k, "").strip() for k in ("RANK", "WORLD_SIZE"))
+    return str(int(rank)) if rank.isdigit() and world.isdigit() and int(world) > 1 else "0"
 
 
 def _exit_now(signum, frame):

@@ -187,7 +187,7 @@ def launch_env(environ=None):
         if not 1 <= num["MASTER_PORT"] <= 65535:
             fail(f"not usable: MASTER_PORT={num['MASTER_PORT']} is not a port (1-65535)")
     contradictions = [
-        (rank >= world, f"RANK={rank} is not below WORLD_SIZE={world}"),
+        (rank >= world, f"RANK={rank} is not below WORLD_SIZE={given.get('WORLD_SIZE', '1 (unset: one process)')}"),
         (not 1 <= local_world <= world, f"LOCAL_WORLD_SIZE={local_world} is not in 1..WORLD_SIZE={world}"),
         (local_rank >= local_world, f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world}"),
         (local_rank > rank, f"LOCAL_RANK={local_rank} is above RANK={rank}"),

@@ -47,7 +47,7 @@ def save_atomic(path, write):
                                     f"away, then run again)")
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_name(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -92,22 +92,26 @@ def writing(path, write, *args, then=""):
         raise write_failure(e, path, then) from None
 
 
+TEMP_MARK = ".sddlm-tmp-"     # every temp file or folder: <path>.sddlm-tmp-<host>-<pid>-<8 hex>, no user's file's name
+
+
+def temp_name(path):
+    """The one name of a temp file or folder written before it replaces `path` (save_atomic, a model folder, a
+    preparation): unique to this process, and marked as the project's, with its writer's host and pid."""
+    return f"{os.path.normpath(path)}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
 def remove_stale_temps(path):
-    """Remove the temp files and folders of `path` left by writers that no longer run (killed half-way): save_atomic's
-    <path>.tmp<pid>, a model folder's <path>.tmp<pid> / <path>.old<pid> (trained.export.save_folder) and a preparation's
-    <path>.tmp-<host>-<pid>-* (prepare.py; only this host's). A living writer's (this process's included) are kept."""
-    folder, name = os.path.dirname(path) or ".", os.path.basename(os.path.normpath(path))
+    """Remove the temp files and folders (temp_name) in `path`'s folder left by this host's writers that no longer run
+    (killed half-way). Only names that carry the mark are touched: a living writer's are kept, and so is every other
+    name (a user's model.old2024 or ckpt.pt.tmp2024)."""
+    folder = os.path.dirname(os.path.normpath(path)) or "."
     if os.name != "posix" or not os.path.isdir(folder):      # os.kill(pid, 0) probes a process only on POSIX
         return
-    host = socket.gethostname()
+    ours = re.compile(rf".+{re.escape(TEMP_MARK + socket.gethostname())}-(\d+)-[0-9a-f]{{8}}")
     for entry in os.listdir(folder):
-        rest = entry[len(name):] if entry.startswith(name + ".") else ""
-        pid = rest.removeprefix(".tmp").removeprefix(".old") if rest[:4] in (".tmp", ".old") else ""
-        if pid.startswith(f"-{host}-"):                        # a preparation's folder of this host
-            pid = pid[len(host) + 2:].split("-")[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        remove_path(os.path.join(folder, entry))
+        if (m := ours.fullmatch(entry)) and not pid_alive(int(m.group(1))):
+            remove_path(os.path.join(folder, entry))
 
 
 def remove_path(path):
@@ -218,8 +222,15 @@ def refuse_overwrite(outputs, inputs):
 
 def check_writable(path, flag, folder=False):
     """Fail now, before any long work, unless `path` can be written: a file (not a folder), or with folder=True
-    a folder (not a file, pipe or device: named by what it is); it, or its nearest existing parent, writable. flag
-    names the option in the message."""
+    a folder (not a file, pipe or device: named by what it is); it, or its nearest existing parent, writable; no
+    link to nothing on the way (one that does not exist: the link is named, and its target). flag names the option."""
+    part = os.path.abspath(path)
+    while not os.path.exists(part):
+        if os.path.islink(part):
+            target = os.path.join(os.path.dirname(part), os.readlink(part))
+            fix = "" if part == os.path.abspath(path) and not folder else f" or create {target}"   # not a file's
+            raise UsageError(f"{flag} {path}: {part} is a link to {target}, which does not exist; remove the link{fix}")
+        part = os.path.dirname(part)
     if folder and os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a {kind_of(os.path.realpath(path))}, not a folder; give a folder")
     if not folder and os.path.isdir(path):
@@ -404,8 +415,8 @@ def check_output(path, flag, append=None, script=None):
     UsageError naming `flag` and the fix. Devices are never written through: the results go to stdout anyway.
     append=(keys, writer): the file is appended to, so an existing one must hold `writer`'s records
     (check_appendable)."""
-    refuse_special(path, flag)
     check_writable(path, flag)
+    refuse_special(path, flag)
     if append is not None:
         check_appendable(path, flag, *append)
     elif os.path.lexists(path):

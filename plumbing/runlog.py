@@ -126,10 +126,11 @@ def metrics_line(metrics):
 
 def truncate_log(path, step):
     """Keep the lines of log.jsonl up to `step`, the checkpoint's: a resumed run logs the later steps again.
-    A torn last line (a kill mid-write) goes too; lines that are not JSON elsewhere are kept as they are."""
+    A torn last line (a kill mid-write) goes too; lines that are not JSON (or not UTF-8) elsewhere are kept as they
+    are, byte for byte."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
+    with open(path, "rb") as f:
         lines = f.readlines()
     keep = []
     for i, line in enumerate(lines):
@@ -140,10 +141,10 @@ def truncate_log(path, step):
                 keep.append(line)
             continue
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] <= step:
-            keep.append(line if line.endswith("\n") else line + "\n")
+            keep.append(line if line.endswith(b"\n") else line + b"\n")
     if keep != lines:
         def write(tmp):
-            with open(tmp, "w") as f:
+            with open(tmp, "wb") as f:
                 f.writelines(keep)
         save_atomic(path, write)
 

@@ -1,10 +1,12 @@
-"""corpora.py: what a local file becomes."""
+"""corpora.py: what a local file becomes, and its readers, through prepare.py."""
+import json
 import re
 
 import pytest
 
 import data
 import prepare
+from data import DataError
 
 PLAY = "".join(f"First Citizen:\nBefore we proceed any further, hear me speak {i}.\n\nCORIOLANUS:\nWhat's the "
                f"matter, you dissentious rogues {i}?\n\n\n" for i in range(40))
@@ -29,3 +31,13 @@ def test_a_lone_txt_keeps_its_lines_and_blank_lines_when_decoded(tmp_path, wrap)
         before += [text[m.start() - 2:m.start()] for m in re.finditer("CORIOLANUS:|First Citizen:", text)][1:]
         assert "\n\n\n" not in text and "CORIOLANUS:\nWhat's the matter" in text
     assert len(before) > 40 and set(before) == {"\n\n"}, set(before)
+
+
+def test_a_bad_jsonl_line_past_a_mib_is_named_by_its_number(tmp_path):
+    """The reader takes the file in ~1 MiB blocks of whole lines; a line's number counts the lines, not blocks."""
+    lines = [json.dumps({"text": f"document {i} " + "x" * 1000}) for i in range(2500)]
+    lines[2399] = '{"text": "cut'
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"c.jsonl line 2400: not JSON"):
+        prepare.main(["--dataset", str(tmp_path / "c.jsonl"), "--tokenizer", "gpt2", "--data_dir",
+                      str(tmp_path / "d")])

@@ -2,6 +2,7 @@
 batches, errors, detokenizers, corpora of every format, parallel preparation, integrity checks."""
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 
@@ -397,7 +398,7 @@ def test_failed_preparations_leave_nothing_behind(tmp_path, sp_model, monkeypatc
     assert isinstance(full.value, DataError) and "preparing data/x" in str(full.value)   # names folder and flag
     assert "--data_dir" in str(full.value)
     assert sorted(os.listdir(tmp_path)) == ["c.txt"]          # no data/, no data/x, no temp folder or lock
-    stale = tmp_path / "data" / f"x.tmp-{prepare.socket.gethostname()}-999999999-abc"   # a killed preparation's
+    stale = tmp_path / "data" / f"x.sddlm-tmp-{socket.gethostname()}-999999999-0a1b2c3d"   # a killed preparation's
     stale.mkdir(parents=True)
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -396,7 +397,7 @@ def test_sigkill_then_resume_gives_a_log_that_matches_the_checkpoint(base, tmp_p
     p.kill()
     p.wait()
     assert saved >= 8 and steps[-1] > saved
-    (out / f"ckpt.pt.tmp{p.pid}").write_bytes(b"half a checkpoint")       # a save cut by the kill
+    (out / f"ckpt.pt.sddlm-tmp-{socket.gethostname()}-{p.pid}-0a1b2c3d").write_bytes(b"half")   # cut by the kill
     assert train.main(base.train + ["--out_dir", str(out), "--max_iters", str(saved + 6), "--ckpt_interval", "4",
                                     "--log_interval", "1", "--eval_interval", "100000", "--resume", "1"]) == 0
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]

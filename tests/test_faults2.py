@@ -272,13 +272,13 @@ def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     live, host = os.getppid(), socket.gethostname()
-    stale = [f"ckpt.pt.tmp{dead}", f"model.tmp{dead}", f"model.old{dead}", f"data.tmp-{host}-{dead}-x1y2"]
-    kept = ["ckpt.pt", f"ckpt.pt.tmp{live}", f"model.old{live}", f"model.tmp{os.getpid()}",
-            f"data.tmp-{host}-{live}-ab", f"data.tmp-other-{dead}-a", f"ckpt_4.pt.tmpx{dead}", "model", "data"]
+    stale = [f"ckpt.pt.sddlm-tmp-{host}-{dead}-0a1b2c3d", f"model.sddlm-tmp-{host}-{dead}-00000000"]
+    kept = ["ckpt.pt", f"ckpt.pt.sddlm-tmp-{host}-{live}-0a1b2c3d", f"model.sddlm-tmp-{host}-{os.getpid()}-abcdef01",
+            f"data.sddlm-tmp-other-{dead}-0a1b2c3d", f"ckpt.pt.sddlm-tmp-{host}-{dead}-xyz", f"ckpt.pt.tmp{dead}",
+            f"model.old{dead}", f"data.tmp-{host}-{dead}-x1y2", "model", "data"]
     for name in stale + kept:
         (tmp_path / name).mkdir() if name.startswith(("model", "data")) else (tmp_path / name).write_bytes(b"")
-    for path in ("ckpt.pt", "model", "data"):
-        files.remove_stale_temps(str(tmp_path / path))
+    files.remove_stale_temps(str(tmp_path / "ckpt.pt"))
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
 
@@ -393,7 +393,7 @@ def test_stop_signals_during_preparation_leave_no_temp_folder_lock_or_empty_fold
     runs.append((signal.SIGTERM, cwd, *start("train.py", *TINY, "--dataset", corpus, "--tokenizer", tokenizer,
                                              "--out_dir", cwd / "run", cwd=cwd, name="train")))
     def preparing(cwd):
-        return (cwd / "data").is_dir() and any(".tmp-" in n for n in os.listdir(cwd / "data"))
+        return (cwd / "data").is_dir() and any(".sddlm-tmp-" in n for n in os.listdir(cwd / "data"))
     waiting = list(runs)
 
     def signal_those_preparing():           # each as soon as its temp folder appears

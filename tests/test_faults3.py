@@ -208,7 +208,7 @@ def test_prepared_data_and_checkpoints_are_trusted_only_with_proof(base, tmp_pat
         meta = json.loads((d / "meta.json").read_text())
         data.verify_prepared(str(d), meta, full=True)
         assert md5s(d)["train.bin"] == md5s(base.data_dir)["train.bin"]
-        assert not [p for p in t.iterdir() if ".old" in p.name or ".tmp" in p.name]
+        assert not [p for p in t.iterdir() if ".sddlm-tmp-" in p.name]
 
 
 @pytest.mark.slow

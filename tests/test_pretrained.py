@@ -5,6 +5,7 @@ force), uploads offline to a stand-in hub and loads back from it; every script's
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import asdict
@@ -227,10 +228,11 @@ def test_export_command_errors_are_one_line(tmp_path, tok_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    for left in (f"model.tmp{dead.stdout.strip()}", f"model.old{dead.stdout.strip()}", f"model.tmp{os.getppid()}"):
+    live = f"model.sddlm-tmp-{socket.gethostname()}-{os.getppid()}-0a1b2c3d"
+    for left in (f"model.sddlm-tmp-{socket.gethostname()}-{dead.stdout.strip()}-0a1b2c3d", live):
         os.makedirs(tmp_path / left / "x")                       # a killed export's leftovers; a live writer's folder
     assert pretrained.main(["--ckpt", ckpt_path]) == 0           # default: model/ beside the checkpoint
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "model", f"model.tmp{os.getppid()}", "run"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "model", live, "run"]
     assert "wrote " + str(tmp_path / "model") in capsys.readouterr().out
     assert is_model_folder(tmp_path / "model")
 

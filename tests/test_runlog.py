@@ -53,3 +53,19 @@ def test_an_evaluation_prints_each_estimate_with_its_standard_error_and_interval
                          "val_tokens": 10240, "dt": 0.25})
     assert line == ("val_loss 2.6500 ± 0.0123, val_nelbo 5.2023 ± 0.0171, val_ppl 181.6900 ± 3.1100 (95% "
                     "175.70–187.90), val_tokens 10240, dt 0.2500")
+
+
+def test_resume_keeps_a_log_line_that_is_not_utf8(tmp_path, monkeypatch):
+    """train.py --resume 1 over a log.jsonl with a line that is not UTF-8 (a user's note, an editor's encoding):
+    the line is kept byte for byte, like any line that is not JSON, and the run continues."""
+    import train
+    from test_train import TINY, _corpus
+    monkeypatch.chdir(tmp_path)
+    _corpus(tmp_path / "c.txt")
+    args = TINY + ["--dataset", "c.txt", "--out_dir", "run", "--log_interval", "1", "--eval_interval", "1000"]
+    assert train.main(args + ["--max_iters", "2"]) == 0
+    first, *rest = (tmp_path / "run" / "log.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "run" / "log.jsonl").write_bytes(b"".join([first, b'{"note": "caf\xe9"}\n', *rest]))
+    assert train.main(args + ["--max_iters", "3", "--resume", "1"]) == 0
+    lines = (tmp_path / "run" / "log.jsonl").read_bytes().splitlines()
+    assert lines[1] == b'{"note": "caf\xe9"}' and b'"step": 3' in lines[-1]

@@ -12,7 +12,7 @@ import sys
 from diffusion import default_final_step
 from trained.checkpoint import load_model
 from plumbing.cli import UsageError
-from plumbing.files import CARD_MARK, remove_stale_temps
+from plumbing.files import CARD_MARK, remove_stale_temps, temp_name
 from trained.folder import (CARD, CONFIG, FORMAT, MODEL_TYPE, TOKENIZER, WEIGHTS, check_target, is_our_card,
                              our_files)
 from plumbing.integrity import sha256_file
@@ -198,7 +198,7 @@ def save_folder(folder, state, config, name=None, proto=None):
     existing = os.path.isdir(folder) and bool(os.listdir(folder))
     card = os.path.join(folder, CARD)
     users_card = existing and os.path.lexists(card) and not is_our_card(card)
-    tmp = f"{folder}.tmp{os.getpid()}"
+    tmp = temp_name(folder)
     remove_stale_temps(folder)
     try:
         os.makedirs(tmp)                 # inside: a stop signal right after it still finds tmp to remove

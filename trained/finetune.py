@@ -64,7 +64,7 @@ class Source:
         if ours and theirs and ours != theirs:
             raise UsageError(f"{data_dir} was prepared with the tokenizer {meta.get('tokenizer')} (sha256 {ours[:12]}...), "
                              f"not the one {self.label} was trained with ({self.tokenizer}, sha256 {theirs[:12]}...); "
-                             f"leave --tokenizer out (SOURCE's is the default) or give a --data_dir prepared with it")
+                             f"give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)")
         check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label)
 
     def start(self, run):
