@@ -79,7 +79,7 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
                block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
     if text_field != "text":     # only then: keys of data prepared before --text_field existed stay the same
         key["text_field"] = text_field
-    if os.path.isfile(dataset) and dataset.endswith((".txt", ".txt.gz")):   # a lone file's paragraphs (issue 42)
+    if dataset and os.path.isfile(dataset) and dataset.endswith((".txt", ".txt.gz")):   # a lone file's paragraphs
         key["paragraphs"] = "each ends in a blank line"
     return key
 
@@ -506,7 +506,7 @@ def prepare_for_run(cfg, env, given):
             else:                             # the flags given, by content; the folder's for the rest
                 asked = data_key(given.get("dataset"), given.get("tokenizer"), cfg.block_size, cfg.wrap,
                                  old.get("insert_eos"), old.get("val_fraction"), cfg.text_field)
-                key = {k: old.get(k) if v is None else v for k, v in full_data_key(asked).items()}
+                key = {**old, **{k: v for k, v in full_data_key(asked).items() if v is not None}}
             check_resume_data(cfg, key)
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
