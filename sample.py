@@ -677,15 +677,13 @@ def main(argv=None):
                                 alpha_schedule=schedule, t_end=cfg.t_end, final_step=final_step, prompt_ids=prompt,
                                 cfg_w=cfg.cfg_w, top_p=cfg.top_p, psi=psi, generator=generator, device=device,
                                 dtype=dtype)
-        records = []
-        for row in ids.tolist():
-            text = tok.decode(row) if tok else None
-            records.append({WRITTEN_BY: signature("sample.py"), "sample": index, "text": text, "ids": row,
-                            "settings": settings})
-            print(f"--- sample {index} ---\n{text if text is not None else row}")
-            index += 1
-        if cfg.out:
+        records = [{WRITTEN_BY: signature("sample.py"), "sample": index + i, "text": tok.decode(row) if tok else None,
+                    "ids": row, "settings": settings} for i, row in enumerate(ids.tolist())]
+        if cfg.out:                    # saved first: a terminal that cannot show them loses nothing (cli.show)
             append_jsonl(cfg.out, records)
+        for r in records:
+            cli.show(f"--- sample {r['sample']} ---\n{r['text'] if r['text'] is not None else r['ids']}")
+        index += len(records)
     if cfg.out:
         print(f"appended {cfg.num_samples} samples to {cfg.out}", file=sys.stderr)
     return 0

@@ -36,7 +36,6 @@ cli.stop_at_once(__name__)
 import copy
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -479,8 +478,7 @@ def print_samples(run, cfg, init_ckpt, tok, env):
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
     for i, text in enumerate(texts):
-        print(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{text}")
-    sys.stdout.flush()
+        cli.show(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{text}")
     return texts
 
 

@@ -696,3 +696,25 @@ def test_cli_prompt_ids_without_an_id_between_commas_is_an_error_not_no_prompt(t
     assert sample.main(["--ckpt", str(tiny_ckpt[0]), "--prompt_ids", "5,6,", "--steps", "1", "--num_samples", "1",
                         "--out", str(tmp_path / "s.jsonl")]) == 0
     assert json.loads((tmp_path / "s.jsonl").read_text())["ids"][:2] == [5, 6]
+
+
+def test_samples_saved_before_a_closed_or_ascii_stdout(tiny_ckpt, tmp_path):
+    """Issue 44: `sample.py | head -1` kept the first batch only ("error: Broken pipe", exit 2), and a non-ASCII
+    prompt under PYTHONIOENCODING=ascii ended in a traceback with nothing saved. Each batch is saved, then shown
+    (plumbing.cli.show): the closed pipe ends the showing quietly, what stdout cannot encode is escaped; exit 0."""
+    base = [sys.executable, os.path.join(HERE, "sample.py"), "--ckpt", str(tiny_ckpt[0]), "--num_samples", "16",
+            "--batch_size", "2", "--steps", "2", "--seq_len", "16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(base + ["--out", str(tmp_path / "a.jsonl")], cwd=HERE, env=env, stdout=subprocess.PIPE,
+                                stderr=err)
+        assert proc.stdout.readline() == b"--- sample 0 ---\n"
+        proc.stdout.close()                                  # the reader goes, as `head -1` does
+        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 16
+    p = subprocess.run(base + ["--prompt", "café", "--out", str(tmp_path / "b.jsonl")], cwd=HERE, capture_output=True,
+                       env=dict(env, PYTHONIOENCODING="ascii"), timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr.decode(), p.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert len(records) == 16 and all(r["text"].startswith("café") for r in records)
+    assert p.stdout.decode("ascii").count("caf\\xe9") == 16
