@@ -203,8 +203,9 @@ def model_config_for(cfg, vocab_size):
         base.update(causal=True, time_cond=False)
     try:
         return ModelConfig(**base)
-    except ValueError as e:
-        raise cli.ConfigError(f"--n_layer/--n_head/--n_embd: {e}") from None
+    except ValueError as e:        # its message starts with the field's name: the flag's, or the preset's
+        field = str(e).split()[0].split("=")[0]
+        raise cli.ConfigError(f"--{e}" if hasattr(cfg, field) else f"--preset {cfg.preset}: {e}") from None
 
 
 def lr_at(it, cfg):

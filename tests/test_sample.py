@@ -97,8 +97,9 @@ def test_duo_time_grid_and_nfe(final_step, nfe):
 
 
 def test_steps_below_one_raise():
-    with pytest.raises(ValueError, match="steps must be >= 1"):
-        generate(random_model(), 2, 12, 11, 0, show_progress=False)
+    for steps in (0, 2.5, math.nan):
+        with pytest.raises(ValueError, match=f"--steps must be an integer >= 1, got {steps}"):
+            generate(random_model(), 2, 12, 11, steps, show_progress=False)
 
 
 # -----------------------------------------------------------------------------------------------
