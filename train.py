@@ -324,8 +324,10 @@ def train(cfg, env, source=None):
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     with plumbing.start(run, {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
-            plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env),
-                                           lambda sums: {**val_metrics(sums, cfg, data_dir), "init": source.described})
+            if plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env), lambda sums: {
+                    **val_metrics(sums, cfg, data_dir), "init": source.described}):
+                plumbing.save(run)               # stopped in it: saved at step 0, where --resume 1 evaluates again
+                return plumbing.stopped(run)
         while run.it < cfg.max_iters:
             x0, mask = run.loader.next_batch()
             loss = train_step(run, cfg, env, x0, mask)
