@@ -191,6 +191,7 @@ def _parser(cls, description, shown=None, epilog=None):
     docs, groups = field_help(cls)
     p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False,
                                 usage="%(prog)s [--FLAG VALUE ...]", epilog=epilog, add_help=False)
+    p._negative_number_matcher = re.compile(r"^-\.?\d")     # -1e6 is a value, as Python 3.13's argparse reads it
     p.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parents = {None: p}
     for title, text in groups:

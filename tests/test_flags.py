@@ -12,7 +12,7 @@ def test_out_of_range_numbers_name_the_flag_given(tmp_path):
     run = ["--out_dir", tmp_path / "run", "--dataset", tmp_path / "corpus.txt", "--max_iters", "4"]
     cases = [(["--log10_tau_start", "400"], "--log10_tau_start must be in [-30, 3), got 400.0"),
              (["--log10_tau_end=-40"], "--log10_tau_end must be in [-30, 3), got -40.0"),
-             (["--gamma_min=-1e6"], "--gamma_min must be in [-15, 15), got -1000000.0"),
+             (["--gamma_min", "-1e6"], "--gamma_min must be in [-15, 15), got -1000000.0"),
              (["--gamma_max", "1e6"], "--gamma_max must be in [-15, 15), got 1000000.0"),
              (["--lr", "1e-3", "--min_lr", "1e-2"], "--min_lr 0.01 is above --lr 0.001"),
              (["--curriculum_share=-0.5"], "--curriculum_share must be in [0, 1], got -0.5"),
