@@ -225,12 +225,19 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
         text_or_file = read_text(text_or_file)
     docs = [text_or_file] if isinstance(text_or_file, str) else list(text_or_file)
     lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
+    # SentencePiece skips a line over max_sentence_length bytes (all of them: "!sentences_.empty()"): a longer line
+    # trains in parts of 16K characters (64 KiB at most)
+    lines = [part for line in lines for part in ([line] if len(line.encode()) <= 1 << 16 else
+                                                 [line[i:i + (1 << 14)] for i in range(0, len(line), 1 << 14)])]
     if not lines:
         raise DataError(f"no text to train the SentencePiece model {out_prefix}.model on")
     model = io.BytesIO()   # no model_prefix: the file holds no path, so equal training gives equal bytes
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=model_type,
+            # N outside SentencePiece's int, or below its specials (0, 1): still too large or small, so that its
+            # message names the N that works (sentencepiece_failure)
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=min(max(vocab_size, 5), 2 ** 31 - 1),
+            model_type=model_type,
             byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
             user_defined_symbols=["\n"],  # lines are the training units, so "\n" gets its own piece

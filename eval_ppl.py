@@ -911,7 +911,7 @@ def print_samples(run, cfg, meta, env):
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
     for i, text in enumerate(texts):
-        print(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
+        cli.show(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
     return texts
 
 
@@ -952,9 +952,7 @@ def main(argv=None):
     text = json.dumps(result, indent=2)
     if cfg.out:
         write_json(cfg.out, result)
-    print(text)
-    print(_table(rows, columns))
-    print("\n".join(precision_line(row, cfg) for row in rows))
+    cli.show("\n".join([text, _table(rows, columns)] + [precision_line(row, cfg) for row in rows]))
     return 0
 
 

@@ -475,6 +475,11 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     meta["sha256"] = digests
+    dropped, tokens = meta["train_dropped_tokens"], meta["train_tokens"]
+    if not wrap and dropped:          # documents cut to block_size - 2 tokens
+        print(f"note: --wrap 0 keeps a document's first {block_size - 2} tokens: {dropped:,} of the train split's "
+              f"{tokens:,} tokens ({dropped / tokens:.1%}) are dropped; --wrap 1 keeps them all (or raise --block_size)",
+              file=sys.stderr)
     # the one full check: the bytes on disk hash to what was written; their size and time are recorded, which
     # later starts compare instead of hashing
     for name, digest in digests.items():

@@ -51,7 +51,6 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import math
-import numbers
 import os
 import sys
 from contextlib import nullcontext
@@ -65,7 +64,8 @@ import diffusion
 from data import DataError
 from diffusion import FINAL_STEPS, default_final_step
 from kernels.gumbel import sample_categorical
-from plumbing.cli import UsageError, autocast_for, finite_floats, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import (UsageError, autocast_for, finite_float, finite_floats, parse_flags, resolve_device,
+                          resolve_dtype, run_cli, whole)
 from trained.checkpoint import load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature
 
@@ -338,12 +338,13 @@ def psi_from_flags(cfg, steps=None):
 # -----------------------------------------------------------------------------------------------
 # samplers
 
-def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule="loglinear"):
-    """The sampler's settings, checked once (by generate, and by the CLI before it loads a model); the messages
-    name the flags, which are generate's keyword arguments. final_step may be "auto" (the CLI's default, which
-    default_final_step resolves once the checkpoint is loaded). Raises UsageError."""
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1 (the number of reverse steps), got {steps}")
+def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule="loglinear", cfg_w=0.0):
+    """The sampler's settings, checked once (by generate, and by the CLI before it loads a model), with the CLI's
+    own checkers for the Python API's values; the messages name the flags, which are generate's keyword arguments.
+    final_step may be "auto" (the CLI's default, which default_final_step resolves once the checkpoint is
+    loaded). Raises UsageError (a ValueError)."""
+    whole(steps, "--steps", 1)
+    finite_float(cfg_w, "--cfg_w")
     if final_step not in (*FINAL_STEPS, "auto"):
         raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, auto; got {final_step!r}")
     if schedule not in diffusion.SCHEDULES:
@@ -368,7 +369,7 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     The null prompt of CFG comes from its own generator seeded with cfg_seed (default: the seed of
     `generator`, or torch.initial_seed(), plus 1), so the sampling noise, and with it every sample, is
     identical whether CFG is on or off; cfg_w = 0 skips the unconditional branch."""
-    check_sampler(steps, final_step, top_p, t_end, alpha_schedule)
+    check_sampler(steps, final_step, top_p, t_end, alpha_schedule, cfg_w)
     if final_step == "auto":
         raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")
     if psi is not None and psi.profile == "loop" and steps < 2:
@@ -420,8 +421,7 @@ def check_sample_size(num_samples, seq_len, device=None, names=("num_samples", "
     generate_ar); sample.py and SDDLM.generate first, with their own names."""
     from plumbing.memory import check_fits
     for value, name in zip((num_samples, seq_len), names):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+        whole(value, name, 1)
     device, tokens = torch.device(device if device is not None else "cpu"), num_samples * seq_len
     needs = {torch.device("cpu"): 8 * tokens}
     needs[device] = needs.get(device, 0) + 16 * tokens
@@ -673,15 +673,13 @@ def main(argv=None):
                                 alpha_schedule=schedule, t_end=cfg.t_end, final_step=final_step, prompt_ids=prompt,
                                 cfg_w=cfg.cfg_w, top_p=cfg.top_p, psi=psi, generator=generator, device=device,
                                 dtype=dtype)
-        records = []
-        for row in ids.tolist():
-            text = tok.decode(row)
-            records.append({WRITTEN_BY: signature("sample.py"), "sample": index, "text": text, "ids": row,
-                            "settings": settings})
-            print(f"--- sample {index} ---\n{text}")
-            index += 1
-        if cfg.out:
+        records = [{WRITTEN_BY: signature("sample.py"), "sample": index + i, "text": tok.decode(row), "ids": row,
+                    "settings": settings} for i, row in enumerate(ids.tolist())]
+        if cfg.out:                    # saved first: a terminal that cannot show them loses nothing (cli.show)
             append_jsonl(cfg.out, records)
+        for r in records:
+            cli.show(f"--- sample {r['sample']} ---\n{r['text']}")
+        index += len(records)
     if cfg.out:
         print(f"appended {cfg.num_samples} samples to {cfg.out}", file=sys.stderr)
     return 0

@@ -209,8 +209,9 @@ def model_config_for(cfg, vocab_size):
         base.update(causal=True, time_cond=False)
     try:
         return ModelConfig(**base)
-    except ValueError as e:
-        raise cli.ConfigError(f"--n_layer/--n_head/--n_embd: {e}") from None
+    except ValueError as e:        # its message starts with the field's name: the flag's, or the preset's
+        field = str(e).split()[0].split("=")[0]
+        raise cli.ConfigError(f"--{e}" if hasattr(cfg, field) else f"--preset {cfg.preset}: {e}") from None
 
 
 def lr_at(it, cfg):
@@ -347,8 +348,10 @@ def train(cfg, env, source, given):
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     with plumbing.start(run, {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
-            plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env),
-                                           lambda sums: {**val_metrics(sums, cfg, data_dir), "init": source.described})
+            if plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env), lambda sums: {
+                    **val_metrics(sums, cfg, data_dir), "init": source.described}):
+                plumbing.save(run)               # stopped in it: saved at step 0, where --resume 1 evaluates again
+                return plumbing.stopped(run)
         return loop(run, cfg, plumbing, lambda x0, mask: train_step(run, cfg, env, x0, mask),
                     (lambda: evaluate(run, cfg, data_dir, env), lambda sums: val_metrics(sums, cfg, data_dir)),
                     lambda: print_samples(run, cfg, meta, env),

@@ -14,6 +14,9 @@ from typing import NamedTuple
 
 import torch
 
+GAMMA_LIMIT = 15      # alpha_table's quadrature holds for |gamma| <= 15 (at -20 it gives alpha > 1; --gamma_min/max)
+
+
 @functools.lru_cache(maxsize=8)
 def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
     """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached).

@@ -36,7 +36,6 @@ cli.stop_at_once(__name__)
 import copy
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -240,8 +239,9 @@ def validate(cfg, world_size):
         raise UsageError("--beta1 and --beta2 must be in [0, 1), --weight_decay and --grad_clip >= 0")
     if not 0 <= cfg.diverge_margin < math.inf:
         raise UsageError(f"--diverge_margin must be in [0, inf) (0 = log V), got {cfg.diverge_margin}")
-    if not cfg.gamma_min < cfg.gamma_max:
-        raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max})")
+    if not -curriculum.GAMMA_LIMIT <= cfg.gamma_min < cfg.gamma_max < curriculum.GAMMA_LIMIT:
+        raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max}), both in "
+                         f"[-{curriculum.GAMMA_LIMIT}, {curriculum.GAMMA_LIMIT})")
     if step_size(cfg.max_iters - 1, cfg) >= 1:
         raise UsageError(f"dt reaches {step_size(cfg.max_iters - 1, cfg):g} >= 1 in the last round: raise --T or "
                          f"--round_iters, or lower --max_iters")
@@ -453,8 +453,7 @@ def print_samples(run, cfg, init_ckpt, tok, env):
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
     for i, text in enumerate(texts):
-        print(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{text}")
-    sys.stdout.flush()
+        cli.show(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{text}")
     return texts
 
 

@@ -15,7 +15,8 @@ import torch
 from data import not_a_file
 from diffusion import default_final_step
 from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, Scorer
-from plumbing.cli import UsageError, finite_float, first_line, parse_bool, resolve_device, resolve_dtype
+from plumbing.cli import (SEED_END, UsageError, finite_float, first_line, parse_bool, resolve_device, resolve_dtype,
+                          whole)
 from trained.checkpoint import load_model, load_tokenizer
 from sample import check_sampler, check_stride, parse_psi
 
@@ -101,7 +102,8 @@ class _Harness:
         except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
             raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
-        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), coerce(seed, int, "seed"),
+        seed = whole(coerce(seed, int, "seed"), "sddlm model argument seed", 0, SEED_END)
+        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), seed,
                                                  coerce(lambada_steps, int, "lambada_steps"),
                                                  coerce(use_ema, bool, "use_ema"), str(dtype),
                                                  coerce(add_bos, bool, "add_bos"), batch_size, device)

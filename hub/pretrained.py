@@ -131,6 +131,7 @@ class SDDLM:
         prompt: a clean prefix. sampler: more of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi).
         -> list of str."""
         from diffusion import default_final_step
+        from plumbing.cli import SEED_END, whole
         from sample import check_sample_size, generate_ar, generate_long
         if length is not None and seq_len is not None and length != seq_len:
             raise ValueError(f"length={length} and seq_len={seq_len} name the same thing; give one")
@@ -141,7 +142,7 @@ class SDDLM:
         if prompt_ids and len(prompt_ids) >= seq_len:
             raise ValueError(f"the prompt is {len(prompt_ids)} tokens, not shorter than {name}={seq_len}: give a "
                              f"{name} above it (past the block: windows of `stride` tokens) or a shorter prompt")
-        g = torch.Generator(device=self.device).manual_seed(seed)
+        g = torch.Generator(device=self.device).manual_seed(whole(seed, "seed", 0, SEED_END))
         if self.model.config.causal:
             ids = generate_ar(self.model, num_samples, seq_len, bos_id=None if prompt_ids else self.tokenizer.bos_id,
                               prompt_ids=prompt_ids, top_p=sampler.get("top_p", 1.0), generator=g,
@@ -158,8 +159,8 @@ class SDDLM:
         over mc_draws noise draws (two rounds of mc_draws / 2 stratified times, eval_ppl.nelbo_ppl's estimator), with
         its Monte-Carlo standard error -> list of dict(nll, nll_se, ppl, ppl_se, tokens)."""
         from eval_ppl import nelbo_ppl
-        if isinstance(mc_draws, bool) or not isinstance(mc_draws, int) or mc_draws < 1:
-            raise ValueError(f"mc_draws must be an integer >= 1, got {mc_draws!r}")
+        from plumbing.cli import SEED_END, whole
+        whole(mc_draws, "mc_draws", 1), whole(seed, "seed", 0, SEED_END)
         out = []
         for text in ([texts] if isinstance(texts, str) else texts):
             ids = self.tokenizer.encode(text)

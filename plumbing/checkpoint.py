@@ -20,6 +20,9 @@ from plumbing.signals import deferred_signals
 
 # what a resumed run requires of its checkpoint (save writes them)
 RESUME_KEYS = ("model", "optimizer", "model_config", "train_config", "step", "data_state", "rng")
+# every key a checkpoint of this version holds (distill.py's and a fine-tuning run's extra() among them)
+CHECKPOINT_KEYS = RESUME_KEYS + ("ema", "meta", "n_ema", "distill_config", "distilled_from", "teacher", "finetuned_from",
+                                 "tokenizer_model")
 
 
 def checkpoint_state(run, cfg, mcfg, meta, resume=None):
@@ -179,6 +182,10 @@ def load_resume_checkpoint(cfg, check=None):
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({e})") from None
     if check is not None:
         check(ckpt, path)
+    unknown = sorted(map(str, set(ckpt) - set(CHECKPOINT_KEYS)))
+    if unknown:         # a later version's: the checkpoints this one writes would drop them
+        raise ConfigError(f"cannot resume from {path}: it holds {', '.join(unknown)}, which this version of sddlm does "
+                          f"not know and would drop; resume with the version that wrote it (upgrade sddlm)")
     check_finite_weights(ckpt, path)      # one saved after a divergence is no place to continue from
     return ckpt
 

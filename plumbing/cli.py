@@ -22,8 +22,9 @@ import sys
 from contextlib import nullcontext
 
 
-class UsageError(ValueError):
-    """Bad input from the command line (a flag, a file, a checkpoint): printed as one line, exit code 2."""
+class UsageError(ValueError, argparse.ArgumentTypeError):
+    """Bad input from the command line (a flag, a file, a checkpoint): printed as one line, exit code 2. Raised by a
+    flag's parser (finite_float), argparse prefixes the flag; the Python API's callers see a ValueError."""
 
 
 class OutOfMemory(Exception):
@@ -45,6 +46,17 @@ def os_error_line(e):
     """An OSError as one line: 'No space left on device: out/ckpt.pt', or its own message."""
     what = e.strerror or str(e) or type(e).__name__
     return f"{what}: {e.filename}" if e.filename else what
+
+
+def show(text):
+    """Print generated text or results on stdout, once the script has saved them: a character the terminal's
+    encoding lacks is shown as a backslash escape, and a reader that has gone (`| head`) ends the showing quietly
+    while the work goes on (stdout then goes to /dev/null; the exit code stays the script's)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        print(text.encode(encoding, "backslashreplace").decode(encoding, "replace"), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def bar_hidden(show=True):
@@ -97,16 +109,31 @@ def parse_bool(s):
     raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
 
 
-def finite_float(s):
+def finite_float(s, name=None):
     """A float flag's value: a finite number. nan, inf and -inf are refused here, once for every script's flags
-    (a nan guidance weight or learning rate would run to the end and write garbage)."""
+    (a nan guidance weight or learning rate would run to the end and write garbage), and for the Python API's
+    keywords (name: the keyword, which the message then names)."""
     import math
     try:
         value = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {s!r}") from None
+    except (TypeError, ValueError):
+        raise UsageError(f"{name + ': ' if name else ''}invalid float value: {s!r}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+        raise UsageError(f"{name + ': ' if name else ''}expected a finite number, got {s!r}")
+    return value
+
+
+SEED_END = 2 ** 60      # seeds: torch's generators take 64 bits, and the scripts derive more (gen_seed x 8 + group)
+
+
+def whole(value, name, low=0, high=None):
+    """An integer flag's or keyword's value in [low, high) -> value; a bool, a float or a number out of range ->
+    UsageError (a ValueError) naming it. Every script's seed flags are checked here as they are parsed."""
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (
+            high is not None and value >= high):
+        span = f">= {low}" if high is None else f"in [{low}, {'2^60' if high == SEED_END else high})"
+        raise UsageError(f"{name} must be an integer {span}, got {value!r}")
     return value
 
 
@@ -153,6 +180,9 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
 def _config(cls, presets, name, given, resolve):
     """The config of the preset `name` (None: no presets), the flags `given` over it, then resolve's rules."""
     cfg = cls(**{**(presets[name] if presets else {}), **({"preset": name} if presets else {}), **given})
+    for f in dataclasses.fields(cls):
+        if f.name.endswith("seed"):
+            whole(getattr(cfg, f.name), f"--{f.name}", 0, SEED_END)
     return resolve(cfg, given) if resolve else cfg
 
 
@@ -161,6 +191,7 @@ def _parser(cls, description, shown=None, epilog=None):
     docs, groups = field_help(cls)
     p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False,
                                 usage="%(prog)s [--FLAG VALUE ...]", epilog=epilog, add_help=False)
+    p._negative_number_matcher = re.compile(r"^-\.?\d")     # -1e6 is a value, as Python 3.13's argparse reads it
     p.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
     parents = {None: p}
     for title, text in groups:

@@ -5,6 +5,7 @@ import math
 import torch
 
 import diffusion
+from curriculum.gaussian import GAMMA_LIMIT
 from diffusion import OBJECTIVES
 from kernels.fused_head import HEADS
 from model import PRESETS
@@ -52,20 +53,26 @@ def check_train_flags(cfg, world_size):
     for name in ("eval_interval", "log_interval", "ckpt_interval", "sample_steps"):   # eval_iters: 0 = all
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    if not 0 <= cfg.curriculum_share <= 1:          # before curriculum_iters, which a share given sets
+        raise ConfigError(f"--curriculum_share must be in [0, 1], got {cfg.curriculum_share}")
     for name in ("warmup_iters", "curriculum_iters", "num_samples", "vocab_size", "vocab_multiple", "n_layer", "n_head",
                  "n_embd"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True),
-                                    ("eps", 0, math.inf, False), ("beta1", 0, 1, True), ("beta2", 0, 1, True),
-                                    ("dropout", 0, 1, True), ("weight_decay", 0, math.inf, True),
-                                    ("diverge_margin", 0, math.inf, True),
-                                    ("grad_clip", 0, math.inf, True)]:
+    # eps >= 1 leaves log(p + eps) within log 2 of a constant: nothing to learn. The curriculum's alpha table
+    # (curriculum.gaussian) is accurate for |gamma| <= GAMMA_LIMIT; tau = 10^x beyond [1e-30, 1e3) overflows its
+    # softmax or makes its input uniform.
+    for name, low, high, closed in [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True), ("eps", 0, 1, False),
+                                    ("beta1", 0, 1, True), ("beta2", 0, 1, True), ("dropout", 0, 1, True),
+                                    ("weight_decay", 0, math.inf, True), ("diverge_margin", 0, math.inf, True),
+                                    ("grad_clip", 0, math.inf, True), ("gamma_min", -GAMMA_LIMIT, GAMMA_LIMIT, True),
+                                    ("gamma_max", -GAMMA_LIMIT, GAMMA_LIMIT, True), ("log10_tau_start", -30, 3, True),
+                                    ("log10_tau_end", -30, 3, True)]:
         v = getattr(cfg, name)
         if not (low <= v if closed else low < v) or not v < high:
             raise ConfigError(f"--{name} must be in {'[' if closed else '('}{low}, {high}), got {v}")
-    if not 0 <= cfg.curriculum_share <= 1:
-        raise ConfigError(f"--curriculum_share must be in [0, 1], got {cfg.curriculum_share}")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"--min_lr {cfg.min_lr} is above --lr {cfg.lr}: the schedule decays from --lr to --min_lr")
     if not 0 < cfg.sample_top_p <= 1:
         raise ConfigError(f"--sample_top_p must be in (0, 1] (1 = off), got {cfg.sample_top_p}")
     if cfg.eval_iters < 0 or cfg.keep_every < 0 or cfg.gen_interval < 0:

@@ -1,4 +1,5 @@
-"""plumbing/checkpoint.py: what a checkpoint carries and how a reader loads it."""
+"""plumbing/checkpoint.py and trained/checkpoint.py: what a checkpoint carries, how a reader loads it, what a resume
+reads."""
 import os
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -6,7 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import train
 from model import ModelConfig, build_model
+from test_faults import case, check, md5s, run_batches
+from test_train import TINY, _corpus
 
 TEXT = "The os module provides a portable way of using operating system dependent functionality.\n\nNew lines stay."
 
@@ -48,3 +52,18 @@ def test_ckpt_decodes_with_its_own_tokenizer_once_data_moves(saved, tmp_path):
     assert SDDLM.from_pretrained(str(path)).tokenizer.decode(ids) == TEXT
     folder, _ = export(str(path), str(tmp_path / "model"))
     assert SDDLM.from_pretrained(folder).tokenizer.decode(ids) == TEXT
+
+
+def test_a_resume_refuses_keys_it_would_drop(tmp_path):
+    """Issue 44: keys a checkpoint holds that this version does not know (a later version's) were dropped from the
+    checkpoints a resume writes, without a word: refused in one line, nothing changed."""
+    _corpus(tmp_path / "corpus.txt")
+    run = TINY + ["--dataset", tmp_path / "corpus.txt", "--data_dir", tmp_path / "data", "--out_dir", tmp_path / "run"]
+    run = [str(a) for a in run]
+    assert train.main(run + ["--max_iters", "2", "--eval_interval", "2"]) == 0
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    torch.save({**ckpt, "scheduler": {"last_epoch": 2}}, tmp_path / "run" / "ckpt.pt")
+    before = md5s(tmp_path / "run")
+    check(run_batches([case("train.py", *run, "--max_iters", "4", "--resume", "1", cwd=tmp_path,
+                            expect="ckpt.pt: it holds scheduler, which this version of sddlm does not know")]))
+    assert md5s(tmp_path / "run") == before

@@ -786,3 +786,21 @@ def test_a_txt_piece_edited_after_the_scan_is_one_data_error(tmp_path):
     for begin, end in ((0, 2), (0, 500)):          # a cut character, or a file shorter than the scan found
         with pytest.raises(data.DataError, match="changed while it was being prepared"):
             corpora._read_piece(str(path), begin, end)
+
+
+def test_sp_train_edges_and_very_long_lines_through_prepare(tmp_path):
+    """Issue 44: sp_train:0 and :1 printed SentencePiece's internal check, a vocabulary past its int a traceback,
+    and a corpus whose every line is over 64 KiB "[!sentences_.empty()]": the N that works, and long lines train
+    in parts (data.train_sentencepiece)."""
+    from test_faults import case, check, run_batches
+    from test_train import _corpus
+    _corpus(tmp_path / "corpus.txt")
+    text = (tmp_path / "corpus.txt").read_text().replace("\n", " ") * 2          # one line of ~130 KB
+    (tmp_path / "long.txt").write_text("\n\n".join([text] * 3))
+    run = lambda n, corpus="corpus.txt": ["--dataset", tmp_path / corpus, "--tokenizer", f"sp_train:{n}",
+                                          "--data_dir", tmp_path / f"data{n}{corpus}"]
+    check(run_batches([case("prepare.py", *run(n), cwd=tmp_path, expect="use --tokenizer sp_train:N with N >= ")
+                       for n in (0, 1)] +
+                      [case("prepare.py", *run(2 ** 70), cwd=tmp_path, expect="use --tokenizer sp_train:N with N <= "),
+                       case("prepare.py", *run(300, "long.txt"), cwd=tmp_path, expect=("ok", "val: 1 documents"))]))
+    assert data.get_tokenizer("sp:" + str(tmp_path / "data300long.txt" / "tokenizer.model")).vocab_size == 300

@@ -201,7 +201,7 @@ def test_bad_flags_fail_at_start_and_create_nothing(base, tmp_path):
              (["--log_interval", "0"], "--log_interval must be >= 1"),
              (["--ckpt_interval", "0"], "--ckpt_interval must be >= 1"),
              (["--eval_iters", "-1"], "--eval_iters (0 = the whole split)"),
-             (["--eps", "-1"], "--eps must be in (0, inf)"),
+             (["--eps", "-1"], "--eps must be in (0, 1)"),
              (["--lr", "nan"], "--lr: expected a finite number, got 'nan'"),
              (["--lr", "-1"], "--lr must be in (0, inf)"),
              (["--lr", "inf"], "--lr: expected a finite number, got 'inf'"),

@@ -4,6 +4,7 @@ and final step its config names, scores text with the NELBO (exact NLL for the A
 force), uploads offline to a stand-in hub and loads back from it; every script's --ckpt reads it."""
 import hashlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -131,6 +132,24 @@ def test_generate_uses_the_schedule_and_final_step_of_the_config(tmp_path, tok_p
         return [tok.decode(row) for row in ids.tolist()]
     assert texts == by_hand("cosine", "greedy")
     assert texts != by_hand("loglinear", "greedy") and texts != by_hand("cosine", "ancestral")  # the test can fail
+
+
+def test_api_refuses_what_the_command_line_refuses(tmp_path, tok_path):
+    """Issue 44: generate(cfg_w=nan) returned garbage and a seed past 64 bits a traceback of torch's; the API's
+    keywords go through the CLI's checkers (plumbing.cli.finite_float, whole), as ValueErrors naming them."""
+    lm = SDDLM.from_pretrained(fake_checkpoint(tmp_path / "ckpt.pt", tok_path))
+    cases = [(dict(cfg_w=math.nan, prompt="a"), "--cfg_w: expected a finite number, got nan"),
+             (dict(cfg_w=math.inf, prompt="a"), "--cfg_w: expected a finite number, got inf"),
+             (dict(top_p=math.nan), "--top_p must be in"), (dict(t_end=math.nan), "--t_end must be in"),
+             (dict(steps=math.nan), "--steps must be an integer >= 1, got nan"),
+             (dict(steps=2.5), "--steps must be an integer >= 1"), (dict(seed=2 ** 64), r"seed must be an integer in"),
+             (dict(seed=-1), r"seed must be an integer in \[0, 2\^60\), got -1")]
+    for kwargs, words in cases:
+        with pytest.raises(ValueError, match=words):
+            lm.generate(1, **{"steps": 2, "seq_len": 8, **kwargs})
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\^60\), got 18446744073709551616"):
+        lm.score(["a b"], seed=2 ** 64)
+    assert len(lm.generate(1, steps=2, seq_len=8, cfg_w=1.5, prompt="a", seed=2 ** 60 - 1)) == 1
 
 
 @pytest.mark.numerics

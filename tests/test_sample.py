@@ -97,8 +97,9 @@ def test_duo_time_grid_and_nfe(final_step, nfe):
 
 
 def test_steps_below_one_raise():
-    with pytest.raises(ValueError, match="steps must be >= 1"):
-        generate(random_model(), 2, 12, 11, 0, show_progress=False)
+    for steps in (0, 2.5, math.nan):
+        with pytest.raises(ValueError, match=f"--steps must be an integer >= 1, got {steps}"):
+            generate(random_model(), 2, 12, 11, steps, show_progress=False)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -711,3 +712,25 @@ def test_cli_without_the_tokenizer_refuses_and_names_the_fix(tiny_ckpt, tmp_path
                                          r"text needs it; put that tokenizer back .*hub/pretrained.py --ckpt"):
         sample.main(["--ckpt", str(tmp_path / "old.pt"), "--steps", "2", "--num_samples", "1"])
     assert sorted(os.listdir(tmp_path)) == ["old.pt"]
+
+
+def test_samples_saved_before_a_closed_or_ascii_stdout(tiny_ckpt, tmp_path):
+    """Issue 44: `sample.py | head -1` kept the first batch only ("error: Broken pipe", exit 2), and a non-ASCII
+    prompt under PYTHONIOENCODING=ascii ended in a traceback with nothing saved. Each batch is saved, then shown
+    (plumbing.cli.show): the closed pipe ends the showing quietly, what stdout cannot encode is escaped; exit 0."""
+    base = [sys.executable, os.path.join(HERE, "sample.py"), "--ckpt", str(tiny_ckpt[0]), "--num_samples", "16",
+            "--batch_size", "2", "--steps", "2", "--seq_len", "16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(base + ["--out", str(tmp_path / "a.jsonl")], cwd=HERE, env=env, stdout=subprocess.PIPE,
+                                stderr=err)
+        assert proc.stdout.readline() == b"--- sample 0 ---\n"
+        proc.stdout.close()                                  # the reader goes, as `head -1` does
+        assert proc.wait(timeout=120) == 0, (tmp_path / "err").read_text()
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 16
+    p = subprocess.run(base + ["--prompt", "café", "--out", str(tmp_path / "b.jsonl")], cwd=HERE, capture_output=True,
+                       env=dict(env, PYTHONIOENCODING="ascii"), timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr.decode(), p.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert len(records) == 16 and all(r["text"].startswith("café") for r in records)
+    assert p.stdout.decode("ascii").count("caf\\xe9") == 16

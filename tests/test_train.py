@@ -442,3 +442,27 @@ def test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replace
         return ((table - expected) ** 2 / expected).sum().item()
     assert independence(neg, xt) < chi2_quantile((V - 1) ** 2), "negatives depend on x_t"
     assert independence(neg, noise[0][1]) < chi2_quantile((V - 1) ** 2), "negatives depend on the replacement tokens"
+
+
+def test_sigterm_in_fine_tunings_first_evaluation_keeps_init(corpus, tmp_path, monkeypatch):
+    """Issue 44: a stop signal during a fine-tuning run's step-0 evaluation (SOURCE's own numbers, the "init"
+    record) trained a step before it stopped, so the resumed run never logged where it started. It stops at step 0
+    (exit 130) and --resume 1 evaluates again: the log's step-0 record names SOURCE."""
+    import signal
+    import time
+    args = TINY + ["--dataset", corpus[0], "--data_dir", corpus[1], "--max_iters", "2", "--eval_interval", "2"]
+    assert train.main(args + ["--out_dir", str(tmp_path / "src")]) == 0
+    real = train.evaluate
+
+    def interrupted(run, *rest):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)                    # the evaluation would go on; the signal must end it
+        raise AssertionError("not interrupted")
+    monkeypatch.setattr(train, "evaluate", interrupted)
+    ft = args + ["--out_dir", str(tmp_path / "ft")]
+    assert train.main(ft + ["--init", str(tmp_path / "src" / "ckpt.pt")]) == 130
+    monkeypatch.setattr(train, "evaluate", real)
+    assert train.main(ft + ["--resume", "1"]) == 0
+    log = [json.loads(line) for line in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()]
+    (first,) = [r for r in log if r.get("step") == 0 and "init" in r]
+    assert first["init"].startswith(str(tmp_path / "src" / "ckpt.pt")) and "val_nelbo" in first

@@ -97,6 +97,9 @@ def read_config(folder):
         raise ValueError(f"{path} is not valid JSON ({e}); it was damaged or edited: {FOLDER_FIX}") from None
     if not isinstance(config, dict) or config.get("format") not in FORMATS:
         shown = config.get("format") if isinstance(config, dict) else type(config).__name__
+        if str(shown).startswith("sddlm-model-"):        # ours, of a format this version does not know: a later one
+            raise ValueError(f"{folder} is a model folder of format {shown!r}, newer than this version of sddlm reads "
+                             f"({' or '.join(FORMATS)}): upgrade sddlm (git pull) to load it")
         raise ValueError(f"{folder} is a folder but not a model folder (its {CONFIG} is of format {shown!r}, not "
                          f"{' or '.join(FORMATS)}){hint}")
     return config
