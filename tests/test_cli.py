@@ -1,7 +1,14 @@
 """plumbing/cli.py's one error line, through the scripts."""
+import errno
 import os
 import subprocess
 import sys
+
+import pytest
+
+from conftest import case, check_error_last, md5s, run_batches
+from plumbing import cli
+import train
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
@@ -19,3 +26,49 @@ def test_a_stray_rank_in_one_process_still_gets_its_error_line(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and p.stderr.startswith(line) and p.stderr.count("\n") == 1, p.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_flag_abbreviations_are_refused():
+    with pytest.raises(cli.UsageError, match="unrecognized arguments: --max_iter"):
+        cli.parse_flags(train.TrainConfig, ["--max_iter", "5"])
+    assert cli.parse_flags(train.TrainConfig, ["--max_iters", "5"]).max_iters == 5
+
+
+def test_run_cli_turns_os_faults_and_ctrl_c_into_one_line(capsys):
+    def full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "out/log.jsonl")
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+    for main, code, line in [(full, 2, "error: No space left on device: out/log.jsonl"),
+                             (ctrl_c, 130, "error: interrupted")]:
+        with pytest.raises(SystemExit) as e:
+            cli.run_cli(main)
+        assert e.value.code == code and capsys.readouterr().err.splitlines() == [line]
+
+
+@pytest.mark.slow
+def test_float_lists_refuse_nan_and_inf_naming_the_flag(run4_ar_other, tmp_path):
+    t = tmp_path
+    psi = ["--sampler", "psi", "--psi_profile", "loop", "--steps", "4", "--num_samples", "1"]
+    cases = [case("sample.py", "--ckpt", run4_ar_other.ckpt, *psi, "--psi_fracs", "nan,0.5,0.5", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_fracs: expected a finite number, got 'nan' in 'nan,0.5,0.5'"),
+             case("sample.py", "--ckpt", run4_ar_other.ckpt, *psi, "--psi_fracs", "0.5,0.5,-inf", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_fracs: expected a finite number, got '-inf'"),
+             case("sample.py", "--ckpt", run4_ar_other.ckpt, *psi, "--psi_eta", "0.9,nan,0.9", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_eta: expected a finite number, got 'nan'"),
+             case("eval_ppl.py", "--ckpt", run4_ar_other.ckpt, "--metric", "genppl", "--judge", run4_ar_other.ar, *psi,
+                  "--psi_fracs", "0.5,nan,0.5", cwd=t, expect="--psi_fracs: expected a finite number, got 'nan'"),
+             case("downstream/eval_downstream.py", "--ckpt", run4_ar_other.ckpt, "--jsonl", t / "mc.jsonl", "--cfg", "on",
+                  "--cfg_w_task", "mc=nan", cwd=t, expect="--cfg_w_task: expected NAME=W (W a finite number)")]
+    (t / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
+    before = md5s(run4_ar_other.root)
+    check_error_last(run_batches(cases))
+    assert not (t / "s.jsonl").exists() and md5s(run4_ar_other.root) == before
+    # lm-eval's --model_args of eval_downstream's model: strings, or values lm-eval already made floats
+    from downstream import lm_eval_adapter as adapter, scoring
+    for args, flag in (({"cfg_w": float("nan")}, "cfg_w"), ({"cfg_w": "inf"}, "cfg_w"),
+                       ({"top_p": "nan"}, "top_p"), ({"psi_loop_t": float("inf")}, "psi_loop_t"),
+                       ({"sampler": "psi", "psi_profile": "loop", "psi_fracs": "nan/0.5/0.5"}, "psi_fracs")):
+        with pytest.raises(scoring.EvalError, match=f"sddlm model argument {flag}"):
+            adapter._Harness(ckpt=run4_ar_other.ckpt, **args)

@@ -15,6 +15,8 @@ import corpora
 import prepare
 from data import DataError
 from plumbing.flags import check_prepare_flags
+from plumbing import files
+from plumbing.cli import UsageError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXTS = ["Hello world", "  leading and trailing spaces  ",
@@ -786,3 +788,37 @@ def test_a_txt_piece_edited_after_the_scan_is_one_data_error(tmp_path):
     for begin, end in ((0, 2), (0, 500)):          # a cut character, or a file shorter than the scan found
         with pytest.raises(data.DataError, match="changed while it was being prepared"):
             corpora._read_piece(str(path), begin, end)
+
+
+def test_sentencepiece_failures_name_the_n_that_works():
+    low = ("INTERNAL: src/trainer_interface.cc(638) [(...) <= (trainer_spec_.vocab_size())] Vocabulary size is smaller "
+           "than required_chars. 100 vs 280. Increase vocab_size or decrease character_coverage with "
+           "--character_coverage option.")
+    high = ("INTERNAL: src/trainer_interface.cc(744) [...] Vocabulary size too high (400). Please set it to a value "
+            "<= 360.")
+    assert data.sentencepiece_failure(low, 100).endswith("use --tokenizer sp_train:N with N >= 280")
+    assert "N <= 360" in data.sentencepiece_failure(high, 400)
+    other = data.sentencepiece_failure("INTERNAL: x.cc(1) Something else. Try --some_flag option.", 64)
+    assert "--some_flag" not in other and other.startswith("INTERNAL: x.cc(1) Something else.")
+
+
+def test_meta_json_values_and_writer_folders_are_named_by_what_they_are(tmp_path):
+    """meta.json's numbers in the ranges prepare.py's flags allow and its tokenizer_file a name inside the folder;
+    a folder output that is a pipe or a device is called one (not "a file")."""
+    import data
+    meta = dict(tokenizer="gpt2", vocab_size=50257, bos_id=1, eos_id=2, pad_id=3, block_size=32, wrap=True,
+                dtype="uint16", train_sequences=4, val_sequences=1, probe_ids=[1], sha256={"train.bin": "0",
+                                                                                          "val.bin": "0"})
+    data.check_meta_fields(meta, str(tmp_path / "meta.json"))                    # as prepare.py writes it
+    for field, value, words in [("vocab_size", 0, "field 'vocab_size' is 0, not an int >= 1"),
+                                ("block_size", 2, "field 'block_size' is 2, not an int >= 3"),
+                                ("eos_id", -1, "field 'eos_id' is -1, not an int >= 0"),
+                                ("tokenizer_file", "../x.model", "field 'tokenizer_file' is '../x.model', not a file "
+                                                                 "name inside the folder")]:
+        with pytest.raises(data.DataError, match=words.replace(".", r"\.")):
+            data.check_meta_fields({**meta, field: value}, str(tmp_path / "meta.json"))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="fifo is a named pipe, not a folder"):
+        files.check_writable(str(tmp_path / "fifo"), "--out_dir", folder=True)
+    with pytest.raises(UsageError, match="--out /dev/null is a character device, not a folder"):
+        files.check_writable("/dev/null", "--out", folder=True)

@@ -24,6 +24,7 @@ from model import ModelConfig, build_model
 from trained.checkpoint import load_checkpoint
 from sample import generate_long
 from conftest import reduction_tol
+from conftest import ENV
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 FACTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
@@ -703,3 +704,28 @@ def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
     assert "FAILED broken (CFG)" in (tmp_path / "lm.md").read_text()
     with pytest.raises(scoring.EvalError, match="unknown lm-eval task\\(s\\) colours_mcq"):
         ed.main(argv[:3] + ["colours_mcq"] + argv[4:])
+
+
+@pytest.mark.slow
+def test_lm_eval_reports_a_missing_checkpoint_before_the_device(tmp_path):
+    pytest.importorskip("lm_eval")
+    p = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", "--model", "sddlm", "--model_args",
+                        f"ckpt={tmp_path / 'missing.pt'}", "--tasks", "arc_easy", "--device", "cuda"],
+                       capture_output=True, text=True, env={**ENV, "HF_DATASETS_OFFLINE": "1"}, cwd=tmp_path,
+                       timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and errors == [f"error: checkpoint not found: {tmp_path / 'missing.pt'} "
+                                            f"(--model_args ckpt=PATH)"], p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_eval_downstream_takes_a_model_folder(run4_ar_other, tmp_path):
+    (tmp_path / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
+    for ckpt in (os.path.join(run4_ar_other.out, "model"), run4_ar_other.ckpt):
+        p = subprocess.run([sys.executable, os.path.join(HERE, "downstream", "eval_downstream.py"), "--ckpt", ckpt,
+                            "--jsonl", tmp_path / "mc.jsonl", "--mc_draws", "2", "--out", tmp_path / "r.json"],
+                           capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert json.loads((tmp_path / "r.json").read_text())["results"][0]["n"] == 1
+        os.remove(tmp_path / "r.json")
+        os.remove(tmp_path / "r.md")

@@ -10,6 +10,9 @@ import plumbing.memory
 from plumbing.distributed import Env
 import test_train
 import train
+from model import ModelConfig, build_model
+from plumbing import memory
+from plumbing.cli import UsageError
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -144,3 +147,30 @@ def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch,
     for argv in (["--preset", "tiny"], ["--preset=tiny"], ["--device", "cpu"]):
         assert main(argv).preset == "tiny", argv
     assert train.FLAGSHIP_NOTE not in capsys.readouterr().out
+
+
+def test_model_numel_counts_what_the_model_allocates():
+    """model_numel, from the shapes alone, against the tensors a built model holds (an independent route)."""
+    for kw in [dict(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32),
+               dict(arch="llama", time_cond=False, n_layer=3, n_embd=64, n_head=4, vocab_size=1000, vocab_multiple=128,
+                    block_size=16, mlp_hidden=100),
+               dict(time_cond=False, causal=True, n_layer=1, n_embd=32, n_head=2, vocab_size=77, vocab_multiple=8,
+                    block_size=8, cond_dim=16)]:
+        config = ModelConfig(**kw)
+        model = build_model(config)
+        assert memory.model_numel(config) == (sum(p.numel() for p in model.parameters()),
+                                              sum(b.numel() for b in model.buffers()))
+
+
+def test_a_model_folder_too_large_for_the_machine_names_its_field(tmp_path):
+    """The memory check itself (a consistent folder cannot be made that large here): the field whose value costs the
+    most is named, as the caller names it."""
+    config = ModelConfig(n_layer=10 ** 9, n_embd=64, n_head=2, vocab_size=320, block_size=32)
+    with pytest.raises(UsageError, match=r"out/model/config.json: n_layer 1000000000: the model needs at least .*"
+                                         r"more than the .* of (available RAM|memory left|address space)"):
+        memory.check_model_memory(config, "cpu", lambda field: f"out/model/config.json: {field}")
+    wide = ModelConfig(n_layer=2, n_embd=2 * 10 ** 6, n_head=2, vocab_size=320, block_size=32)
+    with pytest.raises(UsageError, match="config.json: n_embd 2000000"):
+        memory.check_model_memory(wide, "cpu", lambda field: f"config.json: {field}")
+    memory.check_model_memory(ModelConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32), "cpu",
+                              lambda field: field)       # a small one passes

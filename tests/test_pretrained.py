@@ -27,6 +27,7 @@ from trained.folder import is_model_folder
 from hub.pretrained import SDDLM
 from conftest import unit_roundoff
 from test_losses import usdm_sizes
+from conftest import ENV, one_error, unshare_available
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXT = "the cat sees the dog . the bird likes the fish ."
@@ -478,3 +479,33 @@ def test_lm_eval_command_line_with_pretrained_scores_as_with_ckpt(tmp_path, tok_
         path, = glob.glob(str(tmp_path / f"out{i}" / "**" / "samples_facts_*.jsonl"), recursive=True)
         responses.append([json.loads(line)["resps"] for line in open(path)])
     assert responses[0] == responses[1] and len(responses[0]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not unshare_available(), reason="needs unshare (a user namespace) to mount a small tmpfs")
+def test_a_full_disk_during_pretrained_export_is_one_line_and_writes_nothing(run4_ar_other, tmp_path):
+    """hub/pretrained.py --out (a new folder, and over an earlier model folder) and SDDLM.save_pretrained on a
+    disk without room for the weights: one line (an OSError for the API), nothing half-written, the earlier
+    folder and a user's file as they were."""
+    mnt, model = tmp_path / "mnt", os.path.join(run4_ar_other.out, "model")
+    mnt.mkdir()
+    room = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)) + 300_000
+    export = f"{sys.executable} {os.path.join(HERE, 'hub', 'pretrained.py')} --ckpt {run4_ar_other.ckpt} --out"
+    api = (f"{sys.executable} -c 'from hub.pretrained import SDDLM; "
+           f"SDDLM.from_pretrained(\"{model}\").save_pretrained(\"{mnt / 'api'}\")'")
+    script = (f"mount -t tmpfs -o size={room // 1024}k tmpfs {mnt} && cp -r {model} {mnt / 'old'} && "
+              f"echo 'my thesis' > {mnt / 'thesis.tex'} && md5sum {mnt / 'old'}/* {mnt / 'thesis.tex'} > {tmp_path}/a"
+              f" && {export} {mnt / 'new'} 2> {tmp_path}/new.err; echo rc=$?; "
+              f"{export} {mnt / 'old'} 2> {tmp_path}/old.err; echo rc=$?; "
+              f"{api} 2> {tmp_path}/api.err; echo rc=$?; "
+              f"md5sum {mnt / 'old'}/* {mnt / 'thesis.tex'} > {tmp_path}/b; ls -A {mnt}")
+    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                       capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    assert p.stdout.splitlines() == ["rc=2", "rc=2", "rc=1", "old", "thesis.tex"], (p.stdout, p.stderr)
+    for name, kept in (("new", "nothing was written"), ("old", f"the previous {mnt / 'old'} is kept")):
+        err = SimpleNamespace(returncode=2, stderr=(tmp_path / f"{name}.err").read_text())
+        line = one_error(err)
+        assert line.startswith(f"error: could not write {mnt / name} (") and "No space left" in line and kept in line
+    api_err = (tmp_path / "api.err").read_text()      # the Python API raises one OSError, its message one line
+    assert api_err.splitlines()[-1].startswith(f"OSError: [Errno 28] could not write {mnt / 'api'} (")
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text()
