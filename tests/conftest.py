@@ -130,7 +130,7 @@ def pytest_sessionfinish(session):
 # test_losses.py travels alone with losses.py (no pytest.ini there to register a marker): its float32 / bf16 tests
 # are marked numerics here
 LOSSES_NUMERICS = ("test_bf16_logits_are_scored_in_float32_in_chunks_of_rows",
-                   "test_sddlm_v1_is_unbounded_below_without_eps_and_bounded_with_it", "test_usdm_nelbo_is_nonnegative")
+                   "test_sddlm_v1_unbounded_below_without_eps_bounded_with_it", "test_usdm_nelbo_is_nonnegative")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -258,7 +258,7 @@ def start(script, *args, cwd, name, env=QUIET):
     return p, out, err
 
 
-def check_error_last(results):
+def check_last(results):
     """Each case ended with its code (2 unless expect is ("ok", words)) and, for a failure, exactly one line
     'error: ...' holding its words, the last of stderr, and no traceback."""
     wrong = []
@@ -277,11 +277,11 @@ def check_error_last(results):
 
 
 @pytest.fixture(scope="session")
-def run4_other(tmp_path_factory):
+def run_tok(tmp_path_factory):
     """A corpus, its prepared data, a 4-step run, and a second corpus prepared with a tokenizer of the same size
     but other pieces (what a re-prepared folder puts at a checkpoint's tokenizer path)."""
     from test_train import TINY, _corpus               # here, not above: test_train imports this file
-    root = tmp_path_factory.mktemp("run4_other")
+    root = tmp_path_factory.mktemp("run_tok")
     _corpus(root / "corpus.txt")
     text = (root / "corpus.txt").read_text()
     (root / "other.txt").write_text(text.replace("the ", "a ").replace("cat", "lion").replace("dog", "wolf"))
@@ -315,11 +315,11 @@ def unshare_available():
 
 
 @pytest.fixture(scope="session")
-def run4_ar_other(tmp_path_factory):
+def run_ar(tmp_path_factory):
     """A corpus, its prepared data, a 4-step diffusion run (with its model folder), a 4-step AR run (a Gen PPL
     judge), and a corpus prepared with a tokenizer of the same size but other pieces."""
     from test_train import TINY, _corpus               # here, not above: test_train imports this file
-    root = tmp_path_factory.mktemp("run4_ar_other")
+    root = tmp_path_factory.mktemp("run_ar")
     _corpus(root / "corpus.txt")
     text = (root / "corpus.txt").read_text()
     (root / "other.txt").write_text(text.replace("the ", "a ").replace("cat", "lion").replace("dog", "wolf"))
@@ -372,10 +372,10 @@ def edit_folder(src, dst, edit_config=None, edit_bytes=None):
 
 
 @pytest.fixture(scope="session")
-def run2_ema(tmp_path_factory):
+def run_ema(tmp_path_factory):
     """A corpus, its prepared data and a 2-step run (ckpt.pt with EMA, its model folder with the weights' sha256)."""
     from test_train import TINY, _corpus               # here, not above: test_train imports this file
-    root = tmp_path_factory.mktemp("run2_ema")
+    root = tmp_path_factory.mktemp("run_ema")
     _corpus(root / "corpus.txt")
     b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"), out=root / "run")
     assert train.main(TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir, "--out_dir", str(b.out),

@@ -108,7 +108,7 @@ def test_refused_resumes_change_nothing_in_out_dir(run4, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_one(run4, tmp_path, monkeypatch, capsys):
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run4, tmp_path, monkeypatch, capsys):
     real, saves = torch.save, []
 
     def disk_fills_at_the_second_save(obj, f, *args, **kwargs):
@@ -146,16 +146,16 @@ def test_resume_refuses_the_other_scripts_folder():
 
 
 @pytest.mark.slow
-def test_a_resume_refuses_a_users_model_folder_before_training(run4_ar_other, tmp_path):
+def test_a_resume_refuses_a_users_model_folder_before_training(run_ar, tmp_path):
     """--resume 1 into an out_dir whose model/ holds a user's file: refused at start (was: trained to the end,
     then refused the export), the checkpoint and the user's file unchanged."""
     out = tmp_path / "run"
-    shutil.copytree(run4_ar_other.out, out, copy_function=shutil.copy2)
+    shutil.copytree(run_ar.out, out, copy_function=shutil.copy2)
     shutil.rmtree(out / "model")
     (out / "model").mkdir()
     (out / "model" / "notes.txt").write_text("my notes")
     before = md5s(out)
-    p = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *run4_ar_other.train, "--out_dir", out, "--resume",
+    p = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *run_ar.train, "--out_dir", out, "--resume",
                         "1", "--max_iters", "8", "--eval_interval", "4"], capture_output=True, text=True, env=ENV,
                        cwd=tmp_path, timeout=300)
     line = one_error(p)

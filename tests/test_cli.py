@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import case, check_error_last, md5s, run_batches
+from conftest import case, check_last, md5s, run_batches
 from plumbing import cli
 import train
 
@@ -48,27 +48,27 @@ def test_run_cli_turns_os_faults_and_ctrl_c_into_one_line(capsys):
 
 
 @pytest.mark.slow
-def test_float_lists_refuse_nan_and_inf_naming_the_flag(run4_ar_other, tmp_path):
+def test_float_lists_refuse_nan_and_inf_naming_the_flag(run_ar, tmp_path):
     t = tmp_path
     psi = ["--sampler", "psi", "--psi_profile", "loop", "--steps", "4", "--num_samples", "1"]
-    cases = [case("sample.py", "--ckpt", run4_ar_other.ckpt, *psi, "--psi_fracs", "nan,0.5,0.5", "--out", t / "s.jsonl",
+    cases = [case("sample.py", "--ckpt", run_ar.ckpt, *psi, "--psi_fracs", "nan,0.5,0.5", "--out", t / "s.jsonl",
                   cwd=t, expect="--psi_fracs: expected a finite number, got 'nan' in 'nan,0.5,0.5'"),
-             case("sample.py", "--ckpt", run4_ar_other.ckpt, *psi, "--psi_fracs", "0.5,0.5,-inf", "--out", t / "s.jsonl",
+             case("sample.py", "--ckpt", run_ar.ckpt, *psi, "--psi_fracs", "0.5,0.5,-inf", "--out", t / "s.jsonl",
                   cwd=t, expect="--psi_fracs: expected a finite number, got '-inf'"),
-             case("sample.py", "--ckpt", run4_ar_other.ckpt, *psi, "--psi_eta", "0.9,nan,0.9", "--out", t / "s.jsonl",
+             case("sample.py", "--ckpt", run_ar.ckpt, *psi, "--psi_eta", "0.9,nan,0.9", "--out", t / "s.jsonl",
                   cwd=t, expect="--psi_eta: expected a finite number, got 'nan'"),
-             case("eval_ppl.py", "--ckpt", run4_ar_other.ckpt, "--metric", "genppl", "--judge", run4_ar_other.ar, *psi,
+             case("eval_ppl.py", "--ckpt", run_ar.ckpt, "--metric", "genppl", "--judge", run_ar.ar, *psi,
                   "--psi_fracs", "0.5,nan,0.5", cwd=t, expect="--psi_fracs: expected a finite number, got 'nan'"),
-             case("downstream/eval_downstream.py", "--ckpt", run4_ar_other.ckpt, "--jsonl", t / "mc.jsonl", "--cfg", "on",
+             case("downstream/eval_downstream.py", "--ckpt", run_ar.ckpt, "--jsonl", t / "mc.jsonl", "--cfg", "on",
                   "--cfg_w_task", "mc=nan", cwd=t, expect="--cfg_w_task: expected NAME=W (W a finite number)")]
     (t / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
-    before = md5s(run4_ar_other.root)
-    check_error_last(run_batches(cases))
-    assert not (t / "s.jsonl").exists() and md5s(run4_ar_other.root) == before
+    before = md5s(run_ar.root)
+    check_last(run_batches(cases))
+    assert not (t / "s.jsonl").exists() and md5s(run_ar.root) == before
     # lm-eval's --model_args of eval_downstream's model: strings, or values lm-eval already made floats
     from downstream import lm_eval_adapter as adapter, scoring
     for args, flag in (({"cfg_w": float("nan")}, "cfg_w"), ({"cfg_w": "inf"}, "cfg_w"),
                        ({"top_p": "nan"}, "top_p"), ({"psi_loop_t": float("inf")}, "psi_loop_t"),
                        ({"sampler": "psi", "psi_profile": "loop", "psi_fracs": "nan/0.5/0.5"}, "psi_fracs")):
         with pytest.raises(scoring.EvalError, match=f"sddlm model argument {flag}"):
-            adapter._Harness(ckpt=run4_ar_other.ckpt, **args)
+            adapter._Harness(ckpt=run_ar.ckpt, **args)

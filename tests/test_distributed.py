@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ENV, HERE, case, check_error_last, run_batches
+from conftest import ENV, HERE, case, check_last, run_batches
 from plumbing import distributed
 
 
@@ -43,7 +43,7 @@ def test_the_launch_environment_is_checked_as_a_whole(env, words):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the cores and the memory")
-def test_launch_environments_threads_and_absurd_sizes_are_refused_at_start(tmp_path):
+def test_bad_environments_threads_and_sizes_refused_at_start(tmp_path):
     """Each of these ran until the machine gave up (or crashed) before: now one line in a few seconds, before any
     data are prepared or any model allocated, naming the variable, the flag or the field; nothing is created."""
     t = tmp_path
@@ -79,13 +79,13 @@ def test_launch_environments_threads_and_absurd_sizes_are_refused_at_start(tmp_p
         case("train.py", *run("i"), "--n_layer", "1000000000", cwd=t, expect="--n_layer 1000000000: training"),
         case("train.py", *run("j"), "--n_embd", "2000000", "--n_head", "2", cwd=t, expect="--n_embd 2000000: training"),
     ]
-    check_error_last(run_batches(cases))
+    check_last(run_batches(cases))
     assert sorted(os.listdir(t)) == []          # no data folder prepared, no out_dir made
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc")
-def test_a_rank_waiting_for_the_others_says_whom_and_stops_on_a_signal_or_its_timeout(tmp_path):
+def test_a_waiting_rank_names_whom_stops_on_signal_or_timeout(tmp_path):
     """WORLD_SIZE=2 with rank 1 never started: rank 0 says it waits for rank 1, a SIGTERM ends it with 130 at once
     (it used to sit in one C++ call, deaf to signals), and --dist_timeout ends it with 2 and the rank that never
     came."""

@@ -11,12 +11,12 @@ from test_train import TINY
 
 @pytest.mark.slow
 @pytest.mark.skipif(not unshare_available(), reason="needs unshare (a user namespace) to mount a small tmpfs")
-def test_a_disk_that_fills_during_the_model_export_is_one_line_and_keeps_the_checkpoint(run4_ar_other, tmp_path):
+def test_a_full_disk_is_one_line_and_keeps_the_checkpoint(run_ar, tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    room = os.path.getsize(run4_ar_other.ckpt) + 300_000           # the checkpoint fits, its model folder does not
-    args = " ".join([sys.executable, os.path.join(HERE, "train.py"), *TINY, "--dataset", run4_ar_other.corpus, "--data_dir",
-                     run4_ar_other.data_dir, "--out_dir", str(mnt / "run"), "--max_iters", "4", "--eval_interval", "4"])
+    room = os.path.getsize(run_ar.ckpt) + 300_000           # the checkpoint fits, its model folder does not
+    args = " ".join([sys.executable, os.path.join(HERE, "train.py"), *TINY, "--dataset", run_ar.corpus, "--data_dir",
+                     run_ar.data_dir, "--out_dir", str(mnt / "run"), "--max_iters", "4", "--eval_interval", "4"])
     script = (f"mount -t tmpfs -o size={room // 1024}k tmpfs {mnt} && {args}; echo rc=$?; ls -A {mnt / 'run'}; "
               f"mount -o remount,size=20m {mnt} && {args} --resume 1; echo rc=$?; ls -A {mnt / 'run' / 'model'}")
     p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],

@@ -1,23 +1,24 @@
 """trained/fields.py: a checkpoint's or model folder's config checked as its flags are, naming file and field."""
 import pytest
 
-from conftest import case, check_error_last, edit_checkpoint, edit_folder, run_batches
+from conftest import case, check_last, edit_checkpoint, edit_folder, run_batches
 
 
 @pytest.mark.slow
-def test_model_configs_from_disk_are_checked_as_their_flags_naming_file_and_field(run2_ema, tmp_path):
+def test_configs_on_disk_are_checked_as_flags_naming_field(run_ema, tmp_path):
     t = tmp_path
 
     def model_config(**fields):
         return lambda ck: ck["model_config"].update(fields)
-    head0 = edit_checkpoint(run2_ema.ckpt, t / "n_head0.pt", model_config(n_head=0))
-    neg = edit_checkpoint(run2_ema.ckpt, t / "n_embd_neg.pt", model_config(n_embd=-64))
-    schedule = edit_checkpoint(run2_ema.ckpt, t / "schedule.pt", lambda ck: ck["train_config"].update(noise_schedule="x"))
-    folder = lambda name, **fields: edit_folder(run2_ema.model, t / name, lambda c: c.update(fields))
+    head0 = edit_checkpoint(run_ema.ckpt, t / "n_head0.pt", model_config(n_head=0))
+    neg = edit_checkpoint(run_ema.ckpt, t / "n_embd_neg.pt", model_config(n_embd=-64))
+    schedule = edit_checkpoint(run_ema.ckpt, t / "schedule.pt",
+                               lambda ck: ck["train_config"].update(noise_schedule="x"))
+    folder = lambda name, **fields: edit_folder(run_ema.model, t / name, lambda c: c.update(fields))
     f_head0, f_tok = folder("f_head0", n_head=0), folder("f_tok", tokenizer="abc")
     f_layers, f_str = folder("f_layers", n_layer=10 ** 9), folder("f_str", n_head="2")
     f_objective = folder("f_objective", objective="nope")
-    broken = edit_folder(run2_ema.model, t / "broken", edit_bytes=lambda d: (d / "config.json").write_text('{"format":'))
+    broken = edit_folder(run_ema.model, t / "broken", edit_bytes=lambda d: (d / "config.json").write_text('{"format":'))
     duo = t / "duo"
     duo.mkdir()
     (duo / "config.json").write_text("{not json")
@@ -41,5 +42,5 @@ def test_model_configs_from_disk_are_checked_as_their_flags_naming_file_and_fiel
                                             f"n_layer 1000000000"),
         case(*samp(f"duo:{duo}"), cwd=t, expect=f"{duo}/config.json is not valid JSON"),
     ]
-    check_error_last(run_batches(cases))
+    check_last(run_batches(cases))
     assert not (t / "exported").exists() and not (t / "dcd").exists()

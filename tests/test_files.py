@@ -16,7 +16,7 @@ from hub import pretrained
 import prepare
 import train
 from test_train import TINY, _corpus
-from conftest import ENV, HERE, RUNNER, case, check_error_last, check_one_line, copy_data, md5s, run_batches
+from conftest import ENV, HERE, RUNNER, case, check_last, check_one_line, copy_data, md5s, run_batches
 import data
 from distillation import distill
 from plumbing import cli, files
@@ -191,7 +191,7 @@ def test_bad_files_and_paths_are_one_line_and_leave_nothing(run4, tmp_path):
     assert os.listdir(t / "folder") == []
 
 
-def test_an_output_is_refused_when_it_is_an_input_by_resolved_path(tmp_path):
+def test_an_output_that_resolves_to_an_input_is_refused(tmp_path):
     ckpt, corpus = tmp_path / "run" / "ckpt.pt", tmp_path / "corpus"
     ckpt.parent.mkdir()
     corpus.mkdir()
@@ -223,7 +223,7 @@ def test_an_output_is_refused_when_it_is_an_input_by_resolved_path(tmp_path):
     assert (ckpt.read_bytes(), (corpus / "a.txt").read_text()) == (b"weights", "text")
 
 
-def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+def test_dead_writers_temps_are_removed_and_live_ones_kept(tmp_path):
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     live, host = os.getppid(), socket.gethostname()
@@ -238,7 +238,7 @@ def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
 
 
 @pytest.mark.slow
-def test_outputs_that_are_inputs_and_the_other_scripts_folder_are_refused_changing_nothing(run4, dcd, tmp_path):
+def test_input_outputs_and_other_scripts_folders_change_nothing(run4, dcd, tmp_path):
     t = tmp_path
     corpus_dir = t / "corpus"
     corpus_dir.mkdir()
@@ -253,8 +253,8 @@ def test_outputs_that_are_inputs_and_the_other_scripts_folder_are_refused_changi
     cases = [
         case("eval_ppl.py", "--ckpt", run4.ckpt, "--out", run4.ckpt, cwd=t, expect="is the input --ckpt"),
         case("eval_ppl.py", "--ckpt", t / "link.pt", "--out", t / "hard.pt", cwd=t, expect="is the input --ckpt"),
-        case("downstream/eval_downstream.py", "--ckpt", run4.ckpt, "--jsonl", t / "task.jsonl", "--out", run4.ckpt, cwd=t,
-             expect="is the input --ckpt"),
+        case("downstream/eval_downstream.py", "--ckpt", run4.ckpt, "--jsonl", t / "task.jsonl", "--out", run4.ckpt,
+             cwd=t, expect="is the input --ckpt"),
         case("sample.py", "--ckpt", run4.ckpt, "--out", t / "link.pt", cwd=t, expect="is the input --ckpt"),
         case("eval_ppl.py", "--metric", "genppl", "--samples", t / "s.jsonl", "--save_samples", t / "s.jsonl",
              cwd=t, expect="--save_samples " + str(t / "s.jsonl") + " is the input --samples"),
@@ -282,11 +282,11 @@ def test_outputs_that_are_inputs_and_the_other_scripts_folder_are_refused_changi
 
 
 @pytest.mark.slow
-def test_the_default_data_folder_as_out_dir_and_a_changed_train_bin_are_refused_and_leave_nothing(run4_ar_other, tmp_path):
+def test_data_folder_as_out_dir_and_changed_bins_leave_nothing(run_ar, tmp_path):
     t = tmp_path
-    default = prepare.prepared_dir(run4_ar_other.corpus, "sp_train:320", 32)          # relative to the case's cwd: t
-    shutil.copytree(run4_ar_other.data_dir, t / default, copy_function=shutil.copy2)     # prepared, as train.py would
-    bad = copy_data(run4_ar_other, t / "bad_ids")
+    default = prepare.prepared_dir(run_ar.corpus, "sp_train:320", 32)          # relative to the case's cwd: t
+    shutil.copytree(run_ar.data_dir, t / default, copy_function=shutil.copy2)     # prepared, as train.py would
+    bad = copy_data(run_ar, t / "bad_ids")
     path, stat = bad / "train.bin", os.stat(bad / "train.bin")
     ids = np.memmap(path, dtype=np.uint16, mode="r+")
     ids[len(ids) // 2] = 9999                                     # past K = 320, size and time kept
@@ -298,13 +298,13 @@ def test_the_default_data_folder_as_out_dir_and_a_changed_train_bin_are_refused_
     (mine / "config.json").write_text("my own settings")
     (mine / "model" / "weights.bin").write_text("my own model")
     before = md5s(t / default), md5s(bad), md5s(mine)
-    cases = [case("train.py", *TINY, "--dataset", run4_ar_other.corpus, "--out_dir", default, "--max_iters", "4", cwd=t,
+    cases = [case("train.py", *TINY, "--dataset", run_ar.corpus, "--out_dir", default, "--max_iters", "4", cwd=t,
                   expect="lies inside the input folder --data_dir"),
-             case("train.py", *run4_ar_other.train, "--out_dir", mine, "--max_iters", "4", cwd=t,
+             case("train.py", *run_ar.train, "--out_dir", mine, "--max_iters", "4", cwd=t,
                   expect=f"{mine / 'config.json'} exists and a new run would replace it"),
-             case("train.py", *TINY, "--dataset", run4_ar_other.corpus, "--data_dir", bad, "--out_dir", t / "bad_run",
+             case("train.py", *TINY, "--dataset", run_ar.corpus, "--data_dir", bad, "--out_dir", t / "bad_run",
                   "--max_iters", "200", "--eval_interval", "1000", cwd=t, expect="holds token id 9999")]
-    check_error_last(run_batches(cases))
+    check_last(run_batches(cases))
     assert (md5s(t / default), md5s(bad), md5s(mine)) == before    # no checkpoint written into the data
     assert not (t / "bad_run").exists()                            # nor config.json or log.jsonl left behind
 
@@ -333,7 +333,7 @@ def test_named_pipes_as_inputs_say_what_they_are_and_never_wait(tmp_path):
     p = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(cases), capture_output=True, text=True,
                        env=ENV, cwd=HERE, timeout=240)      # a read of the pipe would wait: the timeout fails it
     assert p.returncode == 0, p.stderr[-3000:]
-    check_error_last(json.loads(p.stdout))
+    check_last(json.loads(p.stdout))
     assert sorted(os.listdir(tmp_path)) == ["corpus.txt", "mc.jsonl", "pipe"]
 
 
@@ -371,7 +371,7 @@ def test_an_output_is_new_or_a_regular_file_sddlm_wrote(tmp_path):
 
 
 @pytest.mark.slow
-def test_outputs_replace_only_what_sddlm_wrote(run2_ema, tmp_path):
+def test_outputs_replace_only_what_sddlm_wrote(run_ema, tmp_path):
     """A user's --out, a companion .md never named, links, pipes and device nodes are refused before any work; what
     sddlm wrote is replaced (eval_ppl.py run twice into one --out)."""
     t = tmp_path
@@ -383,40 +383,40 @@ def test_outputs_replace_only_what_sddlm_wrote(run2_ema, tmp_path):
     (t / "mc.jsonl").write_text(json.dumps({"context": "the cat", "choices": [" sees", " eats"], "gold": 0}) + "\n")
     os.symlink(t / "notes.txt", t / "link.jsonl")
     os.mkfifo(t / "fifo.jsonl")
-    shutil.copytree(run2_ema.model, t / "linked_model")
+    shutil.copytree(run_ema.model, t / "linked_model")
     os.remove(t / "linked_model" / "model.safetensors")
-    os.symlink(run2_ema.model / "model.safetensors", t / "linked_model" / "model.safetensors")
+    os.symlink(run_ema.model / "model.safetensors", t / "linked_model" / "model.safetensors")
     devices = []
     try:                                         # as root a device node's own rename is the danger (/dev/null)
         os.mknod(t / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
         devices = ["null"]
     except (PermissionError, OSError):
         pass
-    before = md5s(run2_ema.root)
-    ppl = ["eval_ppl.py", "--ckpt", run2_ema.ckpt, "--max_batches", "1", "--mc_draws", "1"]
+    before = md5s(run_ema.root)
+    ppl = ["eval_ppl.py", "--ckpt", run_ema.ckpt, "--max_batches", "1", "--mc_draws", "1"]
     evals = ",".join(os.path.join(HERE, "figures", "tiny", "evals", f) for f in
                      sorted(os.listdir(os.path.join(HERE, "figures", "tiny", "evals"))))
-    ds = ["downstream/eval_downstream.py", "--ckpt", run2_ema.ckpt, "--jsonl", t / "mc.jsonl", "--mc_draws", "1"]
+    ds = ["downstream/eval_downstream.py", "--ckpt", run_ema.ckpt, "--jsonl", t / "mc.jsonl", "--mc_draws", "1"]
     cases = [
         case(*ppl, "--out", t / "notes.txt", cwd=t, expect=f"--out {t}/notes.txt exists and was not written by sddlm"),
         case(*ds, "--out", t / "res.json", cwd=t, expect=f"--out {t}/res.json exists and was not written by sddlm"),
         case(*ds, "--out", t / "only_md" / "res.json", cwd=t,
              expect=f"--out {t}/only_md/res.md exists and was not written by sddlm"),
-        case("sample.py", "--ckpt", run2_ema.ckpt, "--num_samples", "1", "--steps", "2", "--out", t / "link.jsonl", cwd=t,
-             expect="link.jsonl is a symbolic link"),
-        case("sample.py", "--ckpt", run2_ema.ckpt, "--num_samples", "1", "--steps", "2", "--out", t / "fifo.jsonl", cwd=t,
-             expect="fifo.jsonl is a named pipe, not a regular file"),          # (it used to wait for a reader)
+        case("sample.py", "--ckpt", run_ema.ckpt, "--num_samples", "1", "--steps", "2", "--out", t / "link.jsonl",
+             cwd=t, expect="link.jsonl is a symbolic link"),
+        case("sample.py", "--ckpt", run_ema.ckpt, "--num_samples", "1", "--steps", "2", "--out", t / "fifo.jsonl",
+             cwd=t, expect="fifo.jsonl is a named pipe, not a regular file"),          # (it used to wait for a reader)
         case("figures/plot.py", "--evals", evals, "--table", t / "table.md", "--overwrite", "1", "--out_dir",
              t / "plots", cwd=t, expect=f"--table {t}/table.md exists and was not written by sddlm"),
-        case("hub/pretrained.py", "--ckpt", run2_ema.ckpt, "--out", t / "linked_model", cwd=t,
+        case("hub/pretrained.py", "--ckpt", run_ema.ckpt, "--out", t / "linked_model", cwd=t,
              expect="its model.safetensors is a symbolic link, not a file sddlm wrote"),
         *[case(*ppl, "--out", t / d, cwd=t, expect=f"--out {t}/{d} is a character device") for d in devices],
         *[case(*ds, "--out", t / d, cwd=t, expect=f"--out {t}/{d} is a character device") for d in devices],
         case(*ppl, "--out", t / "ours.json", cwd=t, expect=["ok", '"metric": "nelbo"']),     # new: written
     ]
     again = [case(*ppl, "--out", t / "ours.json", cwd=t, expect=["ok", '"metric": "nelbo"'])]   # ours: replaced
-    check_error_last(run_batches(cases) + run_batches(again))
-    assert md5s(run2_ema.root) == before
+    check_last(run_batches(cases) + run_batches(again))
+    assert md5s(run_ema.root) == before
     assert (t / "notes.txt").read_text() == "my notes\n" and (t / "res.json").read_text() == '{"mine": 1}\n'
     assert (t / "only_md" / "res.md").read_text() == "my table\n" and (t / "table.md").read_text() == "my table\n"
     assert os.path.islink(t / "link.jsonl") and stat.S_ISFIFO(os.lstat(t / "fifo.jsonl").st_mode)
@@ -426,7 +426,7 @@ def test_outputs_replace_only_what_sddlm_wrote(run2_ema, tmp_path):
     assert not (t / "only_md" / "res.json").exists() and not (t / "plots").exists()
 
 
-def test_an_output_replaces_only_an_earlier_output_of_its_own_script(tmp_path):
+def test_an_output_replaces_only_its_own_scripts_earlier_output(tmp_path):
     """sddlm's files are not all alike: eval_ppl.py --out run/ckpt.pt replaced a trained checkpoint with a 1 KB JSON
     (exit code 0), and a run's config.json or sample.py's samples alike. writer_of names the script by content."""
     t = tmp_path

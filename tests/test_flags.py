@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import case, check_error_last, check_one_line, copy_run, md5s, run_batches
+from conftest import case, check_last, check_one_line, copy_run, md5s, run_batches
 
 
 @pytest.mark.slow
@@ -41,37 +41,39 @@ def test_bad_flags_fail_at_start_and_create_nothing(run4, tmp_path):
 
 
 @pytest.mark.slow
-def test_start_up_messages_come_before_the_work_and_name_the_fix(run4_other, tmp_path):
+def test_start_up_messages_come_before_the_work_and_name_the_fix(run_tok, tmp_path):
     t = tmp_path
     for d in ("w1", "w2", "w3", "w4", "w5"):          # fresh working folders: what a refusal leaves is visible
         (t / d).mkdir()
-    run = copy_run(run4_other, t / "run")
+    run = copy_run(run_tok, t / "run")
     long_dir = t / "long"
     long_dir.mkdir()
     long_corpus = long_dir / ("c" * 236 + ".txt")
-    shutil.copy(run4_other.corpus, long_corpus)
-    before = md5s(run), md5s(run4_other.data_dir)
-    resume = [a for a in run4_other.train if a not in ("--data_dir", run4_other.data_dir)]   # the default data folder, in cwd
-    cases = [case("train.py", *run4_other.train, "--out_dir", "", cwd=t / "w1", expect="--out_dir is empty"),
-             case("distillation/distill.py", "--init", run4_other.ckpt, "--out_dir", "", cwd=t / "w1", expect="--out_dir is empty"),
+    shutil.copy(run_tok.corpus, long_corpus)
+    before = md5s(run), md5s(run_tok.data_dir)
+    resume = [a for a in run_tok.train if a not in ("--data_dir", run_tok.data_dir)]   # the default data folder, in cwd
+    cases = [case("train.py", *run_tok.train, "--out_dir", "", cwd=t / "w1", expect="--out_dir is empty"),
+             case("distillation/distill.py", "--init", run_tok.ckpt, "--out_dir", "", cwd=t / "w1",
+                  expect="--out_dir is empty"),
              case("train.py", *resume, "--out_dir", run, "--resume", "1", "--block_size", "64", cwd=t / "w2",
                   expect="(block_size changed): --block_size was 32, now 64"),
              case("train.py", *resume, "--out_dir", run, "--resume", "1", "--tokenizer", "sp_train:300", cwd=t / "w2",
                   expect="(tokenizer changed): --tokenizer 'sp_train:300' is another by content"),
-             case("prepare.py", "--dataset", run4_other.corpus, "--tokenizer", "sp_train:100", "--block_size", "32",
+             case("prepare.py", "--dataset", run_tok.corpus, "--tokenizer", "sp_train:100", "--block_size", "32",
                   cwd=t / "w3", expect="use --tokenizer sp_train:N with N >= "),
              case("distillation/distill.py", "--init", t / "missing.pt", "--out_dir", t / "w4" / "dcd", cwd=t,
                   expect="no such checkpoint"),
-             case("distillation/distill.py", "--init", run4_other.corpus, "--out_dir", t / "w4" / "dcd", cwd=t, expect="cannot read it"),
-             case("distillation/distill.py", "--init", run4_other.ckpt, "--data_dir", t / "w5", "--out_dir", t / "w4" / "dcd", cwd=t,
-                  expect="meta.json missing"),
+             case("distillation/distill.py", "--init", run_tok.corpus, "--out_dir", t / "w4" / "dcd", cwd=t,
+                  expect="cannot read it"),
+             case("distillation/distill.py", "--init", run_tok.ckpt, "--data_dir", t / "w5",
+                  "--out_dir", t / "w4" / "dcd", cwd=t, expect="meta.json missing"),
              case("prepare.py", "--dataset", long_corpus, "--tokenizer", "sp_train:320", "--block_size", "32",
                   cwd=long_dir, expect=["ok", "train: "])]
     results = run_batches(cases[:4], cases[4:])
-    check_error_last(results)
+    check_last(results)
     assert "character_coverage" not in results[4]["stderr"]
     for d in ("w1", "w2", "w3", "w4", "w5"):          # nothing prepared, no out_dir, no temp folder or lock
         assert os.listdir(t / d) == [], d
-    assert (md5s(run), md5s(run4_other.data_dir)) == before
+    assert (md5s(run), md5s(run_tok.data_dir)) == before
     [folder] = os.listdir(long_dir / "data")          # a valid name: its temp folder's suffix fits too
     assert len(folder.encode()) <= 160 and "~" in folder and os.path.isfile(long_dir / "data" / folder / "meta.json")

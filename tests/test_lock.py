@@ -17,7 +17,7 @@ from plumbing.cli import UsageError
 from plumbing.lock import LOCK, acquire_folder
 
 
-def test_a_held_out_dir_is_refused_naming_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+def test_a_held_folder_names_its_holder_a_dead_ones_is_taken(tmp_path):
     out = tmp_path / "new" / "run"
     lock = acquire_folder(str(out))
     record = json.loads((out / LOCK).read_text())
@@ -62,7 +62,7 @@ def test_without_flock_the_recorded_pid_and_host_decide(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_second_run_into_a_running_out_dir_stops_at_once_and_a_dead_runs_lock_is_taken_over(run4, tmp_path):
+def test_a_second_run_stops_at_once_a_dead_runs_lock_is_taken(run4, tmp_path):
     out = tmp_path / "run"
     (tmp_path / "w").mkdir()
     a, a_out, a_err = start("train.py", *run4.train, "--out_dir", out, "--max_iters", "100000", "--log_interval", "1",
@@ -95,7 +95,7 @@ def test_a_second_run_into_a_running_out_dir_stops_at_once_and_a_dead_runs_lock_
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == saved["step"] + 2 and not (out / LOCK).exists()
 
 
-def test_lock_files_are_never_written_through_nor_a_users_file_replaced(tmp_path):
+def test_locks_never_write_through_nor_replace_a_users_file(tmp_path):
     """out_dir/.lock (train.py, distill.py) and a data folder's <data_dir>.lock (prepare.py) are opened only when
     they are absent or a lock of ours (empty, or a record naming a pid and a host); a link to elsewhere, a user's
     file, a pipe or a folder is refused in one line naming it, and left as it was."""

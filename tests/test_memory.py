@@ -61,7 +61,7 @@ def test_out_of_memory_is_one_line_from_the_rank_that_hit_it(rank, monkeypatch, 
         cli.run_cli(bug)
 
 
-def test_out_of_memory_in_training_names_the_micro_batch_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch,
+def test_oom_in_training_names_the_micro_batch_keeps_checkpoint(corpus, tmp_path, monkeypatch,
                                                                                    capsys):
     real = train.train_step
 
@@ -88,7 +88,7 @@ def fake_cuda_fit(monkeypatch, fits_up_to):
     return Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
 
 
-def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypatch, capsys):
+def test_a_micro_batch_too_large_raises_grad_accum_until_it_fits(monkeypatch, capsys):
     env = fake_cuda_fit(monkeypatch, fits_up_to=16)
     cfg = train.TrainConfig(batch_size=128, grad_accum=1)
     plumbing.memory.fit_micro_batch(None, cfg, env)
@@ -103,7 +103,7 @@ def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypat
     assert cpu.grad_accum == 1
 
 
-def test_micro_batch_that_does_not_fit_stops_in_one_line_with_auto_accum_off(monkeypatch):
+def test_a_micro_batch_too_large_is_one_line_with_auto_accum_off(monkeypatch):
     env = fake_cuda_fit(monkeypatch, fits_up_to=16)
     cfg = train.TrainConfig(batch_size=128, grad_accum=1, auto_accum=False)
     with pytest.raises(cli.OutOfMemory, match=r"^micro-batch 64 \(--batch_size 128 / 2 rank\(s\) / --grad_accum 1\) "
@@ -114,7 +114,7 @@ def test_micro_batch_that_does_not_fit_stops_in_one_line_with_auto_accum_off(mon
         plumbing.memory.fit_micro_batch(None, train.TrainConfig(batch_size=4), fake_cuda_fit(monkeypatch, fits_up_to=0))
 
 
-def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch, capsys):
+def test_torchrun_on_cuda_without_preset_trains_papers_recipe(monkeypatch, capsys):
     """The flagship command `torchrun --nproc_per_node=8 train.py --loss sddlm_v1` runs --preset small and says so
     first; a preset given, a CPU device or a plain `python train.py` keep what was asked."""
     seen = []
@@ -162,7 +162,7 @@ def test_model_numel_counts_what_the_model_allocates():
                                               sum(b.numel() for b in model.buffers()))
 
 
-def test_a_model_folder_too_large_for_the_machine_names_its_field(tmp_path):
+def test_a_folder_too_large_for_the_machine_names_its_field(tmp_path):
     """The memory check itself (a consistent folder cannot be made that large here): the field whose value costs the
     most is named, as the caller names it."""
     config = ModelConfig(n_layer=10 ** 9, n_embd=64, n_head=2, vocab_size=320, block_size=32)

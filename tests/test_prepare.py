@@ -80,11 +80,11 @@ def test_long_names_give_valid_folder_names(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not unshare_available(), reason="needs unshare (a user namespace) to mount a small tmpfs")
-def test_a_disk_that_fills_during_preparation_names_the_folder_and_the_flag(run4_other, tmp_path):
+def test_a_full_disk_names_the_folder_and_the_flag(run_tok, tmp_path):
     """A real full disk: a 24 KiB tmpfs in a private mount namespace, holding the data folder."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    args = " ".join([sys.executable, os.path.join(HERE, "train.py"), *TINY, "--dataset", run4_other.corpus,
+    args = " ".join([sys.executable, os.path.join(HERE, "train.py"), *TINY, "--dataset", run_tok.corpus,
                      "--data_dir", str(mnt / "data"), "--out_dir", str(tmp_path / "out"), "--max_iters", "2"])
     p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
                         f"mount -t tmpfs -o size=24k tmpfs {mnt} && {args}; echo rc=$?; ls -A {mnt}"],
@@ -96,18 +96,18 @@ def test_a_disk_that_fills_during_preparation_names_the_folder_and_the_flag(run4
     assert not (tmp_path / "out").exists()
 
 
-def test_preparing_a_folder_again_keeps_the_users_files(run4_ar_other, tmp_path):
-    data = copy_data(run4_ar_other, tmp_path / "data", lambda m: m.pop("sha256"))     # unverifiable: prepared again
+def test_preparing_a_folder_again_keeps_the_users_files(run_ar, tmp_path):
+    data = copy_data(run_ar, tmp_path / "data", lambda m: m.pop("sha256"))     # unverifiable: prepared again
     (data / "thesis.tex").write_text("my thesis")
     (data / "notes").mkdir()
     (data / "notes" / "a.txt").write_text("my notes")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", run4_ar_other.corpus, "--tokenizer",
+    p = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", run_ar.corpus, "--tokenizer",
                         "sp_train:320", "--block_size", "32", "--data_dir", data], capture_output=True, text=True,
                        env=ENV, cwd=tmp_path, timeout=300)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert (data / "thesis.tex").read_text() == "my thesis" and (data / "notes" / "a.txt").read_text() == "my notes"
     assert "sha256" in json.loads((data / "meta.json").read_text())          # and the folder is whole again
-    assert md5s(data)["train.bin"] == md5s(run4_ar_other.data_dir)["train.bin"]
+    assert md5s(data)["train.bin"] == md5s(run_ar.data_dir)["train.bin"]
     assert sorted(os.listdir(tmp_path)) == ["data"]                           # no temp folder, no lock left
 
 

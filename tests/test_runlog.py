@@ -34,7 +34,7 @@ def test_progress_bar_draws_each_update_once_with_its_own_loss(tmp_path, capsys)
     assert shown[:3] == expected and set(shown[3:]) <= {expected[-1]}, shown
 
 
-def test_bars_honour_tqdm_disable_even_where_a_script_asks_for_them(monkeypatch, capsys):
+def test_bars_honour_tqdm_disable_even_where_a_script_asks(monkeypatch, capsys):
     """Scripts pass `disable=` to tqdm, which would override tqdm's own TQDM_DISABLE switch (the one a batch job
     sets to keep bars out of its log); cli.bar_hidden restores it. A real bar: sample.generate's."""
     import torch
@@ -56,7 +56,7 @@ def test_bars_honour_tqdm_disable_even_where_a_script_asks_for_them(monkeypatch,
     assert bar_text("1") == "" and bar_text("True") == ""
 
 
-def test_an_evaluation_prints_each_estimate_with_its_standard_error_and_interval():
+def test_an_evaluation_prints_each_estimate_with_se_and_interval():
     """The console line of an evaluation: every estimate with "± its SE" and its 95% interval beside it, the SE and
     interval keys not repeated as metrics of their own; values without an SE as they are."""
     from plumbing.runlog import metrics_line
@@ -96,7 +96,7 @@ def test_a_resumed_log_keeps_the_lines_up_to_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_gives_a_log_that_matches_the_checkpoint(run4, tmp_path):
+def test_sigkill_then_resume_gives_the_checkpoints_log(run4, tmp_path):
     out = tmp_path / "run"
     args = run4.train + ["--out_dir", str(out), "--max_iters", "100000", "--ckpt_interval", "4", "--log_interval",
                          "1", "--eval_interval", "100000"]

@@ -112,7 +112,7 @@ def test_signal_during_the_final_evaluation_saves_and_exits_130(run4, tmp_path, 
 
 
 @pytest.mark.slow
-def test_signal_during_end_of_training_sampling_exits_130_promptly(run4, tmp_path):
+def test_signal_in_end_of_training_sampling_exits_130_promptly(run4, tmp_path):
     out = tmp_path / "run"
     args = run4.train + ["--out_dir", str(out), "--max_iters", "3", "--eval_interval", "3", "--num_samples", "2",
                          "--sample_steps", "1000000"]
@@ -130,7 +130,7 @@ def test_signal_during_end_of_training_sampling_exits_130_promptly(run4, tmp_pat
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 3
 
 
-def test_every_stop_signal_ends_a_script_with_one_line_and_exit_130(capsys):
+def test_every_stop_signal_ends_a_script_in_one_line_and_130(capsys):
     assert {signal.Signals(s).name for s in STOP_SIGNALS} >= {"SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2",
                                                               "SIGQUIT", "SIGXCPU"}
     for sig in STOP_SIGNALS:
@@ -153,7 +153,7 @@ def test_every_stop_signal_ends_a_script_with_one_line_and_exit_130(capsys):
             assert stop["signal"] == sig
 
 
-def test_deferred_signals_hold_a_signal_another_thread_received_until_the_block_ends():
+def test_deferred_signals_hold_another_threads_signal_to_the_end():
     """The kernel gives a process's signal to any thread that does not block it (torch's, a pool's); Python then
     runs the handler in the main thread at once. Deferring by the main thread's mask alone let it through."""
     from plumbing.signals import deferred_signals
@@ -204,7 +204,7 @@ def test_every_script_handles_stop_signals_before_its_imports():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 @pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare.py"])
-def test_a_stop_signal_while_a_script_loads_its_imports_is_one_line_and_130(script, tmp_path):
+def test_a_signal_during_imports_is_one_line_and_130(script, tmp_path):
     p = subprocess.Popen([sys.executable, os.path.join(HERE, script)], cwd=tmp_path, env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
@@ -217,7 +217,7 @@ def test_a_stop_signal_while_a_script_loads_its_imports_is_one_line_and_130(scri
 
 
 @pytest.mark.slow
-def test_stop_signals_during_preparation_leave_no_temp_folder_lock_or_empty_folder(run4, tmp_path):
+def test_signals_in_preparation_leave_no_temp_lock_or_folder(run4, tmp_path):
     corpus = big_corpus(tmp_path / "big.txt", 4)
     tokenizer = data.load_meta(run4.data_dir)["tokenizer"]
     runs = []
@@ -256,7 +256,7 @@ def test_stop_signals_during_preparation_leave_no_temp_folder_lock_or_empty_fold
 
 
 @pytest.mark.slow
-def test_stop_signals_of_schedulers_and_terminals_during_training_save_and_exit_130(run4, tmp_path):
+def test_scheduler_and_terminal_signals_in_training_save_and_130(run4, tmp_path):
     runs = []
     for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGXCPU):     # SIGINT, SIGTERM: the tests above
         out = tmp_path / signal.Signals(sig).name
@@ -276,7 +276,7 @@ def test_stop_signals_of_schedulers_and_terminals_during_training_save_and_exit_
 
 
 @pytest.mark.slow
-def test_a_signal_at_start_up_in_sampling_and_in_evaluation_is_one_line_and_130(run4, tmp_path):
+def test_a_signal_at_start_up_of_sample_and_eval_is_one_line_130(run4, tmp_path):
     before = md5s(run4.out)
     (tmp_path / "w").mkdir()
     w = tmp_path / "w"
@@ -308,7 +308,7 @@ def test_a_signal_at_start_up_in_sampling_and_in_evaluation_is_one_line_and_130(
     assert md5s(run4.out) == before
 
 
-def test_a_signal_while_a_script_exits_is_never_a_kill_by_the_signal(tmp_path):
+def test_a_signal_while_a_script_exits_never_kills_it(tmp_path):
     (tmp_path / "late.py").write_text(LATE)
     run = lambda how: subprocess.run([sys.executable, "late.py", how], capture_output=True, text=True, env=ENV,
                                      cwd=tmp_path, timeout=120)
@@ -323,11 +323,11 @@ def test_a_signal_while_a_script_exits_is_never_a_kill_by_the_signal(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_stop_signal_during_the_stop_exits_130(run4_ar_other, tmp_path):
+def test_a_second_stop_signal_during_the_stop_exits_130(run_ar, tmp_path):
     codes = []
     for gap in (0.0, 0.05, 0.3):
         out = tmp_path / f"run{gap}"
-        p, stdout, err = start("train.py", *run4_ar_other.train, "--out_dir", out, "--max_iters", "100000", "--log_interval",
+        p, stdout, err = start("train.py", *run_ar.train, "--out_dir", out, "--max_iters", "100000", "--log_interval",
                                "1", "--eval_interval", "100000", "--ckpt_interval", "100000", cwd=tmp_path,
                                name=out.name)
         wait_until(lambda: (out / "log.jsonl").exists() or p.poll() is not None, what="training")
