@@ -2,8 +2,9 @@
 called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
 (Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices), which live
 in test_losses.py (it travels alone with losses.py) and are shared from here; the rounding bounds every float
-tolerance of the suite is derived from (below); train.py in one process and in two (the DDP tests); and CI's --skipped_before
-(below)."""
+tolerance of the suite is derived from (below); train.py in one process and in two (the DDP tests); CI's
+--skipped_before (below); and the scripts' fault cases (run in child processes, their one error line checked) with
+the small runs they start from (at the end)."""
 import hashlib
 import json
 import os

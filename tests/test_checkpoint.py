@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model import ModelConfig, build_model
 from conftest import ENV, HERE, case, check_one_line, md5s, one_error, run_batches
+from model import ModelConfig, build_model
 from plumbing import cli
 from plumbing.checkpoint import refuse_other_script
 import train

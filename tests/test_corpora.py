@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-import data
-import prepare
-from data import DataError
 from conftest import ENV, HERE, case, check_last, md5s, one_error, run_batches
+import data
+from data import DataError
+import prepare
 
 PLAY = "".join(f"First Citizen:\nBefore we proceed any further, hear me speak {i}.\n\nCORIOLANUS:\nWhat's the "
                f"matter, you dissentious rogues {i}?\n\n\n" for i in range(40))

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import data
 import corpora
-import prepare
+import data
 from data import DataError
-from plumbing.flags import check_prepare_flags
 from plumbing import files
 from plumbing.cli import UsageError
+from plumbing.flags import check_prepare_flags
+import prepare
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXTS = ["Hello world", "  leading and trailing spaces  ",

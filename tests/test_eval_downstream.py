@@ -18,13 +18,13 @@ import sys
 import pytest
 import torch
 
-from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scoring
-from data import get_tokenizer
-from model import ModelConfig, build_model
-from trained.checkpoint import load_checkpoint
-from sample import generate_long
 from conftest import reduction_tol
 from conftest import ENV
+from data import get_tokenizer
+from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scoring
+from model import ModelConfig, build_model
+from sample import generate_long
+from trained.checkpoint import load_checkpoint
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 FACTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from hub import pretrained
-import prepare
-import train
-from test_train import TINY, _corpus
 from conftest import ENV, HERE, RUNNER, case, check_last, check_one_line, copy_data, md5s, run_batches
 import data
 from distillation import distill
+from hub import pretrained
 from plumbing import cli, files
 from plumbing.cli import UsageError
+import prepare
+from test_train import TINY, _corpus
+import train
 
 
 def test_cleanup_removes_dead_writers_temps_not_users_files(tmp_path, monkeypatch):

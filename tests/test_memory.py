@@ -4,15 +4,14 @@ a torchrun launch on CUDA without --preset trains the paper's recipe. CPU only: 
 import pytest
 import torch
 
+from model import ModelConfig, build_model
 from plumbing import cli
 import plumbing.distributed
 import plumbing.memory
+from plumbing.cli import UsageError
 from plumbing.distributed import Env
 import test_train
 import train
-from model import ModelConfig, build_model
-from plumbing import memory
-from plumbing.cli import UsageError
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -158,7 +157,7 @@ def test_model_numel_counts_what_the_model_allocates():
                     block_size=8, cond_dim=16)]:
         config = ModelConfig(**kw)
         model = build_model(config)
-        assert memory.model_numel(config) == (sum(p.numel() for p in model.parameters()),
+        assert plumbing.memory.model_numel(config) == (sum(p.numel() for p in model.parameters()),
                                               sum(b.numel() for b in model.buffers()))
 
 
@@ -168,9 +167,9 @@ def test_a_folder_too_large_for_the_machine_names_its_field(tmp_path):
     config = ModelConfig(n_layer=10 ** 9, n_embd=64, n_head=2, vocab_size=320, block_size=32)
     with pytest.raises(UsageError, match=r"out/model/config.json: n_layer 1000000000: the model needs at least .*"
                                          r"more than the .* of (available RAM|memory left|address space)"):
-        memory.check_model_memory(config, "cpu", lambda field: f"out/model/config.json: {field}")
+        plumbing.memory.check_model_memory(config, "cpu", lambda field: f"out/model/config.json: {field}")
     wide = ModelConfig(n_layer=2, n_embd=2 * 10 ** 6, n_head=2, vocab_size=320, block_size=32)
     with pytest.raises(UsageError, match="config.json: n_embd 2000000"):
-        memory.check_model_memory(wide, "cpu", lambda field: f"config.json: {field}")
-    memory.check_model_memory(ModelConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32), "cpu",
-                              lambda field: field)       # a small one passes
+        plumbing.memory.check_model_memory(wide, "cpu", lambda field: f"config.json: {field}")
+    small = ModelConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32)
+    plumbing.memory.check_model_memory(small, "cpu", lambda field: field)       # a small one passes

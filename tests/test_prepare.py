@@ -1,4 +1,5 @@
-"""prepare.py's folders as train.py reads them."""
+"""prepare.py's folders as train.py reads them; two preparations at once, a full disk, long names, named pipes and
+a user's files in the folder."""
 import json
 import os
 import shutil
@@ -8,12 +9,12 @@ import time
 
 import pytest
 
-from data import DataError
-import prepare
-import train
-from test_train import TINY, _corpus
 from conftest import ENV, HERE, copy_data, md5s, one_error, unshare_available
+from data import DataError
 import data
+import prepare
+from test_train import TINY, _corpus
+import train
 
 TRAIN = TINY + ["--max_iters", "1", "--eval_interval", "1000"]
 

@@ -15,19 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plumbing import cli
+from conftest import unit_roundoff
+from conftest import ENV, one_error, unshare_available
 import diffusion
-import losses
 from hub import pretrained
-import sample
+from hub.pretrained import SDDLM
+import losses
 from model import ModelConfig, build_model
+from plumbing import cli
+import sample
+from test_losses import usdm_sizes
 from trained.checkpoint import load_checkpoint, load_model
 from trained.export import export
 from trained.folder import is_model_folder
-from hub.pretrained import SDDLM
-from conftest import unit_roundoff
-from test_losses import usdm_sizes
-from conftest import ENV, one_error, unshare_available
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXT = "the cat sees the dog . the bird likes the fish ."

@@ -1,4 +1,5 @@
-"""The run log's progress bar: one frame per log update, showing that update's step and mean loss."""
+"""plumbing/runlog.py: the progress bar (one frame per log update, showing that update's step and mean loss), and
+the log a resume keeps: the lines up to its checkpoint."""
 import json
 import os
 import re
@@ -12,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plumbing.runlog import Log
 from conftest import ENV, HERE
 from plumbing import runlog
+from plumbing.runlog import Log
 import train
 
 
