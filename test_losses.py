@@ -139,7 +139,7 @@ def test_sddlm_loss_is_cross_entropy_on_replaced_tokens_only():
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6, 0.05])
-def test_sddlm_v1_matches_negative_sampling_formula_with_eps_on_both_terms(eps):
+def test_sddlm_v1_matches_negative_sampling_with_eps_on_both(eps):
     logits, x0, xt, neg = make_case()
     ref = brute(v1_ref(eps), logits, x0, xt, neg)
     torch.testing.assert_close(sddlm_v1_loss(logits, x0, xt, neg=neg, eps=eps), ref, **EXACT)
@@ -329,7 +329,7 @@ def test_sddlm_v1_with_small_eps_stays_close_to_uniform_kl_form():
     assert (mean_v1 - expected).abs().max() > 0
 
 
-def test_sddlm_v1_random_negatives_converge_to_the_exact_expectation():
+def test_sddlm_v1_random_negatives_converge_to_the_expectation():
     """neg=None draws neg ~ U(V) with the given generator; the mean over N copies of each token must
     match the exact average over V within 4.5 standard errors (the std is computed exactly)."""
     logits, x0, xt, _ = make_case()
@@ -357,7 +357,7 @@ def tiny_negative_case(neg_logit):
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6])
-def test_eps_switches_off_the_gradient_of_a_tiny_negative_probability(eps):
+def test_eps_switches_off_a_tiny_negatives_gradient(eps):
     """d loss / d z_neg = p_n/(p_n+eps) (1 - p_n) + p_x/(p_x+eps) p_n: ~1 without eps, ~p_n/eps ~ 1e-8 with it."""
     logits, x0, xt, neg = tiny_negative_case(-30.0)
     logits.requires_grad_(True)
@@ -372,7 +372,7 @@ def test_eps_switches_off_the_gradient_of_a_tiny_negative_probability(eps):
         assert 0 < grad[0, 0, 3].item() < 1e-7                           # p_n / eps = 1.3e-8
 
 
-def test_sddlm_v1_is_unbounded_below_without_eps_and_bounded_with_it():
+def test_sddlm_v1_unbounded_below_without_eps_bounded_with_it():
     losses0 = [sddlm_v1_loss(*tiny_negative_case(z)[:3], neg=tiny_negative_case(z)[3], eps=0.0).item()
                for z in (-30.0, -60.0, -120.0)]
     # keeps falling with the neg logit: log p_neg - log p_x0 = z_neg - z_x0 exactly, rounded in float64 log-softmax
@@ -560,7 +560,7 @@ def test_usdm_nelbo_is_the_dt_to_zero_limit_of_the_posterior_kl():
         assert errs[1] < errs[0] / 5          # the error shrinks ~linearly with dt (10x here; 5x: half of that)
 
 
-def test_fixed_denoiser_discrete_elbo_equals_integrated_usdm_nelbo_for_every_T():
+def test_discrete_elbo_equals_integrated_usdm_nelbo_for_every_T():
     """With p_theta independent of x_t and t, q(x_s|x_t,x_theta) is the exact reversal of the forward chain
     started from x0 ~ p_theta, so the discrete sum telescopes: for EVERY T it equals
     KL(q_tmin(.|x0) || q_tmin(.|p)) - KL(q_1(.|x0) || q_1(.|p)), and so must the integral of the Duo loss."""
@@ -577,7 +577,7 @@ def test_fixed_denoiser_discrete_elbo_equals_integrated_usdm_nelbo_for_every_T()
         assert discrete_elbo_diffusion_term(T, fixed=True) == pytest.approx(closed, rel=1e-10)
 
 
-def test_discrete_elbo_converges_to_integrated_usdm_nelbo_like_one_over_T():
+def test_discrete_elbo_converges_to_usdm_nelbo_like_one_over_T():
     """A denoiser that depends on x_t and t: the T-step diffusion term approaches the integral of the Duo
     loss with an O(1/T) gap (T * gap settles to a constant)."""
     integral = integrated_usdm_nelbo(fixed=False)

@@ -2,18 +2,26 @@
 called in-process installs its stop handlers), and the explicit-matrix oracles of the uniform-state process
 (Eq. (discrete_marginal) as a K x K transition matrix, Eq. (reverse) by Bayes' rule on those matrices), which live
 in test_losses.py (it travels alone with losses.py) and are shared from here; the rounding bounds every float
-tolerance of the suite is derived from (below); train.py in one process and in two (the DDP tests); and CI's --skipped_before
-(below)."""
+tolerance of the suite is derived from (below); train.py in one process and in two (the DDP tests); CI's
+--skipped_before (below); and the scripts' fault cases (run in child processes, their one error line checked) with
+the small runs they start from (at the end)."""
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from plumbing.cli import STOP_SIGNALS
 from test_losses import bayes_posterior, transition_matrix  # noqa: F401  (the oracles, for the tests)
+import prepare
+import train
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +131,7 @@ def pytest_sessionfinish(session):
 # test_losses.py travels alone with losses.py (no pytest.ini there to register a marker): its float32 / bf16 tests
 # are marked numerics here
 LOSSES_NUMERICS = ("test_bf16_logits_are_scored_in_float32_in_chunks_of_rows",
-                   "test_sddlm_v1_is_unbounded_below_without_eps_and_bounded_with_it", "test_usdm_nelbo_is_nonnegative")
+                   "test_sddlm_v1_unbounded_below_without_eps_bounded_with_it", "test_usdm_nelbo_is_nonnegative")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -138,3 +146,240 @@ def pytest_collection_modifyitems(config, items):
         item.nodeid == s or item.nodeid.startswith(s + "::") for s in skipped)
     config.hook.pytest_deselected(items=[item for item in items if not wanted(item)])
     items[:] = [item for item in items if wanted(item)]
+
+
+# The scripts' fault cases: each case run through the real script (in a child process, in batches side by side),
+# its one error line and exit code checked; and the small runs they start from.
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+
+RUNNER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+results = []
+for case in json.load(sys.stdin):
+    os.chdir(case["cwd"])
+    sys.argv = [case["script"], *case["argv"]]
+    saved = dict(os.environ)
+    os.environ.update(case.get("env") or {})
+    err, out, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(os.path.join(os.environ["PYTHONPATH"], case["script"]), run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = "traceback"
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append(dict(case, code=code, stderr=err.getvalue(), stdout=out.getvalue()))
+json.dump(results, sys.__stdout__)
+"""
+
+
+def run_batches(*batches):
+    """Each batch (a list of dicts: script, argv, cwd, expect) in its own child process, the batches side by
+    side -> the cases with code, stderr and stdout."""
+    procs = [subprocess.Popen([sys.executable, "-c", RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=ENV, cwd=HERE) for _ in batches]
+    for p, batch in zip(procs, batches):
+        p.stdin.write(json.dumps([{k: str(v) if k == "cwd" else v for k, v in c.items()} for c in batch]))
+        p.stdin.close()
+    results = []
+    for p in procs:
+        out, err = p.stdout.read(), p.stderr.read()
+        assert p.wait(timeout=600) == 0, err[-3000:]
+        results += json.loads(out)
+    return results
+
+
+def case(script, *argv, cwd, expect, env=None):
+    """expect: words of the one error line (exit code 2), or ("ok", words in stdout) for exit code 0. env: variables
+    set for this case only."""
+    return dict(script=script, argv=[str(a) for a in argv], cwd=str(cwd), expect=expect, env=env or {})
+
+
+def check_one_line(results):
+    """Every case failed as one 'error:' line with its words and exit code 2 (or succeeded as expected)."""
+    wrong = []
+    for r in results:
+        if isinstance(r["expect"], list):       # ("ok", words): success
+            if r["code"] != 0 or r["expect"][1] not in r["stdout"]:
+                wrong.append(r)
+            continue
+        lines = r["stderr"].strip().splitlines()
+        if r["code"] != 2 or len(lines) != 1 or not lines[0].startswith("error: ") or r["expect"] not in lines[0]:
+            wrong.append(r)
+    assert not wrong, "\n\n".join(f"{r['script']} {' '.join(r['argv'])}\n  expected {r['expect']!r}, got code "
+                                  f"{r['code']}, stderr:\n{r['stderr'][-1500:]}" for r in wrong)
+
+
+def md5s(folder):
+    """{relative path: md5} of every file under folder ({} when it does not exist)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(root, f), folder)] = hashlib.md5(fh.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="session")
+def run4(tmp_path_factory):
+    """A corpus, its prepared data and a 4-step run (ckpt.pt, log.jsonl, config.json)."""
+    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    root = tmp_path_factory.mktemp("run4")
+    _corpus(root / "corpus.txt")
+    b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"), out=str(root / "run"))
+    b.train = TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir]
+    assert train.main(b.train + ["--out_dir", b.out, "--max_iters", "4", "--eval_interval", "4"]) == 0
+    b.ckpt = os.path.join(b.out, "ckpt.pt")
+    return b
+
+
+QUIET = {**ENV, "TQDM_DISABLE": "1"}
+
+
+def wait_until(condition, timeout=120, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start(script, *args, cwd, name, env=QUIET):
+    """script in its own process, stdout and stderr to files in cwd/../name.{out,err} -> (Popen, out, err); no
+    progress bars unless env says otherwise."""
+    out, err = cwd.parent / f"{name}.out", cwd.parent / f"{name}.err"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, script), *map(str, args)], cwd=cwd, env=env,
+                         stdout=open(out, "w"), stderr=open(err, "w"))
+    return p, out, err
+
+
+def check_last(results):
+    """Each case ended with its code (2 unless expect is ("ok", words)) and, for a failure, exactly one line
+    'error: ...' holding its words, the last of stderr, and no traceback."""
+    wrong = []
+    for r in results:
+        if isinstance(r["expect"], list):
+            if r["code"] != 0 or r["expect"][1] not in r["stdout"] + r["stderr"]:
+                wrong.append(r)
+            continue
+        lines = [line for line in r["stderr"].splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error: ")]
+        if r["code"] != 2 or len(errors) != 1 or lines[-1] != errors[0] or r["expect"] not in errors[0] \
+                or "Traceback" in r["stderr"]:
+            wrong.append(r)
+    assert not wrong, "\n\n".join(f"{r['script']} {' '.join(r['argv'])}\n  expected {r['expect']!r}, got code "
+                                  f"{r['code']}, stderr:\n{r['stderr'][-1500:]}" for r in wrong)
+
+
+@pytest.fixture(scope="session")
+def run_tok(tmp_path_factory):
+    """A corpus, its prepared data, a 4-step run, and a second corpus prepared with a tokenizer of the same size
+    but other pieces (what a re-prepared folder puts at a checkpoint's tokenizer path)."""
+    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    root = tmp_path_factory.mktemp("run_tok")
+    _corpus(root / "corpus.txt")
+    text = (root / "corpus.txt").read_text()
+    (root / "other.txt").write_text(text.replace("the ", "a ").replace("cat", "lion").replace("dog", "wolf"))
+    b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"),
+                        out=str(root / "run"), other=str(root / "other_data"))
+    b.train = TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir]
+    assert train.main(b.train + ["--out_dir", b.out, "--max_iters", "4", "--eval_interval", "4"]) == 0
+    prepare.prepare_dataset(str(root / "other.txt"), "sp_train:320", b.other, 32, progress=False)
+    b.ckpt = os.path.join(b.out, "ckpt.pt")
+    return b
+
+
+def copy_run(b, folder, edit=None):
+    """A copy of the base run (ckpt.pt, log.jsonl, config.json); edit(ckpt dict) changes its checkpoint."""
+    os.makedirs(folder)
+    for f in ("ckpt.pt", "log.jsonl", "config.json"):
+        shutil.copy(os.path.join(b.out, f), os.path.join(folder, f))
+    if edit is not None:
+        ck = torch.load(os.path.join(folder, "ckpt.pt"), weights_only=False)
+        edit(ck)
+        torch.save(ck, os.path.join(folder, "ckpt.pt"))
+    return str(folder)
+
+
+def unshare_available():
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def run_ar(tmp_path_factory):
+    """A corpus, its prepared data, a 4-step diffusion run (with its model folder), a 4-step AR run (a Gen PPL
+    judge), and a corpus prepared with a tokenizer of the same size but other pieces."""
+    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    root = tmp_path_factory.mktemp("run_ar")
+    _corpus(root / "corpus.txt")
+    text = (root / "corpus.txt").read_text()
+    (root / "other.txt").write_text(text.replace("the ", "a ").replace("cat", "lion").replace("dog", "wolf"))
+    b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"),
+                        out=str(root / "run"), ar=str(root / "ar"), other=str(root / "other_data"))
+    b.train = TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir]
+    short = ["--max_iters", "4", "--eval_interval", "4"]
+    assert train.main(b.train + ["--out_dir", b.out, *short]) == 0
+    assert train.main(b.train + ["--out_dir", b.ar, "--loss", "ar", *short]) == 0
+    prepare.prepare_dataset(str(root / "other.txt"), "sp_train:320", b.other, 32, progress=False)
+    b.ckpt = os.path.join(b.out, "ckpt.pt")
+    return b
+
+
+def copy_data(b, folder, edit_meta=None):
+    """A copy of the base data folder (times kept); edit_meta(meta dict) changes its meta.json."""
+    shutil.copytree(b.data_dir, folder, copy_function=shutil.copy2)
+    if edit_meta is not None:
+        meta = json.loads((folder / "meta.json").read_text())
+        edit_meta(meta)
+        (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def one_error(p, code=2):
+    """p (a CompletedProcess) ended with `code` and stderr's last line is its one 'error: ' line -> that line."""
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert p.returncode == code and len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in p.stderr, \
+        (p.returncode, p.stderr[-2000:])
+    return errors[0]
+
+
+def edit_checkpoint(src, dst, edit):
+    ck = torch.load(src, weights_only=True)
+    edit(ck)
+    torch.save(ck, dst)
+    return str(dst)
+
+
+def edit_folder(src, dst, edit_config=None, edit_bytes=None):
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        config = json.loads((dst / "config.json").read_text())
+        edit_config(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    if edit_bytes is not None:
+        edit_bytes(dst)
+    return str(dst)
+
+
+@pytest.fixture(scope="session")
+def run_ema(tmp_path_factory):
+    """A corpus, its prepared data and a 2-step run (ckpt.pt with EMA, its model folder with the weights' sha256)."""
+    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    root = tmp_path_factory.mktemp("run_ema")
+    _corpus(root / "corpus.txt")
+    b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"), out=root / "run")
+    assert train.main(TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir, "--out_dir", str(b.out),
+                              "--max_iters", "2", "--eval_interval", "2"]) == 0
+    b.ckpt, b.model = str(b.out / "ckpt.pt"), b.out / "model"
+    return b

@@ -74,7 +74,7 @@ def test_every_row_and_table_starts_from_the_same_memory(monkeypatch, capsys):
            f"({out['memory_baseline'] / 2 ** 20:,.1f} MiB before the first table)" in bench.markdown(out)
 
 
-def test_rows_release_what_a_measurement_left_and_name_what_it_kept(monkeypatch):
+def test_rows_free_what_a_measurement_left_naming_what_stays(monkeypatch):
     """bench.Rows with the count of live tensors in place of memory_allocated: a measurement that keeps a tensor
     is named with its bytes; one whose tensor sits in a reference cycle, or that runs out of memory holding tensors
     (in its frame, which the traceback holds, and in a cycle), leaves nothing (Python's automatic collection is off
@@ -115,7 +115,7 @@ def test_rows_release_what_a_measurement_left_and_name_what_it_kept(monkeypatch)
         rows.measure("bug", bug)
 
 
-def test_rows_on_cuda_check_memory_allocated_and_hand_back_cached_blocks_only_between_tables(monkeypatch):
+def test_cuda_rows_check_allocated_and_free_cache_between_tables(monkeypatch):
     """The CUDA path of bench.Rows, with memory_allocated, the cuBLAS workspaces and the allocator's cache faked
     (no GPU here): every measurement hands cuBLAS's workspaces back before reading the count; what it kept is
     named; the cached blocks go back to the device only after running out of memory and at a table's end (never
@@ -159,7 +159,7 @@ def test_saved_activation_bytes_leaves_no_graph_behind():
     assert outs[0]() is None and live_tensor_bytes() == before
 
 
-def test_profile_prints_where_one_more_step_of_each_row_spends_its_time(capsys):
+def test_profile_prints_where_a_rows_extra_step_spends_time(capsys):
     """--profile 1: one more step of each row under torch.profiler, its ops by self time (on CPU: the CPU's),
     printed after the tables; the matmuls of the model are among them."""
     argv = TINY + ["--losses", "sddlm", "--curriculum", "", "--sample_steps", "0", "--head_chunks", "0", "--warmup",
@@ -171,7 +171,7 @@ def test_profile_prints_where_one_more_step_of_each_row_spends_its_time(capsys):
     assert "Self CPU time total" in profile and "aten::mm" in profile and "aten::addmm" in profile
 
 
-def test_a_long_generation_past_the_machine_is_refused_at_the_start_naming_the_flag(monkeypatch):
+def test_generation_past_the_machine_refused_at_start(monkeypatch):
     """--long_blocks 10^12: the long samples' tokens (>= 24 bytes each) fit no machine's memory: one line naming
     --long_blocks before any row runs (before: after every training row, by torch, or by the kernel's OOM killer)."""
     record_entries(monkeypatch, ["bench_training"], lambda name, args: pytest.fail("a row ran before the check"))

@@ -1,9 +1,20 @@
 """plumbing/cli.py's one error line, through the scripts."""
+import errno
 import os
 import subprocess
 import sys
 
-from test_faults import case, check, run_batches
+
+import pytest
+
+from conftest import case, check_last, check_one_line, md5s, run_batches
+from plumbing import cli
+import train
+
+
+
+
+
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
@@ -29,10 +40,56 @@ def test_seed_flags_out_of_range_are_one_line_naming_them(tmp_path):
     stays in 63 bits)."""
     big, too_big = str(2 ** 64), "--seed must be an integer in [0, 2^60), got 18446744073709551616"
     data = ["--dataset", tmp_path / "corpus.txt"]               # none: a run past the check fails at once
-    check(run_batches([case("train.py", *data, "--seed", big, cwd=tmp_path, expect=too_big),
+    check_one_line(run_batches([case("train.py", *data, "--seed", big, cwd=tmp_path, expect=too_big),
                        case("train.py", *data, "--gen_seed", 2 ** 61, cwd=tmp_path,
                             expect="--gen_seed must be an integer in"),
                        case("eval_ppl.py", "--seed", big, cwd=tmp_path, expect=too_big),
                        case("sample.py", "--seed=-1", cwd=tmp_path, expect="--seed must be an integer in [0, 2^60)"),
                        case("distillation/distill.py", "--seed", big, cwd=tmp_path, expect=too_big),
                        case("downstream/eval_downstream.py", "--seed", big, cwd=tmp_path, expect=too_big)]))
+
+
+def test_flag_abbreviations_are_refused():
+    with pytest.raises(cli.UsageError, match="unrecognized arguments: --max_iter"):
+        cli.parse_flags(train.TrainConfig, ["--max_iter", "5"])
+    assert cli.parse_flags(train.TrainConfig, ["--max_iters", "5"]).max_iters == 5
+
+
+def test_run_cli_turns_os_faults_and_ctrl_c_into_one_line(capsys):
+    def full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "out/log.jsonl")
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+    for main, code, line in [(full, 2, "error: No space left on device: out/log.jsonl"),
+                             (ctrl_c, 130, "error: interrupted")]:
+        with pytest.raises(SystemExit) as e:
+            cli.run_cli(main)
+        assert e.value.code == code and capsys.readouterr().err.splitlines() == [line]
+
+
+@pytest.mark.slow
+def test_float_lists_refuse_nan_and_inf_naming_the_flag(run_ar, tmp_path):
+    t = tmp_path
+    psi = ["--sampler", "psi", "--psi_profile", "loop", "--steps", "4", "--num_samples", "1"]
+    cases = [case("sample.py", "--ckpt", run_ar.ckpt, *psi, "--psi_fracs", "nan,0.5,0.5", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_fracs: expected a finite number, got 'nan' in 'nan,0.5,0.5'"),
+             case("sample.py", "--ckpt", run_ar.ckpt, *psi, "--psi_fracs", "0.5,0.5,-inf", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_fracs: expected a finite number, got '-inf'"),
+             case("sample.py", "--ckpt", run_ar.ckpt, *psi, "--psi_eta", "0.9,nan,0.9", "--out", t / "s.jsonl",
+                  cwd=t, expect="--psi_eta: expected a finite number, got 'nan'"),
+             case("eval_ppl.py", "--ckpt", run_ar.ckpt, "--metric", "genppl", "--judge", run_ar.ar, *psi,
+                  "--psi_fracs", "0.5,nan,0.5", cwd=t, expect="--psi_fracs: expected a finite number, got 'nan'"),
+             case("downstream/eval_downstream.py", "--ckpt", run_ar.ckpt, "--jsonl", t / "mc.jsonl", "--cfg", "on",
+                  "--cfg_w_task", "mc=nan", cwd=t, expect="--cfg_w_task: expected NAME=W (W a finite number)")]
+    (t / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
+    before = md5s(run_ar.root)
+    check_last(run_batches(cases))
+    assert not (t / "s.jsonl").exists() and md5s(run_ar.root) == before
+    # lm-eval's --model_args of eval_downstream's model: strings, or values lm-eval already made floats
+    from downstream import lm_eval_adapter as adapter, scoring
+    for args, flag in (({"cfg_w": float("nan")}, "cfg_w"), ({"cfg_w": "inf"}, "cfg_w"),
+                       ({"top_p": "nan"}, "top_p"), ({"psi_loop_t": float("inf")}, "psi_loop_t"),
+                       ({"sampler": "psi", "psi_profile": "loop", "psi_fracs": "nan/0.5/0.5"}, "psi_fracs")):
+        with pytest.raises(scoring.EvalError, match=f"sddlm model argument {flag}"):
+            adapter._Harness(ckpt=run_ar.ckpt, **args)

@@ -66,7 +66,7 @@ class Child(Base):
     threads: int = 0                 # CPU threads
 
 
-def test_field_help_reads_descriptions_groups_and_inheritance_from_the_source():
+def test_field_help_reads_groups_and_inheritance_from_source():
     docs, groups = field_help(Child)
     assert docs == {"top": ("above every group", None), "lr": ("a new default, a new description", "optimisation"),
                     "tag": ("a '#' inside a default stays the default", "optimisation"),
@@ -78,7 +78,7 @@ def test_field_help_reads_descriptions_groups_and_inheritance_from_the_source():
     assert Child().tag == "a#b" and Child().seed == 3
 
 
-def test_help_shows_the_scripts_own_defaults_and_a_presets_values(capsys, monkeypatch):
+def test_help_shows_the_scripts_defaults_and_a_presets_values(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     presets = {"tiny": {}, "big": {"lr": 0.5, "data": "owt"}}
 
@@ -312,7 +312,7 @@ def test_the_help_checker_finds_what_the_old_help_texts_showed():
     assert help_problems("new", text, fixed, {"wrap", "compile"}) == []
 
 
-def test_lm_eval_sddlm_help_prints_the_harness_help_and_then_the_sddlm_model_arguments():
+def test_lm_eval_sddlm_help_is_the_harness_help_then_sddlms():
     """Issue 31: `python -m downstream.lm_eval_sddlm --help` printed only lm-eval's help. Now lm-eval's own, then
     the sddlm model's arguments (pretrained=/ckpt=, mc_draws=, ...) in the users' words; exit 0; no network probe."""
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")

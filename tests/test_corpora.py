@@ -1,12 +1,16 @@
 """corpora.py: what a local file becomes, and its readers, through prepare.py."""
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
+from conftest import ENV, HERE, case, check_last, md5s, one_error, run_batches
 import data
-import prepare
 from data import DataError
+import prepare
 
 PLAY = "".join(f"First Citizen:\nBefore we proceed any further, hear me speak {i}.\n\nCORIOLANUS:\nWhat's the "
                f"matter, you dissentious rogues {i}?\n\n\n" for i in range(40))
@@ -41,3 +45,24 @@ def test_a_bad_jsonl_line_past_a_mib_is_named_by_its_number(tmp_path):
     with pytest.raises(DataError, match=r"c.jsonl line 2400: not JSON"):
         prepare.main(["--dataset", str(tmp_path / "c.jsonl"), "--tokenizer", "gpt2", "--data_dir",
                       str(tmp_path / "d")])
+
+
+@pytest.mark.slow
+def test_text_that_is_no_unicode_and_empty_samples_are_one_line(run_ar, tmp_path):
+    t = tmp_path
+    (t / "lone.jsonl").write_text('{"text": "a fine first record"}\n{"text": "bad \\ud800 one"}\n'
+                                  '{"text": "a fine last record"}\n')
+    (t / "empty.jsonl").write_text('{"ids": [5, 6, 7, 8], "text": "x"}\n{"ids": [], "text": ""}\n')
+    before = md5s(run_ar.root)
+    cases = [case("prepare.py", "--dataset", t / "lone.jsonl", "--tokenizer", tok, "--block_size", "32",
+                  "--data_dir", t / f"d{i}", cwd=t, expect="lone.jsonl record 2: field 'text' is not Unicode text")
+             for i, tok in enumerate(["gpt2", "sp_train:64"])]
+    cases += [case("eval_ppl.py", "--metric", "genppl", "--samples", t / "empty.jsonl", "--judge", run_ar.ar, cwd=t,
+                   expect="empty.jsonl:2: an empty sample")]
+    check_last(run_batches(cases))
+    assert not (t / "d0").exists() and not (t / "d1").exists() and md5s(run_ar.root) == before
+    # a --prompt that is not UTF-8 (bytes on the command line): one line, not a TypeError
+    p = subprocess.run([sys.executable.encode(), os.path.join(HERE, "sample.py").encode(), b"--ckpt",
+                        run_ar.ckpt.encode(), b"--prompt", b"\xff\xfe the", b"--num_samples", b"1", b"--steps", b"2"],
+                       capture_output=True, text=True, env=ENV, cwd=t, timeout=300)
+    assert "is not Unicode text" in one_error(p)

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import data
 import corpora
-import prepare
+import data
 from data import DataError
+from plumbing import files
+from plumbing.cli import UsageError
 from plumbing.flags import check_prepare_flags
+import prepare
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXTS = ["Hello world", "  leading and trailing spaces  ",
@@ -67,7 +69,7 @@ def test_gpt2_round_trips(gpt2, text):
     assert gpt2.decode(gpt2.encode(text)) == text
 
 
-def test_sentencepiece_round_trips_unseen_text_and_is_deterministic(sp_model, tmp_path):
+def test_sentencepiece_round_trips_unseen_text_deterministically(sp_model, tmp_path):
     tok = data.get_tokenizer("sp:" + sp_model)
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (512, 1, 2, 3)
     assert tok.encode("\n") == [4]
@@ -80,7 +82,7 @@ def test_sentencepiece_round_trips_unseen_text_and_is_deterministic(sp_model, tm
 
 # --- preparation: layout -----------------------------------------------------
 
-def test_wrapped_blocks_are_bos_stream_eos_of_the_concatenated_documents(owt_style, gpt2):
+def test_wrapped_blocks_are_bos_stream_eos_of_joined_documents(owt_style, gpt2):
     meta = data.load_meta(owt_style)
     L = meta["block_size"]
     rows = np.fromfile(os.path.join(owt_style, "train.bin"), dtype=np.uint16).reshape(-1, L)
@@ -219,7 +221,7 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
     assert run.stderr.strip() == "error: no such file or folder: /no/such.txt"
 
 
-def test_preparation_flags_out_of_range_are_one_line_before_any_work(tmp_path, capsys):
+def test_out_of_range_preparation_flags_one_line_before_work(tmp_path, capsys):
     from plumbing import cli
     cores = prepare.default_num_proc()
     for flags, message in [(["--num_proc", "-1"], "--num_proc must be >= 0 (0 = the usable cores), got -1"),
@@ -233,7 +235,7 @@ def test_preparation_flags_out_of_range_are_one_line_before_any_work(tmp_path, c
     check_prepare_flags(1000 * cores, 0.5)               # more than the cores is capped when preparing
 
 
-def test_an_unreachable_hub_is_our_one_line_not_the_hub_clients_log(monkeypatch, capsys):
+def test_an_unreachable_hub_is_our_one_line_not_the_clients_log(monkeypatch, capsys):
     import logging
     datasets = pytest.importorskip("datasets")
 
@@ -356,7 +358,7 @@ def test_checksums_in_meta_catch_modified_or_truncated_files(tmp_path, sp_model)
         next(data.eval_batches(out, "val", 4))
 
 
-def test_a_preparation_that_loses_the_race_uses_the_winners_folder(tmp_path, sp_model, monkeypatch):
+def test_a_preparation_losing_the_race_uses_the_winners_folder(tmp_path, sp_model, monkeypatch):
     """Without a working lock (a file system without flock) two preparations run at once; the folder appears
     by one atomic rename, so the loser discards its own copy and reads the winner's, whole."""
     from contextlib import nullcontext
@@ -406,7 +408,7 @@ def test_failed_preparations_leave_nothing_behind(tmp_path, sp_model, monkeypatc
     assert sorted(os.listdir(tmp_path / "data")) == ["x"]
 
 
-def test_non_utf8_binary_and_corrupt_inputs_name_the_file_and_byte(tmp_path):
+def test_non_utf8_and_corrupt_inputs_name_the_file_and_byte(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("naïve café\n\nzwei\n".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt: not UTF-8 text \(byte 0xef at offset 2\)"):
         corpora.load_corpus(str(tmp_path / "latin1.txt"))
@@ -438,7 +440,7 @@ def _bins(folder):
     return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder)) if n.endswith(".bin")}
 
 
-def test_folders_prepared_before_the_split_keep_their_key_and_bytes(tmp_path, monkeypatch):
+def test_folders_from_before_the_split_keep_key_and_bytes(tmp_path, monkeypatch):
     """Digests and folder names written by data.py before prepare.py existed (measured on that code): the key of
     every corpus is what it was, but for a lone .txt, whose paragraphs keep their blank line since issue 42: its
     key gains that one entry (a folder of the old layout is never read as the new one); without it, the old digest."""
@@ -476,7 +478,7 @@ def test_paragraphs_are_split_exactly_as_the_whole_text_regex(tmp_path):
             assert list(corpora._paragraphs(str(tmp_path / "t.txt"), block)) == want, (repr(text), block)
 
 
-def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
+def test_val_split_is_the_shortest_tail_holding_val_fraction():
     """The val split is the fewest trailing documents holding >= val_fraction of the characters (brute force over
     every tail), at least one document on each side, however the lengths arrive in batches."""
     import random
@@ -495,7 +497,7 @@ def test_val_split_is_the_shortest_tail_holding_val_fraction_in_any_batching():
         corpora._tail_split([[], [5]], 0.05, "c")
 
 
-def test_txt_pieces_are_the_bytes_workers_read_and_crlf_prepares_as_lf(tmp_path):
+def test_txt_pieces_are_what_workers_read_and_crlf_is_lf(tmp_path):
     """The workers read a .txt piece by its byte offsets: those bytes decode to the piece the main process cut
     (multi-byte characters across blocks). A CRLF file, where bytes and text differ, is sent as text and
     prepares to the bytes of its LF twin."""
@@ -520,7 +522,7 @@ def test_txt_pieces_are_the_bytes_workers_read_and_crlf_prepares_as_lf(tmp_path)
     assert _bins(outs[0]) == _bins(outs[1])
 
 
-def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp_model):
+def test_every_local_format_gives_the_tokens_of_the_same_text(tmp_path, sp_model):
     import gzip
     import json
     pa, pq, datasets = _optional_arrow()   # None without the optional extras: .parquet and Arrow are left out
@@ -563,7 +565,7 @@ def test_every_local_format_prepares_to_the_tokens_of_the_same_text(tmp_path, sp
         corpora.load_corpus(str(tmp_path / "c.csv"))
 
 
-def test_a_utf8_byte_order_mark_is_not_text_and_damaged_or_foreign_files_are_one_line(tmp_path):
+def test_a_bom_is_not_text_and_damaged_files_are_one_line(tmp_path):
     import gzip
     import json
     pa, pq, datasets = _optional_arrow()   # None without the optional extras: .parquet and Arrow are left out
@@ -674,7 +676,7 @@ def _fake_hub(root, field_rows):
                     "".join(json.dumps({src.field: r, "meta": {}}) + "\n" for r in rows).encode()))
 
 
-def test_named_corpora_load_from_parquet_with_duo_splits_and_no_script(tmp_path, monkeypatch):
+def test_named_corpora_load_from_parquet_with_duo_splits(tmp_path, monkeypatch):
     """The real datasets.load_dataset path, on a local folder shaped like each source (SDDLM_HF_MIRROR)."""
     datasets = pytest.importorskip("datasets")
     try:
@@ -730,7 +732,7 @@ def test_any_hub_parquet_dataset_by_name(tmp_path, monkeypatch):
         os.path.join("data", "corpus-gpt2-16-"))
 
 
-def test_workers_reading_hub_rows_write_the_bytes_of_documents_sent_to_them(tmp_path, monkeypatch):
+def test_hub_row_workers_write_the_documents_sent_to_them(tmp_path, monkeypatch):
     """Workers read their rows of a `datasets` split themselves (ranges of 1000 rows); the bytes equal those of
     the documents read and sent by the main process, for 1 and 2 workers."""
     datasets = pytest.importorskip("datasets")
@@ -753,7 +755,7 @@ def test_workers_reading_hub_rows_write_the_bytes_of_documents_sent_to_them(tmp_
 
 
 @pytest.mark.slow
-def test_a_killed_preparation_takes_its_workers_and_leaves_nothing_trusted(tmp_path):
+def test_a_killed_preparation_takes_its_workers_leaves_nothing(tmp_path):
     import signal
     import time
     (tmp_path / "c.txt").write_text("".join(f"paragraph {i}: " + "word " * (i % 90) + "\n\n" for i in range(200000)))
@@ -792,15 +794,50 @@ def test_sp_train_edges_and_very_long_lines_through_prepare(tmp_path):
     """Issue 44: sp_train:0 and :1 printed SentencePiece's internal check, a vocabulary past its int a traceback,
     and a corpus whose every line is over 64 KiB "[!sentences_.empty()]": the N that works, and long lines train
     in parts (data.train_sentencepiece)."""
-    from test_faults import case, check, run_batches
+    from conftest import case, check_one_line, run_batches
     from test_train import _corpus
     _corpus(tmp_path / "corpus.txt")
     text = (tmp_path / "corpus.txt").read_text().replace("\n", " ") * 2          # one line of ~130 KB
     (tmp_path / "long.txt").write_text("\n\n".join([text] * 3))
     run = lambda n, corpus="corpus.txt": ["--dataset", tmp_path / corpus, "--tokenizer", f"sp_train:{n}",
                                           "--data_dir", tmp_path / f"data{n}{corpus}"]
-    check(run_batches([case("prepare.py", *run(n), cwd=tmp_path, expect="use --tokenizer sp_train:N with N >= ")
-                       for n in (0, 1)] +
-                      [case("prepare.py", *run(2 ** 70), cwd=tmp_path, expect="use --tokenizer sp_train:N with N <= "),
-                       case("prepare.py", *run(300, "long.txt"), cwd=tmp_path, expect=("ok", "val: 1 documents"))]))
+    low, high = "use --tokenizer sp_train:N with N >= ", "use --tokenizer sp_train:N with N <= "
+    check_one_line(run_batches([case("prepare.py", *run(n), cwd=tmp_path, expect=low) for n in (0, 1)] +
+                               [case("prepare.py", *run(2 ** 70), cwd=tmp_path, expect=high),
+                                case("prepare.py", *run(300, "long.txt"), cwd=tmp_path,
+                                     expect=("ok", "val: 1 documents"))]))
     assert data.get_tokenizer("sp:" + str(tmp_path / "data300long.txt" / "tokenizer.model")).vocab_size == 300
+
+
+def test_sentencepiece_failures_name_the_n_that_works():
+    low = ("INTERNAL: src/trainer_interface.cc(638) [(...) <= (trainer_spec_.vocab_size())] Vocabulary size is smaller "
+           "than required_chars. 100 vs 280. Increase vocab_size or decrease character_coverage with "
+           "--character_coverage option.")
+    high = ("INTERNAL: src/trainer_interface.cc(744) [...] Vocabulary size too high (400). Please set it to a value "
+            "<= 360.")
+    assert data.sentencepiece_failure(low, 100).endswith("use --tokenizer sp_train:N with N >= 280")
+    assert "N <= 360" in data.sentencepiece_failure(high, 400)
+    other = data.sentencepiece_failure("INTERNAL: x.cc(1) Something else. Try --some_flag option.", 64)
+    assert "--some_flag" not in other and other.startswith("INTERNAL: x.cc(1) Something else.")
+
+
+def test_meta_json_values_and_folder_outputs_are_named(tmp_path):
+    """meta.json's numbers in the ranges prepare.py's flags allow and its tokenizer_file a name inside the folder;
+    a folder output that is a pipe or a device is called one (not "a file")."""
+    import data
+    meta = dict(tokenizer="gpt2", vocab_size=50257, bos_id=1, eos_id=2, pad_id=3, block_size=32, wrap=True,
+                dtype="uint16", train_sequences=4, val_sequences=1, probe_ids=[1], sha256={"train.bin": "0",
+                                                                                          "val.bin": "0"})
+    data.check_meta_fields(meta, str(tmp_path / "meta.json"))                    # as prepare.py writes it
+    for field, value, words in [("vocab_size", 0, "field 'vocab_size' is 0, not an int >= 1"),
+                                ("block_size", 2, "field 'block_size' is 2, not an int >= 3"),
+                                ("eos_id", -1, "field 'eos_id' is -1, not an int >= 0"),
+                                ("tokenizer_file", "../x.model", "field 'tokenizer_file' is '../x.model', not a file "
+                                                                 "name inside the folder")]:
+        with pytest.raises(data.DataError, match=words.replace(".", r"\.")):
+            data.check_meta_fields({**meta, field: value}, str(tmp_path / "meta.json"))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="fifo is a named pipe, not a folder"):
+        files.check_writable(str(tmp_path / "fifo"), "--out_dir", folder=True)
+    with pytest.raises(UsageError, match="--out /dev/null is a character device, not a folder"):
+        files.check_writable("/dev/null", "--out", folder=True)

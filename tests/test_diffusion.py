@@ -150,7 +150,7 @@ def test_the_ancestral_step_draws_reverse_posterior(route):
             assert_frequencies(xs[0], k * q(a_s) + (1 - k) * (a_s * q(1.0) + (1 - a_s) / K), msg=f"case {i} kappa {k}")
 
 
-def test_sampling_and_reverse_posterior_share_one_implementation_of_eq_reverse(monkeypatch):
+def test_sampling_and_reverse_posterior_share_eq_reverse(monkeypatch):
     """One function holds Eq. (reverse)'s numbers for both: replace posterior_weights by a law that always stays
     at x_t, and reverse_posterior becomes e_xt while both sampling steps (and so sample.generate) leave x_t as it is."""
     B, L, K = 2, 50, 9
@@ -183,7 +183,7 @@ def test_sample_xt_frequencies_match_discrete_marginal():
                        sample_xt(x0, alpha, K, generator=torch.Generator().manual_seed(9)))
 
 
-def test_sample_xt_with_global_draws_matches_single_process_corruption():
+def test_sample_xt_global_draws_match_one_process_corruption():
     """draws=(u, noise): xt = x0 where u < alpha_t, else noise; slicing the global draws per rank gives the
     same corruption as one process corrupting the whole batch."""
     K, Bg, L = 7, 8, 16
@@ -230,7 +230,7 @@ def test_ancestral_step_frequencies_match_reverse_posterior():
         assert_frequencies(xs[i], target, msg=f"case {i}")
 
 
-def test_ancestral_step_with_true_x0_preserves_forward_joint_and_marginal():
+def test_ancestral_step_with_true_x0_keeps_joint_and_marginal():
     """x_t ~ q_t(.|x0), then x_s ~ q(x_s|x_t,x0): (x_s, x_t) ~ Q_s[x0, x_s] Q_{t|s}[x_s, x_t], so x_s ~ q_s(.|x0)."""
     K, L = 5, 60000
     alpha_t, alpha_s = torch.tensor([[0.3], [0.6]]), torch.tensor([[0.8], [0.9]])
@@ -245,7 +245,7 @@ def test_ancestral_step_with_true_x0_preserves_forward_joint_and_marginal():
         assert_conditional_frequencies(x0[b], xs[b] * K + xt[b], joint.reshape(K, K * K), msg="joint (x_s, x_t)")
 
 
-def test_ancestral_step_with_x_theta_samples_the_marginal_under_prior_x_theta():
+def test_ancestral_step_samples_the_marginal_under_prior_x_theta():
     """If x0 ~ x_theta, x_t ~ q_t(.|x0), then x_s ~ q(x_s|x_t, x_theta) has marginal x_theta Q_s."""
     K, N = 5, 60000
     x_theta = softmax_rows(1, K, seed=7)[0]
@@ -325,7 +325,7 @@ def test_gamma_to_alpha_matches_duo_reference_table():
     assert (alpha.diff() < 0).all()
 
 
-def test_dalpha_dgamma_matches_finite_differences_of_gamma_to_alpha():
+def test_dalpha_dgamma_matches_finite_differences():
     K = 50258
     gamma = torch.linspace(-4.5, -1.5, 13, dtype=torch.float64)
     # h = 1e-2, a few cells of the table (spacing D = 2^-9, linearly interpolated): truncation h^2 |alpha'''| / 6
@@ -402,7 +402,7 @@ def test_tau_schedule_is_log_linear_between_its_endpoints():
 
 
 @pytest.mark.numerics
-def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
+def test_curriculum_sample_agrees_with_operator_and_argmax():
     K, L, g_min, g_max = 8, 20000, -3.5, -1.75
     t = torch.tensor([1e-3, 0.3, 0.7, 1.0])
     x0 = torch.randint(0, K, (4, L), generator=torch.Generator().manual_seed(0))
@@ -432,7 +432,7 @@ def test_curriculum_sample_is_consistent_with_the_operator_and_the_argmax():
 
 @pytest.mark.parametrize("block", [256, 4])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype, block, monkeypatch):
+def test_step_from_logits_frequencies_match_reverse_posterior(dtype, block, monkeypatch):
     """The sampler's fast path (float32 block log-sum-exps, float64 per-token weights, two-stage Gumbel-max on the
     logits) draws Eq. (reverse) with x_theta = softmax(logits): chi-square against Bayes' rule, also with a token
     that x_theta excludes (logit -inf, as outside a nucleus) and on the final step; K = 6 in one block, and in
@@ -451,7 +451,7 @@ def test_ancestral_step_from_logits_frequencies_match_reverse_posterior(dtype, b
         assert_frequencies(xs[i], target, msg=f"case {i}")
 
 
-def test_ancestral_step_from_logits_makes_the_same_mixture_choices_as_ancestral_step(monkeypatch):
+def test_step_from_logits_makes_ancestral_steps_mixture_choices(monkeypatch):
     """Stay / uniform / x_theta are decided by the same draws as ancestral_step on softmax(logits): every token
     that does not draw from x_theta lands on the same value."""
     monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", 5)
@@ -472,7 +472,7 @@ PSI_CASES = [(2, 0.3, 0.6, 0.5), (3, 0.05, 0.5, 0.0), (4, 0.4, 0.4, 0.2), (1, 0.
 
 
 @pytest.mark.parametrize("route", ["logits", "probs"])
-def test_psi_step_frequencies_match_kappa_predictor_plus_corrector(route):
+def test_psi_step_frequencies_match_kappa_predictor_corrector(route):
     """The Psi step draws kappa q(x_s | x_t, x_theta) + (1 - kappa) q(x0 | x_t, x_theta) Q_s: chi-square against
     Bayes' rule on explicit matrices (the predictor: bayes_posterior to s; the corrector: bayes_posterior to
     level 0, then the forward matrix Q_s), at kappa = 0 (pure corrector), at a loop step (a_s = a_t, where the
@@ -493,7 +493,7 @@ def test_psi_step_frequencies_match_kappa_predictor_plus_corrector(route):
         assert_frequencies(xs[0], kappa * predictor + (1 - kappa) * corrector, msg=f"case {i}")
 
 
-def test_psi_corrector_is_the_posterior_to_level_zero_renoised_to_s():
+def test_psi_corrector_is_posterior_to_level_zero_renoised_to_s():
     """corrector_weights' three parts rebuild a_s q(x0 | x_t, x_theta) + (1 - a_s)/K token for token (float64),
     and its stay weight is what is left, a_s K a_t x_theta[x_t] / Z."""
     K = 7
@@ -632,7 +632,7 @@ def test_top_k_latent_argmax_follows_the_operator_table():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("tau", [1e-3, TOP_K_MAX_TAU])
-def test_curriculum_soft_input_equals_the_dense_softmax_to_float32_rounding(tau):
+def test_curriculum_soft_input_is_the_dense_softmax_to_rounding(tau):
     """K = 50258, tau = 1e-3 (Duo's) and the largest tau the top-k input is used at, Duo's gamma range: complete the top-k latent to a dense w with its exact conditional
     law (given the k largest coordinates, the others are independent, each truncated below the k-th: N(0,
     sigma~^2), or N(alpha~, sigma~^2) at x0); then the top k of w are the drawn ones, softmax(w / tau) in float64
@@ -675,7 +675,7 @@ def test_curriculum_input_top_k_is_exact_at_the_papers_settings():
     assert ((soft.probs.sum(-1) - 1).abs() <= (2 * 32 + 2) * U32).all() and torch.equal(xt, soft.ids[..., 0])
 
 
-def test_curriculum_input_keeps_the_dense_route_at_high_temperature():
+def test_curriculum_input_keeps_dense_route_at_high_temperature():
     K = 64
     x0 = torch.randint(0, K, (2, 10), generator=torch.Generator().manual_seed(0))
     gamma = torch.tensor([[-3.0], [-2.0]])
@@ -684,7 +684,7 @@ def test_curriculum_input_keeps_the_dense_route_at_high_temperature():
     assert torch.equal(xt, w.argmax(-1)) and torch.equal(soft, soft_input(w, 0.1))
 
 
-def test_curriculum_input_top_k_route_has_the_uniform_state_marginal():
+def test_curriculum_top_k_route_has_the_uniform_state_marginal():
     """Through the chunked top-k route (K = 64 > k): Pr[xt = x0] = int phi(z - nu) Phi(z)^(K-1) dz, nu =
     exp(-gamma/2) (binomial), and the replaced tokens are uniform over the others (chi-square of xt - x0 mod K)."""
     K, L = 64, 30000

@@ -145,7 +145,7 @@ def random_model(seed, K):
 
 
 @pytest.mark.numerics
-def test_dcd_targets_are_the_teacher_on_the_same_noise_at_the_earlier_time():
+def test_dcd_targets_are_the_teacher_on_same_noise_earlier_time():
     """K = 2, where alpha = T(gamma) has the closed form 2 Phi(nu / sqrt 2) - 1 (nu = exp(-gamma / 2)): rebuild
     t + dt, s, both levels, the pair from the dense noise and the per-token KL, all independently."""
     K, B, L = 2, 4, 6
@@ -315,7 +315,7 @@ def distill_toy(weights, rounds=2):
 
 
 @pytest.mark.slow
-def test_distillation_brings_the_few_step_sampler_closer_to_the_toy_distribution(toy_base, monkeypatch):
+def test_distillation_brings_few_step_samples_closer_to_the_toy(toy_base, monkeypatch):
     """Two DCD rounds cut the total variation of the 2-, 4- and 8-step samplers to the toy distribution by more
     than 10% in sum (measured: 0.71, 0.34, 0.13 -> 0.62, 0.25, 0.09, i.e. 0.81x). The same run with INDEPENDENT
     noise at the two levels (z_s drawn afresh) blurs the targets and fails the same check (-> 0.83, 0.41, 0.19,
@@ -369,7 +369,7 @@ def load(path):
 
 
 @pytest.mark.slow
-def test_resume_continues_bit_identically_across_a_teacher_refresh(base_ckpts, tmp_path):
+def test_resume_is_bit_identical_across_a_teacher_refresh(base_ckpts, tmp_path):
     init = ["--init", str(base_ckpts / "duo" / "ckpt.pt")] + DCD + ["--eval_interval", "100", "--ckpt_interval", "100"]
     assert distill.main(init + ["--max_iters", "8", "--out_dir", str(tmp_path / "straight")]) == 0
     assert distill.main(init + ["--max_iters", "4", "--out_dir", str(tmp_path / "split")]) == 0   # mid-round 2
@@ -419,7 +419,7 @@ def test_distilled_checkpoint_loads_in_sample_and_eval_ppl(base_ckpts, tmp_path,
 
 
 @pytest.mark.slow
-def test_init_from_a_model_folder_distils_exactly_as_from_its_checkpoint(base_ckpts, tmp_path):
+def test_init_from_a_model_folder_distils_as_from_its_checkpoint(base_ckpts, tmp_path):
     """--init takes the model folder train.py wrote at the end of the run (out_dir/model: the EMA weights as
     safetensors, config.json) as it takes the checkpoint: the same student, EMA and teacher, bit for bit."""
     from plumbing.cli import UsageError
@@ -474,7 +474,7 @@ def test_bad_input_is_one_line_and_nothing_is_lost(args, words, base_ckpts, tmp_
 
 
 @pytest.mark.slow
-def test_a_full_disk_at_the_model_export_is_one_line_and_resume_exports(base_ckpts, tmp_path, monkeypatch):
+def test_a_full_disk_at_export_is_one_line_and_resume_exports(base_ckpts, tmp_path, monkeypatch):
     """Issue 37: distill.py's end-of-run export had lost train.py's disk-full guard (a bare OSError, nothing said of
     the checkpoint). Both loops now end through one face: a write of the model folder that fails for want of space
     is one error naming the folder, saying that the checkpoint is saved and how to go on; --resume 1 of the
@@ -500,7 +500,7 @@ def test_a_full_disk_at_the_model_export_is_one_line_and_resume_exports(base_ckp
 
 
 @pytest.mark.slow
-def test_signal_during_evaluation_saves_and_resume_finishes_the_same_run(base_ckpts, tmp_path, monkeypatch):
+def test_signal_in_evaluation_saves_and_resume_finishes_the_run(base_ckpts, tmp_path, monkeypatch):
     """SIGTERM while evaluating at step 4: the checkpoint of step 4 is saved (EMA swapped back), exit 130, and
     --resume 1 ends with the weights of an uninterrupted run."""
     init = ["--init", str(base_ckpts / "duo" / "ckpt.pt")] + DCD + ["--max_iters", "6", "--eval_interval", "4"]

@@ -98,7 +98,7 @@ def test_readme_install_and_test_lines_are_what_ci_runs_first():
 
 
 @pytest.mark.slow
-def test_ci_stage_two_reruns_of_the_fast_tests_only_those_stage_one_skipped(tmp_path):
+def test_ci_stage_two_reruns_only_fast_tests_stage_one_skipped(tmp_path):
     """tests/conftest.py: a run records the tests (and whole modules) it skipped; --skipped_before (CI's stage 2,
     after the extras are installed) keeps of the fast tests only those, and every slow test; without pytest's cache
     (tools/mutate.py runs -p no:cacheprovider) nothing is recorded and everything selected runs."""
@@ -263,7 +263,7 @@ PRESET_CLAIMS = [
 ]
 
 
-def test_every_number_the_pages_give_about_a_preset_is_what_the_preset_builds():
+def test_the_pages_numbers_of_a_preset_are_what_it_builds():
     """Issue 37: README said the tiny model has 1.5M parameters in one place and 1.02M in another, and the tiny
     width was set in two files. The parameter counts, widths, steps and recipe numbers README.md and
     docs/training.md give about the presets, each against the value the code builds (defined there once)."""
@@ -308,7 +308,7 @@ def test_docs_say_what_the_one_process_vs_ddp_tests_check():
     nodes = " ".join(pages["docs/nodes.md"].split())
     assert "equal gradients, to float32 rounding, through AdamW's moments at `--lr 1e-30`" in nodes
     assert {("test_train.py", "test_two_process_torchrun_matches_one_process"), ("test_world_size.py",
-            "test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_validation")} <= named
+            "test_one_and_two_gloo_processes_give_the_same_validation")} <= named
 
 
 def test_readmes_python_api_runs_outside_the_repository(tmp_path):

@@ -160,7 +160,7 @@ def test_unknown_or_mismatched_duo_keys_are_refused(tmp_path):
             load_model("duo:" + path, "cpu")
 
 
-def test_duo_folder_with_config_loads_through_the_cli_with_gpt2_tokenizer(tmp_path, one_thread):
+def test_duo_folder_with_config_loads_through_cli_with_gpt2(tmp_path, one_thread):
     """A folder as Duo's hub exports hold it (config.json with n_heads / model_length, a flat state dict with
     backbone.* keys): load_model("duo:FOLDER") reads the head count and length there, and K = 50258 means this
     repo's GPT-2 tokenizer, whose ids are Duo's."""

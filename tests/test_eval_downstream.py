@@ -18,12 +18,13 @@ import sys
 import pytest
 import torch
 
-from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scoring
-from data import get_tokenizer
-from model import ModelConfig, build_model
-from trained.checkpoint import load_checkpoint
-from sample import generate_long
 from conftest import reduction_tol
+from conftest import ENV
+from data import get_tokenizer
+from downstream import eval_downstream as ed, lm_eval_adapter as adapter, scoring
+from model import ModelConfig, build_model
+from sample import generate_long
+from trained.checkpoint import load_checkpoint
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 FACTS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
@@ -98,7 +99,7 @@ class StubDenoiser(torch.nn.Module):
 CTX, CONT = [1, 5, 2, 7, 3], [4, 9, 6]
 
 
-def test_only_the_continuation_is_noised_and_t_is_stratified_over_the_draws():
+def test_only_the_continuation_is_noised_and_t_is_stratified():
     model, J = StubDenoiser(), 64
     nelbo = scoring.conditional_nelbo(model, CTX, CONT, mc_draws=J, batch_size=24, seed=0)
     assert nelbo.shape == (J,) and (nelbo >= 0).all()
@@ -124,7 +125,7 @@ def assert_survival_law(cont_t, t, V):
         assert abs(kept[part].sum() - mean) < 4.5 * var.sqrt(), (kept[part].sum(), mean, var.sqrt())
 
 
-def test_continuation_tokens_survive_with_probability_alpha_t_plus_its_uniform_share():
+def test_continuation_tokens_survive_with_alpha_t_plus_uniform():
     """4000 draws x 3 tokens: the law separates alpha_t + (1 - alpha_t)/V from alpha_t alone (a replacement that
     never redraws x0) by 0.5 x 12000 / 13 = 460 tokens, ~9 standard deviations (sd ~ 49)."""
     model, J = StubDenoiser(), 4000
@@ -133,7 +134,7 @@ def test_continuation_tokens_survive_with_probability_alpha_t_plus_its_uniform_s
     assert_survival_law(x[:, len(CTX):], (1 - torch.exp(-sigma.double())) / (1 - 1e-3), model.config.vocab_size)
 
 
-def test_cfg_branches_share_the_noisy_continuation_in_one_forward():
+def test_cfg_branches_share_the_noisy_continuation_in_one_pass():
     model = StubDenoiser()
     scoring.conditional_nelbo(model, CTX, CONT, mc_draws=4, batch_size=4, cfg_w=1.1, seed=0)
     (x, sigma), = model.inputs                                    # ONE forward of 2 x 4 rows
@@ -164,7 +165,7 @@ def test_guided_distribution_is_the_normalised_power_ratio():
 
 
 @pytest.mark.numerics
-def test_cfg_with_w0_equals_no_cfg_exactly_and_is_continuous_in_w():
+def test_cfg_with_w0_is_no_cfg_exactly_and_continuous_in_w():
     model = StubDenoiser()
     plain = scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3)
     assert torch.equal(scoring.conditional_nelbo(model, CTX, CONT, mc_draws=6, seed=3, cfg_w=0.0), plain)
@@ -180,7 +181,7 @@ def test_cfg_with_w0_equals_no_cfg_exactly_and_is_continuous_in_w():
 
 
 @pytest.mark.numerics
-def test_a_perfect_denoiser_has_log_likelihood_zero_and_passes_the_argmax_check():
+def test_a_perfect_denoiser_has_log_likelihood_zero_and_argmax():
     gold = torch.tensor(CTX + CONT)
     perfect = StubDenoiser(favour=gold)
     # the exact value is ~ -prefactor x e^-30 (the +30 logit gap) ~ -1e-11; float32 gives log p(gold) = 0 and the
@@ -193,7 +194,7 @@ def test_a_perfect_denoiser_has_log_likelihood_zero_and_passes_the_argmax_check(
     assert not scoring.argmax_at_t1(wrong, CTX, CONT, seed=0)
 
 
-def test_context_is_cut_from_the_left_and_a_too_long_continuation_is_an_error():
+def test_context_cut_from_the_left_too_long_continuation_refused():
     x0, n_ctx = scoring.join_context(list(range(10)), [20, 21, 22], block_size=8)
     assert x0.tolist() == [[5, 6, 7, 8, 9, 20, 21, 22]] and n_ctx == 5
     assert scoring.join_context([1, 2], [3] * 8, block_size=8)[1] == 0
@@ -264,7 +265,7 @@ def test_lm_eval_model_arg_stride_generates_past_the_block():
         SDDLMHarness(scorer=scorer, stride=17)
 
 
-def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
+def test_generate_until_cuts_at_eos_then_before_first_stop():
     """The stand-in denoiser is sure of one token per position (the sampler then returns them all but surely):
     the continuation 'ab.cd' EOS 'ef' after the context, cut by hand."""
     tok = CharTokenizer()
@@ -292,7 +293,7 @@ def test_generate_until_is_cut_at_eos_then_before_the_first_stop_string():
     assert {x.shape[1] for x, _ in free.model.inputs} == {16}
 
 
-def test_rolling_windows_partition_the_document_and_fill_the_window():
+def test_rolling_windows_partition_the_document_and_fill_it():
     for n_doc, block, context, n_prefix in [(40, 16, 1, 1), (40, 16, 5, 1), (15, 16, 1, 1), (7, 8, 0, 0),
                                             (33, 8, 7, 2), (1, 4, 3, 1)]:
         ids = list(range(100, 100 + n_prefix)) + list(range(n_doc))
@@ -329,7 +330,7 @@ def test_rolling_loglikelihood_is_the_sum_of_the_window_bounds():
     assert wrong.loglikelihood_rolling(["a" * 36])[0] < -100
 
 
-def test_offline_hub_is_detected_up_front_and_errors_name_the_variable(monkeypatch):
+def test_offline_hub_detected_up_front_errors_name_the_variable(monkeypatch):
     for v in (*adapter.OFFLINE_VARS, "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")      # nothing listens on port 1: refused at once
@@ -346,7 +347,7 @@ def test_offline_hub_is_detected_up_front_and_errors_name_the_variable(monkeypat
 # -----------------------------------------------------------------------------------------------
 # the built-in runner (no model)
 
-def test_builtin_runner_acc_and_acc_norm_match_a_hand_computation(tmp_path):
+def test_builtin_runner_acc_and_acc_norm_match_by_hand(tmp_path):
     # (context, choices, gold, stub log-likelihoods); by hand: argmax ll | argmax ll / len(choice)
     rows = [("q1", ["a", "bbbb"], 1, [-1.0, -2.0]),            # 0 wrong | -1 vs -0.5 -> 1 right
             ("q2", ["xx", "y"], 1, [-3.0, -2.5]),              # 1 right | -1.5 vs -2.5 -> 0 wrong
@@ -402,7 +403,7 @@ def test_mc_spread_over_seeds_shrinks_with_more_draws(trained):
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_estimate_is_deterministic_given_a_seed_and_independent_of_batch_size(trained):
+def test_estimate_is_fixed_by_its_seed_whatever_the_batch_size(trained):
     m = trained["model"]
     scorer = scoring.Scorer(m, trained["tok"], progress=False)
     ctx, cont = scorer.encode(colour_items()[3]["context"], " green")
@@ -439,7 +440,7 @@ def write_jsonl(path, items):
     return str(path)
 
 
-def test_accuracies_carry_their_binomial_standard_error_in_the_results_and_the_table():
+def test_accuracies_carry_binomial_standard_errors():
     """An accuracy is a binomial proportion over the items: its standard error is that of the mean of the n
     outcomes 0 / 1, exactly sqrt(p (1 - p) / (n - 1)) (here against the sample standard deviation of the
     outcomes, computed apart); the table prints each metric ± its SE, in percent for accuracies; LAMBADA's
@@ -587,7 +588,7 @@ def write_tasks(d, seed=5):
 
 
 @pytest.mark.slow
-def test_harness_command_line_serves_every_request_type_as_the_scorer_does(trained, tmp_path):
+def test_harness_serves_every_request_type_as_the_scorer(trained, tmp_path):
     """`python -m downstream.lm_eval_sddlm` (lm-eval's own CLI function) with four local tasks, one per request type; every
     response it logged equals the same request computed here without the harness: the Scorer for loglikelihood,
     sample.generate for generate_until, the sum of per-window conditional NELBOs for loglikelihood_rolling; and
@@ -703,3 +704,28 @@ def test_cli_through_lm_eval_on_offline_tasks(trained, tmp_path, monkeypatch):
     assert "FAILED broken (CFG)" in (tmp_path / "lm.md").read_text()
     with pytest.raises(scoring.EvalError, match="unknown lm-eval task\\(s\\) colours_mcq"):
         ed.main(argv[:3] + ["colours_mcq"] + argv[4:])
+
+
+@pytest.mark.slow
+def test_lm_eval_reports_a_missing_checkpoint_before_the_device(tmp_path):
+    pytest.importorskip("lm_eval")
+    p = subprocess.run([sys.executable, "-m", "downstream.lm_eval_sddlm", "--model", "sddlm", "--model_args",
+                        f"ckpt={tmp_path / 'missing.pt'}", "--tasks", "arc_easy", "--device", "cuda"],
+                       capture_output=True, text=True, env={**ENV, "HF_DATASETS_OFFLINE": "1"}, cwd=tmp_path,
+                       timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and errors == [f"error: checkpoint not found: {tmp_path / 'missing.pt'} "
+                                            f"(--model_args ckpt=PATH)"], p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_eval_downstream_takes_a_model_folder(run_ar, tmp_path):
+    (tmp_path / "mc.jsonl").write_text('{"context": "the cat", "choices": [" sees", " likes"], "gold": 0}\n')
+    for ckpt in (os.path.join(run_ar.out, "model"), run_ar.ckpt):
+        p = subprocess.run([sys.executable, os.path.join(HERE, "downstream", "eval_downstream.py"), "--ckpt", ckpt,
+                            "--jsonl", tmp_path / "mc.jsonl", "--mc_draws", "2", "--out", tmp_path / "r.json"],
+                           capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert json.loads((tmp_path / "r.json").read_text())["results"][0]["n"] == 1
+        os.remove(tmp_path / "r.json")
+        os.remove(tmp_path / "r.md")

@@ -88,7 +88,7 @@ def test_gen_ppl_is_exp_of_pooled_nll_with_duo_eos_rules():
 
 
 @pytest.mark.numerics
-def test_gen_ppl_and_entropy_carry_standard_errors_over_the_samples():
+def test_gen_ppl_and_entropy_carry_standard_errors():
     """The samples are the draws: Gen PPL's NLL is a ratio estimator over them (sum of NLL / scored tokens), its
     standard error the delta method's, sum_j (n_j - R m_j)^2 / (N (N - 1) mbar^2), here from each sample's NLL by
     hand (manual_gen_nll) in float64; the PPL's by the delta method and its 95% interval exp(nll -+ 1.96 SE); the
@@ -126,7 +126,7 @@ def test_judge_windows_by_hand():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("stride", [1, 2, 3])
-def test_gen_ppl_of_a_sample_longer_than_the_judge_is_brute_force_per_token_scoring(stride):
+def test_gen_ppl_past_the_judge_is_brute_force_per_token(stride):
     """A sample truncated to 10 tokens, judge context 4: gen_ppl's sliding windows give the pooled NLL of scoring
     each token j >= 1 in a forward of its own, given the tokens before it back to the start of the window that
     scores it: all of them for j < 4, else the window ending at min(4 + k stride, 10) for the first k with
@@ -203,7 +203,7 @@ def printed_nelbo(logits, x0, z, alpha, dalpha):
 
 
 @pytest.mark.numerics
-def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_the_model_saw():
+def test_nelbo_ppl_is_exp_of_the_printed_token_mean_nelbo():
     """Independent of the code under test: the model's own inputs and outputs, alpha_t = exp(-sigma), the
     log-linear alpha' = -(1 - 1e-3), Eq. (usdm) written out in float64, pooled over the unmasked tokens of every
     sequence. Each round of D = 3 forwards per batch puts every sequence's times one in each stratum h of [1e-3, 1]
@@ -250,7 +250,7 @@ def test_nelbo_ppl_is_exp_of_the_token_mean_of_the_printed_nelbo_on_the_draws_th
     assert result["estimator"] == "nelbo" and result["mc_draws"] == R * D and result["rounds"] == R
 
 
-def test_stratified_times_cover_their_strata_and_estimate_any_integral_without_bias():
+def test_stratified_times_cover_strata_and_are_unbiased():
     """One time in each stratum [a_h, b_h), weighted by one over its density over the length of [t_min, 1]: uniform,
     (b_h - a_h) / (1 - t_min), but log-uniform in the first, t log(b_0 / a_0) / (1 - t_min); the weighted sum's
     mean over many rounds is E_{t ~ U[t_min, 1]} f(t): for f = 1/t (the NELBO's heavy part near t_min), 1/sqrt(t)
@@ -275,7 +275,7 @@ def test_stratified_times_cover_their_strata_and_estimate_any_integral_without_b
     assert all(float(w[0] / t[0]) == pytest.approx(first, rel=1e-13) for t, w in rounds[:100])
 
 
-def test_the_ratio_estimators_standard_error_is_the_delta_method_and_matches_the_spread_of_resamples():
+def test_ratio_standard_error_is_the_delta_method_of_resamples():
     """ratio_summary's moments form against the float64 brute force sum_j (n_j - R m_j)^2 / (N (N - 1) mbar^2)
     term by term, and its SE against the spread of R over 2,000 independent samples of N = 200 units from one
     population (units with correlated n and m, as per-sample NLL and token counts are). The spread's own relative
@@ -313,7 +313,7 @@ def toy_split(n=12, seed=0):
     return x0, mask
 
 
-def test_the_reported_nelbo_standard_error_is_the_spread_of_the_estimate_over_seeds():
+def test_nelbo_standard_error_is_the_spread_over_seeds():
     """The issue's symptom: the NELBO moved with --seed by more than anything said. Now the variance each estimate
     reports (nll_se^2, unbiased from its own rounds) must equal the variance of the estimates over 300 seeds; the
     two estimates of one variance are compared within 4 standard errors of their difference, each SE computed from
@@ -332,7 +332,7 @@ def test_the_reported_nelbo_standard_error_is_the_spread_of_the_estimate_over_se
 
 
 @pytest.mark.numerics
-def test_nelbo_draws_belong_to_the_sequence_not_to_the_batch_nor_the_checkpoint():
+def test_nelbo_draws_belong_to_the_sequence_not_the_batch():
     """Sequence i's draws come from (seed, i, round) only: the split in batches of 12, of 5 or one at a time gives
     the same estimate, and two checkpoints scored with one seed see the same times and corruptions (common random
     numbers: their difference is far more precise than either number). Other batch shapes are float32 forwards
@@ -398,7 +398,7 @@ def cyclic_corpus(n, generator, length=16, vocab=8):
     return (torch.randint(0, vocab, (n, 1), generator=generator) + torch.arange(length)) % vocab
 
 
-def test_nelbo_ppl_of_a_trained_model_is_below_that_of_uniform_predictions():
+def test_nelbo_ppl_of_a_trained_model_is_below_uniforms():
     config = ModelConfig(vocab_size=8, block_size=16, n_layer=1, n_head=2, n_embd=32, cond_dim=16)
     torch.manual_seed(0)
     uniform = build_model(config).eval()      # zero-initialised output layer: logits 0, x_theta uniform
@@ -423,7 +423,7 @@ def test_nelbo_ppl_of_a_trained_model_is_below_that_of_uniform_predictions():
 # -----------------------------------------------------------------------------------------------
 # zero-shot wrapping
 
-def test_zero_shot_blocks_join_documents_without_eos_and_frame_each_block():
+def test_zero_shot_blocks_join_documents_without_eos():
     blocks = zero_shot_blocks([[10, 11, 12], [13, 14], [15, 16, 17, 18], [19]], seq_len=5, bos_id=0, eos_id=1)
     assert blocks.tolist() == [[0, 10, 11, 12, 1], [0, 13, 14, 15, 1], [0, 16, 17, 18, 1]]   # 19 dropped
     assert blocks.dtype == torch.long
@@ -487,7 +487,7 @@ def test_cli_nelbo_and_zeroshot(setup, capsys):
     assert row["ppl_se"] == row["nll_se"] == 0 and row["mc_draws"] == 0      # exact: no draws, no error
 
 
-def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys):
+def test_cli_genppl_sweep_names_its_judge_and_scores_ids(setup, capsys):
     result, table = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "genppl", "--judge", setup["ar"],
                              "--steps", "2,3", "--num_samples", 2, "--save_samples", setup["tmp"] / "s.jsonl")
     rows = result["results"]
@@ -507,7 +507,7 @@ def test_cli_genppl_sweep_names_its_judge_and_scores_ids_directly(setup, capsys)
     assert math.isfinite(psi["results"][0]["gen_ppl"]) and psi["results"][0]["gen_ppl"] != rows[1]["gen_ppl"]
 
 
-def test_cli_genppl_past_the_block_samples_in_windows_and_the_judge_slides(setup, capsys):
+def test_cli_genppl_past_the_block_samples_and_judges_in_windows(setup, capsys):
     """--seq_len 80 on block_size 32: diffusion samples in windows of 16 new tokens, AR samples with a sliding
     window; the row's Gen PPL is gen_ppl of the saved samples under the judge's own 32-token windows."""
     from eval_ppl import load_judge
@@ -538,7 +538,7 @@ def test_cli_never_substitutes_an_unavailable_judge(setup):
         assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error:") and cases[judge] in stderr
 
 
-def test_cli_refuses_mc_draws_and_a_genppl_length_past_the_machine_in_one_line(setup):
+def test_cli_refuses_mc_draws_and_too_long_genppl_in_one_line(setup):
     """--mc_draws 10^12: a round's draws of one batch (>= 24 bytes a draw and token) fit no machine's memory: one
     `error:` line naming --mc_draws and exit code 2 before a draw is made (not torch's failed allocation, nor, for
     a size the kernel overcommits, its out-of-memory killer without a word). genppl's --seq_len 10^15: the same,

@@ -46,7 +46,7 @@ def test_paper_presets_are_the_appendix_table_and_duo_data():
             assert DiffusionTransformer(ModelConfig(**PRESETS[name])).num_params() == params
 
 
-def test_a_presets_curriculum_is_for_the_diffusion_losses_and_an_explicit_one_with_ar_is_refused(tmp_path):
+def test_a_presets_curriculum_is_for_diffusion_not_ar(tmp_path):
     """--preset owt --loss ar (the paper's AR baseline) trains without the preset's curriculum; the diffusion losses
     keep it; --curriculum_iters given with --loss ar is still refused before any work."""
     for preset in ("owt", "lm1b", "small"):
@@ -59,7 +59,7 @@ def test_a_presets_curriculum_is_for_the_diffusion_losses_and_an_explicit_one_wi
                                "--out_dir", str(tmp_path / "o")] + given)
 
 
-def test_a_presets_curriculum_keeps_its_share_of_a_shorter_run_and_a_resumed_run_keeps_its_own(tmp_path):
+def test_a_presets_curriculum_keeps_its_share_and_on_resume(tmp_path):
     """The tiny preset's curriculum is half of its run (the paper's 500K of 1M): --max_iters moves it along unless
     --curriculum_iters is given; a run resumed with a higher --max_iters keeps the curriculum it started with."""
     tiny = train.parse_config([])
@@ -132,7 +132,7 @@ JUDGE_REL = 1.1e-3
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_sample_quality_logged_in_training_equals_the_kept_checkpoint_evaluated_afterwards(judged):
+def test_logged_sample_quality_equals_the_checkpoints_afterwards(judged):
     d, _, _ = judged
     logged = rows(d / "run", "gen_ppl")
     assert [r["step"] for r in logged] == [4, 8]

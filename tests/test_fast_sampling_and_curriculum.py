@@ -44,7 +44,7 @@ def test_distinct_uniform_is_floyds_algorithm_on_the_same_draws(n, k):
 
 
 @pytest.mark.parametrize("n,k", [(6, 3), (4, 4), (7, 2)])
-def test_distinct_uniform_draws_every_ordered_tuple_equally_often(n, k):
+def test_distinct_uniform_draws_every_tuple_equally_often(n, k):
     """Chi-square over all n! / (n - k)! ordered k-tuples of distinct values: uniform."""
     rows = 60000
     got = _distinct_uniform(n, k, rows, torch.Generator().manual_seed(1))
@@ -74,7 +74,7 @@ def embedding_of(model, x):
 
 
 @pytest.mark.numerics
-def test_soft_token_embedding_runs_in_the_autocast_dtype_and_exactly_in_float32():
+def test_soft_embedding_runs_in_autocast_dtype_exact_in_float32():
     """The curriculum's soft tokens (k rows of E per position) are summed in float32 without autocast, exactly as
     F.embedding_bag on float32; under bf16 autocast in bf16 (exactly embedding_bag on bf16 E and weights), handed on
     as float32, equal to the float32 sum within bf16 rounding."""
@@ -131,7 +131,7 @@ def test_the_sampling_loop_never_waits_for_the_device(psi):
     assert run(2) == run(7) <= 1
 
 
-def test_end_of_run_samples_use_the_runs_autocast_dtype_and_nucleus(monkeypatch):
+def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
     """eval_ppl.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
     CUDA by default) and --sample_top_p to the sampler, the diffusion one and the AR one; the tiny preset (the CPU
     demo) prints its samples with top-p 0.8, the paper's presets with the full distribution."""

@@ -86,7 +86,7 @@ def lse_case():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 30, 64])  # 4 and 7 leave a ragged last chunk; 64 > 30 rows
-def test_logsumexp_fp32_matches_float64_logsumexp_for_every_chunk_size(chunk_rows):
+def test_logsumexp_fp32_matches_float64_for_every_chunk_size(chunk_rows):
     x = lse_case().requires_grad_(True)
     lse = fused_head.logsumexp_fp32(x, chunk_elems=chunk_rows * x.shape[-1])
     x64 = x.detach().double().requires_grad_(True)
@@ -105,7 +105,7 @@ def test_logsumexp_fp32_matches_float64_logsumexp_for_every_chunk_size(chunk_row
     assert (grad[0, 0, :40] == 0).all()
 
 
-def test_logsumexp_fp32_saves_only_the_bf16_logits_and_one_float_per_row():
+def test_logsumexp_fp32_saves_bf16_logits_and_a_float_per_row():
     x = lse_case().requires_grad_(True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -139,7 +139,7 @@ LOSS_CALLS = {
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", list(LOSS_CALLS))
-def test_every_loss_on_bf16_logits_matches_float64_on_the_same_values(name):
+def test_every_loss_on_bf16_logits_matches_float64(name):
     logits, x0, xt, neg, alpha_t, upstream = loss_case()
     bf = logits.clone().requires_grad_(True)
     f64 = logits.double().requires_grad_(True)
@@ -193,7 +193,7 @@ def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
 
 
 @pytest.mark.parametrize("name", ["naive", "sddlm", "sddlm_v1", "sddlm_v2", "ar"])
-def test_sddlm_family_keeps_no_float32_vocabulary_sized_tensor_for_backward(name):
+def test_sddlm_family_keeps_no_float32_vocab_tensor_for_backward(name):
     logits, x0, xt, neg, alpha_t, _ = loss_case()
     big = []
 
@@ -284,7 +284,7 @@ def test_head_log_probs_in_row_chunks_equal_one_chunk():
 
 
 @pytest.mark.parametrize("name", ["log_probs", "duo_lean"])
-def test_losses_on_a_head_keep_no_vocabulary_sized_tensor_for_backward(name):
+def test_losses_on_a_head_keep_no_vocab_tensor_for_backward(name):
     """The point of the Head: with the logits in several chunks and keep_logits off nothing of (B, L, V) size is
     kept for backward (only hidden, W, b and per-row values); with keep_logits on, or logits that fit in one
     chunk, exactly the chunks' logits are kept, in the Head's dtype (no float32 copy)."""
@@ -423,7 +423,7 @@ def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast)
             torch.testing.assert_close(g_h, g_l, rtol=0, atol=1e-11)
 
 
-def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
+def test_curriculum_step_trains_embedding_through_top_k_input():
     """During the curriculum the model gets curriculum.SoftTokens and the loss reaches E through them exactly
     as through the dense soft input (float64, same draws)."""
     model, tcfg = small_model("sddlm", vocab_size=64, curriculum_iters=10)
@@ -448,7 +448,7 @@ def test_curriculum_step_trains_the_embedding_through_the_top_k_input():
 # -----------------------------------------------------------------------------
 # the sampler holds no float64 tensor over the vocabulary, also with CFG and top-p
 
-def test_sampler_builds_no_float64_vocabulary_tensor_with_cfg_and_top_p(monkeypatch):
+def test_sampler_builds_no_float64_vocab_tensor_with_cfg_top_p(monkeypatch):
     """Every tensor any op of sample.generate returns is watched: float64 appears only for per-token values,
     never (B, L, V) nor (B, L, blocks of V); with CFG and nucleus filtering too."""
     monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", 8)        # V = 61 in 8 blocks
@@ -510,7 +510,7 @@ def test_bf16_autocast_training_gradients_are_close_to_float32():
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
 @pytest.mark.parametrize("name,curriculum", [("sddlm_v1", 0), ("duo", 0), ("sddlm", 10)])
-def test_torch_compile_matches_eager_logits_and_training_gradients(name, curriculum):
+def test_compile_matches_eager_logits_and_training_gradients(name, curriculum):
     """The compiled model (the Head output, the full logits for 'duo', the curriculum's top-k input) gives the
     eager logits, losses and gradients; under bf16 autocast too."""
     model, tcfg = small_model(name, n_layer=1, vocab_size=61, vocab_multiple=16, curriculum_iters=curriculum,
@@ -543,7 +543,7 @@ def test_torch_compile_matches_eager_logits_and_training_gradients(name, curricu
 # the full training step: finite and reproducible from its seeds
 
 @pytest.mark.parametrize("name", list(diffusion.OBJECTIVES))
-def test_training_step_is_finite_and_identical_under_the_same_seeds(name):
+def test_training_step_is_finite_and_identical_for_same_seeds(name):
     """train.train_step (the step train.py and bench/bench.py run): only its explicit generators may matter."""
     runs = []
     for global_seed in (100, 200):  # dropout is 0, so the global seed must change nothing
@@ -627,7 +627,7 @@ def test_bench_rejects_bad_flags_in_one_line():
     assert bench.parse_args(["--json", "--compile"]).json is True
 
 
-def test_bench_prints_n_a_for_what_does_not_fit_and_still_prints_the_table(monkeypatch, capsys):
+def test_bench_prints_n_a_for_what_does_not_fit(monkeypatch, capsys):
     """A row whose step, or a measurement whose tensors, run out of memory reads 'n/a (out of memory)'; the other
     rows, the sampler, the fused head and the reason still come out. What the failed step held -- a tensor in its
     frame (the traceback holds it) and one in a reference cycle -- is gone before the next row starts: Python's

@@ -92,7 +92,7 @@ def finetune(source, out_dir, *args):
     return train.main(source["args"] + ["--out_dir", str(out_dir), *args])
 
 
-def test_a_run_from_a_checkpoint_starts_at_its_validation_numbers_and_records_it(source, tmp_path):
+def test_a_run_from_a_checkpoint_starts_at_its_validation(source, tmp_path):
     out = tmp_path / "ft"
     assert finetune(source, out, "--init", source["ckpt"], "--loss", "sddlm", "--max_iters", "1") == 0
     first = step0(out)
@@ -117,7 +117,7 @@ def test_a_run_from_a_checkpoint_starts_at_its_validation_numbers_and_records_it
 
 
 @pytest.mark.parametrize("kind", ["folder", "duo"])
-def test_a_run_from_a_model_folder_or_a_duo_checkpoint_starts_at_the_sources_numbers(kind, source, tmp_path):
+def test_a_run_from_a_folder_or_duo_starts_at_its_numbers(kind, source, tmp_path):
     """The model folder SOURCE's run wrote (EMA weights) and the same weights in Duo's layout, read through
     trained.duo's map: both evaluate at step 0 to SOURCE's last validation. Duo's objective fine-tuned with
     another (sddlm_v1: its val_loss is V1's, the NELBO the same estimator); a Duo checkpoint of a vocabulary Duo
@@ -134,7 +134,7 @@ def test_a_run_from_a_model_folder_or_a_duo_checkpoint_starts_at_the_sources_num
 
 
 @pytest.mark.numerics
-def test_the_output_layer_padded_to_another_multiple_keeps_the_sources_numbers(source, tmp_path):
+def test_output_layer_padded_otherwise_keeps_the_sources_numbers(source, tmp_path):
     """--vocab_multiple 128 (Duo's checkpoints have none; the GPU's matrix products like multiples of 128): the
     output layer gains zero padding rows, never returned, so the model computes what SOURCE does. The 384-row
     product may order a logit's sums otherwise: within forward_tol of the whole float32 forward (the bound of
@@ -166,7 +166,7 @@ def test_the_curriculum_is_off_unless_asked_for():
     assert train.parse_config(["--init", "x", "--curriculum_iters", "7"]).curriculum_iters == 7
 
 
-def test_the_curriculum_asked_for_starts_from_the_initialised_weights(source, tmp_path, monkeypatch):
+def test_an_asked_curriculum_starts_from_the_initial_weights(source, tmp_path, monkeypatch):
     seen, calls = [], []
     real_terms, real_sample = diffusion.loss_terms, curriculum.curriculum_sample
 
@@ -210,7 +210,7 @@ REFUSED = {   # flags over --init SOURCE -> the words of the one line that refus
 }
 
 
-def test_flags_that_contradict_the_source_are_refused_in_one_line(source, tmp_path):
+def test_flags_contradicting_the_source_are_refused_in_one_line(source, tmp_path):
     """Through the real script, all at once (each fails at start-up): exit code 2, one line, nothing written."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {name: subprocess.Popen([sys.executable, "train.py", *source["args"], "--init", source["ckpt"],

@@ -1,10 +1,10 @@
-"""plumbing/folder.py: reading a model folder, through the real scripts."""
+"""trained/folder.py: reading a model folder, through the real scripts."""
 import json
 import os
 import subprocess
 import sys
 
-from plumbing.export import export
+from trained.export import export
 from test_pretrained import HERE, fake_checkpoint, tok_path  # noqa: F401  (tok_path: the fixture)
 
 

@@ -62,7 +62,7 @@ def values_and_grads(out, upstream, params):
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("rows", CHUNK_ROWS)
 @pytest.mark.parametrize("name", list(PLAIN))
-def test_every_loss_on_a_head_equals_the_plain_loss_on_its_logits_in_float64(name, rows, keep):
+def test_every_loss_on_a_head_equals_it_on_the_logits_in_float64(name, rows, keep):
     hidden, weight, bias, x0, xt, neg, up = case(torch.float64)
     params = (hidden, weight, bias)
     ref = values_and_grads(PLAIN[name](F.linear(hidden, weight, bias)[..., :V], x0, xt, neg), up, params)
@@ -78,7 +78,7 @@ def test_every_loss_on_a_head_equals_the_plain_loss_on_its_logits_in_float64(nam
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("rows", [5, 48])
 @pytest.mark.parametrize("name", list(PLAIN))
-def test_every_loss_on_a_bf16_head_equals_the_plain_loss_on_its_bf16_logits(name, rows, keep):
+def test_every_loss_on_a_bf16_head_equals_it_on_the_bf16_logits(name, rows, keep):
     """The chunk logits are the plain route's bf16 numbers: values agree to float32 rounding; the gradients of
     hidden, W and b within a few bf16 roundings (W's and b's summed in float32, rounded once at the end)."""
     hidden, weight, bias, x0, xt, neg, up = case(torch.bfloat16)
@@ -111,7 +111,7 @@ def test_kept_and_recomputed_logits_give_the_same_bits(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["sddlm_v1", "duo"])
-def test_kept_logits_cost_three_output_layer_products_and_recomputed_ones_four(name):
+def test_kept_logits_cost_three_products_and_recomputed_four(name):
     """Per step the output layer costs 2 N d V_pad FLOPs a product: forward, and in backward the gradients of
     hidden and of W; recomputing the logits in backward adds a fourth. Counted by torch's FLOP counter over
     forward and backward: exact integers, the output layer's and nothing else's (the loss has no matmul)."""
@@ -166,7 +166,7 @@ def test_w_gradient_is_summed_over_chunks_in_float32():
     assert (grads[0] != grads[1]).float().mean() < 0.05
 
 
-def test_a_head_stands_for_its_logits_shape_slices_and_random_negatives():
+def test_a_head_stands_for_its_logits_shape_slices_and_negatives():
     """losses.py sees a Head as logits: .shape is (B, L, V) (not the padded width), positions slice the hidden
     states, and SDDLM-V1's random negatives are drawn from V with the same generator as for the logits."""
     hidden, weight, bias, x0, xt, neg, _ = case(torch.float64)
@@ -178,7 +178,7 @@ def test_a_head_stands_for_its_logits_shape_slices_and_random_negatives():
     torch.testing.assert_close(draw(head), draw(logits), rtol=0, atol=F64_TOL)      # float64, as above
 
 
-def test_training_uses_the_fused_head_on_cuda_and_the_plain_logits_on_the_cpu():
+def test_training_uses_the_fused_head_on_cuda_and_logits_on_cpu():
     assert fused_head.fused_head_wanted("auto", "cuda") and not fused_head.fused_head_wanted("auto", "cpu")
     assert fused_head.fused_head_wanted("fused", "cpu") and fused_head.fused_head_wanted("fused_recompute", "cpu")
     assert not fused_head.fused_head_wanted("plain", "cuda")
@@ -222,7 +222,7 @@ def test_the_probe_recomputes_the_logits_where_only_that_fits(monkeypatch, capsy
 
 
 @pytest.mark.parametrize("loss,head", [("duo", "auto"), ("sddlm", "fused"), ("sddlm", "plain")])
-def test_the_probe_leaves_the_head_as_given_or_where_it_has_no_head(loss, head, monkeypatch):
+def test_the_probe_leaves_the_head_as_given_or_without_a_head(loss, head, monkeypatch):
     """Duo's reference NELBO takes the full logits; a --head given explicitly is kept: only the micro-batch moves."""
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 32)
     cfg = train.TrainConfig(batch_size=128, loss=loss, head=head)

@@ -77,7 +77,7 @@ def paper_title_and_authors():
     return title, authors
 
 
-def test_citation_cff_names_this_implementation_and_prefers_the_paper():
+def test_citation_cff_names_this_code_and_prefers_the_paper():
     cff = read_yaml(open(os.path.join(HERE, "CITATION.cff")).read())
     assert {"cff-version", "message", "title", "authors"} <= set(cff)        # the format's required keys
     assert cff["cff-version"] == "1.2.0" and cff["license"] == "MIT"

@@ -46,7 +46,7 @@ def windows_of(monkeypatch):
 
 
 @pytest.mark.parametrize("P,n_windows", [(3, 7), (20, 5)])       # a prompt within the first block, and longer
-def test_held_context_is_exactly_the_previous_output_at_every_window_boundary(monkeypatch, P, n_windows):
+def test_held_context_is_the_previous_output_at_every_boundary(monkeypatch, P, n_windows):
     """Each window's prompt is the last `held` tokens of what was written before it (the prompt's, then the
     samples'), the network sees them clean in every step of the window, the window's output keeps them, and what
     it draws after them is what the text gets; every forward is one whole block."""
@@ -70,7 +70,7 @@ def test_held_context_is_exactly_the_previous_output_at_every_window_boundary(mo
 
 @pytest.mark.parametrize("kwargs", [{}, dict(prompt_ids=torch.tensor([2, 7]), cfg_w=1.1, top_p=0.9),
                                     dict(psi=Psi(("max_capped",), (0.3,)), final_step="greedy")])
-def test_within_the_block_it_is_the_one_block_sampler_bit_for_bit(kwargs):
+def test_within_the_block_it_is_the_block_sampler_bit_for_bit(kwargs):
     """seq_len <= block_size: the same tokens as sample.generate (as before long generation existed), whatever
     the stride."""
     model = random_model()
@@ -82,7 +82,7 @@ def test_within_the_block_it_is_the_one_block_sampler_bit_for_bit(kwargs):
     assert torch.equal(generate_long(model, 3, 7, 11, 5, generator=gen(4), show_progress=False, **kwargs), short)
 
 
-def test_a_seed_gives_the_same_long_text_and_another_seed_another():
+def test_a_seed_gives_the_same_long_text_another_seed_another():
     model = random_model()
     run = lambda seed, **kw: generate_long(model, 2, 30, 11, 4, stride=4, generator=gen(seed), show_progress=False,
                                            **kw)
@@ -91,7 +91,7 @@ def test_a_seed_gives_the_same_long_text_and_another_seed_another():
     assert torch.equal(run(3, **guided), run(3, **guided)) and not torch.equal(run(3, **guided), run(4, **guided))
 
 
-def test_cfg_guides_every_window_that_holds_tokens_against_random_ones():
+def test_cfg_guides_every_window_holding_tokens_against_random():
     """Without a prompt the first window holds nothing and runs one branch; every later window runs both branches
     in one forward, the unconditional one with the held positions replaced by random tokens (the same draw in
     every window, as one run of the one-block sampler) and the drawn positions as the conditional branch's."""
@@ -110,7 +110,7 @@ def test_cfg_guides_every_window_that_holds_tokens_against_random_ones():
     assert all(torch.equal(n[:, :8], nulls[0][:, :8]) for n in nulls)      # one draw: 8 held, the last 10
 
 
-def test_psi_with_kappa_one_is_the_ancestral_sampler_past_the_block_too():
+def test_psi_with_kappa_one_is_ancestral_past_the_block_too():
     model = random_model()
     run = lambda **kw: generate_long(model, 2, 29, 11, 4, stride=5, prompt_ids=torch.tensor([3]), top_p=0.9,
                                      generator=gen(1), show_progress=False, **kw)
@@ -157,7 +157,7 @@ def exact_denoiser(x, sigma):
     return probs.clamp_min(1e-300).log()
 
 
-def test_the_exact_denoiser_of_a_periodic_corpus_continues_it_across_every_boundary():
+def test_exact_denoiser_continues_a_periodic_text_at_boundaries():
     """With the corpus's exact denoiser and a 3-token prompt, 100 tokens in windows of 16 (stride 6) are the
     corpus's sequence exactly: every window's new tokens follow its held ones. At t_end the held clean tokens
     make x_theta one-hot at the right continuation and the final ancestral step lands on it (Eq. reverse with
@@ -173,7 +173,7 @@ def test_the_exact_denoiser_of_a_periodic_corpus_continues_it_across_every_bound
 
 
 @pytest.mark.slow
-def test_a_model_trained_on_a_periodic_corpus_continues_it_across_block_boundaries():
+def test_a_trained_model_continues_a_periodic_corpus_past_blocks():
     """A 2-layer DiT of width 32 trained here on the counting corpus (Duo's NELBO, 1000 steps of 64 random blocks
     at lr 1e-2; 40-90 s on 2 busy CPU cores); 8 samples of 48 tokens after an 8-token prompt, 16 steps a window,
     greedy final step. Stride 8 (8 held tokens in every window): the tokens drawn right after the 4 window
@@ -236,7 +236,7 @@ def test_ar_sampler_slides_a_window_of_its_block_past_it():
 # -----------------------------------------------------------------------------------------------
 # the command line and the Python API
 
-def test_cli_samples_past_the_block_with_prompt_cfg_nucleus_and_batches(tiny_ckpt, tmp_path):
+def test_cli_samples_past_the_block_with_prompt_cfg_and_nucleus(tiny_ckpt, tmp_path):
     """block_size 32, 80 tokens in windows of 16 new ones: the prompt kept, the settings recorded, a seed gives the
     same samples, batches of 2 the same samples as one batch of 3 (one generator runs through them)."""
     ckpt, tok = tiny_ckpt
@@ -273,7 +273,7 @@ def test_python_api_generates_past_the_block(tiny_ckpt):
         lm.generate(1, length=70, seq_len=60)
 
 
-def test_python_api_refuses_bad_sizes_with_a_value_error_naming_them(tiny_ckpt):
+def test_python_api_refuses_bad_sizes_with_a_value_error(tiny_ckpt):
     """generate's num_samples and length, score's mc_draws: an integer >= 1, else a ValueError naming the keyword
     (not torch's error from deep inside, nor a silent default); a length whose tokens cannot fit in any machine's
     memory (10^15 tokens at >= 24 bytes each) is refused before a window is drawn."""

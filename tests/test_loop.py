@@ -29,7 +29,7 @@ def test_rank_slices_reassemble_the_global_time_vector():
 # -----------------------------------------------------------------------------
 # --compile auto
 
-def test_compile_auto_compiles_the_papers_presets_on_cuda_and_nothing_else():
+def test_compile_auto_compiles_only_the_papers_presets_on_cuda():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     papers = ["small", "owt", "lm1b", "medium", "large"] + [p for p in train.TRAIN_PRESETS if p.startswith("llama_")]
     assert train.TrainConfig().compile == "auto" and train.parse_config([]).compile == "auto"
@@ -77,7 +77,7 @@ def cached_graphs(model):
     return len(_debug_get_cache_entry_list(type(model).forward.__code__))
 
 
-def test_the_probe_leaves_no_compiled_graph_and_ddp_keeps_gradients_in_its_buckets(one_rank_group, graphs,
+def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, graphs,
                                                                                    one_thread):
     """The memory probe compiles the model outside DDP (its peak is the compiled step's), then drops the graph: the
     training model, compiled inside DDP afterwards, must not reuse a graph that was never split at DDP's buckets
@@ -97,7 +97,7 @@ def test_the_probe_leaves_no_compiled_graph_and_ddp_keeps_gradients_in_its_bucke
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_ddp_compiled_after_the_probe_splits_its_graph_at_the_buckets_and_equals_one_process(one_rank_group, graphs,
+def test_compiled_ddp_splits_at_buckets_and_equals_one_process(one_rank_group, graphs,
                                                                                              one_thread):
     """TorchDynamo's DDPOptimizer splits the graph compiled inside DDP at the gradient buckets (here 1 MiB each:
     several graphs for a 1.6M-parameter model), so each bucket's all-reduce overlaps the rest of the backward; with
@@ -201,7 +201,7 @@ def test_evaluation_runs_the_compiled_model(prepared, one_thread):
 # -----------------------------------------------------------------------------
 # the memory the probe leaves free
 
-def test_the_probe_leaves_room_for_the_cuda_context_nccl_and_fragmentation():
+def test_the_probe_leaves_room_for_cuda_context_nccl_fragments():
     """The probe accepts a measured peak up to usable_bytes: the device less 2 GiB (CUDA context, library
     workspaces, NCCL's buffers: outside torch's allocator) less 8% of it (fragmentation, steps the probe does not
     take). The old bar, 0.97 of the device, left 2.4 GiB of an 80 GiB H100."""
@@ -215,7 +215,7 @@ def test_the_probe_leaves_room_for_the_cuda_context_nccl_and_fragmentation():
     assert memory.usable_bytes(80 * gib) < 0.97 * 80 * gib - 5 * gib   # 5 GiB more room than the old bar
 
 
-def test_expandable_segments_are_set_before_the_first_cuda_allocation_unless_the_user_chose(monkeypatch):
+def test_expandable_segments_set_before_cuda_unless_user_chose(monkeypatch):
     assert memory.cuda_allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert memory.cuda_allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
     assert memory.cuda_allocator_env({"PYTORCH_ALLOC_CONF": ""}) == {}

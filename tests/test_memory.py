@@ -4,9 +4,11 @@ a torchrun launch on CUDA without --preset trains the paper's recipe. CPU only: 
 import pytest
 import torch
 
+from model import ModelConfig, build_model
 from plumbing import cli
 import plumbing.distributed
 import plumbing.memory
+from plumbing.cli import UsageError
 from plumbing.distributed import Env
 import test_train
 import train
@@ -58,7 +60,7 @@ def test_out_of_memory_is_one_line_from_the_rank_that_hit_it(rank, monkeypatch, 
         cli.run_cli(bug)
 
 
-def test_out_of_memory_in_training_names_the_micro_batch_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch,
+def test_oom_in_training_names_the_micro_batch_keeps_checkpoint(corpus, tmp_path, monkeypatch,
                                                                                    capsys):
     real = train.train_step
 
@@ -85,7 +87,7 @@ def fake_cuda_fit(monkeypatch, fits_up_to):
     return Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
 
 
-def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypatch, capsys):
+def test_a_micro_batch_too_large_raises_grad_accum_until_it_fits(monkeypatch, capsys):
     env = fake_cuda_fit(monkeypatch, fits_up_to=16)
     cfg = train.TrainConfig(batch_size=128, grad_accum=1)
     plumbing.memory.fit_micro_batch(None, cfg, env)
@@ -100,7 +102,7 @@ def test_micro_batch_that_does_not_fit_raises_grad_accum_until_it_fits(monkeypat
     assert cpu.grad_accum == 1
 
 
-def test_micro_batch_that_does_not_fit_stops_in_one_line_with_auto_accum_off(monkeypatch):
+def test_a_micro_batch_too_large_is_one_line_with_auto_accum_off(monkeypatch):
     env = fake_cuda_fit(monkeypatch, fits_up_to=16)
     cfg = train.TrainConfig(batch_size=128, grad_accum=1, auto_accum=False)
     with pytest.raises(cli.OutOfMemory, match=r"^micro-batch 64 \(--batch_size 128 / 2 rank\(s\) / --grad_accum 1\) "
@@ -111,7 +113,7 @@ def test_micro_batch_that_does_not_fit_stops_in_one_line_with_auto_accum_off(mon
         plumbing.memory.fit_micro_batch(None, train.TrainConfig(batch_size=4), fake_cuda_fit(monkeypatch, fits_up_to=0))
 
 
-def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch, capsys):
+def test_torchrun_on_cuda_without_preset_trains_papers_recipe(monkeypatch, capsys):
     """The flagship command `torchrun --nproc_per_node=8 train.py --loss sddlm_v1` runs --preset small and says so
     first; a preset given, a CPU device or a plain `python train.py` keep what was asked."""
     seen = []
@@ -144,3 +146,30 @@ def test_torchrun_on_cuda_without_a_preset_trains_the_papers_recipe(monkeypatch,
     for argv in (["--preset", "tiny"], ["--preset=tiny"], ["--device", "cpu"]):
         assert main(argv).preset == "tiny", argv
     assert train.FLAGSHIP_NOTE not in capsys.readouterr().out
+
+
+def test_model_numel_counts_what_the_model_allocates():
+    """model_numel, from the shapes alone, against the tensors a built model holds (an independent route)."""
+    for kw in [dict(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32),
+               dict(arch="llama", time_cond=False, n_layer=3, n_embd=64, n_head=4, vocab_size=1000, vocab_multiple=128,
+                    block_size=16, mlp_hidden=100),
+               dict(time_cond=False, causal=True, n_layer=1, n_embd=32, n_head=2, vocab_size=77, vocab_multiple=8,
+                    block_size=8, cond_dim=16)]:
+        config = ModelConfig(**kw)
+        model = build_model(config)
+        assert plumbing.memory.model_numel(config) == (sum(p.numel() for p in model.parameters()),
+                                              sum(b.numel() for b in model.buffers()))
+
+
+def test_a_folder_too_large_for_the_machine_names_its_field(tmp_path):
+    """The memory check itself (a consistent folder cannot be made that large here): the field whose value costs the
+    most is named, as the caller names it."""
+    config = ModelConfig(n_layer=10 ** 9, n_embd=64, n_head=2, vocab_size=320, block_size=32)
+    with pytest.raises(UsageError, match=r"out/model/config.json: n_layer 1000000000: the model needs at least .*"
+                                         r"more than the .* of (available RAM|memory left|address space)"):
+        plumbing.memory.check_model_memory(config, "cpu", lambda field: f"out/model/config.json: {field}")
+    wide = ModelConfig(n_layer=2, n_embd=2 * 10 ** 6, n_head=2, vocab_size=320, block_size=32)
+    with pytest.raises(UsageError, match="config.json: n_embd 2000000"):
+        plumbing.memory.check_model_memory(wide, "cpu", lambda field: f"config.json: {field}")
+    small = ModelConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32)
+    plumbing.memory.check_model_memory(small, "cpu", lambda field: field)       # a small one passes

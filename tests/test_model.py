@@ -180,7 +180,7 @@ def test_causal_mask_hides_the_future(arch):
 # -----------------------------------------------------------------------------
 # conditioning, soft input, init, precision
 
-def test_init_gives_uniform_prediction_and_adaln_conditions_on_sigma():
+def test_init_predicts_uniform_and_adaln_conditions_on_sigma():
     torch.manual_seed(0)
     model = DiffusionTransformer(ModelConfig(**TINY)).double()
     x = torch.randint(0, 50, (2, 10))
@@ -321,7 +321,7 @@ def padded_twin(model, multiple):
     return twin
 
 
-def test_padded_output_layer_returns_and_scores_the_vocabulary_only():
+def test_padded_output_layer_returns_and_scores_only_the_vocab():
     """V = 50 padded to 64: the logits are the same 50 columns (the padding never reaches a caller), the Head
     scores the same numbers, and the padding rows get no gradient; the padding is not counted as parameters."""
     import losses
@@ -345,7 +345,7 @@ def test_padded_output_layer_returns_and_scores_the_vocabulary_only():
 
 
 @pytest.mark.numerics
-def test_checkpoints_from_before_padding_load_and_give_identical_outputs(tmp_path):
+def test_checkpoints_from_before_padding_give_identical_outputs(tmp_path):
     """A model_config without vocab_multiple (written before it existed) loads unpadded, bit for bit."""
     config = asdict(ModelConfig(**TINY))
     del config["vocab_multiple"]
@@ -358,14 +358,14 @@ def test_checkpoints_from_before_padding_load_and_give_identical_outputs(tmp_pat
     assert torch.equal(loaded(x, sigma), model.eval()(x, sigma))    # the same weights and kernels, in this process
 
 
-def test_model_presets_pad_the_gpt2_vocabulary_to_a_multiple_of_128():
+def test_presets_pad_the_gpt2_vocabulary_to_a_multiple_of_128():
     assert ModelConfig(**PRESETS["small"]).padded_vocab_size == 50304
     assert all(ModelConfig(**p).padded_vocab_size % 128 == 0 for n, p in PRESETS.items() if n != "tiny")
     with pytest.raises(ValueError, match="vocab_multiple"):
         ModelConfig(**dict(TINY, vocab_multiple=0))
 
 
-def test_rope_tables_are_cached_buffers_equal_to_fresh_ones_and_not_saved():
+def test_rope_tables_are_unsaved_buffers_equal_to_fresh_ones():
     model = DiffusionTransformer(ModelConfig(**TINY))
     cos, sin = model.rope(10, torch.float32, torch.device("cpu"))
     ref = rope_cos_sin(torch.arange(10), 16, 10000.0)

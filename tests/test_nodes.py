@@ -66,7 +66,7 @@ def last(log_path, key):
 
 
 @pytest.mark.slow
-def test_two_loopback_nodes_with_their_own_data_train_as_two_processes_of_one_node(tmp_path):
+def test_two_loopback_nodes_train_as_two_processes_of_one_node(tmp_path):
     nodes, procs = two_nodes(tmp_path)
     for p in procs:
         assert p.returncode == 0, p.err[-3000:]
@@ -109,7 +109,7 @@ def test_nodes_with_different_data_fail_together_in_one_line(tmp_path):
     assert not any((node / "out" / "ckpt.pt").exists() for node in nodes)
 
 
-def test_different_data_keys_or_bytes_are_one_line_naming_both_nodes():
+def test_other_data_keys_or_bytes_are_one_line_naming_both_nodes():
     same = ("/n0/data/x", "abc", {"train.bin": "1"})
     data.same_data_on_every_node({0: same, 1: ("/n1/data/x", "abc", {"train.bin": "1"})})   # other paths: fine
     with pytest.raises(data.DataError, match=r"node 0 has data key abc \(/n0/data/x\), node 1 has def"):
@@ -125,7 +125,7 @@ def test_on_each_node_in_one_process_is_the_work_and_its_error():
         on_each_node(first, lambda: (_ for _ in ()).throw(data.DataError("bad")), data.DataError)
 
 
-def test_threads_flag_then_omp_num_threads_then_idle_cores_per_process(monkeypatch):
+def test_threads_flag_then_omp_num_threads_then_idle_cores(monkeypatch):
     assert usable_cores() == sorted(os.sched_getaffinity(0))
     monkeypatch.setattr(plumbing.distributed, "usable_cores", lambda: list(range(8)))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -171,7 +171,7 @@ def _spin(core, seconds, spinning):
         pass
 
 
-def test_train_prepares_with_prepares_text_field_num_proc_and_verify(tmp_path, monkeypatch):
+def test_train_prepares_with_text_field_num_proc_and_verify(tmp_path, monkeypatch):
     """train.py's own preparation: --text_field reads another field of a .jsonl; --num_proc 2 writes the bytes of
     prepare.py's one-process run; --verify hashes the files again at start and catches an edit that kept the
     size and the time."""

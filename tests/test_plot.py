@@ -55,7 +55,7 @@ def test_curves_are_read_back_exactly_and_labelled_by_objective(tmp_path):
     assert c[0]["judges"] == {JUDGE}
 
 
-def test_table_rows_name_checkpoint_step_judge_sampler_and_seed_and_sweep_eps(tmp_path):
+def test_table_rows_name_step_judge_sampler_seed_and_eps(tmp_path):
     runs, evals, _ = fabricate(tmp_path)
     gen, nelbo = plot.eval_rows(evals)
     text = plot.tables(gen, nelbo, 32)
@@ -69,7 +69,7 @@ def test_table_rows_name_checkpoint_step_judge_sampler_and_seed_and_sweep_eps(tm
         plot.tables(gen, nelbo, 16)
 
 
-def test_table_cells_carry_the_standard_errors_the_evaluations_recorded(tmp_path):
+def test_table_cells_carry_the_recorded_standard_errors(tmp_path):
     """Gen PPL, entropy and the NELBO PPL of a table row each ± its standard error, as eval_ppl.py --out records
     them (gen_ppl_se, entropy_se; ppl_se); an evaluation without them (an older file) prints the value alone."""
     ckpt = str(tmp_path / "run" / "ckpt.pt")
@@ -94,7 +94,7 @@ def png_ok(path, min_bytes=8000):
 
 
 @pytest.mark.slow
-def test_every_figure_is_drawn_with_labelled_axes_and_the_judge_in_the_title(tmp_path, capsys):
+def test_every_figure_has_labelled_axes_and_the_judge_in_title(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     runs, evals, bench = fabricate(tmp_path)
     out = tmp_path / "figs"
@@ -133,7 +133,7 @@ def test_every_figure_is_drawn_with_labelled_axes_and_the_judge_in_the_title(tmp
     assert "CPU test" in captured["time_memory.png:suptitle"]
 
 
-def test_training_curves_draw_their_95_percent_bands_and_mark_where_the_curriculum_ended(tmp_path):
+def test_curves_draw_95_percent_bands_and_the_curriculums_end(tmp_path):
     """Every point that the log recorded with a 95% interval is drawn with it as a band (val_ppl_lo..hi; Gen PPL's
     gen_ppl_lo..hi; the entropy's mean -+ 1.96 SE); the step after which a run's curriculum ended (its log's
     "curriculum_end" event, else config.json's curriculum_iters for a log from before the event) is a dotted line
@@ -188,7 +188,7 @@ def test_training_curves_draw_their_95_percent_bands_and_mark_where_the_curricul
         assert set(vertices[:, 0].tolist()) == {50.0, 100.0}, name
 
 
-def test_runs_scored_by_different_judges_are_never_drawn_together(tmp_path):
+def test_runs_of_different_judges_are_never_drawn_together(tmp_path):
     pytest.importorskip("matplotlib")
     runs, _, _ = fabricate(tmp_path / "a")
     other, _, _ = fabricate(tmp_path / "b", judge="hf:gpt2-large")
@@ -196,7 +196,7 @@ def test_runs_scored_by_different_judges_are_never_drawn_together(tmp_path):
         plot.main(["--runs", f"{runs[0]},{other[1]}", "--out_dir", str(tmp_path / "figs")])
 
 
-def test_judges_are_named_by_folder_and_step_never_by_a_whole_path():
+def test_judges_are_named_by_folder_and_step_not_whole_path():
     assert plot.judge_label("ar:/work/runs/issue10/tiny/ar/ckpt.pt@step1000") == "AR ar/ckpt.pt, step 1000"
     assert plot.judge_label("ar:/home/me/out-ar/model@step20") == "AR out-ar/model, step 20"
     assert plot.judge_label("hf:gpt2-large") == "gpt2-large"
@@ -222,7 +222,7 @@ def draw_gen_ppl_vs_steps(evals, tmp_path, only_128):
     return captured
 
 
-def test_a_model_evaluated_at_one_step_count_says_so_in_the_legend(tmp_path):
+def test_a_model_at_one_step_count_says_so_in_the_legend(tmp_path):
     pytest.importorskip("matplotlib")
     _, evals, _ = fabricate(tmp_path)
     (labels, lines, _, ticks), = draw_gen_ppl_vs_steps(evals, tmp_path, only_128=[0])
@@ -231,7 +231,7 @@ def test_a_model_evaluated_at_one_step_count_says_so_in_the_legend(tmp_path):
     assert ticks == ["8", "32", "128"]
 
 
-def test_an_eps_sweep_at_one_step_count_gets_its_own_panel_against_eps(tmp_path):
+def test_an_eps_sweep_at_one_step_count_gets_an_eps_panel(tmp_path):
     pytest.importorskip("matplotlib")
     _, evals, _ = fabricate(tmp_path)
     steps_panel, eps_panel = draw_gen_ppl_vs_steps(evals, tmp_path, only_128=[4])   # V1 at ε = 1e-3: 128 only
@@ -303,7 +303,7 @@ def plot_script(*argv, cwd):
     return p.returncode, p.stdout, p.stderr.strip().splitlines()
 
 
-def test_figures_go_beside_the_runs_and_an_existing_file_is_replaced_only_when_asked(tmp_path):
+def test_figures_go_beside_the_runs_replacing_only_when_asked(tmp_path):
     """Issue 31: plot.py wrote into the repository's figures/ by default, over its committed PNGs. Now the default
     is plots/ beside the data, and a file that exists is refused in one line (nothing written) unless --overwrite 1."""
     pytest.importorskip("matplotlib")
@@ -357,7 +357,7 @@ def test_figures_go_beside_the_runs_and_an_existing_file_is_replaced_only_when_a
 
 
 @pytest.mark.slow
-def test_a_finished_run_names_the_command_that_draws_its_curves_and_tensorboards(tmp_path):
+def test_a_finished_run_names_the_command_drawing_its_curves(tmp_path):
     """train.py's last lines name figures/plot.py (and tensorboard --logdir when --tensorboard 1 logged the run);
     the named plot command, run as printed, draws the run's curves beside it."""
     import shlex

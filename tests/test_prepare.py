@@ -1,13 +1,17 @@
 """prepare.py's folders as train.py reads them."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
+import data
 import prepare
 import train
+from conftest import ENV, HERE, copy_data, md5s, one_error, unshare_available
 from data import DataError
 from test_train import TINY, _corpus
 
@@ -32,9 +36,6 @@ def test_train_reads_any_prepared_folder_and_its_moved_copy(tmp_path, monkeypatc
         train.main(TRAIN + ["--block_size", "64", "--data_dir", "moved", "--out_dir", "r64"])
 
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
-
-
 def test_wrap_0_says_the_share_of_tokens_it_drops(tmp_path):
     """Issue 44: --wrap 0 cut each document to block_size - 2 tokens and dropped most of a corpus without a word;
     a note on stderr says how many (the count is the documents' tokens past block_size - 2, from meta.json)."""
@@ -48,3 +49,98 @@ def test_wrap_0_says_the_share_of_tokens_it_drops(tmp_path):
     assert dropped > tokens / 2          # 5 sentences a document, 14 tokens kept of each
     assert (f"note: --wrap 0 keeps a document's first 14 tokens: {dropped:,} of the train split's {tokens:,} tokens "
             f"({dropped / tokens:.1%}) are dropped; --wrap 1 keeps them all") in p.stderr
+
+
+@pytest.mark.slow
+def test_two_preparations_at_once_make_one_correct_folder(run4, tmp_path):
+    """Two prepare.py runs on the same new dataset, started while a third party holds the folder's lock, so they
+    certainly overlap: both succeed, one folder, its checksums verify, tokens equal a single preparation."""
+    import fcntl
+    corpus = tmp_path / "new.txt"
+    shutil.copy(run4.corpus, corpus)
+    args = ["--dataset", str(corpus), "--tokenizer", "sp_train:320", "--block_size", "32"]
+    folder = prepare.prepared_dir(str(corpus), "sp_train:320", 32)
+    (tmp_path / "data").mkdir()
+    held = os.open(tmp_path / (folder + ".lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    errs = [tmp_path / f"err{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "prepare.py"), *args], cwd=tmp_path, env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=open(err, "w")) for err in errs]
+    deadline = time.time() + 120
+    while time.time() < deadline and not all("waiting for another process" in err.read_text() for err in errs):
+        time.sleep(0.1)
+    fcntl.flock(held, fcntl.LOCK_UN)                  # both wait: now one prepares, the other waits for it
+    os.close(held)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], [err.read_text() for err in errs]
+    out = tmp_path / folder
+    meta = data.load_meta(str(out))
+    data.verify_prepared(str(out), meta)
+    single = prepare.prepare_dataset(str(corpus), "sp_train:320", str(tmp_path / "single"), 32, progress=False)
+    single_meta = data.load_meta(single)
+    for k in ("train_tokens", "train_sequences", "val_tokens", "val_sequences", "sha256"):
+        assert meta[k] == single_meta[k], k
+    assert os.listdir(tmp_path / "data") == [os.path.basename(folder)]    # no temp folder, no lock
+
+
+def test_long_names_give_valid_folder_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ("c" * 236 + ".txt")).write_text("one document.\n\nanother one.\n")
+    folder = os.path.basename(prepare.prepared_dir("c" * 236 + ".txt", "sp_train:320", 32))
+    assert len(folder.encode()) <= 100 and folder.startswith("c" * 55 + "~") and folder.endswith("-sp_train320-32-" +
+                                                                                                  folder[-12:])
+    assert prepare._short("short") == "short"
+    cut = prepare._short("é" * 100)                 # cut on a character boundary, within 64 bytes
+    assert len(cut.encode()) <= 64 and cut.startswith("é" * 27) and cut != prepare._short("é" * 101)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not unshare_available(), reason="needs unshare (a user namespace) to mount a small tmpfs")
+def test_a_full_disk_names_the_folder_and_the_flag(run_tok, tmp_path):
+    """A real full disk: a 24 KiB tmpfs in a private mount namespace, holding the data folder."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    args = " ".join([sys.executable, os.path.join(HERE, "train.py"), *TINY, "--dataset", run_tok.corpus,
+                     "--data_dir", str(mnt / "data"), "--out_dir", str(tmp_path / "out"), "--max_iters", "2"])
+    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                        f"mount -t tmpfs -o size=24k tmpfs {mnt} && {args}; echo rc=$?; ls -A {mnt}"],
+                       capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: No space left on device while preparing {mnt / 'data'}; free space there or choose "
+                      f"another --data_dir"], p.stderr[-2000:]
+    assert p.stdout.splitlines()[-1] == "rc=2"        # and the tmpfs was left empty: no temp folder, no lock
+    assert not (tmp_path / "out").exists()
+
+
+def test_preparing_a_folder_again_keeps_the_users_files(run_ar, tmp_path):
+    data = copy_data(run_ar, tmp_path / "data", lambda m: m.pop("sha256"))     # unverifiable: prepared again
+    (data / "thesis.tex").write_text("my thesis")
+    (data / "notes").mkdir()
+    (data / "notes" / "a.txt").write_text("my notes")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", run_ar.corpus, "--tokenizer",
+                        "sp_train:320", "--block_size", "32", "--data_dir", data], capture_output=True, text=True,
+                       env=ENV, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert (data / "thesis.tex").read_text() == "my thesis" and (data / "notes" / "a.txt").read_text() == "my notes"
+    assert "sha256" in json.loads((data / "meta.json").read_text())          # and the folder is whole again
+    assert md5s(data)["train.bin"] == md5s(run_ar.data_dir)["train.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["data"]                           # no temp folder, no lock left
+
+
+@pytest.mark.slow
+def test_a_named_pipe_as_the_corpus_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.txt").write_text("one document.\n\nanother one.\n")
+    os.mkfifo(tmp_path / "folder" / "b.txt")
+    for corpus in ("pipe.txt", "folder"):
+        writer = subprocess.Popen(["sh", "-c", f"echo 'some text' > {tmp_path / 'pipe.txt'}"]) \
+            if corpus == "pipe.txt" else None                 # a writer, as `--dataset <(cat x)` would have
+        t0 = time.time()
+        p = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", corpus, "--tokenizer",
+                            "sp_train:64", "--data_dir", "d"], capture_output=True, text=True, env=ENV,
+                           cwd=tmp_path, timeout=120)
+        assert "is not a regular file or folder" in one_error(p) and time.time() - t0 < 60
+        if writer is not None:
+            writer.kill()
+            writer.wait()
+        assert not (tmp_path / "d").exists()

@@ -16,18 +16,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plumbing import cli
+from conftest import unit_roundoff
+from conftest import ENV, one_error, unshare_available
 import diffusion
-import losses
 from hub import pretrained
-import sample
+from hub.pretrained import SDDLM
+import losses
 from model import ModelConfig, build_model
+from plumbing import cli
+import sample
+from test_losses import usdm_sizes
 from trained.checkpoint import load_checkpoint, load_model
 from trained.export import export
 from trained.folder import is_model_folder
-from hub.pretrained import SDDLM
-from conftest import unit_roundoff
-from test_losses import usdm_sizes
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXT = "the cat sees the dog . the bird likes the fish ."
@@ -72,7 +73,7 @@ def logits_of(model, seed=0):
         return model(x) if model.config.causal else model(x, torch.full((2,), 0.7))
 
 
-def test_folder_holds_the_checkpoints_ema_tensors_and_gives_its_logits(tmp_path, tok_path):
+def test_folder_holds_the_ema_tensors_and_gives_their_logits(tmp_path, tok_path):
     from safetensors.torch import load_file
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
     folder, used = export(ckpt_path, tmp_path / "model")
@@ -153,7 +154,7 @@ def test_api_refuses_what_the_command_line_refuses(tmp_path, tok_path):
 
 
 @pytest.mark.numerics
-def test_score_is_the_exact_nll_of_an_ar_model_and_the_nelbo_of_a_diffusion_model(tmp_path, tok_path):
+def test_score_is_exact_nll_for_ar_and_the_nelbo_for_diffusion(tmp_path, tok_path):
     ar = SDDLM.from_pretrained(fake_checkpoint(tmp_path / "ar.pt", tok_path, loss="ar", causal=True))
     ids = torch.tensor([ar.tokenizer.encode(TEXT)])
     with torch.no_grad():
@@ -214,7 +215,7 @@ def fake_hub(monkeypatch, root):
     return hub, calls
 
 
-def test_push_to_hub_uploads_the_folder_and_from_pretrained_loads_it_back(tmp_path, tok_path, monkeypatch):
+def test_push_to_hub_uploads_and_from_pretrained_loads_it_back(tmp_path, tok_path, monkeypatch):
     folder, _ = export(fake_checkpoint(tmp_path / "ckpt.pt", tok_path), tmp_path / "model")
     open(os.path.join(folder, "notes.txt"), "w").write("not part of the model")
     hub, calls = fake_hub(monkeypatch, tmp_path / "hub")
@@ -303,7 +304,7 @@ def files_of(folder):
     return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
 
 
-def test_an_export_never_deletes_or_overwrites_what_the_user_wrote(tmp_path, tok_path):
+def test_an_export_never_deletes_or_overwrites_a_users_file(tmp_path, tok_path):
     """Issue 30: --out DIR and save_pretrained(DIR) replaced the whole DIR. A folder of the user's is refused (one
     line, nothing touched); over a model folder only our files are replaced, a user's file and README.md kept."""
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path)
@@ -343,7 +344,7 @@ def test_an_export_never_deletes_or_overwrites_what_the_user_wrote(tmp_path, tok
     assert json.loads((model / "config.json").read_text())["weights"] == "ema"
 
 
-def test_config_is_flat_with_model_type_and_folders_written_the_old_way_still_load(tmp_path, tok_path):
+def test_config_is_flat_with_model_type_and_old_folders_load(tmp_path, tok_path):
     """config.json as the hub's: "model_type": "sddlm" and the model's fields at the top; a folder of the first
     format (fields nested under "model_config") reads as before, and the real script re-exports it to the new one."""
     ckpt_path = fake_checkpoint(tmp_path / "ckpt.pt", tok_path, loss="duo", schedule="cosine")
@@ -385,7 +386,7 @@ def card_header(text):
     return out, "\n".join(lines[end + 1:])
 
 
-def test_every_folder_has_a_model_card_with_the_hubs_header_the_run_and_its_measured_validation(tmp_path, tok_path):
+def test_every_folder_has_a_card_with_header_run_and_validation(tmp_path, tok_path):
     run = tmp_path / "run"
     run.mkdir()
     ckpt_path = fake_checkpoint(run / "ckpt.pt", tok_path, loss="sddlm_v1", schedule="cosine")
@@ -419,7 +420,7 @@ def test_every_folder_has_a_model_card_with_the_hubs_header_the_run_and_its_meas
     assert "validation" not in json.load(open(tmp_path / "nolog" / "config.json"))
 
 
-def test_the_card_reports_the_validation_of_the_weights_the_run_evaluated_with_its_standard_error(tmp_path, tok_path):
+def test_the_card_reports_the_evaluated_weights_validation(tmp_path, tok_path):
     """Issue 36: the demo (no EMA) got "validation | not recorded" although its log.jsonl has the step-900
     evaluation: a run without EMA evaluates its live weights, which are then the weights exported. The card gives
     the NELBO and PPL with their Monte-Carlo standard errors and the PPL's 95% interval as the log recorded them;
@@ -450,7 +451,7 @@ def test_the_card_reports_the_validation_of_the_weights_the_run_evaluated_with_i
     assert "± 0.0171 nats/token" in (tmp_path / "emaw" / "README.md").read_text()
 
 
-def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_path):
+def test_lm_eval_takes_pretrained_as_its_name_for_the_model(tmp_path, tok_path):
     """--model_args pretrained=out/model, as lm-eval names a model for every other backend, through lm-eval's own
     argument parsing (create_from_arg_string): the same model as ckpt=; both at once naming two models is refused."""
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
@@ -471,7 +472,7 @@ def test_lm_eval_takes_pretrained_as_its_usual_name_for_the_model(tmp_path, tok_
 
 
 @pytest.mark.slow
-def test_lm_eval_command_line_with_pretrained_scores_as_with_ckpt(tmp_path, tok_path):
+def test_lm_eval_with_pretrained_scores_as_with_ckpt(tmp_path, tok_path):
     """python -m downstream.lm_eval_sddlm --model_args pretrained=FOLDER (refused before: 'unknown sddlm model
     argument(s) pretrained') logs the same responses on a local task as ckpt=CHECKPOINT."""
     pytest.importorskip("lm_eval", reason="lm-eval is optional (pip install lm-eval) and not installed here")
@@ -497,3 +498,33 @@ def test_lm_eval_command_line_with_pretrained_scores_as_with_ckpt(tmp_path, tok_
         path, = glob.glob(str(tmp_path / f"out{i}" / "**" / "samples_facts_*.jsonl"), recursive=True)
         responses.append([json.loads(line)["resps"] for line in open(path)])
     assert responses[0] == responses[1] and len(responses[0]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not unshare_available(), reason="needs unshare (a user namespace) to mount a small tmpfs")
+def test_a_full_disk_in_export_is_one_line_and_writes_nothing(run_ar, tmp_path):
+    """hub/pretrained.py --out (a new folder, and over an earlier model folder) and SDDLM.save_pretrained on a
+    disk without room for the weights: one line (an OSError for the API), nothing half-written, the earlier
+    folder and a user's file as they were."""
+    mnt, model = tmp_path / "mnt", os.path.join(run_ar.out, "model")
+    mnt.mkdir()
+    room = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)) + 300_000
+    export = f"{sys.executable} {os.path.join(HERE, 'hub', 'pretrained.py')} --ckpt {run_ar.ckpt} --out"
+    api = (f"{sys.executable} -c 'from hub.pretrained import SDDLM; "
+           f"SDDLM.from_pretrained(\"{model}\").save_pretrained(\"{mnt / 'api'}\")'")
+    script = (f"mount -t tmpfs -o size={room // 1024}k tmpfs {mnt} && cp -r {model} {mnt / 'old'} && "
+              f"echo 'my thesis' > {mnt / 'thesis.tex'} && md5sum {mnt / 'old'}/* {mnt / 'thesis.tex'} > {tmp_path}/a"
+              f" && {export} {mnt / 'new'} 2> {tmp_path}/new.err; echo rc=$?; "
+              f"{export} {mnt / 'old'} 2> {tmp_path}/old.err; echo rc=$?; "
+              f"{api} 2> {tmp_path}/api.err; echo rc=$?; "
+              f"md5sum {mnt / 'old'}/* {mnt / 'thesis.tex'} > {tmp_path}/b; ls -A {mnt}")
+    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                       capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    assert p.stdout.splitlines() == ["rc=2", "rc=2", "rc=1", "old", "thesis.tex"], (p.stdout, p.stderr)
+    for name, kept in (("new", "nothing was written"), ("old", f"the previous {mnt / 'old'} is kept")):
+        err = SimpleNamespace(returncode=2, stderr=(tmp_path / f"{name}.err").read_text())
+        line = one_error(err)
+        assert line.startswith(f"error: could not write {mnt / name} (") and "No space left" in line and kept in line
+    api_err = (tmp_path / "api.err").read_text()      # the Python API raises one OSError, its message one line
+    assert api_err.splitlines()[-1].startswith(f"OSError: [Errno 28] could not write {mnt / 'api'} (")
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text()

@@ -41,7 +41,7 @@ def one_error_line(p, needs):
     assert needs in p.stderr, p.stderr
 
 
-def test_the_curves_command_a_finished_run_prints_names_matplotlib_and_says_it_in_one_line(tmp_path, without,
+def test_the_printed_curves_command_names_matplotlib_in_one_line(tmp_path, without,
                                                                                           monkeypatch):
     """A run's last line names figures/plot.py; without matplotlib it says so, and the command run as printed is
     one `error:` line naming `pip install matplotlib`, with no plots/ folder made."""
@@ -59,7 +59,7 @@ def test_the_curves_command_a_finished_run_prints_names_matplotlib_and_says_it_i
     assert sorted(os.listdir(out)) == ["log.jsonl"]
 
 
-def test_lm_eval_command_line_without_lm_eval_is_one_line_naming_the_tested_version(without, monkeypatch):
+def test_lm_eval_cli_without_lm_eval_names_the_tested_version(without, monkeypatch):
     """`python -m downstream.lm_eval_sddlm` (README) was a 6-line traceback without lm-eval."""
     p = run([sys.executable, "-m", "downstream.lm_eval_sddlm", "--model", "sddlm", "--model_args",
              "pretrained=out/model,mc_draws=128", "--tasks", "arc_easy"], without("lm_eval"))
@@ -73,14 +73,14 @@ def test_lm_eval_command_line_without_lm_eval_is_one_line_naming_the_tested_vers
         import downstream.lm_eval_sddlm  # noqa: F401
 
 
-def test_downstream_tasks_without_lm_eval_name_the_tested_version_in_one_line(tmp_path, without):
+def test_tasks_without_lm_eval_name_the_tested_version(tmp_path, without):
     (tmp_path / "ckpt.pt").write_bytes(b"")          # the task plan is checked before the checkpoint is read
     p = run([sys.executable, os.path.join(HERE, "downstream", "eval_downstream.py"), "--ckpt", "ckpt.pt", "--tasks",
              "paper", "--cfg", "both"], without("lm_eval"), cwd=tmp_path)
     one_error_line(p, "lm-eval is not installed (pip install lm-eval==0.4.13)")
 
 
-def test_readmes_prepare_example_runs_on_a_machine_with_fewer_cores_than_its_num_proc(tmp_path, without):
+def test_prepare_example_runs_with_fewer_cores_than_num_proc(tmp_path, without):
     """README's `prepare.py ... --num_proc 16` was refused on a 2-core machine; more workers than the usable cores
     are now capped to them, with a note."""
     from pydoc_data.topics import topics

@@ -11,7 +11,7 @@ TOY = ("--max_iters 6 --eval_interval 3 --ckpt_interval 3 --eval_iters 1 --n_lay
 
 
 @pytest.mark.slow
-def test_reproduce_tiny_writes_the_table_and_figures_and_reruns_for_free(tmp_path):
+def test_tiny_writes_the_table_and_figures_and_reruns_for_free(tmp_path):
     pytest.importorskip("matplotlib")          # the report stage draws the figures
     env = {**os.environ, "RUNS": str(tmp_path / "runs"), "TRAIN_EXTRA": TOY, "SAMPLES": "4", "PAR": "2",
            "EPS_LOSSES": "sddlm_v1", "EPS_VALUES": "1e-3", "OMP_NUM_THREADS": "1"}

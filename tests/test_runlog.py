@@ -1,9 +1,22 @@
-"""The run log's progress bar: one frame per log update, showing that update's step and mean loss."""
+"""plumbing/runlog.py: the progress bar (one frame per log update, showing that update's step and mean loss), and
+the log a resume keeps: the lines up to its checkpoint."""
+import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+import torch
+
+from conftest import ENV, HERE
+from plumbing import runlog
 from plumbing.runlog import Log
+import train
 
 
 def test_progress_bar_draws_each_update_once_with_its_own_loss(tmp_path, capsys):
@@ -22,7 +35,7 @@ def test_progress_bar_draws_each_update_once_with_its_own_loss(tmp_path, capsys)
     assert shown[:3] == expected and set(shown[3:]) <= {expected[-1]}, shown
 
 
-def test_bars_honour_tqdm_disable_even_where_a_script_asks_for_them(monkeypatch, capsys):
+def test_bars_honour_tqdm_disable_even_where_a_script_asks(monkeypatch, capsys):
     """Scripts pass `disable=` to tqdm, which would override tqdm's own TQDM_DISABLE switch (the one a batch job
     sets to keep bars out of its log); cli.bar_hidden restores it. A real bar: sample.generate's."""
     import torch
@@ -44,7 +57,7 @@ def test_bars_honour_tqdm_disable_even_where_a_script_asks_for_them(monkeypatch,
     assert bar_text("1") == "" and bar_text("True") == ""
 
 
-def test_an_evaluation_prints_each_estimate_with_its_standard_error_and_interval():
+def test_an_evaluation_prints_each_estimate_with_se_and_interval():
     """The console line of an evaluation: every estimate with "± its SE" and its 95% interval beside it, the SE and
     interval keys not repeated as metrics of their own; values without an SE as they are."""
     from plumbing.runlog import metrics_line
@@ -69,3 +82,47 @@ def test_resume_keeps_a_log_line_that_is_not_utf8(tmp_path, monkeypatch):
     assert train.main(args + ["--max_iters", "3", "--resume", "1"]) == 0
     lines = (tmp_path / "run" / "log.jsonl").read_bytes().splitlines()
     assert lines[1] == b'{"note": "caf\xe9"}' and b'"step": 3' in lines[-1]
+
+
+def test_a_resumed_log_keeps_the_lines_up_to_the_checkpoint(tmp_path):
+    log = tmp_path / "log.jsonl"
+    rows = [{"step": 5, "loss": 1.0}, {"note": "no step"}, {"step": 10, "loss": 0.9}, {"step": 10, "val_loss": 1.1},
+            {"step": 15, "loss": 0.8}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 16, "lo')   # torn by a kill
+    runlog.truncate_log(str(log), 10)
+    assert [json.loads(line) for line in log.read_text().splitlines()] == rows[:4]
+    before = log.read_bytes()
+    runlog.truncate_log(str(log), 10)
+    assert log.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_checkpoints_log(run4, tmp_path):
+    out = tmp_path / "run"
+    args = run4.train + ["--out_dir", str(out), "--max_iters", "100000", "--ckpt_interval", "4", "--log_interval",
+                         "1", "--eval_interval", "100000"]
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=HERE, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+
+    def logged():
+        lines = (out / "log.jsonl").read_text().splitlines() if (out / "log.jsonl").exists() else []
+        return [json.loads(line)["step"] for line in lines]
+    deadline, steps, saved = time.time() + 120, [], 0
+    while time.time() < deadline:       # kill it when the log runs past its last checkpoint (frozen to look)
+        time.sleep(0.1)
+        if len(logged()) >= 10:
+            p.send_signal(signal.SIGSTOP)
+            steps, saved = logged(), torch.load(out / "ckpt.pt", weights_only=False)["step"]
+            if steps[-1] > saved:
+                break
+            p.send_signal(signal.SIGCONT)
+    p.kill()
+    p.wait()
+    assert saved >= 8 and steps[-1] > saved
+    (out / f"ckpt.pt.sddlm-tmp-{socket.gethostname()}-{p.pid}-0a1b2c3d").write_bytes(b"half")   # cut by the kill
+    assert train.main(run4.train + ["--out_dir", str(out), "--max_iters", str(saved + 6), "--ckpt_interval", "4",
+                                    "--log_interval", "1", "--eval_interval", "100000", "--resume", "1"]) == 0
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, saved + 7))     # each step once, none lost
+    assert [r["step"] for r in rows if "val_loss" in r] == [saved + 6]
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "log.jsonl", "model"]

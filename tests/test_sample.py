@@ -65,7 +65,7 @@ def test_oracle_denoiser_recovers_x0_exactly(final_step):
     assert torch.equal(x, x0)
 
 
-def test_final_ancestral_step_alone_lands_on_x0_from_a_large_t_end():
+def test_final_ancestral_step_alone_lands_on_x0_from_large_t():
     """At t_end = 0.6 (alpha ~ 0.4) a fraction (1 - alpha)(1 - 1/V) ~ 0.51 of the tokens is still wrong after the
     N steps (x_t ~ q_t(. | x0) exactly, the oracle being exact); the final step to alpha_s = 1 has m_unif = 0 and
     m_theta = 1 wherever x_theta[x_t] = 0 (Eq. reverse), so with x_theta = one-hot(x0) it alone must turn every
@@ -168,7 +168,7 @@ def test_broken_samplers_fail_the_same_check(monkeypatch):
 # the Psi sampler (predictor-corrector): kappa = 1 is the ancestral sampler; its law on the toy data
 
 @pytest.mark.parametrize("psi", [Psi(("eta",), (1.0,)), Psi(("max_capped",), (0.0,)), Psi(("sigma_constant",), (0.0,))])
-def test_psi_with_kappa_one_is_the_ancestral_sampler_sample_for_sample(psi):
+def test_psi_with_kappa_one_is_ancestral_sample_for_sample(psi):
     """kappa = 1 (eta = 1, or a ReMDM rate sigma_t = 0) draws the same samples as the ancestral sampler from the
     same seed, with a prompt, an infilled position, nucleus and CFG on."""
     model = random_model()
@@ -199,7 +199,7 @@ def test_remdm_sigma_and_kappa_by_hand():
     assert psi_kappa("eta", 0.3, 0.5, 0.8) == 0.3 and kappa_from_sigma(0.7, 1.0) == 1.0
 
 
-def test_loop_profile_holds_the_level_for_the_middle_fraction_of_the_steps():
+def test_loop_profile_holds_the_level_for_the_middle_steps():
     """--psi_profile loop, 20 steps, fractions 0.4 / 0.5 / 0.1: 8 steps linear from 1 to c, 10 steps from c to c
     (the network sees sigma(c) 11 times in a row), 2 steps linear from c to t_end."""
     psi = parse_psi("psi", "eta,max_capped,eta", "1,0.02,1", "loop", 0.3, "0.4,0.5,0.1")
@@ -369,7 +369,7 @@ def test_generate_runs_duos_schedule_step_for_step(monkeypatch):
     assert kappas == pytest.approx([k for _, _, k in reference] + [1.0], abs=1e-12)    # float64, values <= 1
 
 
-def test_duo_and_our_psi_settings_differ_where_the_issue_measured():
+def test_duo_and_our_psi_settings_differ_where_measured():
     """Duo's OWT max_rescale script (eta = 0.05, 256 steps): sum of (1 - kappa) 2.60 with Duo's cap, 17.80 with
     ReMDM's (ours); the loop script: Duo's grid holds c for 129 steps, two of them no-ops (kappa = 1) at the phase
     edges, 127 correcting, ours 128 correcting; duo_psi_pc's kappa runs 1, 0.95, 1 over 128 / 103 / 25 steps."""
@@ -440,7 +440,7 @@ def test_infilled_positions_never_change():
     assert not torch.all(x[:, ~fixed_mask] == 10)
 
 
-def test_cfg_weight_zero_is_the_plain_sampler_without_a_second_branch():
+def test_cfg_weight_zero_is_the_plain_sampler_with_one_branch():
     model, prompt = random_model(), torch.tensor([1, 2, 3])
     rec = Recorder(model)
     plain = generate(model, 4, 12, 11, 8, prompt_ids=prompt, generator=gen(5), show_progress=False)
@@ -449,7 +449,7 @@ def test_cfg_weight_zero_is_the_plain_sampler_without_a_second_branch():
     assert all(xt.shape[0] == 4 for xt, _ in rec.calls)
 
 
-def test_cfg_with_a_model_blind_to_the_prompt_is_the_plain_sampler():
+def test_cfg_with_a_prompt_blind_model_is_the_plain_sampler():
     """If the model ignores the prompt positions then p_c = p_u and p_c^(1+w) / p_u^w = p_c: same samples."""
     model, P = random_model(), 3
     blind = lambda x, sigma: model(torch.cat([torch.zeros_like(x[:, :P]), x[:, P:]], dim=1), sigma)
@@ -462,7 +462,7 @@ def test_cfg_with_a_model_blind_to_the_prompt_is_the_plain_sampler():
     assert not torch.equal(unguided_sharp, sharp)   # a model that reads the prompt is steered by guidance
 
 
-def test_cfg_runs_one_batched_forward_with_random_tokens_in_place_of_the_prompt():
+def test_cfg_runs_one_forward_with_random_tokens_for_the_prompt():
     rec = Recorder(random_model())
     B, P = 4, 5
     prompt = torch.tensor([1, 2, 3, 4, 5])
@@ -540,7 +540,7 @@ def test_nucleus_on_logits_is_the_nucleus_of_the_softmax(top_p):
     assert nucleus_logits(zb, 1.0) is zb
 
 
-def test_top_p_one_is_no_nucleus_and_tiny_top_p_is_greedy_x_theta():
+def test_top_p_one_is_no_nucleus_and_tiny_top_p_is_greedy():
     model = random_model()
     xt = torch.randint(0, 11, (3, 12), generator=gen(0))
     p = denoiser_probs(model, xt, 0.3)
@@ -607,7 +607,7 @@ def test_cli_writes_and_appends_jsonl(tiny_ckpt, tmp_path, capsys):
     assert [r["ids"] for r in records[:3]] == [r["ids"] for r in records[3:]]   # same seed, same samples
 
 
-def test_default_out_is_samples_jsonl_beside_the_checkpoint_or_model_folder_never_a_foreign_file(tiny_ckpt, tmp_path,
+def test_default_out_is_samples_jsonl_beside_the_checkpoint(tiny_ckpt, tmp_path,
                                                                                                   monkeypatch):
     """Issue 36: README's sample command left samples.jsonl in the current folder (the repository). The default is
     now beside what --ckpt names: run/ckpt.pt and the model folder run/model -> run/samples.jsonl; a samples.jsonl
@@ -636,7 +636,7 @@ def test_default_out_is_samples_jsonl_beside_the_checkpoint_or_model_folder_neve
     assert (other / "samples.jsonl").read_text() == "my own notes\n" and os.listdir(elsewhere) == []
 
 
-def test_cli_psi_sampler_records_its_settings_and_eta_one_is_ancestral(tiny_ckpt, tmp_path):
+def test_cli_psi_records_its_settings_and_eta_one_is_ancestral(tiny_ckpt, tmp_path):
     """--sampler psi runs on a checkpoint and records its settings; --psi_eta 1 writes the ancestral samples."""
     import sample
     ckpt, _ = tiny_ckpt
@@ -686,7 +686,7 @@ def test_lm_eval_model_args_take_duos_psi_settings(tiny_ckpt):
                                     grid="duo")
 
 
-def test_cli_prompt_ids_without_an_id_between_commas_is_an_error_not_no_prompt(tiny_ckpt, tmp_path):
+def test_cli_prompt_ids_with_an_empty_id_are_an_error(tiny_ckpt, tmp_path):
     """--prompt_ids "," or "1,,2" was read as no prompt (or as 1,2): a malformed value, refused in one line before
     anything is written; a trailing comma is harmless and accepted."""
     import sample

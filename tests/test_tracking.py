@@ -44,7 +44,7 @@ def log_scalars(out_dir):
     return series
 
 
-def test_tensorboard_events_read_back_equal_log_jsonl_and_resume_continues_the_step_axis(corpus, tmp_path):
+def test_tensorboard_events_equal_log_jsonl_across_a_resume(corpus, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
@@ -89,7 +89,7 @@ class StandInWandb(types.ModuleType):
         return ("table", columns, data)
 
 
-def test_wandb_gets_log_jsonl_scalars_config_samples_and_resume_continues_the_same_run(corpus, tmp_path,
+def test_wandb_gets_log_jsonl_and_resume_continues_the_run(corpus, tmp_path,
                                                                                          monkeypatch):
     wandb = StandInWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
@@ -162,7 +162,7 @@ def wandb_history(path):
     return rows
 
 
-def test_real_wandb_offline_run_files_hold_log_jsonl_scalars_across_a_resume(corpus, tmp_path, monkeypatch):
+def test_real_wandb_offline_files_hold_log_jsonl_across_a_resume(corpus, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("wandb.proto.wandb_internal_pb2")
     monkeypatch.setenv("WANDB_MODE", "offline")

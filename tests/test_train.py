@@ -116,7 +116,7 @@ def test_resume_mid_curriculum_continues_bit_identically(corpus, tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
-def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus, tmp_path, monkeypatch):
+def test_curriculum_trains_on_soft_inputs_for_exactly_its_steps(corpus, tmp_path, monkeypatch):
     calls, inputs, real = [], [], curriculum.curriculum_sample
 
     def spy(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
@@ -138,7 +138,7 @@ def test_curriculum_trains_on_soft_gaussian_inputs_for_exactly_its_steps(corpus,
     assert all(v == v for v in log_rows(tmp_path, "loss"))
 
 
-def test_the_curriculums_end_is_said_in_the_log_where_the_loss_jumps(corpus, tmp_path, capsys):
+def test_the_curriculums_end_is_logged_where_the_loss_jumps(corpus, tmp_path, capsys):
     """Issue 36: the demo's training loss jumps from 2.11 to 2.90 when its curriculum ends, and nothing said why.
     Now the run says it at that step, on the console and as a log.jsonl event right after the step's loss, which
     figures/plot.py reads (and marks); the message's alpha_t range of the curriculum is checked against its
@@ -230,7 +230,7 @@ def test_grad_accumulation_matches_one_big_batch(corpus, tmp_path):
         assert all(g.abs().max() > 0 for g in a)         # every parameter's gradient is compared
 
 
-def test_every_rank_builds_rank_0s_weights_and_ema_then_draws_its_own_dropout():
+def test_every_rank_builds_rank_0s_weights_then_its_own_dropout():
     """DDP broadcasts rank 0's weights at wrap time, not its EMA: a rank > 0 that built its model from its own seed
     kept an EMA of other random weights (its evaluation and export would differ). Every rank builds the model and the
     EMA from --seed; only torch's RNG afterwards (dropout) is per rank."""
@@ -282,7 +282,7 @@ def test_missing_and_empty_dataset_fail_cleanly(tmp_path):
 
 
 @pytest.mark.slow
-def test_existing_run_is_never_overwritten_and_incompatible_resume_refused(corpus, tmp_path):
+def test_a_run_is_never_overwritten_nor_resumed_incompatibly(corpus, tmp_path):
     r = cli(["--max_iters", "2"], tmp_path, corpus)
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "out"               # the last lines say where the checkpoint, the model folder, the samples went
@@ -422,7 +422,7 @@ def test_training_conditions_the_model_on_minus_log_alpha_t():
             - u32 * torch.log(alpha_t)).all()
 
 
-def test_sddlm_v1_negatives_are_uniform_and_independent_of_xt_and_of_the_replacement_tokens(monkeypatch):
+def test_sddlm_v1_negatives_are_uniform_and_independent_of_xt(monkeypatch):
     """Eq. (negative): x_hat ~ U(V), drawn apart from the corruption. Chi-square tests (z = 4.5, p ~ 3e-6) of the
     negatives the loss receives: their frequencies against U(V), and their joint tables with x_t and with the
     replacement tokens of Eq. (discrete_marginal) (diffusion.draw_noise's second draw) against independence."""

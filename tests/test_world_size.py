@@ -86,7 +86,7 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
 
 
 @pytest.mark.numerics
-def test_gen_ppl_and_entropy_are_the_same_for_1_2_and_4_processes(trained, one_thread):
+def test_gen_ppl_and_entropy_are_equal_for_1_2_and_4_processes(trained, one_thread):
     d, args, ckpt = trained
     tok = get_tokenizer(load_meta(str(d / "data"))["tokenizer"])
     table = torch.randn(tok.vocab_size + 1, 16, generator=torch.Generator().manual_seed(0))
@@ -119,7 +119,7 @@ def test_gen_ppl_and_entropy_are_the_same_for_1_2_and_4_processes(trained, one_t
             assert results[world_size][key] == pytest.approx(results[1][key], rel=1e-9), key
 
 
-def test_sample_groups_cover_every_sample_once_whatever_the_world_size():
+def test_sample_groups_cover_every_sample_once_at_any_size():
     for n in (1, 6, 8, 9, 64, 100):
         for world_size in (1, 2, 3, 8, 16):
             groups = [g for r in range(world_size) for g in eval_ppl.sample_groups(n, r, world_size)]
@@ -149,7 +149,7 @@ def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_validation(trained, tmp_path):
+def test_one_and_two_gloo_processes_give_the_same_validation(trained, tmp_path):
     import torch.multiprocessing as mp
     d, args, ckpt = trained
     args = args + ["--loss", "sddlm_v1", "--eval_iters", "0"]
@@ -164,7 +164,7 @@ def test_one_checkpoint_evaluated_by_one_and_two_gloo_processes_gives_the_same_v
 
 
 @pytest.mark.numerics
-def test_validation_is_eval_ppls_estimator_on_the_same_draws_at_every_evaluation(trained, one_thread, monkeypatch,
+def test_validation_is_eval_ppls_estimator_on_the_same_draws(trained, one_thread, monkeypatch,
                                                                                    capsys):
     """Issue 36: training printed PPL 181.7 for the demo and eval_ppl.py 150.0, 184.7, 194.2 with its seeds, with no
     error bars: other draws of a noisy estimator. Now training's validation NELBO is eval_ppl.py's estimator at its
