@@ -21,7 +21,9 @@ import torch
 
 import diffusion
 import losses
+from curriculum.gaussian import GAMMA_LIMIT
 from data import BatchLoader, DataError, get_tokenizer
+from kernels.fused_head import HEADS
 from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import restore
@@ -316,12 +318,23 @@ def main(argv=None):
     return launch(cfg, lambda where: check_start(cfg, given, where), lambda env, source: train(cfg, env, source, given))
 
 
+# what train.py's own flags take, beside every run's (plumbing.flags.check_train_flags): the method's names; eps >= 1
+# leaves log(p + eps) within log 2 of a constant (nothing to learn); the curriculum's alpha table is accurate for
+# |gamma| <= GAMMA_LIMIT, and tau = 10^x beyond [1e-30, 1e3) overflows its softmax or makes its input uniform
+TRAIN_CHOICES = dict(loss=diffusion.OBJECTIVES, preset=PRESETS, head=HEADS, noise_schedule=diffusion.SCHEDULES)
+TRAIN_RANGES = [("eps", 0, 1, False), ("dropout", 0, 1, True), ("gamma_min", -GAMMA_LIMIT, GAMMA_LIMIT, True),
+                ("gamma_max", -GAMMA_LIMIT, GAMMA_LIMIT, True), ("log10_tau_start", -30, 3, True),
+                ("log10_tau_end", -30, 3, True)]
+
+
 def check_start(cfg, given, where):
     """Before anything is made: every flag, its data preparation's among them, and no output over an input
     (plumbing.flags.check_train_flags); the model's shape at any vocabulary and its size against the machine
     (where: the launch); with --init (or a resumed fine-tuning run) SOURCE read and the flags given (given: those on
     the command line) checked against it, whose model is then the run's -> that Source, or None."""
-    check_train_flags(cfg, where.world_size)
+    check_train_flags(cfg, where.world_size, TRAIN_CHOICES, TRAIN_RANGES)
+    if diffusion.OBJECTIVES[cfg.loss].causal and cfg.curriculum_iters:
+        raise cli.ConfigError("--curriculum_iters applies to diffusion losses, not --loss ar")
     if not cfg.init:                  # with --init the model is SOURCE's (trained.finetune.check_flags)
         check_run_fits(cfg, model_config_for(cfg, cfg.vocab_size or 2), where)    # impossible, or too large
     return start_from(cfg, given)

@@ -34,7 +34,6 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import copy
-import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -43,20 +42,18 @@ import torch
 import curriculum.gaussian as curriculum
 import diffusion
 import train
-from plumbing.cli import UsageError, parse_flags, resolve_dtype, run_cli
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
 from eval_ppl import validation_record, validation_sums
 from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, restore
-from plumbing.distributed import compiles
-from trained.finetune import read_init, tokenizer_identity
+from plumbing.cli import UsageError, parse_flags, run_cli
+from plumbing.flags import check_run_flags
 from plumbing.integrity import check_tokenizer_identity
-from plumbing.files import refuse_overwrite, run_outputs
 from plumbing.memory import check_run_fits
 from plumbing.run import RunPlumbing, launch
-from plumbing.tracking import require_trackers
 from trained.checkpoint import read_resume
 from trained.export import export
+from trained.finetune import read_init, tokenizer_identity
 
 
 @dataclass
@@ -211,47 +208,22 @@ def parse_config(argv=None):
 
 
 def validate(cfg, world_size):
-    """The flags at start-up (plumbing.run.launch's check; world_size: the torchrun job's ranks): no output over an
-    input, each flag against the values it may take -> UsageError naming it."""
-    refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)},
-                     {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir})
-    require_trackers(cfg)
-    if not cfg.out_dir.strip():
-        raise UsageError("--out_dir is empty; name the folder for the checkpoint and log, e.g. --out_dir out-dcd")
-    if cfg.divergence not in DIVERGENCES:
-        raise UsageError(f"unknown --divergence {cfg.divergence!r}; choose from {', '.join(DIVERGENCES)}")
-    if cfg.teacher not in ("live", "ema"):
-        raise UsageError(f"unknown --teacher {cfg.teacher!r}; choose from live, ema")
+    """The flags at start-up (plumbing.run.launch's check; world_size: the torchrun job's ranks): every run's
+    (plumbing.flags.check_run_flags: no output over an input, each flag against the values it may take) and DCD's
+    -> UsageError naming the flag."""
+    check_run_flags(cfg, world_size, {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir},
+                    dict(divergence=DIVERGENCES, teacher=("live", "ema")),
+                    [("gamma_min", -curriculum.GAMMA_LIMIT, curriculum.GAMMA_LIMIT, True),
+                     ("gamma_max", -curriculum.GAMMA_LIMIT, curriculum.GAMMA_LIMIT, True)])
     if cfg.teacher == "ema" and not cfg.ema:
         raise UsageError("--teacher ema needs EMA weights: set --ema > 0")
-    if cfg.lr_schedule not in ("constant", "linear", "cosine"):
-        raise UsageError(f"unknown --lr_schedule {cfg.lr_schedule!r}; choose from constant, linear, cosine")
-    if min(cfg.max_iters, cfg.round_iters, cfg.T, cfg.batch_size, cfg.grad_accum, cfg.eval_interval,
-           cfg.log_interval, cfg.ckpt_interval) < 1:
-        raise UsageError("--max_iters, --round_iters, --T, --batch_size, --grad_accum, --eval_interval, "
-                         "--log_interval and --ckpt_interval must be >= 1")
-    if cfg.eval_iters < 0 or cfg.num_samples < 0 or cfg.sample_steps < 1 or not 0 < cfg.sample_top_p <= 1:
-        raise UsageError("--eval_iters (0 = the whole split) and --num_samples must be >= 0, --sample_steps >= 1, "
-                         "--sample_top_p in (0, 1]")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0 and 0 <= cfg.min_lr <= cfg.lr and cfg.warmup_iters >= 0):
-        raise UsageError(f"--lr must be finite and > 0 (got {cfg.lr}), --min_lr in [0, lr], --warmup_iters >= 0")
-    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1 and cfg.weight_decay >= 0 and cfg.grad_clip >= 0):
-        raise UsageError("--beta1 and --beta2 must be in [0, 1), --weight_decay and --grad_clip >= 0")
-    if not 0 <= cfg.diverge_margin < math.inf:
-        raise UsageError(f"--diverge_margin must be in [0, inf) (0 = log V), got {cfg.diverge_margin}")
-    if not -curriculum.GAMMA_LIMIT <= cfg.gamma_min < cfg.gamma_max < curriculum.GAMMA_LIMIT:
-        raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max}), both in "
-                         f"[-{curriculum.GAMMA_LIMIT}, {curriculum.GAMMA_LIMIT})")
+    if min(cfg.round_iters, cfg.T) < 1:
+        raise UsageError(f"--round_iters and --T must be >= 1, got {cfg.round_iters} and {cfg.T}")
+    if not cfg.gamma_min < cfg.gamma_max:
+        raise UsageError(f"--gamma_min ({cfg.gamma_min}) must be below --gamma_max ({cfg.gamma_max})")
     if step_size(cfg.max_iters - 1, cfg) >= 1:
         raise UsageError(f"dt reaches {step_size(cfg.max_iters - 1, cfg):g} >= 1 in the last round: raise --T or "
                          f"--round_iters, or lower --max_iters")
-    if cfg.batch_size % (world_size * cfg.grad_accum):
-        raise UsageError(f"--batch_size {cfg.batch_size} is not divisible by {world_size} ranks x "
-                         f"--grad_accum {cfg.grad_accum}")
-    if not 0 <= cfg.ema < 1:
-        raise UsageError("--ema must be in [0, 1)")
-    resolve_dtype(cfg.dtype, torch.device("cpu"))
-    compiles(cfg.compile, cfg.preset, torch.device("cpu"))   # --compile: auto, 1 or 0
 
 
 def load_init(cfg):

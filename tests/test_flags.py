@@ -24,7 +24,7 @@ def test_out_of_range_numbers_name_the_flag_given(tmp_path):
              (["--eps", "1e30"], "--eps must be in (0, 1), got 1e+30")]
     check_one_line(run_batches([case("train.py", *run, *argv, cwd=tmp_path, expect=words) for argv, words in cases]
                       + [case("distillation/distill.py", "--init", tmp_path / "ckpt.pt", "--out_dir", tmp_path / "d",
-                              "--gamma_min=-30", cwd=tmp_path, expect="both in [-15, 15)")]))
+                              "--gamma_min=-30", cwd=tmp_path, expect="--gamma_min must be in [-15, 15), got -30.0")]))
     assert os.listdir(tmp_path) == []
 
 
