@@ -13,6 +13,7 @@ from plumbing.distributed import Env
 import test_train
 import train
 
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
@@ -35,6 +36,7 @@ def test_out_of_memory_is_one_line_from_the_rank_that_hit_it(rank, monkeypatch, 
     """torch's CUDA error and the CPU allocator's both become one line with the size and the flag; under torchrun
     the rank that ran out says so (the others may not have), while bad flags are reported by rank 0 alone."""
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")          # a job: a RANK without one is the one process's (rank 0)
 
     def cuda():
         raise torch.OutOfMemoryError(OOM)
