@@ -4,6 +4,7 @@ and final step its config names, scores text with the NELBO (exact NLL for the A
 force), uploads offline to a stand-in hub and loads back from it; every script's --ckpt reads it."""
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -165,6 +166,9 @@ def test_score_is_the_exact_nll_of_an_ar_model_and_the_nelbo_of_a_diffusion_mode
     assert r["nll_se"] == pytest.approx(abs(rounds[0] - rounds[1]) / 2, abs=sum(tols) / 2)   # two rounds: |a - b| / 2
     assert abs(rounds[0] - rounds[1]) > 10 * sum(tols)
     assert r["ppl_se"] == pytest.approx(r["ppl"] * r["nll_se"], rel=4 * u)      # one float64 product, rounded
+    # its 95% interval: Student's t on the rounds' 1 degree of freedom, 12.706205 (tan(0.475 pi)), not 1.96
+    assert (r["ppl_lo"], r["ppl_hi"]) == pytest.approx((math.exp(r["nll"] - 12.706205 * r["nll_se"]),
+                                                        math.exp(r["nll"] + 12.706205 * r["nll_se"])), rel=1e-6)
 
 
 def fake_hub(monkeypatch, root):
