@@ -12,9 +12,10 @@ nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log
           upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
           sequence gets its own draws (seeded by --seed, its index and the round; the same as training's validation
           at the defaults): rounds of --mc_draws times stratified over [t_min, 1], at least --rounds of them, more
-          until the PPL's relative standard error is --rel_se (default 2%) or --max_rounds is reached; the SE comes
-          from the rounds' spread (nelbo_ppl). Two checkpoints scored with one seed see the same draws.
-          The AR baseline gets its exact PPL instead, exp(token-mean of ar_loss).
+          until the PPL's relative standard error is --rel_se (default 2%) on 30+ degrees of freedom or --max_rounds
+          is reached; the SE comes from the rounds' spread, the 95% interval from Student's t (nelbo_ppl). Two
+          checkpoints scored with one seed see the same draws. The AR baseline gets its exact PPL instead,
+          exp(token-mean of ar_loss).
 zeroshot  the same estimator on a text the model never saw (a local .txt, or a named set via data.py's
           loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
           paper Appendix: no EOS between segments): documents are concatenated WITHOUT an EOS between them,
@@ -510,7 +511,8 @@ class EvalConfig:
     max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
     mc_draws: int = VAL_DRAWS        # (t, xt) draws per sequence in one round, t stratified over [t_min, 1]
     rounds: int = VAL_ROUNDS         # rounds per sequence at least (>= 2: their spread is the standard error)
-    rel_se: float = 0.02             # then more rounds until the PPL's relative standard error is at most this (0: no)
+    rel_se: float = 0.02             # then more rounds until the PPL's relative SE is at most this, on 30+ degrees
+                                     # of freedom (0: no)
     max_rounds: int = 32             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
