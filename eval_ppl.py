@@ -92,9 +92,8 @@ NU_MIN = 30         # --rel_se judges a standard error only on this many degrees
 
 
 def t95(dof):
-    """Student's t 97.5% quantile on dof >= 1 degrees of freedom (Z95 when dof is infinite): mean +- t95 SE is a 95%
-    interval when SE^2 is a variance estimate on dof degrees of freedom. With T = sqrt(dof) tan(th), P(|T| <=
-    sqrt(dof) tan(th)) = int_0^th cos^(dof - 1) / int_0^(pi/2) cos^(dof - 1), by the trapezoid rule."""
+    """Student's t 97.5% quantile on dof >= 1 degrees of freedom: T = sqrt(dof) tan(th) has P(|T| <= sqrt(dof)
+    tan(th)) = int_0^th cos^(dof - 1) / int_0^(pi/2) cos^(dof - 1), here by the trapezoid rule."""
     if dof > 1e3:        # Cornish and Fisher's first term (the next < 3e-6); Z95 at infinity
         return Z95 + (Z95 ** 3 + Z95) / (4 * dof)
     th = np.linspace(0, math.pi / 2, 20_001)
@@ -254,8 +253,7 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
             se, dof = summary["rel_se"], summary["dof"]
             if rel_se <= 0 or (se <= rel_se and dof >= NU_MIN) or done >= max_rounds:
                 break
-            # SE ~ 1 / sqrt(R), dof ~ R - 1: a SE on few degrees of freedom is too small by chance as often as not,
-            # and stopping when it is would report it (and a far larger chi-square over seeds)
+            # SE ~ 1 / sqrt(R), dof ~ R - 1 (an SE on few is below its value by chance as often as not: no stop on it)
             more = max(1, min(max_rounds, math.ceil(max(done * (se / rel_se) ** 2, 1 + (done - 1) * NU_MIN / dof)))
                        - done)
             if show_progress:          # the wait that follows, said before it starts
