@@ -12,9 +12,10 @@ nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log
           upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
           sequence gets its own draws (seeded by --seed, its index and the round; the same as training's validation
           at the defaults): rounds of --mc_draws times stratified over [t_min, 1], at least --rounds of them, more
-          until the PPL's relative standard error is --rel_se (default 2%) or --max_rounds is reached; the SE comes
-          from the rounds' spread (nelbo_ppl). Two checkpoints scored with one seed see the same draws.
-          The AR baseline gets its exact PPL instead, exp(token-mean of ar_loss).
+          until the PPL's relative standard error is --rel_se (default 2%) on 30+ degrees of freedom or --max_rounds
+          is reached; the SE comes from the rounds' spread, the 95% interval from Student's t (nelbo_ppl). Two
+          checkpoints scored with one seed see the same draws. The AR baseline gets its exact PPL instead,
+          exp(token-mean of ar_loss).
 zeroshot  the same estimator on a text the model never saw (a local .txt, or a named set via data.py's
           loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
           paper Appendix: no EOS between segments): documents are concatenated WITHOUT an EOS between them,
@@ -87,17 +88,30 @@ ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxi
 EVAL_SEED = 0       # the validation of train.py and distill.py: its seed, its stratified times per round, its rounds
 VAL_DRAWS = 8       # per sequence; eval_ppl.py's defaults (--seed, --mc_draws, --rounds), so that its first rounds
 VAL_ROUNDS = 2      # are these draws (a test holds the two equal)
-Z95 = 1.959963984540054   # the standard normal's 97.5% quantile: mean +- Z95 SE is a 95% interval
+Z95 = 1.959963984540054   # the standard normal's 97.5% quantile: mean +- Z95 SE is a 95% interval for a known SE
+NU_MIN = 30         # --rel_se judges a standard error only on this many degrees of freedom or more
 
 
-def ppl_summary(nll, se, prefix):
-    """A perplexity exp(nll) with its delta-method standard error and 95% interval exp(nll -+ Z95 se) (None: se
-    is None, one sample)."""
+def t95(dof):
+    """Student's t 97.5% quantile on dof >= 1 degrees of freedom: T = sqrt(dof) tan(th) has P(|T| <= sqrt(dof)
+    tan(th)) = int_0^th cos^(dof - 1) / int_0^(pi/2) cos^(dof - 1), here by the trapezoid rule."""
+    if dof > 1e3:        # Cornish and Fisher's first term (the next < 3e-6); Z95 at infinity
+        return Z95 + (Z95 ** 3 + Z95) / (4 * dof)
+    th = np.linspace(0, math.pi / 2, 20_001)
+    f = np.cos(th) ** (dof - 1)
+    area = np.concatenate([[0.0], np.cumsum(f[1:] + f[:-1])])
+    return math.sqrt(dof) * math.tan(float(np.interp(0.95 * area[-1], area, th)))
+
+
+def ppl_summary(nll, se, prefix, dof=math.inf):
+    """A perplexity exp(nll) with its delta-method standard error and 95% interval exp(nll -+ t95(dof) se), se^2
+    a variance estimate on dof degrees of freedom (None: se is None, one sample)."""
     ppl = math.exp(min(nll, 700.0))
     if se is None:
         return {prefix: ppl, f"{prefix}_se": None, f"{prefix}_lo": None, f"{prefix}_hi": None}
-    return {prefix: ppl, f"{prefix}_se": ppl * se, f"{prefix}_lo": math.exp(min(nll - Z95 * se, 700.0)),
-            f"{prefix}_hi": math.exp(min(nll + Z95 * se, 700.0))}
+    q = t95(dof)
+    return {prefix: ppl, f"{prefix}_se": ppl * se, f"{prefix}_lo": math.exp(min(nll - q * se, 700.0)),
+            f"{prefix}_hi": math.exp(min(nll + q * se, 700.0))}
 
 
 def stratified_times(draws, generator, t_min=diffusion.T_MIN):
@@ -167,22 +181,24 @@ def sequence_nelbo(model, x0, mask, first, rounds, *, seed=EVAL_SEED, draws=VAL_
 
 def nelbo_summary(sums):
     """The NELBO per token, its perplexity and their Monte-Carlo standard errors from float64 sums over sequences
-    i (each rank's added): sums = (sum_i nats_i, sum_i tokens_i, sum_i var_i), nats_i a sequence's estimate (the
-    mean of its rounds), var_i = s_i^2 / R its variance estimate (s_i^2: the unbiased spread of its R rounds; 0 for
-    an exact NLL). The sequences are fixed and their draws independent, so Var(nll) = sum_i Var(nats_i) / T^2, T =
-    sum_i tokens_i; the PPL by ppl_summary. -> dict(nll, nll_se, ppl, ppl_se, ppl_lo, ppl_hi, rel_se = SE(PPL) /
-    PPL = SE(nll))."""
-    nats, tokens, var = (float(v) for v in sums)
-    nll, se = nats / tokens, math.sqrt(max(var, 0.0)) / tokens
-    return dict(nll=nll, nll_se=se, **ppl_summary(nll, se, "ppl"), rel_se=se)
+    i (each rank's added): sums = (sum_i nats_i, sum_i tokens_i, sum_i var_i, sum_i var_i^2 / (R - 1)), nats_i a
+    sequence's estimate (the mean of its R rounds), var_i = s_i^2 / R its variance estimate (s_i^2: the unbiased
+    spread of its rounds, on R - 1 degrees of freedom; 0 for an exact NLL). The sequences are fixed and their draws
+    independent, so Var(nll) = sum_i Var(nats_i) / T^2, T = sum_i tokens_i, estimated on Satterthwaite's
+    (sum_i var_i)^2 / sum_i (var_i^2 / (R - 1)) degrees of freedom (R - 1 for one sequence, ~N (R - 1) for N alike):
+    the 95% interval's t quantile (ppl_summary). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi, rel_se =
+    SE(PPL) / PPL = SE(nll))."""
+    nats, tokens, var, var2 = (float(v) for v in sums)
+    nll, se, dof = nats / tokens, math.sqrt(max(var, 0.0)) / tokens, var * var / var2 if var2 > 0 else math.inf
+    return dict(nll=nll, nll_se=se, dof=dof, **ppl_summary(nll, se, "ppl", dof), rel_se=se)
 
 
 def round_sums(nats, tokens):
-    """sequence_nelbo's rounds (R, B) and tokens (B,) -> float64 sums (sum_i nats_i, sum_i tokens_i, sum_i var_i)
-    of nelbo_summary: nats_i the mean of sequence i's rounds, var_i their unbiased variance / R (R >= 2)."""
+    """sequence_nelbo's rounds (R, B) and tokens (B,) -> the float64 sums of nelbo_summary (nats_i the mean of
+    sequence i's rounds, var_i their unbiased variance / R; R >= 2)."""
     R = nats.shape[0]
     var = nats.var(0, unbiased=True) / R
-    return torch.stack([nats.mean(0).sum(), tokens.sum(), var.sum()])
+    return torch.stack([nats.mean(0).sum(), tokens.sum(), var.sum(), (var * var).sum() / (R - 1)])
 
 
 @torch.no_grad()
@@ -192,12 +208,13 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
     above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
     (B, L) bool or None (False = padding); sequences are numbered in that order. Each sequence gets `rounds`
     (>= 2) rounds of mc_draws stratified (t, x_t) draws (sequence_nelbo); while the PPL's relative standard error is
-    above rel_se (> 0) and fewer than max_rounds are done, more rounds follow, as many as the estimated error says
-    (each a pass over the batches: a function re-reads them). A causal model (model.config.causal, the AR baseline)
-    is scored exactly with losses.ar_loss instead (one pass, no draws, standard error 0). vocab_size: unused, the
-    model's. n_sequences: the progress bar's total (it counts sequences, a batch's in steps of its forwards).
-    -> dict(nll, nll_se, ppl, ppl_se, ppl_lo, ppl_hi (95% interval), rel_se, bpd, tokens, sequences, estimator
-    "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds, seed)."""
+    above rel_se (> 0), or judged on fewer than NU_MIN degrees of freedom, and fewer than max_rounds are done, more
+    rounds follow, as many as the estimated error says (each a pass over the batches: a function re-reads them). A
+    causal model (model.config.causal, the AR baseline) is scored exactly with losses.ar_loss instead (one pass, no
+    draws, standard error 0). vocab_size: unused, the model's. n_sequences: the progress bar's total (it counts
+    sequences, a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95%
+    interval), rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds),
+    rounds, seed)."""
     if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
         raise ValueError(f"need mc_draws >= 1, 2 <= rounds <= max_rounds and rel_se >= 0; got {mc_draws}, {rounds}, "
                          f"{max_rounds}, {rel_se}")
@@ -235,19 +252,24 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
 
     if causal:
         nats, tokens = passes(range(1))
-        summary = nelbo_summary((nats.sum(), tokens.sum(), 0.0))
+        summary = nelbo_summary((nats.sum(), tokens.sum(), 0.0, 0.0))
     else:
         nats, tokens = passes(range(rounds))
         while True:
             summary = nelbo_summary(round_sums(nats, tokens))
             done = nats.shape[0]
-            if rel_se <= 0 or summary["rel_se"] <= rel_se or done >= max_rounds:
+            se, dof = summary["rel_se"], summary["dof"]
+            if rel_se <= 0 or (se <= rel_se and dof >= NU_MIN) or done >= max_rounds:
                 break
-            more = max(1, min(max_rounds, math.ceil(done * (summary["rel_se"] / rel_se) ** 2)) - done)  # SE ~ 1/sqrt(R)
+            # SE ~ 1 / sqrt(R), dof ~ R - 1 (an SE on few is below its value by chance as often as not: no stop on it)
+            more = max(1, min(max_rounds, math.ceil(max(done * (se / rel_se) ** 2, 1 + (done - 1) * NU_MIN / dof)))
+                       - done)
             if show_progress:          # the wait that follows, said before it starts
-                tqdm.write(f"relative SE {100 * summary['rel_se']:.2f}% after {done} rounds, above --rel_se "
-                           f"{100 * rel_se:g}%: {more} more round{'s' * (more > 1)} (~{more / done:.3g}x the time "
-                           f"so far; at most --max_rounds {max_rounds} in all)", file=sys.stderr)
+                why = (f"above --rel_se {100 * rel_se:g}%" if se > rel_se else
+                       f"on {dof:.3g} < {NU_MIN} degrees of freedom")
+                tqdm.write(f"relative SE {100 * se:.2f}% after {done} rounds, {why}: {more} more "
+                           f"round{'s' * (more > 1)} (~{more / done:.3g}x the time so far; at most --max_rounds "
+                           f"{max_rounds} in all)", file=sys.stderr)
             nats = torch.cat([nats, passes(range(done, done + more))[0]])
     return dict(**summary, bpd=summary["nll"] / math.log(2), tokens=int(tokens.sum()), sequences=len(tokens),
                 estimator="ar_exact" if causal else "nelbo", mc_draws=0 if causal else mc_draws * nats.shape[0],
@@ -396,7 +418,7 @@ def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_
     if count_of.sum() == 0:
         raise ValueError("no scored tokens: every sample is at most one token long")
     nll, se = ratio_summary(ratio_moments(nll_of, count_of))
-    return dict(**ppl_summary(nll, se, "gen_ppl"), nll=nll, nll_se=se, tokens=int(count_of.sum()),
+    return dict(**ppl_summary(nll, se, "gen_ppl", len(seqs) - 1), nll=nll, nll_se=se, tokens=int(count_of.sum()),
                 samples=len(seqs), judge=judge.name, retokenized=retokenize,
                 **(dict(sample_nll=nll_of, sample_tokens=count_of) if per_sample else {}))
 
@@ -495,7 +517,8 @@ class EvalConfig:
     max_batches: int = 0             # score only the first N batches (0 = the whole split / text)
     mc_draws: int = VAL_DRAWS        # (t, xt) draws per sequence in one round, t stratified over [t_min, 1]
     rounds: int = VAL_ROUNDS         # rounds per sequence at least (>= 2: their spread is the standard error)
-    rel_se: float = 0.02             # then more rounds until the PPL's relative standard error is at most this (0: no)
+    rel_se: float = 0.02             # then more rounds until the PPL's relative SE is at most this, on 30+ degrees
+                                     # of freedom (0: no)
     max_rounds: int = 32             # the cap on rounds per sequence (--rel_se may stop there, unreached: said so)
     t_min: float = 1e-3              # the smallest time t of the stratified draws in [t_min, 1]
     dataset: str = ""                # zeroshot: comma list of .txt files and/or names (wikitext103, lambada, ...)
@@ -572,9 +595,9 @@ def precision_line(row, cfg):
     if row["estimator"] != "nelbo":
         return f"{row['data']}: PPL {row['ppl']:.2f}, exact ({row['estimator']}: no Monte-Carlo draws)"
     line = (f"{row['data']}: PPL {row['ppl']:.2f} ± {row['ppl_se']:.2f} (95% interval {row['ppl_lo']:.2f}–"
-            f"{row['ppl_hi']:.2f}), relative SE {100 * row['rel_se']:.2f}%, {row['mc_draws']} draws per sequence "
-            f"({row['rounds']} rounds of {cfg.mc_draws}), seed {row['seed']}")
-    if cfg.rel_se and row["rel_se"] > cfg.rel_se:
+            f"{row['ppl_hi']:.2f}, t on {row['dof']:.0f} degrees of freedom), relative SE {100 * row['rel_se']:.2f}%, "
+            f"{row['mc_draws']} draws per sequence ({row['rounds']} rounds of {cfg.mc_draws}), seed {row['seed']}")
+    if cfg.rel_se and (row["rel_se"] > cfg.rel_se or row["dof"] < NU_MIN):
         line += f"; --rel_se {cfg.rel_se:g} not reached at --max_rounds {cfg.max_rounds}"
     return line
 
@@ -741,7 +764,7 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
 # -----------------------------------------------------------------------------------------------
 # validation during training (train.py, distillation/distill.py): the objective and the NELBO, with the EMA weights
 
-VAL_SUMS = 6        # validation_sums' length: round_sums of the objective, then of the NELBO
+VAL_SUMS = 8        # validation_sums' length: round_sums of the objective, then of the NELBO
 
 
 @torch.no_grad()
@@ -778,15 +801,15 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
                     per_token, weight = per_token_loss(model, x0, mask, t, draws)
                 weight = torch.ones_like(per_token) if weight is None else weight
                 rounds.append((per_token.double() * weight).sum(1).cpu())
-            sums[:3] += round_sums(torch.stack(rounds), weight.sum(1).double().cpu())
+            sums[:4] += round_sums(torch.stack(rounds), weight.sum(1).double().cpu())
             if causal:
                 mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask
                 with autocast:
                     logits = model(x0)
                 nats = (losses.ar_loss(logits, x0).double() * mask[:, 1:]).sum().cpu()
-                sums[3:] += torch.stack([nats, mask[:, 1:].sum().double().cpu(), torch.zeros((), dtype=torch.float64)])
+                sums[4:6] += torch.stack([nats, mask[:, 1:].sum().double().cpu()])
             else:
-                sums[3:] += round_sums(*sequence_nelbo(model, x0, mask, first, range(VAL_ROUNDS), autocast=autocast))
+                sums[4:] += round_sums(*sequence_nelbo(model, x0, mask, first, range(VAL_ROUNDS), autocast=autocast))
         raw.train()
     return sums
 
@@ -806,13 +829,13 @@ def validation_record(sums, data_dir, loss_key="val_loss"):
     each with its Monte-Carlo standard error (nelbo_summary), the PPL's 95% interval, the tokens and the draws
     per sequence."""
     from data import DataError
-    if sums[1] == 0 or sums[4] == 0:
+    if sums[1] == 0 or sums[5] == 0:
         raise DataError(f"{data_dir}: the validation split has no sequences to evaluate")
-    loss, nelbo = nelbo_summary(sums[:3]), nelbo_summary(sums[3:])
+    loss, nelbo = nelbo_summary(sums[:4]), nelbo_summary(sums[4:])
     return {loss_key: loss["nll"], f"{loss_key}_se": loss["nll_se"], "val_nelbo": nelbo["nll"],
             "val_nelbo_se": nelbo["nll_se"], "val_ppl": nelbo["ppl"], "val_ppl_se": nelbo["ppl_se"],
-            "val_ppl_lo": nelbo["ppl_lo"], "val_ppl_hi": nelbo["ppl_hi"], "val_tokens": int(sums[4]),
-            "val_draws": 0 if float(sums[5]) == 0 else VAL_ROUNDS * VAL_DRAWS}
+            "val_ppl_lo": nelbo["ppl_lo"], "val_ppl_hi": nelbo["ppl_hi"], "val_tokens": int(sums[5]),
+            "val_draws": 0 if float(sums[6]) == 0 else VAL_ROUNDS * VAL_DRAWS}
 
 
 def val_metrics(sums, cfg, data_dir):
@@ -885,8 +908,8 @@ def gen_metrics(sums, cfg, judge):
     with its standard error over the samples (the PPL's 95% interval too), naming the judge and sampler settings."""
     (nll, se), causal = ratio_summary(sums[:6]), diffusion.OBJECTIVES[cfg.loss].causal
     n = int(sums[0])
-    return {**ppl_summary(nll, se, "gen_ppl"), "gen_nll": nll, "gen_nll_se": se, "gen_entropy": float(sums[6]) / n,
-            "gen_entropy_se": mean_se(n, float(sums[6]), float(sums[7])),
+    return {**ppl_summary(nll, se, "gen_ppl", n - 1), "gen_nll": nll, "gen_nll_se": se,
+            "gen_entropy": float(sums[6]) / n, "gen_entropy_se": mean_se(n, float(sums[6]), float(sums[7])),
             "gen_samples": n, "gen_steps": None if causal else cfg.gen_steps,
             "gen_sampler": "ar" if causal else "ancestral, final step ancestral",
             "gen_seed": cfg.gen_seed, "gen_judge": judge.name}

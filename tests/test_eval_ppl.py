@@ -14,7 +14,7 @@ import torch
 import diffusion
 import losses
 from eval_ppl import (Judge, entropy, gen_ppl, judge_windows, mean_se, nelbo_ppl, ratio_moments, ratio_summary,
-                      stratified_times, zero_shot_blocks)
+                      stratified_times, t95, zero_shot_blocks)
 from model import ModelConfig, build_model
 from conftest import forward_tol, unit_roundoff
 from test_losses import usdm_sizes
@@ -91,7 +91,8 @@ def test_gen_ppl_is_exp_of_pooled_nll_with_duo_eos_rules():
 def test_gen_ppl_and_entropy_carry_standard_errors():
     """The samples are the draws: Gen PPL's NLL is a ratio estimator over them (sum of NLL / scored tokens), its
     standard error the delta method's, sum_j (n_j - R m_j)^2 / (N (N - 1) mbar^2), here from each sample's NLL by
-    hand (manual_gen_nll) in float64; the PPL's by the delta method and its 95% interval exp(nll -+ 1.96 SE); the
+    hand (manual_gen_nll) in float64; the PPL's by the delta method and its 95% interval exp(nll -+ t SE), t =
+    3.182446 Student's 97.5% quantile on N - 1 = 3 degrees of freedom (a table's, not 1.96: SE is estimated); the
     entropy's the standard error of a mean of the samples' own entropies."""
     judge, model = tiny_judge()
     result = gen_ppl(SAMPLES, judge, batch_size=3, show_progress=False)
@@ -105,7 +106,7 @@ def test_gen_ppl_and_entropy_carry_standard_errors():
     assert result["nll_se"] == pytest.approx(se, abs=se_tol) and se > 10 * se_tol
     assert result["gen_ppl_se"] == pytest.approx(result["gen_ppl"] * result["nll_se"], rel=1e-12)
     assert (result["gen_ppl_lo"], result["gen_ppl_hi"]) == pytest.approx(
-        (math.exp(R - 1.959964 * se), math.exp(R + 1.959964 * se)), rel=GEN_PPL_REL * R + 2 * se_tol)
+        (math.exp(R - 3.182446 * se), math.exp(R + 3.182446 * se)), rel=GEN_PPL_REL * R + 2 * se_tol)
     from eval_ppl import score_samples
     ids = [[5, 5, 7, 7], [1, 2, 3, 4], [3, 3, 3, 3]]
     row = score_samples(ids, ["some text", "more text", "and more"], None, judge, 2, None, label="m", steps=4)
@@ -246,7 +247,13 @@ def test_nelbo_ppl_is_exp_of_the_printed_token_mean_nelbo():
     se_tol = 2 * rel * math.sqrt(float((per_round ** 2).sum()) / (R * (R - 1))) / count
     assert result["nll_se"] == pytest.approx(se, abs=se_tol) and se > 10 * se_tol
     assert result["ppl_se"] == pytest.approx(result["ppl"] * result["nll_se"], rel=1e-12)
-    assert result["ppl_lo"] == pytest.approx(math.exp(result["nll"] - 1.959964 * result["nll_se"]), rel=1e-6)
+    # the interval's t on Satterthwaite's degrees of freedom (sum_i var_i)^2 / sum_i (var_i^2 / (R - 1)): with R = 2
+    # that is (|d|_2 / |d|_4)^4 of the rounds' differences d (9,), each norm moved by <= the SE's tolerance relative
+    # to |d|_2 (|d|_4 >= |d|_2 / 9^(1/4)): the ratio by <= 4 (1 + 9^(1/4)) times that
+    var = per_round.var(0) / R
+    dof = float(var.sum() ** 2 / (var ** 2).sum()) * (R - 1)
+    assert result["dof"] == pytest.approx(dof, rel=4 * (1 + 9 ** 0.25) * se_tol / se) and 1 < dof < 9
+    assert result["ppl_lo"] == pytest.approx(math.exp(result["nll"] - t95(result["dof"]) * result["nll_se"]), rel=1e-9)
     assert result["estimator"] == "nelbo" and result["mc_draws"] == R * D and result["rounds"] == R
 
 
@@ -329,6 +336,51 @@ def test_nelbo_standard_error_is_the_spread_over_seeds():
     tolerance = 4 * math.sqrt(float(deviations.var()) / 300 + float(reported.var()) / 300)
     assert abs(float(reported.mean()) - empirical) < tolerance, (float(reported.mean()), empirical, tolerance)
     assert empirical > 1e-4                                   # the draws do move the estimate: the test can fail
+
+
+def test_t95_is_students_quantile():
+    """Student's t 97.5% quantiles from a table (Abramowitz and Stegun 26.10; 1 and 2 in closed form: tan(0.475 pi),
+    sqrt(2) 0.95 / sqrt(1 - 0.95^2)), the normal's at infinity."""
+    table = {1: 12.706205, 2: 4.302653, 3: 3.182446, 5: 2.570582, 10: 2.228139, 30: 2.042272, 120: 1.979930,
+             5000: 1.960438, math.inf: 1.959964}
+    assert all(t95(dof) == pytest.approx(t, abs=2e-6) for dof, t in table.items())
+
+
+def test_nelbo_interval_covers_95_for_one_sequence_and_a_split():
+    """The 95% interval of one sequence's NELBO (2 rounds: its SE on 1 degree of freedom, t95 = 12.7, not 1.96) and
+    of a split of 3 covers the truth in 95% of 300 independent estimates at the defaults (2 rounds of 8), within 4
+    binomial standard errors (1.3%) and 1%. A sequence's draws depend on its index, so K copies of a split side by
+    side are K independent estimates of it, each summarised as nelbo_ppl does (round_sums, nelbo_summary); the
+    truth is the mean of 2 rounds of 300 other copies (seed 1): its error 6% of one estimate's, a shift that moves
+    the coverage by < 1%."""
+    from eval_ppl import nelbo_summary, round_sums, sequence_nelbo
+    model = perturbed(DIT)
+    x0, mask = toy_split()
+    for n in (1, 3):
+        x, m = x0[:n].repeat(300, 1), mask[:n].repeat(300, 1)
+        nats, tokens = sequence_nelbo(model, x, m, 0, range(2), seed=1)
+        truth = math.exp(float(nats.mean(0).sum()) / float(tokens.sum()))
+        nats, tokens = sequence_nelbo(model, x, m, 0, range(2), seed=0)
+        runs = [nelbo_summary(round_sums(nats[:, k * n:(k + 1) * n], tokens[k * n:(k + 1) * n])) for k in range(300)]
+        assert runs[0]["dof"] == pytest.approx(1.0) if n == 1 else 1 < runs[0]["dof"] < 3
+        cover = sum(r["ppl_lo"] <= truth <= r["ppl_hi"] for r in runs) / 300
+        assert abs(cover - 0.95) < 4 * math.sqrt(0.95 * 0.05 / 300) + 0.01, (n, cover)
+
+
+def test_nelbo_chi_square_over_seeds_within_its_99_quantile():
+    """Over 12 seeds the estimates' chi-square about their weighted mean, sum_s (x_s - xbar)^2 / SE_s^2 with xbar
+    weighted by 1 / SE_s^2, is within its 99% quantile on 11 degrees of freedom (24.72, a table's): at a --rel_se
+    that one sequence reaches at ~16 rounds (stopping instead when an SE on 1 degree of freedom was below it by
+    chance, after 2 rounds, made it 234) and at fixed --rounds 2 on a split of 48 sequences."""
+    model = perturbed(DIT)
+    x0, mask = toy_split(48)
+    one = [(x0[:1], mask[:1])]        # --rel_se: reached at ~24 rounds, by luck at 2
+    reached = 1.5 * nelbo_ppl(model, one, V, seed=99, mc_draws=4, rounds=32, show_progress=False)["rel_se"]
+    for split, rel_se in ((one, reached), ([(x0, mask)], 0.0)):
+        runs = [nelbo_ppl(model, split, V, seed=s, mc_draws=4, rel_se=rel_se, show_progress=False) for s in range(12)]
+        x, w = torch.tensor([r["nll"] for r in runs]), torch.tensor([r["nll_se"] ** -2 for r in runs])
+        chi2 = float((w * (x - (w * x).sum() / w.sum()) ** 2).sum())
+        assert chi2 < 24.72, (rel_se, chi2, [r["rounds"] for r in runs])
 
 
 @pytest.mark.numerics

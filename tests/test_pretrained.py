@@ -186,6 +186,9 @@ def test_score_is_exact_nll_for_ar_and_the_nelbo_for_diffusion(tmp_path, tok_pat
     assert r["nll_se"] == pytest.approx(abs(rounds[0] - rounds[1]) / 2, abs=sum(tols) / 2)   # two rounds: |a - b| / 2
     assert abs(rounds[0] - rounds[1]) > 10 * sum(tols)
     assert r["ppl_se"] == pytest.approx(r["ppl"] * r["nll_se"], rel=4 * u)      # one float64 product, rounded
+    # its 95% interval: Student's t on the rounds' 1 degree of freedom, 12.706205 (tan(0.475 pi)), not 1.96
+    assert (r["ppl_lo"], r["ppl_hi"]) == pytest.approx((math.exp(r["nll"] - 12.706205 * r["nll_se"]),
+                                                        math.exp(r["nll"] + 12.706205 * r["nll_se"])), rel=1e-6)
 
 
 def fake_hub(monkeypatch, root):
