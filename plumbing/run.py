@@ -9,6 +9,7 @@ decide when a run stops. Each method is named for what the loop does and takes w
 the rooms it calls."""
 import math
 import os
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -22,8 +23,8 @@ from plumbing.files import write_json, writing
 from plumbing.finetune import start_from
 from plumbing.flags import check_train_flags
 from plumbing.integrity import DivergenceRule
-from plumbing.memory import check_run_fits, fit_micro_batch
-from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines
+from plumbing.memory import check_run_fits, fit_micro_batch, probe_steps
+from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines, started_line
 from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -90,6 +91,10 @@ class RunPlumbing:
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
         self.log = self.stop = self.rule = None
+        self.marks = [("start-up", env.started), ("data", time.time())]   # (phase, when it ended): started_line
+
+    def mark(self, phase):
+        self.marks.append((phase, time.time()))
 
     # -------------------------------------------------------------------------------------------
     # before the loop
@@ -131,14 +136,22 @@ class RunPlumbing:
         restore(run, ckpt, self.env, os.path.join(self.cfg.out_dir, "ckpt.pt"))
 
     def place_model(self, run, probe=True):
-        """The model as the run trains and evaluates it: with probe, on CUDA, the micro-batch probe first
-        (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model = raw_model
-        in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's presets on
-        CUDA), and run.eval_model = raw_model compiled for evaluation, or None. -> whether it compiles."""
-        compile = compiles(self.cfg.compile, self.cfg.preset, self.env.device)
-        if probe:
-            fit_micro_batch(run, self.cfg, self.env, compile)
-        run.model = wrap_model(run.raw_model, self.env, compile)      # after the probe: see wrap_model
+        """The model as the run trains and evaluates it: with probe (train.py's step), on CUDA, the micro-batch probe
+        first (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model =
+        raw_model in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's
+        presets on CUDA), each kind of step compiled now (probe_steps; the probe's graphs where they are kept), not
+        when the curriculum ends; run.eval_model = raw_model compiled for evaluation, or None. -> whether it
+        compiles."""
+        cfg, env = self.cfg, self.env
+        compile = compiles(cfg.compile, cfg.preset, env.device)
+        self.mark("model")
+        if probe and env.device.type == "cuda":
+            fit_micro_batch(run, cfg, env, compile)
+            self.mark("probe")
+        run.model = wrap_model(run.raw_model, env, compile)      # after the probe: see wrap_model
+        if probe and compile:
+            probe_steps(run, cfg, env, cfg.batch_size // (env.world_size * cfg.grad_accum), run.model)
+            self.mark("compilation")
         run.eval_model = torch.compile(run.raw_model) if compile else None
         return compile
 
@@ -192,6 +205,8 @@ class RunPlumbing:
         self.lr = lr
         if step == self.first_step:
             self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
+            self.mark("first step")
+            self.log.say(started_line(self.marks))     # how long the start took, and where it went
         signalled = self.stop["signal"] is not None
         saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
         stopping = False
