@@ -7,6 +7,7 @@ tensors. Exact equalities: a count of bytes, no rounding."""
 import gc
 import itertools
 import json
+import re
 import weakref
 
 import pytest
@@ -178,3 +179,20 @@ def test_a_long_generation_past_the_machine_is_refused_at_the_start_naming_the_f
     with pytest.raises(bench.UsageError, match=r"--batch_size 2 x --long_blocks x L 16000000000000: .* lower "
                                                r"--long_blocks"):
         bench.main(TINY + ["--losses", "sddlm", "--sample_steps", "1", "--long_blocks", str(10 ** 12)])
+
+
+def test_each_table_prints_as_it_finishes_under_a_bar(monkeypatch, capsys):
+    """Nothing waits for the end of the run: the training table is on stdout before the sampler starts, the
+    sampler's before the fused head starts; the progress bar (stderr) counts every measurement up to its total."""
+    seen = {}
+    record_entries(monkeypatch, ["bench_sampler", "bench_head"],
+                   lambda name, args: seen.setdefault(name, capsys.readouterr()))
+    assert bench.main(TINY + ["--losses", "sddlm", "--curriculum=", "--sample_steps", "2", "--long_blocks", "0"]) == 0
+    assert "| sddlm |" in seen["bench_sampler"].out and "| sampler |" not in seen["bench_sampler"].out
+    assert "| sample.generate (ancestral)" in seen["bench_head"].out and "fused head" not in seen["bench_head"].out
+    rest = capsys.readouterr()
+    assert "kept logits" in rest.out
+    # model, 2 rounds, activations, step MiB; the training table, the sampler, the fused head
+    counts = [(int(a), int(b)) for a, b in re.findall(r"\| *(\d+)/(\d+) \[", seen["bench_sampler"].err + rest.err)]
+    assert counts[-1] == (8, 8) and {b for _, b in counts} == {8}
+    assert [a for a, _ in counts] == sorted(a for a, _ in counts)
