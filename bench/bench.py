@@ -82,6 +82,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
 
 import curriculum.gaussian as curriculum
 import diffusion
@@ -234,7 +235,6 @@ class Rows:
     next step)."""
 
     def __init__(self, device, total=None):
-        from tqdm import tqdm
         self.device, self.out_of_memory, self.left = device, {}, {}
         self.bar = tqdm(total=total, desc="bench", unit="measurement", file=sys.stderr, dynamic_ncols=True)
 
@@ -604,8 +604,7 @@ def run(cfg, show=lambda out, table: None):
                peak_flops=peak, peak_flops_from=f"{dtype_name} {n}x{n} matmul", mfu_formula=MFU_FORMULA,
                losses=results, sampler=None, head=None, long=None, out_of_memory=rows.out_of_memory,
                memory_baseline=baseline, memory_left=rows.left)
-    with rows.bar.external_write_mode():        # the table above the bar, not through its line
-        show(out, "losses")
+    show(out, "losses")
     mcfg = configs_for(cfg, (diffusion_rows or names)[0])[1]
     for table, wanted, what, fn in (
             ("sampler", sampling, "sampler", lambda: bench_sampler(cfg, mcfg, device, dtype, L)),
@@ -613,8 +612,7 @@ def run(cfg, show=lambda out, table: None):
             ("long", sampling and long, "long generation", lambda: bench_long(cfg, mcfg, device, dtype, L))):
         if wanted:
             out[table] = rows.measure(what, fn, end_of_table=True)
-            with rows.bar.external_write_mode():
-                show(out, table)
+            show(out, table)
     rows.bar.close()
     return out
 
@@ -715,7 +713,7 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
 
 def main(argv=None):
     cfg = parse_args(argv)
-    out = run(cfg, show=lambda out, table: cfg.json or print(markdown(out, (table,)), flush=True))
+    out = run(cfg, show=lambda out, table: cfg.json or tqdm.write(markdown(out, (table,)), sys.stdout))  # above the bar
     print(json.dumps(out, indent=1) if cfg.json else markdown(out, ("footer",)))
     return 0
 
