@@ -8,7 +8,7 @@ Benchmark train.py's training step for every objective, and the ancestral sample
     python bench/bench.py --repeats 5 --warmup 2 --sample_steps 16 --head_chunks 8 --long_blocks 4 --batch_size 8
                                       # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
-    python bench/bench.py --losses sddlm_v1 --profile 1            # where a step spends its time (torch.profiler)
+    python bench/bench.py --losses sddlm_v1 --profile 1            # where a step, the sampler spend their time
 
 Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
 per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
@@ -475,10 +475,13 @@ def bench_sampler(cfg, mcfg, device, dtype, L):
                 fwd.append((t1 - t0) / cfg.sample_steps)
                 gen_time.append(t2 - t1)
                 psi_time.append(t3 - t2)
+        profiled = profile_table(lambda: generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device,
+                                                  dtype=dtype, show_progress=False), device) if cfg.profile else None
     finally:
         hook.remove()
     forward_s, generate_s, psi_s = statistics.median(fwd), statistics.median(gen_time), statistics.median(psi_time)
     return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
+                profile=profiled,
                 ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1,
                 psi_ms_per_step=1e3 * psi_s / cfg.sample_steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
                 psi_vs_ancestral=psi_s / generate_s)
@@ -696,9 +699,10 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
     if costs:       # the two costs over the bare computation, from the same run (same machine load)
         lines += ["", "| cost over the bare computation, this run | ratio |", "|---|---:|"]
         lines += [f"| {what} | {ratio} |" for what, ratio in costs]
-    for name, r in out["losses"].items():
+    for name, r in [*((f"{name} step", r) for name, r in out["losses"].items()),
+                    (f"sample.generate ({s and s['steps']} steps)", s or {})]:
         if r.get("profile"):
-            lines += ["", f"One more {name} step under torch.profiler, after the timed rounds:", "", "```",
+            lines += ["", f"One more {name} under torch.profiler, after the timed rounds:", "", "```",
                       r["profile"].strip("\n"), "```"]
     if oom:
         lines += ["", "n/a from running out of memory: " + "; ".join(f"{what}: {why}" for what, why in oom.items())]

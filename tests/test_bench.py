@@ -161,15 +161,18 @@ def test_saved_activation_bytes_leaves_no_graph_behind():
 
 
 def test_profile_prints_where_one_more_step_of_each_row_spends_its_time(capsys):
-    """--profile 1: one more step of each row under torch.profiler, its ops by self time (on CPU: the CPU's),
-    printed after the tables; the matmuls of the model are among them."""
-    argv = TINY + ["--losses", "sddlm", "--curriculum", "", "--sample_steps", "0", "--head_chunks", "0", "--warmup",
-                   "0", "--profile", "1"]
+    """--profile 1: one more step of each row, and one more run of the sampler, under torch.profiler, its ops by
+    self time (on CPU: the CPU's), printed after the tables; the model's matmuls are among them, and the sampler's
+    pass over the logits (their block log-sum-exps)."""
+    argv = TINY + ["--losses", "sddlm", "--curriculum", "", "--sample_steps", "2", "--long_blocks", "0",
+                   "--head_chunks", "0", "--warmup", "0", "--profile", "1"]
     assert bench.main(argv) == 0
     table = capsys.readouterr().out
     assert "One more sddlm step under torch.profiler, after the timed rounds:" in table
-    profile = table.split("One more sddlm step under torch.profiler")[1]
+    profile, sampler = table.split("One more sddlm step under torch.profiler")[1].split(
+        "One more sample.generate (2 steps) under torch.profiler, after the timed rounds:")
     assert "Self CPU time total" in profile and "aten::mm" in profile and "aten::addmm" in profile
+    assert "Self CPU time total" in sampler and "aten::logsumexp" in sampler and "aten::addmm" in sampler
 
 
 def test_a_long_generation_past_the_machine_is_refused_at_the_start_naming_the_flag(monkeypatch):
