@@ -271,7 +271,8 @@ class RunPlumbing:
     def finish(self, run, samples):
         """The end of a run that reached --max_iters with its checkpoint saved: the bar closed, the model folder
         out_dir/model exported (rank 0), the samples printed (samples() -> their texts, on rank 0; a stop signal
-        abandons them: exit code 130), the trackers closed, then the finish lines. -> the exit code, 0."""
+        abandons them: exit code 130), the trackers closed, then log.jsonl's last record {"step", "t", "event": "end"}
+        (the end of the run, read from the log) and the finish lines. -> the exit code, 0."""
         self.log.close()
         folder = None
         if self.env.master:
@@ -285,6 +286,7 @@ class RunPlumbing:
             return self.log.stopped(self.stop["signal"], run.it, self.what, finished=True, after=True)
         self.log.close_trackers()
         if self.env.master:                  # last, after the trackers have closed
+            self.log.end(run.it)
             print(finish_lines(self.cfg, self.what, run.it, self.ckpt_path, folder))
         return 0
 

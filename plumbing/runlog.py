@@ -21,9 +21,9 @@ from plumbing.tracking import open_trackers
 class Log:
     """Rank 0's progress bar and out_dir/log.jsonl from `step` on: training loss and tokens/s at log steps,
     validation metrics, events; every record has "t", the seconds since this process started (plumbing.cli.LAUNCH);
-    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the
-    run's config dict). label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for
-    tokens/s (default cfg.block_size)."""
+    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict).
+    label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for tokens/s (default
+    cfg.block_size)."""
 
     def __init__(self, cfg, env, step, config=None, label=None, block_size=None):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
@@ -69,6 +69,10 @@ class Log:
             self.pbar.write(f"step {step}: {metrics_line(metrics)}")
             self._write({"step": step, **metrics})
         self.t_last = time.time()    # keep evaluation out of the tokens/s figure
+
+    def end(self, step):
+        """The run's end (its model folder and samples done) in the log: {"step", "t", "event": "end"}."""
+        self._write({"step": step, "event": "end"})
 
     def say(self, line):
         """A line on the console above the bar (rank 0), not in the log."""

@@ -1,5 +1,6 @@
 """The run's plumbing (plumbing/run.py): a compiled run compiles each kind of step before its first step, none
-after; the log dates every record from the launch and says, after the first step, where the start went."""
+after; the log dates every record from the launch, its last record is the run's end, and the console says, after
+the first step, where the start went (on the CPU: no memory probe)."""
 import contextlib
 import functools
 import io
@@ -47,7 +48,8 @@ def test_compiled_run_compiles_nothing_after_its_first_step(compiled_run):
 def test_log_records_carry_seconds_since_launch_and_the_start(compiled_run):
     records, _, printed = compiled_run
     times = [r["t"] for r in records]
-    assert len(times) >= 7 and times == sorted(times) and times[0] > 0
+    assert len(times) >= 8 and times == sorted(times) and times[0] > 0
+    assert records[-1] == {"step": 6, "t": times[-1], "event": "end"}          # after the model folder: the run's end
     line = next(line for line in printed.splitlines() if line.startswith("started in"))
     assert printed.index(line) < printed.index("step 3: the curriculum ends")           # printed after step 1
     total, parts = re.fullmatch(r"started in ([0-9.]+) s: (.*)", line).groups()
