@@ -1,12 +1,14 @@
 """
 Benchmark train.py's training step for every objective, and the ancestral sampler against bare forwards.
 
-    python bench/bench.py                                          # tiny preset, L=128, B=8, CPU float32
+    python bench/bench.py                                          # tiny preset, L=128, B=4, CPU float32: ~1 min
     python bench/bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
     python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
+    python bench/bench.py --repeats 5 --warmup 2 --sample_steps 16 --head_chunks 8 --long_blocks 4 --batch_size 8
+                                      # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
-    python bench/bench.py --losses sddlm_v1 --profile 1            # where a step spends its time (torch.profiler)
+    python bench/bench.py --losses sddlm_v1 --profile 1            # where a step, the sampler spend their time
 
 Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
 per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
@@ -80,6 +82,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
 
 import curriculum.gaussian as curriculum
 import diffusion
@@ -99,7 +102,7 @@ MFU_FORMULA = "6*N*T + 12*n_layer*L*d*T + 6*d*V*T (T = B*L tokens; N = per-token
 class BenchConfig:
     preset: str = "tiny"            # model size and training recipe, as train.py --preset
     block_size: int = 0             # sequence length L (0 = the preset's)
-    batch_size: int = 8             # sequences per step
+    batch_size: int = 4             # sequences per step
     vocab_size: int = 0             # 0 = the preset's (e.g. 50258 on tiny shows the vocabulary cost)
     n_layer: int = 0                # Transformer blocks (0 = the preset's)
     n_head: int = 0                 # attention heads (0 = the preset's)
@@ -107,16 +110,16 @@ class BenchConfig:
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16
     compile: bool = False           # torch.compile the model (warm-up rounds absorb the compilation)
-    repeats: int = 5                # timed rounds; each loss reports the median
-    warmup: int = 2                 # rounds run first and dropped
+    repeats: int = 3                # timed rounds; each loss reports the median
+    warmup: int = 1                 # rounds run first and dropped (with --compile: they compile)
     losses: str = ALL_LOSSES        # comma-separated objectives, as train.py --loss
     curriculum: str = "sddlm"       # this loss again with Duo's curriculum on: the row 'sddlm+curriculum' ('' = none)
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
-    sample_steps: int = 16          # reverse steps of the sampler benchmark (0 = skip it)
-    threads: int = 0                # CPU threads for torch (0 = torch's default); 1 is steadier on a shared CPU
+    sample_steps: int = 4           # reverse steps of the sampler benchmark (0 = skip it)
+    threads: int = 1                # CPU threads for torch (0 = torch's default, every core: 10x slower on busy ones)
     head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
-    head_chunks: int = 8            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
-    long_blocks: int = 4            # long generation: samples of this many blocks at strides L, L/2, L/4 (0 = skip)
+    head_chunks: int = 4            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
+    long_blocks: int = 2            # long generation: samples of this many blocks at strides L, L/2, L/4 (0 = skip)
     profile: bool = False           # also profile one more step of each row (torch.profiler): its ops by self time
     seed: int = 1                   # seeds the weights and the random tokens, times and noise of every row
     json: bool = False              # print one JSON object instead of the markdown tables
@@ -231,10 +234,12 @@ class Rows:
     (not between a table's steps: handing blocks back to the device and taking them again would be timed in the
     next step)."""
 
-    def __init__(self, device):
+    def __init__(self, device, total=None):
         self.device, self.out_of_memory, self.left = device, {}, {}
+        self.bar = tqdm(total=total, desc="bench", unit="measurement", file=sys.stderr, dynamic_ncols=True)
 
     def measure(self, what, fn, lasting=False, end_of_table=False):
+        self.bar.set_description(what)      # the progress bar: the measurement now running, and how many are left
         before = allocated_bytes(self.device)
         value, failed = None, False
         try:
@@ -257,6 +262,7 @@ class Rows:
             torch.cuda.empty_cache()
         if not lasting and before is not None and after > before:
             self.left[what] = after - before
+        self.bar.update()
         return value
 
 
@@ -469,10 +475,13 @@ def bench_sampler(cfg, mcfg, device, dtype, L):
                 fwd.append((t1 - t0) / cfg.sample_steps)
                 gen_time.append(t2 - t1)
                 psi_time.append(t3 - t2)
+        profiled = profile_table(lambda: generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device,
+                                                  dtype=dtype, show_progress=False), device) if cfg.profile else None
     finally:
         hook.remove()
     forward_s, generate_s, psi_s = statistics.median(fwd), statistics.median(gen_time), statistics.median(psi_time)
     return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
+                profile=profiled,
                 ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1,
                 psi_ms_per_step=1e3 * psi_s / cfg.sample_steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
                 psi_vs_ancestral=psi_s / generate_s)
@@ -557,9 +566,11 @@ def device_name(device):
     return f"CPU {model} ({os.cpu_count()} cores, torch {torch.get_num_threads()} threads)".replace("  ", " ")
 
 
-def run(cfg):
+def run(cfg, show=lambda out, table: None):
     """The whole benchmark -> one JSON-able dict. Each table -- the training rows, the sampler, the fused head --
-    runs through one Rows from the same memory (on CUDA: memory_allocated back to its baseline after each)."""
+    runs through one Rows from the same memory (on CUDA: memory_allocated back to its baseline after each), a
+    progress bar over its measurements; show(out, table) as each table ("losses", "sampler", "head", "long")
+    finishes."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         os.environ.update(cuda_allocator_env(os.environ))      # train.py's allocator, before the first allocation
@@ -573,33 +584,40 @@ def run(cfg):
         from sample import check_sample_size
         L = configs_for(cfg, row_names(cfg)[0])[1].block_size
         check_sample_size(cfg.batch_size, cfg.long_blocks * L, device, ("--batch_size", "--long_blocks x L"))
-    rows, baseline = Rows(device), allocated_bytes(device)
+    names = row_names(cfg)
+    diffusion_rows = [name for name in names if not OBJECTIVES[name.removesuffix(CURRICULUM)].causal]
+    sampling, long = bool(cfg.sample_steps and diffusion_rows), bool(cfg.sample_steps and cfg.long_blocks)
+    models = len({OBJECTIVES[name.removesuffix(CURRICULUM)].causal for name in names})   # diffusion rows share one
+    total = models + len(names) * (cfg.warmup + cfg.repeats + 1 + cfg.profile + (device.type == "cpu")) + 1 \
+        + sampling + bool(cfg.head_chunks) + (sampling and long)
+    rows, baseline = Rows(device, total), allocated_bytes(device)
     training = rows.measure("training rows", lambda: bench_training(cfg, device, dtype, rows), end_of_table=True)
     results, model, L, peak = training or (None, None, None, None)
     if model is None:
         raise OutOfMemory(f"no model of preset {cfg.preset} fits in memory ({'; '.join(rows.out_of_memory.values())})")
     n = PEAK_MATMUL_N[device.type]
-    peak_how = f"{dtype_name} {n}x{n} matmul"
     for r in results.values():
         r["mfu"] = r["model_flops"] / (r["step_ms"] / 1e3) / peak if r["step_ms"] else None
-    diffusion_rows = [name for name in row_names(cfg) if not OBJECTIVES[name.removesuffix(CURRICULUM)].causal]
-    sampler = head = long = None
-    if cfg.sample_steps and diffusion_rows:
-        mcfg = configs_for(cfg, diffusion_rows[0])[1]
-        sampler = rows.measure("sampler", lambda: bench_sampler(cfg, mcfg, device, dtype, L), end_of_table=True)
     mc = model["config"]
-    if cfg.head_chunks:
-        head = rows.measure("fused head", lambda: bench_head(cfg, mc, device, dtype, L), end_of_table=True)
-    if cfg.sample_steps and cfg.long_blocks and diffusion_rows:
-        long = rows.measure("long generation", lambda: bench_long(cfg, mcfg, device, dtype, L), end_of_table=True)
-    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
-                bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
-                model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
-                           vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size, params=model["params"],
-                           non_embedding_params=model["non_embedding_params"]),
-                peak_flops=peak, peak_flops_from=peak_how, mfu_formula=MFU_FORMULA, losses=results, sampler=sampler,
-                head=head, long=long, out_of_memory=rows.out_of_memory, memory_baseline=baseline,
-                memory_left=rows.left)
+    out = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), device=device_name(device),
+               bench_config=asdict(cfg), cuda=device.type == "cuda", dtype=dtype_name, block_size=L,
+               model=dict(arch=mc.arch, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
+                          vocab_size=mc.vocab_size, padded_vocab_size=mc.padded_vocab_size, params=model["params"],
+                          non_embedding_params=model["non_embedding_params"]),
+               peak_flops=peak, peak_flops_from=f"{dtype_name} {n}x{n} matmul", mfu_formula=MFU_FORMULA,
+               losses=results, sampler=None, head=None, long=None, out_of_memory=rows.out_of_memory,
+               memory_baseline=baseline, memory_left=rows.left)
+    show(out, "losses")
+    mcfg = configs_for(cfg, (diffusion_rows or names)[0])[1]
+    for table, wanted, what, fn in (
+            ("sampler", sampling, "sampler", lambda: bench_sampler(cfg, mcfg, device, dtype, L)),
+            ("head", cfg.head_chunks, "fused head", lambda: bench_head(cfg, mc, device, dtype, L)),
+            ("long", sampling and long, "long generation", lambda: bench_long(cfg, mcfg, device, dtype, L))):
+        if wanted:
+            out[table] = rows.measure(what, fn, end_of_table=True)
+            show(out, table)
+    rows.bar.close()
+    return out
 
 
 # -----------------------------------------------------------------------------------------------
@@ -609,10 +627,11 @@ def fmt(x, spec, none="n/a"):
     return none if x is None else format(x, spec)
 
 
-def markdown(out):
+def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
+    """The tables of `parts` (each table as it finishes: main), "footer" the lines that follow them all."""
     m, cfg = out["model"], out["bench_config"]
     padded = f" (output layer {m['padded_vocab_size']})" if m.get("padded_vocab_size", m["vocab_size"]) != m["vocab_size"] else ""
-    lines = [
+    lines = [] if "losses" not in parts else [
         f"### bench/bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
         f"V={m['vocab_size']}{padded}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
         f"{out['dtype']}{', compiled' if cfg['compile'] else ', eager'}",
@@ -628,7 +647,7 @@ def markdown(out):
     mib = lambda b: None if b is None else b / 2 ** 20
     pct = lambda x: None if x is None else 100 * x
     lost = "n/a (out of memory)"
-    for name, r in out["losses"].items():
+    for name, r in out["losses"].items() if "losses" in parts else ():
         na = lambda *what: lost if set(what) & set(r.get("out_of_memory", ())) else "n/a"
         lines.append(f"| {name} | {fmt(r['step_ms'], '.1f', na('model', 'step'))} | {fmt(r['tokens_per_s'], ',.0f')} "
                      f"| {fmt(pct(r['mfu']), '.1f')}{'%' if r['mfu'] is not None else ''} "
@@ -636,18 +655,18 @@ def markdown(out):
                      f"| {fmt(mib(r['act_bytes']), ',.1f', na('act'))} | {fmt(r['step_vs_duo'], '.2f')} "
                      f"| {fmt(r['peak_vs_duo'], '.2f')} | {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
     oom = out.get("out_of_memory") or {}
-    s = out["sampler"]
-    if s is not None or "sampler" in oom:
+    s, shown = out["sampler"], out["sampler"] if "sampler" in parts else None
+    if "sampler" in parts and (s is not None or "sampler" in oom):
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|"]
-    if s is not None:
+    if shown is not None:
         lines += [f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
                   f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
                   f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
                   "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
-    elif "sampler" in oom:
+    elif "sampler" in parts and "sampler" in oom:
         lines.append(f"| sample.generate | {lost} | n/a | n/a | n/a | n/a |")
-    h = out.get("head")
+    h = out.get("head") if "head" in parts else None
     if h is not None:
         lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
                       f"{h['chunks']} chunks, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
@@ -656,21 +675,23 @@ def markdown(out):
                   for name in ("kept", "recomputed")]
         lines += ["", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
                       f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
-    elif "fused head" in oom:
+    elif "head" in parts and "fused head" in oom:
         lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
-    g = out.get("long")
-    if g is not None or "long generation" in oom:
+    g, long = out.get("long"), "long" in parts and "long generation" in oom
+    if "long" in parts and g is not None or long:
         title = "long generation" if g is None else \
             f"long generation, {g['seq_len']} tokens, {g['steps']} steps a window"
         lines += ["", f"| {title} | stride | windows | ms / token | x one block | windows x L / n |",
                   "|---|---:|---:|---:|---:|---:|"]
-    if g is not None:
+    if "long" in parts and g is not None:
         lines += [f"| sample.generate, one block | - | 1 | {g['block_ms_per_token']:.2f} | 1.000 | 1.000 |"]
         lines += [f"| sample.generate_long | {r['stride']} | {r['windows']} | {r['ms_per_token']:.2f} "
                   f"| {r['vs_block']:.3f} | {r['predicted']:.3f} |" for r in g["rows"]]
-    elif "long generation" in oom:
+    elif long:
         lines.append(f"| sample.generate_long | {lost} | n/a | n/a | n/a | n/a |")
+    if "footer" not in parts:
+        return "\n".join(lines)
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
              for name, r in out["losses"].items() if name.endswith(CURRICULUM)]
     if s is not None:
@@ -678,9 +699,10 @@ def markdown(out):
     if costs:       # the two costs over the bare computation, from the same run (same machine load)
         lines += ["", "| cost over the bare computation, this run | ratio |", "|---|---:|"]
         lines += [f"| {what} | {ratio} |" for what, ratio in costs]
-    for name, r in out["losses"].items():
+    for name, r in [*((f"{name} step", r) for name, r in out["losses"].items()),
+                    (f"sample.generate ({s and s['steps']} steps)", s or {})]:
         if r.get("profile"):
-            lines += ["", f"One more {name} step under torch.profiler, after the timed rounds:", "", "```",
+            lines += ["", f"One more {name} under torch.profiler, after the timed rounds:", "", "```",
                       r["profile"].strip("\n"), "```"]
     if oom:
         lines += ["", "n/a from running out of memory: " + "; ".join(f"{what}: {why}" for what, why in oom.items())]
@@ -695,8 +717,8 @@ def markdown(out):
 
 def main(argv=None):
     cfg = parse_args(argv)
-    out = run(cfg)
-    print(json.dumps(out, indent=1) if cfg.json else markdown(out))
+    out = run(cfg, show=lambda out, table: cfg.json or tqdm.write(markdown(out, (table,)), sys.stdout))  # above the bar
+    print(json.dumps(out, indent=1) if cfg.json else markdown(out, ("footer",)))
     return 0
 
 

@@ -19,7 +19,10 @@ import os
 import re
 import signal
 import sys
+import time
 from contextlib import nullcontext
+
+LAUNCH = time.time()   # the script's start: its first line imports this module (log.jsonl's "t" counts from here)
 
 
 class UsageError(ValueError, argparse.ArgumentTypeError):

@@ -6,7 +6,7 @@ and its slice of the draws made for it (Env.micro_batches, rank_slice), the one 
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ class Env:
     local_world_size: int = 1        # processes on this node
     threads: int = 0                 # torch's CPU threads in this process (0: not set, a CUDA run)
     threads_from: str = ""           # why that many: "--threads", "OMP_NUM_THREADS" or the cores per process
+    started: float = field(default_factory=time.time)   # when this process took its place (the run's start-up ends)
 
     @property
     def master(self):

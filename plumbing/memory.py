@@ -186,22 +186,33 @@ def cuda_allocator_env(environ):
 
 
 def fit_micro_batch(run, cfg, env, compile=False):
-    """CUDA: make sure the micro-batch fits before training. One forward + backward of each kind of step the run
-    will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP (compiled when the run
-    compiles: probe_steps), leaving weights, optimizer and every random state as they were. The verdict is shared by
-    all ranks. If it does not fit, --auto_accum 1 doubles --grad_accum (halving the micro-batch) until it does;
-    --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to set. With --head auto the
-    fused head keeps its chunk logits for backward where they fit, and recomputes them (--head fused_recompute) where
-    only that fits: tried at each micro-batch before a smaller one. Updates cfg.grad_accum and cfg.head."""
-    if env.device.type != "cuda":
-        return
+    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training. One forward + backward of
+    each kind of step the run will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP
+    (probe_steps), leaving weights, optimizer and every random state as they were. When the run compiles, one
+    compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the second);
+    its graphs are the run's when the first micro-batch fits in one process, else dropped (torch._dynamo.reset). The
+    verdict is shared by all ranks. If it does not fit, --auto_accum 1 doubles --grad_accum (halving the
+    micro-batch) until it does; --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to
+    set. With --head auto the fused head keeps its chunk logits for backward where they fit, and recomputes them
+    (--head fused_recompute) where only that fits: tried at each micro-batch before a smaller one. Updates
+    cfg.grad_accum and cfg.head."""
+    model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
+    first = cfg.grad_accum
+    try:
+        _fit(model, run, cfg, env)
+    finally:    # DDP splits its graph at its buckets (wrap_model); another micro-batch compiled its batch size dynamic
+        if compile and (env.ddp or cfg.grad_accum != first):
+            torch._dynamo.reset()
+
+
+def _fit(model, run, cfg, env):
     accum, first = cfg.grad_accum, cfg.grad_accum
     while True:
         micro = cfg.batch_size // (env.world_size * accum)
-        fits = _fits_on_every_rank(run, cfg, env, micro, compile)
+        fits = _fits_on_every_rank(run, cfg, env, micro, model)
         if not fits and cfg.head == "auto" and not diffusion.OBJECTIVES[cfg.loss].full_logits:
             cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
-            fits = _fits_on_every_rank(run, cfg, env, micro, compile)
+            fits = _fits_on_every_rank(run, cfg, env, micro, model)
             if fits and env.master:
                 print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing its "
                       f"logits in backward: --head fused_recompute (one more output-layer product a step)", flush=True)
@@ -225,8 +236,8 @@ def fit_micro_batch(run, cfg, env, compile=False):
     cfg.grad_accum = accum
 
 
-def _fits_on_every_rank(run, cfg, env, micro, compile):
-    fits = _probe_fits(run, cfg, env, micro, compile)
+def _fits_on_every_rank(run, cfg, env, micro, model):
+    fits = _probe_fits(run, cfg, env, micro, model)
     if env.ddp:
         flag = torch.tensor([float(fits)], device=env.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -238,36 +249,35 @@ def _gpu_gib(env):
     return f"{torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30:.1f} GiB"
 
 
-def _probe_fits(run, cfg, env, micro, compile):
+def _probe_fits(run, cfg, env, micro, model):
     """One probe of fit_micro_batch at this micro-batch -> bool: the measured peak, plus the optimizer's moments
     (not yet allocated in a fresh run), within usable_bytes of the device."""
-    states = torch.get_rng_state(), torch.cuda.get_rng_state(env.device)
     later = sum(2 * p.numel() * p.element_size() for p in run.raw_model.parameters()) if not run.optimizer.state else 0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(env.device)
     try:
-        probe_steps(run, cfg, env, micro, compile)
+        probe_steps(run, cfg, env, micro, model)
         peak = torch.cuda.max_memory_allocated(env.device) + later
         fits = peak <= usable_bytes(torch.cuda.get_device_properties(env.device).total_memory)
     except torch.OutOfMemoryError:
         fits = False
-    torch.set_rng_state(states[0])
-    torch.cuda.set_rng_state(states[1], env.device)
     torch.cuda.empty_cache()
     return fits
 
 
-def probe_steps(run, cfg, env, micro, compile=False):
+def probe_steps(run, cfg, env, micro, model=None):
     """One forward + backward of each kind of step the run will take (a curriculum step while it lasts, a plain
-    step after) at this micro-batch, on random tokens, on run.raw_model outside DDP (no DDP hooks: a rank that
-    fails leaves none waiting), compiled when the run compiles, so the peak is the compiled step's. Its graphs are
-    dropped after (torch._dynamo.reset): the training model is compiled later inside DDP (distributed.wrap_model),
-    and a graph cached here would be reused there whole, never split at DDP's gradient buckets. The gradients are
-    set back to None."""
+    step after) through `model` at this micro-batch, on random tokens: the probe's (None: run.raw_model, outside DDP: a
+    rank that fails leaves none waiting; compiled when the run compiles, so the peak is the compiled step's), or the
+    run's compiled model before its first step (RunPlumbing.place_model: no compilation when the curriculum ends).
+    Weights, optimizer and torch's random states are left as they were; the gradients as a step leaves them (the
+    probe's: None)."""
     its = [run.it] if run.it < cfg.curriculum_iters else []                      # a curriculum step
     if cfg.max_iters > cfg.curriculum_iters:
         its.append(max(run.it, cfg.curriculum_iters))                            # a plain step
-    model = torch.compile(run.raw_model) if compile else run.raw_model
+    none = model is not run.model or not env.ddp        # the run's model under DDP: zeros in its buckets
+    cuda, model = env.device.type == "cuda", run.raw_model if model is None else model
+    states = torch.get_rng_state(), torch.cuda.get_rng_state(env.device) if cuda else None
     try:
         for it in its:
             gen = torch.Generator(device=env.device).manual_seed(0)
@@ -278,8 +288,9 @@ def probe_steps(run, cfg, env, micro, compile=False):
                 loss = loss_terms(model, cfg, x0, t, it, gen)[0].mean()
             loss.backward()
             del loss
-            run.optimizer.zero_grad(set_to_none=True)
+            run.optimizer.zero_grad(set_to_none=none)
     finally:
-        run.optimizer.zero_grad(set_to_none=True)
-        if compile:
-            torch._dynamo.reset()
+        run.optimizer.zero_grad(set_to_none=none)
+        torch.set_rng_state(states[0])
+        if cuda:
+            torch.cuda.set_rng_state(states[1], env.device)

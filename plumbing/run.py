@@ -9,6 +9,7 @@ is here, in the rooms it calls. Nothing here knows the model or the objective: w
 comes in as a value or a callable."""
 import math
 import os
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -19,8 +20,8 @@ from plumbing.cli import Interrupted
 from plumbing.distributed import agree, any_rank, check_launch, compiles, run_distributed, wrap_model
 from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
-from plumbing.memory import fit_micro_batch
-from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines
+from plumbing.memory import fit_micro_batch, probe_steps
+from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines, started_line
 from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -75,6 +76,10 @@ class RunPlumbing:
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
         self.log = self.stop = self.rule = None
+        self.marks = [("start-up", env.started), ("data", time.time())]   # (phase, when it ended): started_line
+
+    def mark(self, phase):
+        self.marks.append((phase, time.time()))
 
     # -------------------------------------------------------------------------------------------
     # before the loop
@@ -93,14 +98,22 @@ class RunPlumbing:
         return True
 
     def place_model(self, run, probe=True):
-        """The model as the run trains and evaluates it: with probe, on CUDA, the micro-batch probe first
-        (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model = raw_model
-        in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's presets on
-        CUDA), and run.eval_model = raw_model compiled for evaluation, or None. -> whether it compiles."""
-        compile = compiles(self.cfg.compile, self.cfg.preset, self.env.device)
-        if probe:
-            fit_micro_batch(run, self.cfg, self.env, compile)
-        run.model = wrap_model(run.raw_model, self.env, compile)      # after the probe: see wrap_model
+        """The model as the run trains and evaluates it: with probe (train.py's step), on CUDA, the micro-batch probe
+        first (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model =
+        raw_model in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's
+        presets on CUDA), each kind of step compiled now (probe_steps; the probe's graphs where they are kept), not
+        when the curriculum ends; run.eval_model = raw_model compiled for evaluation, or None. -> whether it
+        compiles."""
+        cfg, env = self.cfg, self.env
+        compile = compiles(cfg.compile, cfg.preset, env.device)
+        self.mark("model")
+        if probe and env.device.type == "cuda":
+            fit_micro_batch(run, cfg, env, compile)
+            self.mark("probe")
+        run.model = wrap_model(run.raw_model, env, compile)      # after the probe: see wrap_model
+        if probe and compile:
+            probe_steps(run, cfg, env, cfg.batch_size // (env.world_size * cfg.grad_accum), run.model)
+            self.mark("compilation")
         run.eval_model = torch.compile(run.raw_model) if compile else None
         return compile
 
@@ -154,6 +167,8 @@ class RunPlumbing:
         self.lr = lr
         if step == self.first_step:
             self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
+            self.mark("first step")
+            self.log.say(started_line(self.marks))     # how long the start took, and where it went
         signalled = self.stop["signal"] is not None
         saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
         stopping = False
@@ -213,7 +228,8 @@ class RunPlumbing:
     def finish(self, run, samples):
         """The end of a run that reached --max_iters with its checkpoint saved: the bar closed, the model folder
         out_dir/model exported (rank 0), the samples printed (samples() -> their texts, on rank 0; a stop signal
-        abandons them: exit code 130), the trackers closed, then the finish lines. -> the exit code, 0."""
+        abandons them: exit code 130), the trackers closed, then log.jsonl's last record {"step", "t", "event": "end"}
+        (the end of the run, read from the log) and the finish lines. -> the exit code, 0."""
         self.log.close()
         folder = None
         if self.env.master:        # a full disk: one line (plumbing.files.writing), the checkpoint kept
@@ -227,5 +243,6 @@ class RunPlumbing:
             return self.log.stopped(self.stop["signal"], run.it, self.what, finished=True, after=True)
         self.log.close_trackers()
         if self.env.master:                  # last, after the trackers have closed
+            self.log.end(run.it)
             print(finish_lines(self.cfg, self.what, run.it, self.ckpt_path, folder))
         return 0

@@ -13,15 +13,17 @@ import torch
 
 import diffusion
 from curriculum.gaussian import alpha_range
+from plumbing.cli import LAUNCH
 from plumbing.files import append_jsonl, save_atomic
 from plumbing.tracking import open_trackers
 
 
 class Log:
     """Rank 0's progress bar and out_dir/log.jsonl from `step` on: training loss and tokens/s at log steps,
-    validation metrics; every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the
-    run's config dict). label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for
-    tokens/s (default cfg.block_size)."""
+    validation metrics, events; every record has "t", the seconds since this process started (plumbing.cli.LAUNCH);
+    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict).
+    label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for tokens/s (default
+    cfg.block_size)."""
 
     def __init__(self, cfg, env, step, config=None, label=None, block_size=None):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
@@ -36,6 +38,7 @@ class Log:
             self.trackers = open_trackers(cfg, step, config or {})
 
     def _write(self, record):
+        record = {"step": record["step"], "t": round(time.time() - LAUNCH, 3), **record}   # seconds since launch
         append_jsonl(self.path, [record])
         for tracker in self.trackers:
             tracker.log(record)
@@ -66,6 +69,15 @@ class Log:
             self.pbar.write(f"step {step}: {metrics_line(metrics)}")
             self._write({"step": step, **metrics})
         self.t_last = time.time()    # keep evaluation out of the tokens/s figure
+
+    def end(self, step):
+        """The run's end (its model folder and samples done) in the log: {"step", "t", "event": "end"}."""
+        self._write({"step": step, "event": "end"})
+
+    def say(self, line):
+        """A line on the console above the bar (rank 0), not in the log."""
+        if self.master:
+            self.pbar.write(line)
 
     def event(self, step, name, message):
         """A change in what the run does (e.g. "curriculum_end") to the console and to the log as {"step", "event",
@@ -170,8 +182,17 @@ def start_lines(cfg, raw_model, env):
             f"{cfg.max_iters} steps at lr {cfg.lr:g}, {env.device}; full config: "
             f"{os.path.join(cfg.out_dir, 'config.json')}\n"
             f"model: {raw_model.num_params() / 1e6:.2f}M parameters "
-            f"({raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; world {env.world_size} x micro-batch {per_rank} x accum "
+            f"({raw_model.num_params(non_embedding=True) / 1e6:.2f}M non-embedding); {env.describe()}; "
+            f"world {env.world_size} x micro-batch {per_rank} x accum "
             f"{cfg.grad_accum} = {cfg.batch_size} sequences/step")
+
+
+def started_line(marks):
+    """How long the run took to start and where the time went, from marks [(phase, when it ended)] since the launch
+    (plumbing.cli.LAUNCH): "started in 12.3 s: start-up 3.1 s, data 0.4 s, model 0.2 s, first step 8.6 s"."""
+    ends = [LAUNCH] + [end for _, end in marks]
+    parts = ", ".join(f"{phase} {end - begin:.1f} s" for (phase, end), begin in zip(marks, ends))
+    return f"started in {ends[-1] - LAUNCH:.1f} s: {parts}"
 
 
 def curriculum_end_note(cfg, vocab_size):

@@ -29,9 +29,10 @@ def open_trackers(cfg, step, config):
 
 
 def scalars(record):
-    """The numbers of a log.jsonl record, without its step (trackers take the step as their axis)."""
+    """The numbers of a log.jsonl record, without its step (trackers take the step as their axis) and its "t" (they
+    keep their own wall time)."""
     return {k: v for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k not in ("step", "t") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class WandbTracker:

@@ -7,6 +7,7 @@ tensors. Exact equalities: a count of bytes, no rounding."""
 import gc
 import itertools
 import json
+import re
 import weakref
 
 import pytest
@@ -28,11 +29,11 @@ def live_tensor_bytes(device=None):
     kinds = {t for t in set(map(type, objs)) if issubclass(t, torch.Tensor)}
     storages = {}
     for t in itertools.compress(objs, map(kinds.__contains__, map(type, objs))):     # (C-speed filter: ~0.1 s)
-        try:
+        try:         # tensors without a storage of their own, or (a compilation's fake tensors) without memory
             s = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):             # tensors without a storage of their own
+            storages[s.data_ptr()] = s.nbytes()
+        except (RuntimeError, NotImplementedError):
             continue
-        storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())
 
 
@@ -160,15 +161,18 @@ def test_saved_activation_bytes_leaves_no_graph_behind():
 
 
 def test_profile_prints_where_a_rows_extra_step_spends_time(capsys):
-    """--profile 1: one more step of each row under torch.profiler, its ops by self time (on CPU: the CPU's),
-    printed after the tables; the matmuls of the model are among them."""
-    argv = TINY + ["--losses", "sddlm", "--curriculum", "", "--sample_steps", "0", "--head_chunks", "0", "--warmup",
-                   "0", "--profile", "1"]
+    """--profile 1: one more step of each row, and one more run of the sampler, under torch.profiler, its ops by
+    self time (on CPU: the CPU's), printed after the tables; the model's matmuls are among them, and the sampler's
+    pass over the logits (their block log-sum-exps)."""
+    argv = TINY + ["--losses", "sddlm", "--curriculum", "", "--sample_steps", "2", "--long_blocks", "0",
+                   "--head_chunks", "0", "--warmup", "0", "--profile", "1"]
     assert bench.main(argv) == 0
     table = capsys.readouterr().out
     assert "One more sddlm step under torch.profiler, after the timed rounds:" in table
-    profile = table.split("One more sddlm step under torch.profiler")[1]
+    profile, sampler = table.split("One more sddlm step under torch.profiler")[1].split(
+        "One more sample.generate (2 steps) under torch.profiler, after the timed rounds:")
     assert "Self CPU time total" in profile and "aten::mm" in profile and "aten::addmm" in profile
+    assert "Self CPU time total" in sampler and "aten::logsumexp" in sampler and "aten::addmm" in sampler
 
 
 def test_generation_past_the_machine_refused_at_start(monkeypatch):
@@ -178,3 +182,20 @@ def test_generation_past_the_machine_refused_at_start(monkeypatch):
     with pytest.raises(bench.UsageError, match=r"--batch_size 2 x --long_blocks x L 16000000000000: .* lower "
                                                r"--long_blocks"):
         bench.main(TINY + ["--losses", "sddlm", "--sample_steps", "1", "--long_blocks", str(10 ** 12)])
+
+
+def test_each_table_prints_as_it_finishes_under_a_bar(monkeypatch, capsys):
+    """Nothing waits for the end of the run: the training table is on stdout before the sampler starts, the
+    sampler's before the fused head starts; the progress bar (stderr) counts every measurement up to its total."""
+    seen = {}
+    record_entries(monkeypatch, ["bench_sampler", "bench_head"],
+                   lambda name, args: seen.setdefault(name, capsys.readouterr()))
+    assert bench.main(TINY + ["--losses", "sddlm", "--curriculum=", "--sample_steps", "2", "--long_blocks", "0"]) == 0
+    assert "| sddlm |" in seen["bench_sampler"].out and "| sampler |" not in seen["bench_sampler"].out
+    assert "| sample.generate (ancestral)" in seen["bench_head"].out and "fused head" not in seen["bench_head"].out
+    rest = capsys.readouterr()
+    assert "kept logits" in rest.out
+    # model, 2 rounds, activations, step MiB; the training table, the sampler, the fused head
+    counts = [(int(a), int(b)) for a, b in re.findall(r"\| *(\d+)/(\d+) \[", seen["bench_sampler"].err + rest.err)]
+    assert counts[-1] == (8, 8) and {b for _, b in counts} == {8}
+    assert [a for a, _ in counts] == sorted(a for a, _ in counts)

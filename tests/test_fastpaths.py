@@ -583,7 +583,7 @@ def test_bench_flop_formula_matches_torch_flop_counter():
 
 def test_bench_runs_end_to_end_and_reports_every_loss(capsys):
     argv = ["--preset", "tiny", "--block_size", "16", "--batch_size", "2", "--n_layer", "2", "--repeats", "2",
-            "--warmup", "1", "--sample_steps", "2", "--json"]
+            "--warmup", "1", "--sample_steps", "2", "--head_chunks", "8", "--long_blocks", "4", "--json"]
     assert bench.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out["losses"]) == bench.ALL_LOSSES.split(",") + ["sddlm+curriculum"]

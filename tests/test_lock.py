@@ -80,7 +80,8 @@ def test_a_second_run_stops_at_once_a_dead_runs_lock_is_taken(run4, tmp_path):
     a.send_signal(signal.SIGTERM)
     assert a.wait(timeout=120) == 130, a_err.read_text()[-2000:]
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert md5s(out)["config.json"] == config and all(set(r) <= {"step", "loss", "lr", "tokens_per_s"} for r in rows)
+    assert md5s(out)["config.json"] == config
+    assert all(set(r) <= {"step", "t", "loss", "lr", "tokens_per_s"} for r in rows)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))            # one run's rows, each step once
     saved = torch.load(out / "ckpt.pt", weights_only=False)
     assert saved["train_config"]["loss"] == "sddlm" and saved["step"] == rows[-1]["step"]

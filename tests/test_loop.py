@@ -77,8 +77,14 @@ def cached_graphs(model):
     return len(_debug_get_cache_entry_list(type(model).forward.__code__))
 
 
-def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, graphs,
-                                                                                   one_thread):
+def probe_on_cpu(monkeypatch, run, cfg, env):
+    """The micro-batch probe at --compile 1 whose CUDA memory query is stood in for (it fits)."""
+    monkeypatch.setattr(memory, "_probe_fits", lambda run_, cfg, env, micro, model:
+                        memory.probe_steps(run_, cfg, env, micro, model) or True)
+    memory.fit_micro_batch(run, cfg, env, compile=True)
+
+
+def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, graphs, one_thread, monkeypatch):
     """The memory probe compiles the model outside DDP (its peak is the compiled step's), then drops the graph: the
     training model, compiled inside DDP afterwards, must not reuse a graph that was never split at DDP's buckets
     (the old probe left one: the cache held it, and DDP's forward ran it whole). DDP is built with
@@ -86,7 +92,7 @@ def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, gra
     env = one_rank_group
     cfg = train.TrainConfig(batch_size=4, block_size=16, ema=0, warmup_iters=0)
     run = train.build_run(cfg, TOY, env)
-    memory.probe_steps(run, cfg, env, 4, compile=True)
+    probe_on_cpu(monkeypatch, run, cfg, env)
     assert len(graphs) == 1 and cached_graphs(run.raw_model) == 0
     assert all(p.grad is None for p in run.raw_model.parameters())
     model = wrap_model(run.raw_model, env, compile=False)
@@ -97,8 +103,7 @@ def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, gra
 
 @pytest.mark.numerics
 @pytest.mark.slow
-def test_compiled_ddp_splits_at_buckets_and_equals_one_process(one_rank_group, graphs,
-                                                                                             one_thread):
+def test_compiled_ddp_splits_at_buckets_and_equals_one_process(one_rank_group, graphs, one_thread, monkeypatch):
     """TorchDynamo's DDPOptimizer splits the graph compiled inside DDP at the gradient buckets (here 1 MiB each:
     several graphs for a 1.6M-parameter model), so each bucket's all-reduce overlaps the rest of the backward; with
     the probe's graph left in the cache no new graph is compiled at all. And the compiled DDP steps equal eager
@@ -115,7 +120,7 @@ def test_compiled_ddp_splits_at_buckets_and_equals_one_process(one_rank_group, g
         for p, q in zip(run.raw_model.parameters(), ref.raw_model.parameters()):
             noise = 0.05 * torch.randn(p.shape, generator=g)
             p.add_(noise), q.add_(noise)
-    memory.probe_steps(run, cfg, env, 2, compile=True)
+    probe_on_cpu(monkeypatch, run, cfg, env)
     run.model = wrap_model(run.raw_model, env, compile=True)
     run.model._orig_mod.bucket_bytes_cap = dist._DEFAULT_FIRST_BUCKET_BYTES
     before = len(graphs)

@@ -98,10 +98,7 @@ def test_a_micro_batch_too_large_raises_grad_accum_until_it_fits(monkeypatch, ca
         in capsys.readouterr().out
     cfg = train.TrainConfig(batch_size=128, grad_accum=2)
     plumbing.memory.fit_micro_batch(None, cfg, fake_cuda_fit(monkeypatch, fits_up_to=64))
-    assert cfg.grad_accum == 2                                 # it fits: nothing changes
-    cpu = train.TrainConfig(batch_size=128)
-    plumbing.memory.fit_micro_batch(None, cpu, Env(torch.device("cpu")))   # no probe on the CPU
-    assert cpu.grad_accum == 1
+    assert cfg.grad_accum == 2                                 # it fits: nothing changes (CPU: no probe, test_run)
 
 
 def test_a_micro_batch_too_large_is_one_line_with_auto_accum_off(monkeypatch):
@@ -175,3 +172,39 @@ def test_a_folder_too_large_for_the_machine_names_its_field(tmp_path):
         plumbing.memory.check_model_memory(wide, "cpu", lambda field: f"config.json: {field}")
     small = ModelConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=320, block_size=32)
     plumbing.memory.check_model_memory(small, "cpu", lambda field: field)       # a small one passes
+
+
+def test_compiled_probe_compiles_each_step_twice_at_most(monkeypatch):
+    """--compile on CUDA (the CUDA memory query stood in for, the probe's steps run on the CPU): trying
+    micro-batches 8, 4, 2 compiles each kind of step (curriculum, plain) twice at most -- at the first micro-batch,
+    then once with a dynamic batch size (dynamo specializes a size of 1: micro-batch 1 would be a third) -- not once
+    per try; where the first fits, the probe's graphs are the run's (none made after). Dynamo's "eager" backend:
+    what is compiled, and when, dynamo's guards decide before any backend runs."""
+    import functools
+    import torch._dynamo.utils
+    from plumbing.memory import fit_micro_batch, probe_steps
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    cfg = train.TrainConfig(batch_size=8, block_size=16, curriculum_iters=2, max_iters=4, n_layer=1, n_embd=32,
+                            n_head=2, ema=0.0, head="plain")                 # one head: no fused_recompute tries
+    cpu = Env(torch.device("cpu"))
+    run = train.build_run(cfg, train.model_config_for(cfg, 64), cpu)
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def probe_on_cpu(fits_up_to):
+        monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, model:
+                            probe_steps(run_, cfg, cpu, micro, model) or micro <= fits_up_to)
+        monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        fit_micro_batch(run, cfg, Env(torch.device("cuda")), compile=True)
+
+    try:
+        probe_on_cpu(fits_up_to=2)
+        assert cfg.grad_accum == 4 and graphs() <= 4, graphs()           # 3 tries of 2 kinds: 6 compilations before
+        cfg.grad_accum = 1
+        probe_on_cpu(fits_up_to=8)
+        assert graphs() == 2
+        probe_steps(run, cfg, cpu, 8, torch.compile(run.raw_model))      # the run's first steps (place_model)
+        assert graphs() == 2
+    finally:
+        torch._dynamo.reset()

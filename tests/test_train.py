@@ -150,7 +150,7 @@ def test_the_curriculums_end_is_logged_where_the_loss_jumps(corpus, tmp_path, ca
             "--eval_interval", "1000", "--gamma_min", "-3.5", "--gamma_max", "-1.0"]
     assert run(args, tmp_path, corpus) == 0
     records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
-    events = [(i, r) for i, r in enumerate(records) if "event" in r]
+    events = [(i, r) for i, r in enumerate(records) if "event" in r and r["event"] != "end"]
     assert len(events) == 1 and events[0][1]["event"] == "curriculum_end" and events[0][1]["step"] == 3
     i, event = events[0]
     assert records[i - 1] == {**records[i - 1], "step": 3} and "loss" in records[i - 1] and records[i + 1]["step"] == 4
