@@ -60,7 +60,7 @@ import losses
 from kernels import fused_head
 from plumbing.cli import (UsageError, autocast_for, first_line, parse_flags, resolve_device, resolve_dtype,
                           run_cli)
-from data import get_tokenizer, not_a_file
+from data import get_tokenizer, not_a_file, read_text
 from diffusion import default_final_step, draw_noise, loss_terms
 from plumbing.checkpoint import ema_weights
 from trained.checkpoint import load_model, load_tokenizer
@@ -560,7 +560,7 @@ def _read_samples(path):
                                                                    "--out" if os.path.isdir(path) else "no such file"),
                                     "--samples"))
     records = []
-    for n, record in jsonl_records(path, lambda n, e: UsageError(f"--samples {path}:{n}: not a JSON line ({e}); "
+    for n, record in jsonl_records(read_text(path), lambda n, e: UsageError(f"--samples {path}:{n}: not a JSON line ({e}); "
                                                                  f"a truncated file?")):
         if not isinstance(record, dict) or not isinstance(record.get("ids"), list) or \
                 not all(isinstance(i, int) and not isinstance(i, bool) for i in record["ids"]):

@@ -21,6 +21,7 @@ import torch
 
 import diffusion
 import losses
+import curriculum.gaussian as curriculum
 from curriculum.gaussian import GAMMA_LIMIT
 from data import BatchLoader, DataError, get_tokenizer
 from kernels.fused_head import HEADS
@@ -195,6 +196,20 @@ def curriculum_from_share(cfg, given):
     return cfg
 
 
+def curriculum_end_note(cfg, vocab_size):
+    """Why the training loss jumps when the curriculum ends (logged as the event "curriculum_end" after step
+    cfg.curriculum_iters: RunPlumbing's events; figures/plot.py marks it): the curriculum's inputs have alpha_t =
+    T(gamma) over [gamma_min, gamma_max] only, the forward process afterwards the schedule's whole range, its
+    noisiest inputs included. -> one line."""
+    lo, hi = curriculum.alpha_range(vocab_size, cfg.gamma_min, cfg.gamma_max)
+    after = diffusion.SCHEDULES[cfg.noise_schedule](torch.tensor([1.0, diffusion.T_MIN], dtype=torch.float64))[0]
+    return (f"the curriculum ends (--curriculum_iters {cfg.curriculum_iters}): its inputs had alpha_t in [{lo:.3f}, "
+            f"{hi:.3f}] (the Gaussian latent's argmax, gamma in [{cfg.gamma_min:g}, {cfg.gamma_max:g}]); from step "
+            f"{cfg.curriculum_iters + 1} they follow Eq. (discrete_marginal) with alpha_t in [{float(after[0]):.3f}, "
+            f"{float(after[1]):.3f}] ({cfg.noise_schedule}), the noisiest inputs included: the training loss measures "
+            f"another task from here, so it jumps (not a divergence)")
+
+
 def model_config_for(cfg, vocab_size):
     """The run's ModelConfig: the preset's model, the flags over it, the tokenizer's vocab_size; causal for the AR
     baseline. A model the flags cannot build -> ConfigError naming them."""
@@ -292,6 +307,15 @@ def train_step(run, cfg, env, x0_all, mask_all=None, per_token_loss=None, draw=N
     return total
 
 
+def probe_loss(cfg):
+    """The step the micro-batch probe runs (plumbing.memory.probe_steps): the --loss objective of random tokens x0
+    at step it (Duo's curriculum while it lasts), every draw from gen -> the mean loss."""
+    def loss(model, x0, it, gen):
+        t = diffusion.sample_t(x0.shape[0], gen, device=x0.device)
+        return diffusion.loss_terms(model, cfg, x0, t, it, gen)[0].mean()
+    return loss
+
+
 def optimizer_step(raw_model, optimizer, ema, cfg, n_ema, ddp=False):
     """Clip the gradient norm, AdamW step, zero the gradients (under DDP in place: they are views of its all-reduce
     buckets, wrap_model), update the EMA weights with Duo's warm-up decay min(ema, (1 + n) / (10 + n)).
@@ -348,8 +372,10 @@ def train(cfg, env, source, given):
     cfg.data_dir = data_dir                      # absolute: a checkpoint finds its data from any working directory
     # the model: the flags' (a preset's); fine-tuning: SOURCE's, whose tokenizer must be the data's
     mcfg = source.model_config_for(cfg, data_dir, meta) if source else model_config_for(cfg, meta["vocab_size"])
-    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, source)
     ckpt = open_out_dir(cfg, mcfg, meta)         # the checkpoint to resume, checked against this run; None: fresh
+    ends = 0 < cfg.curriculum_iters < cfg.max_iters          # the loss jumps there: the log says why
+    events = {cfg.curriculum_iters: ("curriculum_end", curriculum_end_note(cfg, mcfg.vocab_size))} if ends else {}
+    plumbing = RunPlumbing(cfg, env, mcfg, meta, export, source, events=events)
     if plumbing.done(ckpt):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
@@ -357,7 +383,8 @@ def train(cfg, env, source, given):
         restore(run, ckpt, env, plumbing.ckpt_path)
     elif source is not None:                     # fine-tuning: SOURCE's weights, the EMA at them
         source.start(run)
-    plumbing.place_model(run)                    # CUDA: the micro-batch probe; DDP, torch.compile
+    fusable = not diffusion.OBJECTIVES[cfg.loss].full_logits     # an objective the fused head computes
+    plumbing.place_model(run, probe_loss(cfg), fusable)          # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     with plumbing.start(run, {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)

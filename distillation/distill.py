@@ -391,7 +391,7 @@ def distill(cfg, env):
     teacher = make_teacher(run.raw_model)
     if ckpt is not None:
         teacher.load_state_dict(ckpt["teacher"])
-    teacher_fn = torch.compile(teacher) if plumbing.place_model(run, probe=False) else teacher
+    teacher_fn = torch.compile(teacher) if plumbing.place_model(run) else teacher
     config = {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
               "train_config": init_ckpt.get("train_config")}
     with plumbing.start(run, config, describe(cfg, init_ckpt, base_loss, mcfg.vocab_size, env)):

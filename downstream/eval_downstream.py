@@ -36,7 +36,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from data import DataError, not_a_file
+from data import DataError, not_a_file, read_text
 from diffusion import default_final_step
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
                                         run_lm_eval)
@@ -64,7 +64,7 @@ def read_jsonl(path):
     if not os.path.isfile(path):
         raise EvalError(not_a_file(path, f"JSONL file not found: {path}", "the JSONL file"))
     items, kinds = [], set()
-    for n, item in jsonl_records(path, lambda n, e: EvalError(f"{path}:{n}: not JSON ({e.msg})")):
+    for n, item in jsonl_records(read_text(path), lambda n, e: EvalError(f"{path}:{n}: not JSON ({e.msg})")):
         if isinstance(item, dict) and "choices" in item:
             gold = item.get("gold")
             ok = (isinstance(item.get("context"), str) and isinstance(item["choices"], list) and item["choices"]

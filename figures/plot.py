@@ -332,7 +332,7 @@ def _band(ax, band, style, lo=1, hi=2):
 
 def _mark_curriculum_end(ax, curves):
     """A vertical line after the last curriculum step of the runs that had one, named in the legend: the training
-    loss jumps there because the task changes (plumbing.runlog.curriculum_end_note)."""
+    loss jumps there because the task changes (train.curriculum_end_note)."""
     ends = {}
     for c in curves:
         if c["curriculum_end"] is not None:

@@ -10,8 +10,6 @@ import resource
 import torch
 import torch.distributed as dist
 
-import diffusion
-from diffusion import loss_terms
 from plumbing.cli import OutOfMemory, autocast_for, resolve_device, resolve_dtype
 
 # What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
@@ -185,7 +183,7 @@ def cuda_allocator_env(environ):
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
-def fit_micro_batch(run, cfg, env, compile=False):
+def fit_micro_batch(run, cfg, env, compile=False, loss=None, fusable=False):
     """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training. One forward + backward of
     each kind of step the run will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP
     (probe_steps), leaving weights, optimizer and every random state as they were. When the run compiles, one
@@ -193,26 +191,27 @@ def fit_micro_batch(run, cfg, env, compile=False):
     its graphs are the run's when the first micro-batch fits in one process, else dropped (torch._dynamo.reset). The
     verdict is shared by all ranks. If it does not fit, --auto_accum 1 doubles --grad_accum (halving the
     micro-batch) until it does; --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to
-    set. With --head auto the fused head keeps its chunk logits for backward where they fit, and recomputes them
-    (--head fused_recompute) where only that fits: tried at each micro-batch before a smaller one. Updates
-    cfg.grad_accum and cfg.head."""
+    set. loss(model, x0, it, gen): the run's step on random tokens x0 at step it (probe_steps). With --head auto and
+    `fusable` (an objective the fused head computes) the fused head keeps its chunk logits for backward where they
+    fit, and recomputes them (--head fused_recompute) where only that fits: tried at each micro-batch before a
+    smaller one. Updates cfg.grad_accum and cfg.head."""
     model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
     first = cfg.grad_accum
     try:
-        _fit(model, run, cfg, env)
+        _fit(model, run, cfg, env, loss, fusable)
     finally:    # DDP splits its graph at its buckets (wrap_model); another micro-batch compiled its batch size dynamic
         if compile and (env.ddp or cfg.grad_accum != first):
             torch._dynamo.reset()
 
 
-def _fit(model, run, cfg, env):
+def _fit(model, run, cfg, env, loss, fusable):
     accum, first = cfg.grad_accum, cfg.grad_accum
     while True:
         micro = cfg.batch_size // (env.world_size * accum)
-        fits = _fits_on_every_rank(run, cfg, env, micro, model)
-        if not fits and cfg.head == "auto" and not diffusion.OBJECTIVES[cfg.loss].full_logits:
+        fits = _fits_on_every_rank(run, cfg, env, micro, model, loss)
+        if not fits and cfg.head == "auto" and fusable:
             cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
-            fits = _fits_on_every_rank(run, cfg, env, micro, model)
+            fits = _fits_on_every_rank(run, cfg, env, micro, model, loss)
             if fits and env.master:
                 print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing its "
                       f"logits in backward: --head fused_recompute (one more output-layer product a step)", flush=True)
@@ -236,8 +235,8 @@ def _fit(model, run, cfg, env):
     cfg.grad_accum = accum
 
 
-def _fits_on_every_rank(run, cfg, env, micro, model):
-    fits = _probe_fits(run, cfg, env, micro, model)
+def _fits_on_every_rank(run, cfg, env, micro, model, loss):
+    fits = _probe_fits(run, cfg, env, micro, model, loss)
     if env.ddp:
         flag = torch.tensor([float(fits)], device=env.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -249,14 +248,14 @@ def _gpu_gib(env):
     return f"{torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30:.1f} GiB"
 
 
-def _probe_fits(run, cfg, env, micro, model):
+def _probe_fits(run, cfg, env, micro, model, loss):
     """One probe of fit_micro_batch at this micro-batch -> bool: the measured peak, plus the optimizer's moments
     (not yet allocated in a fresh run), within usable_bytes of the device."""
     later = sum(2 * p.numel() * p.element_size() for p in run.raw_model.parameters()) if not run.optimizer.state else 0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(env.device)
     try:
-        probe_steps(run, cfg, env, micro, model)
+        probe_steps(run, cfg, env, micro, loss, model)
         peak = torch.cuda.max_memory_allocated(env.device) + later
         fits = peak <= usable_bytes(torch.cuda.get_device_properties(env.device).total_memory)
     except torch.OutOfMemoryError:
@@ -265,9 +264,10 @@ def _probe_fits(run, cfg, env, micro, model):
     return fits
 
 
-def probe_steps(run, cfg, env, micro, model=None):
+def probe_steps(run, cfg, env, micro, loss, model=None):
     """One forward + backward of each kind of step the run will take (a curriculum step while it lasts, a plain
-    step after) through `model` at this micro-batch, on random tokens: the probe's (None: run.raw_model, outside DDP: a
+    step after) through `model` at this micro-batch, on random tokens (loss(model, x0, it, gen) -> the step's mean
+    loss, its draws from gen: the script's step): the probe's (None: run.raw_model, outside DDP: a
     rank that fails leaves none waiting; compiled when the run compiles, so the peak is the compiled step's), or the
     run's compiled model before its first step (RunPlumbing.place_model: no compilation when the curriculum ends).
     Weights, optimizer and torch's random states are left as they were; the gradients as a step leaves them (the
@@ -283,11 +283,10 @@ def probe_steps(run, cfg, env, micro, model=None):
             gen = torch.Generator(device=env.device).manual_seed(0)
             x0 = torch.randint(0, run.raw_model.config.vocab_size, (micro, cfg.block_size), generator=gen,
                                device=env.device)
-            t = diffusion.sample_t(micro, gen, device=env.device)
             with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
-                loss = loss_terms(model, cfg, x0, t, it, gen)[0].mean()
-            loss.backward()
-            del loss
+                mean = loss(model, x0, it, gen)
+            mean.backward()
+            del mean
             run.optimizer.zero_grad(set_to_none=none)
     finally:
         run.optimizer.zero_grad(set_to_none=none)

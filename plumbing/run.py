@@ -21,7 +21,7 @@ from plumbing.distributed import agree, any_rank, check_launch, compiles, run_di
 from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
 from plumbing.memory import fit_micro_batch, probe_steps
-from plumbing.runlog import Log, curriculum_end_note, finish_lines, kept, start_lines, started_line
+from plumbing.runlog import Log, finish_lines, kept, start_lines, started_line
 from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -66,16 +66,18 @@ class RunPlumbing:
     prints; label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a
     divergence names it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's
     teacher; default: source's); export(ckpt_path, folder) writes the model folder of a finished run
-    (trained.export.export)."""
+    (trained.export.export); events: {step: (name, message)}, a change in what the run does after that step, said
+    on the console and logged (train.py's curriculum end: the loss jumps there)."""
 
     def __init__(self, cfg, env, mcfg, meta, export, source=None, what="training", label=None, loss_name="loss",
-                 extra=None):
+                 extra=None, events=None):
         self.cfg, self.env, self.mcfg, self.meta, self.source, self.export = cfg, env, mcfg, meta, source, export
         self.what, self.label, self.loss_name = what, label or cfg.loss, loss_name
         self.extra = extra or (source.extra if source is not None else None)
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
         self.log = self.stop = self.rule = None
+        self.events = events or {}
         self.marks = [("start-up", env.started), ("data", time.time())]   # (phase, when it ended): started_line
 
     def mark(self, phase):
@@ -97,8 +99,9 @@ class RunPlumbing:
                   f"--max_iters to go on)")
         return True
 
-    def place_model(self, run, probe=True):
-        """The model as the run trains and evaluates it: with probe (train.py's step), on CUDA, the micro-batch probe
+    def place_model(self, run, probe=None, fusable=False):
+        """The model as the run trains and evaluates it: with probe (train.py's step on random tokens, probe(model,
+        x0, it, gen) -> its mean loss; fusable: an objective the fused head computes), on CUDA, the micro-batch probe
         first (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model =
         raw_model in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's
         presets on CUDA), each kind of step compiled now (probe_steps; the probe's graphs where they are kept), not
@@ -108,11 +111,11 @@ class RunPlumbing:
         compile = compiles(cfg.compile, cfg.preset, env.device)
         self.mark("model")
         if probe and env.device.type == "cuda":
-            fit_micro_batch(run, cfg, env, compile)
+            fit_micro_batch(run, cfg, env, compile, probe, fusable)
             self.mark("probe")
         run.model = wrap_model(run.raw_model, env, compile)      # after the probe: see wrap_model
         if probe and compile:
-            probe_steps(run, cfg, env, cfg.batch_size // (env.world_size * cfg.grad_accum), run.model)
+            probe_steps(run, cfg, env, cfg.batch_size // (env.world_size * cfg.grad_accum), probe, run.model)
             self.mark("compilation")
         run.eval_model = torch.compile(run.raw_model) if compile else None
         return compile
@@ -133,7 +136,6 @@ class RunPlumbing:
         self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size)
         self.rule = DivergenceRule(self.cfg.diverge_margin, math.log(self.mcfg.vocab_size))
         self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
-        self.curriculum_end = getattr(self.cfg, "curriculum_iters", 0)   # train.py's curriculum (distill.py has none)
         self.loss_sum = self.bad = None
         return self
 
@@ -180,8 +182,8 @@ class RunPlumbing:
             self.log.progress(step, total, lr)
             self.logged_step = step
             self.loss_sum.zero_()
-        if step == self.curriculum_end < cfg.max_iters:      # the loss jumps here: the log says why
-            self.log.event(step, "curriculum_end", curriculum_end_note(cfg, self.mcfg.vocab_size))
+        if step in self.events:
+            self.log.event(step, *self.events[step])
         return stopping
 
     def sync_metrics_and_stop(self, step, sums, metrics):

@@ -1,6 +1,6 @@
 """The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume, and the
 trackers beside it (Log); the lines a run prints before its bar starts, when its curriculum ends and after it ends
-(start_lines, curriculum_end_note, finish_lines, kept, Log.stopped); and the one reader of JSONL files the
+(start_lines, finish_lines, kept, Log.stopped; the events a script passes, e.g. train.py's curriculum end); and the one reader of JSONL files the
 evaluation scripts take as input. What is logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
 import importlib.util
 import json
@@ -9,10 +9,6 @@ import shlex
 import signal
 import time
 
-import torch
-
-import diffusion
-from curriculum.gaussian import alpha_range
 from plumbing.cli import LAUNCH
 from plumbing.files import append_jsonl, save_atomic
 from plumbing.tracking import open_trackers
@@ -161,11 +157,10 @@ def truncate_log(path, step):
         save_atomic(path, write)
 
 
-def jsonl_records(path, bad_line):
-    """(line number, record) for each non-blank line of a JSONL file, read as UTF-8 (otherwise one line naming the
-    byte: data.read_text). bad_line(n, e) -> the exception raised for line n, which is not JSON (e: json's error)."""
-    from data import read_text
-    for n, line in enumerate(read_text(path).split("\n"), 1):
+def jsonl_records(text, bad_line):
+    """(line number, record) for each non-blank line of a JSONL file's text (data.read_text: UTF-8, else one line
+    naming the byte). bad_line(n, e) -> the exception raised for line n, which is not JSON (e: json's error)."""
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -193,20 +188,6 @@ def started_line(marks):
     ends = [LAUNCH] + [end for _, end in marks]
     parts = ", ".join(f"{phase} {end - begin:.1f} s" for (phase, end), begin in zip(marks, ends))
     return f"started in {ends[-1] - LAUNCH:.1f} s: {parts}"
-
-
-def curriculum_end_note(cfg, vocab_size):
-    """Why the training loss jumps when the curriculum ends (logged as the event "curriculum_end" after step
-    cfg.curriculum_iters: plumbing.run.RunPlumbing.sync_loss_and_stop; figures/plot.py marks it): the curriculum's
-    inputs have alpha_t = T(gamma) over [gamma_min, gamma_max] only, the forward process afterwards the schedule's
-    whole range, its noisiest inputs included. -> one line."""
-    lo, hi = alpha_range(vocab_size, cfg.gamma_min, cfg.gamma_max)
-    after = diffusion.SCHEDULES[cfg.noise_schedule](torch.tensor([1.0, diffusion.T_MIN], dtype=torch.float64))[0]
-    return (f"the curriculum ends (--curriculum_iters {cfg.curriculum_iters}): its inputs had alpha_t in [{lo:.3f}, "
-            f"{hi:.3f}] (the Gaussian latent's argmax, gamma in [{cfg.gamma_min:g}, {cfg.gamma_max:g}]); from step "
-            f"{cfg.curriculum_iters + 1} they follow Eq. (discrete_marginal) with alpha_t in [{float(after[0]):.3f}, "
-            f"{float(after[1]):.3f}] ({cfg.noise_schedule}), the noisiest inputs included: the training loss measures "
-            f"another task from here, so it jumps (not a divergence)")
 
 
 def finish_lines(cfg, what, step, ckpt_path, folder):

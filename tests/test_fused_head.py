@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import diffusion
 import losses
 import plumbing.memory
 from plumbing.cli import ConfigError
@@ -184,7 +185,7 @@ def test_training_uses_the_fused_head_on_cuda_and_logits_on_cpu():
     assert not fused_head.fused_head_wanted("plain", "cuda")
     with pytest.raises(ConfigError, match="unknown --head 'lean'; choose from auto, plain, fused, "
                                                 "fused_recompute"):
-        check_train_flags(train.TrainConfig(head="lean"), 1)
+        check_train_flags(train.TrainConfig(head="lean"), 1, train.TRAIN_CHOICES, train.TRAIN_RANGES)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -193,16 +194,21 @@ def test_training_uses_the_fused_head_on_cuda_and_logits_on_cpu():
 def probe_stand_in(monkeypatch, fits):
     """plumbing.memory's probe answering fits(micro-batch, --head) on 2 ranks of a 79.2 GiB GPU; records the asks."""
     asked = []
-    monkeypatch.setattr(plumbing.memory, "_probe_fits",
-                        lambda run_, cfg, env, micro, compile=False: asked.append((micro, cfg.head)) or fits(micro, cfg.head))
+    monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, model, loss:
+                        asked.append((micro, cfg.head)) or fits(micro, cfg.head))
     monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
     return Env(torch.device("cuda"), world_size=2), asked
+
+
+def fit(cfg, env):
+    """The probe as train.py runs it: the fused head's fallback only for an objective it computes."""
+    plumbing.memory.fit_micro_batch(None, cfg, env, fusable=not diffusion.OBJECTIVES[cfg.loss].full_logits)
 
 
 def test_the_probe_keeps_the_logits_where_they_fit(monkeypatch, capsys):
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 64)
     cfg = train.TrainConfig(batch_size=128, loss="sddlm_v1")
-    plumbing.memory.fit_micro_batch(None, cfg, env)
+    fit(cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == ("auto", 1, [(64, "auto")]) and capsys.readouterr().out == ""
 
 
@@ -210,14 +216,14 @@ def test_the_probe_recomputes_the_logits_where_only_that_fits(monkeypatch, capsy
     fits = lambda micro, head: micro <= (64 if head == "fused_recompute" else 32)
     env, asked = probe_stand_in(monkeypatch, fits)
     cfg = train.TrainConfig(batch_size=128, loss="sddlm_v1")
-    plumbing.memory.fit_micro_batch(None, cfg, env)
+    fit(cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == ("fused_recompute", 1, [(64, "auto"), (64, "fused_recompute")])
     assert "micro-batch 64 fits in GPU memory (79.2 GiB) with the fused head recomputing its logits in backward: " \
            "--head fused_recompute" in capsys.readouterr().out
     # neither fits at 64: a smaller micro-batch with the logits kept comes first
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 32)
     cfg = train.TrainConfig(batch_size=128, loss="sddlm_v1")
-    plumbing.memory.fit_micro_batch(None, cfg, env)
+    fit(cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == ("auto", 2, [(64, "auto"), (64, "fused_recompute"), (32, "auto")])
 
 
@@ -226,5 +232,5 @@ def test_the_probe_leaves_the_head_as_given_or_without_a_head(loss, head, monkey
     """Duo's reference NELBO takes the full logits; a --head given explicitly is kept: only the micro-batch moves."""
     env, asked = probe_stand_in(monkeypatch, lambda micro, head: micro <= 32)
     cfg = train.TrainConfig(batch_size=128, loss=loss, head=head)
-    plumbing.memory.fit_micro_batch(None, cfg, env)
+    fit(cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == (head, 2, [(64, head), (32, head)])

@@ -79,9 +79,9 @@ def cached_graphs(model):
 
 def probe_on_cpu(monkeypatch, run, cfg, env):
     """The micro-batch probe at --compile 1 whose CUDA memory query is stood in for (it fits)."""
-    monkeypatch.setattr(memory, "_probe_fits", lambda run_, cfg, env, micro, model:
-                        memory.probe_steps(run_, cfg, env, micro, model) or True)
-    memory.fit_micro_batch(run, cfg, env, compile=True)
+    monkeypatch.setattr(memory, "_probe_fits", lambda run_, cfg, env, micro, model, loss:
+                        memory.probe_steps(run_, cfg, env, micro, loss, model) or True)
+    memory.fit_micro_batch(run, cfg, env, compile=True, loss=train.probe_loss(cfg))
 
 
 def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, graphs, one_thread, monkeypatch):

@@ -84,7 +84,7 @@ def test_oom_in_training_names_the_micro_batch_keeps_checkpoint(corpus, tmp_path
 
 
 def fake_cuda_fit(monkeypatch, fits_up_to):
-    monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, compile: micro <= fits_up_to)
+    monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, model, loss: micro <= fits_up_to)
     monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
     return Env(torch.device("cuda"), world_size=2)        # no DDP: the ranks' verdicts need no all-reduce
 
@@ -191,12 +191,12 @@ def test_compiled_probe_compiles_each_step_twice_at_most(monkeypatch):
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
     def probe_on_cpu(fits_up_to):
-        monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, model:
-                            probe_steps(run_, cfg, cpu, micro, model) or micro <= fits_up_to)
+        monkeypatch.setattr(plumbing.memory, "_probe_fits", lambda run_, cfg, env, micro, model, loss:
+                            probe_steps(run_, cfg, cpu, micro, loss, model) or micro <= fits_up_to)
         monkeypatch.setattr(plumbing.memory, "_gpu_gib", lambda env: "79.2 GiB")
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        fit_micro_batch(run, cfg, Env(torch.device("cuda")), compile=True)
+        fit_micro_batch(run, cfg, Env(torch.device("cuda")), compile=True, loss=train.probe_loss(cfg))
 
     try:
         probe_on_cpu(fits_up_to=2)
@@ -204,7 +204,7 @@ def test_compiled_probe_compiles_each_step_twice_at_most(monkeypatch):
         cfg.grad_accum = 1
         probe_on_cpu(fits_up_to=8)
         assert graphs() == 2
-        probe_steps(run, cfg, cpu, 8, torch.compile(run.raw_model))      # the run's first steps (place_model)
+        probe_steps(run, cfg, cpu, 8, train.probe_loss(cfg), torch.compile(run.raw_model))   # the run's first steps
         assert graphs() == 2
     finally:
         torch._dynamo.reset()
