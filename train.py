@@ -25,7 +25,7 @@ import curriculum.gaussian as curriculum
 from curriculum.gaussian import GAMMA_LIMIT
 from data import BatchLoader, DataError, get_tokenizer
 from kernels.fused_head import HEADS
-from eval_ppl import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
+from validation import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
 from plumbing.checkpoint import restore
 from plumbing.flags import check_train_flags

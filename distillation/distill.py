@@ -43,7 +43,7 @@ import curriculum.gaussian as curriculum
 import diffusion
 import train
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
-from eval_ppl import validation_record, validation_sums
+from validation import validation_record, validation_sums
 from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, restore
 from plumbing.cli import UsageError, parse_flags, run_cli
@@ -332,7 +332,7 @@ def dcd_step(run, teacher, cfg, env, x0, mask=None):
 
 
 def evaluate(run, teacher, cfg, data_dir, env):
-    """eval_ppl.validation_sums (the same validation set and draws for any world size) of the DCD loss against the
+    """validation.validation_sums (the same validation set and draws for any world size) of the DCD loss against the
     current teacher at the current round's dt (its pair noise from draw_pair_noise), and of the NELBO. -> this
     rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
@@ -343,7 +343,7 @@ def evaluate(run, teacher, cfg, data_dir, env):
 
 
 def val_metrics(sums, cfg, data_dir, it):
-    """evaluate's sums, added over ranks -> the log.jsonl record (eval_ppl.validation_record: each with its standard
+    """evaluate's sums, added over ranks -> the log.jsonl record (validation.validation_record: each with its standard
     error), with the dt of the round evaluated."""
     return {**validation_record(sums, data_dir, "val_dcd"), "dt": step_size(max(it - 1, 0), cfg)}
 

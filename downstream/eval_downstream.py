@@ -41,7 +41,7 @@ from diffusion import default_final_step
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
                                         run_lm_eval)
 from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
-from eval_ppl import mean_se
+from metrics import mean_se
 from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtype, run_cli
 from trained.checkpoint import load_model, load_tokenizer
 from plumbing.files import WRITTEN_BY, check_outputs, refuse_overwrite, save_atomic, signature, text_mark, write_json

@@ -156,11 +156,11 @@ class SDDLM:
 
     def score(self, texts, mc_draws=16, seed=0):
         """Each text's NELBO (nats per token, an upper bound on -log p(x) / L; exact for an AR model), averaged
-        over mc_draws noise draws (two rounds of mc_draws / 2 stratified times, eval_ppl.nelbo_ppl's estimator), with
+        over mc_draws noise draws (two rounds of mc_draws / 2 stratified times, metrics.nelbo_ppl's estimator), with
         its Monte-Carlo standard error, from the two rounds' spread: on 1 degree of freedom, so the PPL's 95% interval
         (ppl_lo, ppl_hi) is exp(nll -+ 12.7 nll_se), not 1.96 -> list of dict(nll, nll_se, ppl, ppl_se, ppl_lo,
         ppl_hi, tokens)."""
-        from eval_ppl import nelbo_ppl
+        from metrics import nelbo_ppl
         from plumbing.cli import SEED_END, whole
         whole(mc_draws, "mc_draws", 1), whole(seed, "seed", 0, SEED_END)
         out = []

@@ -13,8 +13,9 @@ import torch
 
 import diffusion
 import losses
-from eval_ppl import (Judge, entropy, gen_ppl, judge_windows, mean_se, nelbo_ppl, ratio_moments, ratio_summary,
-                      stratified_times, t95, zero_shot_blocks)
+from eval_ppl import zero_shot_blocks
+from metrics import (Judge, entropy, gen_ppl, judge_windows, mean_se, nelbo_ppl, ratio_moments, ratio_summary,
+                     stratified_times, t95)
 from model import ModelConfig, build_model
 from conftest import forward_tol, unit_roundoff
 from test_losses import usdm_sizes
@@ -107,7 +108,7 @@ def test_gen_ppl_and_entropy_carry_standard_errors():
     assert result["gen_ppl_se"] == pytest.approx(result["gen_ppl"] * result["nll_se"], rel=1e-12)
     assert (result["gen_ppl_lo"], result["gen_ppl_hi"]) == pytest.approx(
         (math.exp(R - 3.182446 * se), math.exp(R + 3.182446 * se)), rel=GEN_PPL_REL * R + 2 * se_tol)
-    from eval_ppl import score_samples
+    from validation import score_samples
     ids = [[5, 5, 7, 7], [1, 2, 3, 4], [3, 3, 3, 3]]
     row = score_samples(ids, ["some text", "more text", "and more"], None, judge, 2, None, label="m", steps=4)
     values = [math.log(2), math.log(4), 0.0]
@@ -353,7 +354,7 @@ def test_nelbo_interval_covers_95_for_one_sequence_and_a_split():
     side are K independent estimates of it, each summarised as nelbo_ppl does (round_sums, nelbo_summary); the
     truth is the mean of 2 rounds of 300 other copies (seed 1): its error 6% of one estimate's, a shift that moves
     the coverage by < 1%."""
-    from eval_ppl import nelbo_summary, round_sums, sequence_nelbo
+    from metrics import nelbo_summary, round_sums, sequence_nelbo
     model = perturbed(DIT)
     x0, mask = toy_split()
     for n in (1, 3):
@@ -562,7 +563,7 @@ def test_cli_genppl_sweep_names_its_judge_and_scores_ids(setup, capsys):
 def test_cli_genppl_past_the_block_samples_and_judges_in_windows(setup, capsys):
     """--seq_len 80 on block_size 32: diffusion samples in windows of 16 new tokens, AR samples with a sliding
     window; the row's Gen PPL is gen_ppl of the saved samples under the judge's own 32-token windows."""
-    from eval_ppl import load_judge
+    from metrics import load_judge
     saved = setup["tmp"] / "long.jsonl"
     result, _ = run_main(capsys, "--ckpt", setup["diffusion"], "--metric", "genppl", "--judge", setup["ar"],
                          "--steps", "2", "--num_samples", 2, "--seq_len", 80, "--save_samples", saved)
@@ -624,14 +625,14 @@ def test_cli_zeroshot_past_the_trained_length_is_refused(setup):
 def test_nelbo_progress_counts_sequences_within_a_batch(monkeypatch):
     """One batch of long blocks sat at "0/1 batch" for minutes: the bar counts sequences, shows their total and
     moves with each forward of a batch."""
-    import eval_ppl
+    import metrics
     seen = []
 
-    class Bar(eval_ppl.tqdm):
+    class Bar(metrics.tqdm):
         def update(self, n=1):
             super().update(n)
             seen.append((self.n, self.total, self.unit))
-    monkeypatch.setattr(eval_ppl, "tqdm", Bar)
+    monkeypatch.setattr(metrics, "tqdm", Bar)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     model = build_model(ModelConfig(vocab_size=8, block_size=6, n_layer=1, n_head=1, n_embd=8, cond_dim=4)).eval()
     nelbo_ppl(model, [torch.randint(0, 8, (4, 6))], seed=1, mc_draws=2, rounds=2, n_sequences=4)

@@ -11,7 +11,8 @@ import torch
 
 import train
 from data import load_meta
-from eval_ppl import GEN_GROUPS, entropy, gen_ppl, load_judge
+from metrics import entropy, gen_ppl, load_judge
+from validation import GEN_GROUPS
 from model import PRESETS, DiffusionTransformer, ModelConfig
 from trained.checkpoint import load_checkpoint
 from plumbing.cli import ConfigError
@@ -112,7 +113,7 @@ GROUPS = [(3 * GEN_GROUPS + k, 1) for k in range(6)]   # --gen_seed 3, 6 samples
 
 def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
     """Gen PPL and entropy of a kept checkpoint computed outside the run: load its EMA weights, draw each
-    (seed, count) share with sample.generate, pool, score with eval_ppl.gen_ppl / entropy."""
+    (seed, count) share with sample.generate, pool, score with metrics.gen_ppl / entropy."""
     model, ckpt = load_checkpoint(ckpt_path)
     judge = load_judge(judge_path, "cpu")
     ids = []
@@ -161,7 +162,7 @@ def test_eval_iters_zero_validates_the_whole_split(judged):
 @pytest.mark.numerics
 @pytest.mark.slow
 def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
-    """Two ranks: rank r draws the groups r, r + 2, r + 4 of eval_ppl.sample_groups (6 samples: 6 groups of one);
+    """Two ranks: rank r draws the groups r, r + 2, r + 4 of validation.sample_groups (6 samples: 6 groups of one);
     the logged Gen PPL is the pooled score of both shares, the samples of one process, and validation of the whole
     split still counts every token once."""
     d, base, gen = judged

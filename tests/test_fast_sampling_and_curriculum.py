@@ -132,12 +132,12 @@ def test_the_sampling_loop_never_waits_for_the_device(psi):
 
 
 def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
-    """eval_ppl.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
+    """validation.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
     CUDA by default) and --sample_top_p to the sampler, the diffusion one and the AR one; the tiny preset (the CPU
     demo) prints its samples with top-p 0.8, the paper's presets with the full distribution."""
     import contextlib
     import types
-    import eval_ppl
+    import validation
     import train
     seen = {}
 
@@ -146,16 +146,16 @@ def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
             seen.update(kwargs, sampler=sampler)
             return torch.zeros(1, 4, dtype=torch.long)
         return generate
-    monkeypatch.setattr(eval_ppl, "generate", fake("diffusion"))
-    monkeypatch.setattr(eval_ppl, "generate_ar", fake("ar"))
-    monkeypatch.setattr(eval_ppl, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
-    monkeypatch.setattr(eval_ppl, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
+    monkeypatch.setattr(validation, "generate", fake("diffusion"))
+    monkeypatch.setattr(validation, "generate_ar", fake("ar"))
+    monkeypatch.setattr(validation, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
+    monkeypatch.setattr(validation, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
     model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
     for loss in ("sddlm", "ar"):
         seen.clear()
         cfg = train.TrainConfig(loss=loss, dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2,
                                 sample_top_p=0.7)
-        eval_ppl.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
+        validation.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
                                types.SimpleNamespace(device=torch.device("cpu")))
         assert seen["dtype"] == torch.bfloat16 and seen["top_p"] == 0.7
         assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the objective picks the sampler

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import data
-import eval_ppl
+import validation
 import prepare
 import train
 from model import ModelConfig
@@ -187,7 +187,7 @@ def test_evaluation_runs_the_compiled_model(prepared, one_thread):
     run = train.build_run(cfg, mcfg, env)
     for e in run.ema:
         e.add_(0.01)
-    eager = eval_ppl.evaluate(run, cfg, prepared, env)
+    eager = validation.evaluate(run, cfg, prepared, env)
     calls = []
 
     class Spy(torch.nn.Module):
@@ -199,7 +199,7 @@ def test_evaluation_runs_the_compiled_model(prepared, one_thread):
             calls.append(self.model.training)
             return self.model(*args, **kwargs)
     run.eval_model = Spy(run.raw_model)
-    assert torch.equal(eval_ppl.evaluate(run, cfg, prepared, env), eager)
+    assert torch.equal(validation.evaluate(run, cfg, prepared, env), eager)
     assert calls and not any(calls)                                   # eval mode, every call
 
 

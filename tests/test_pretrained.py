@@ -166,9 +166,9 @@ def test_score_is_exact_nll_for_ar_and_the_nelbo_for_diffusion(tmp_path, tok_pat
 
     lm = SDDLM.from_pretrained(export(fake_checkpoint(tmp_path / "d.pt", tok_path), tmp_path / "m")[0])
     [r] = lm.score(TEXT, mc_draws=8, seed=3)
-    # the same draws by hand: two rounds of 4 stratified times (eval_ppl.sequence_draws: the text is sequence 0),
+    # the same draws by hand: two rounds of 4 stratified times (metrics.sequence_draws: the text is sequence 0),
     # x_t from Eq. (discrete_marginal), Eq. (usdm) in float64 on the same float32 logits, each time weighted as drawn
-    from eval_ppl import sequence_draws
+    from metrics import sequence_draws
     x0, K = ids.expand(4, -1), lm.model.config.vocab_size
     rounds, tols = [], []
     for rnd in range(2):

@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import curriculum.gaussian as curriculum
 import diffusion
-import eval_ppl
+import validation
 import losses
 from model import ModelConfig
 from plumbing.distributed import Env
@@ -129,7 +129,7 @@ def test_curriculum_trains_on_soft_inputs_for_exactly_its_steps(corpus, tmp_path
         inputs.append(it)
         return real_loss_terms(model, cfg, x0, t, it, *args)
     monkeypatch.setattr(diffusion, "loss_terms", record)
-    monkeypatch.setattr(eval_ppl, "loss_terms", record)      # validation during training
+    monkeypatch.setattr(validation, "loss_terms", record)      # validation during training
     args = ["--loss", "sddlm", "--max_iters", "20", "--curriculum_iters", "10", "--gamma_min", "-3.5",
             "--gamma_max", "-1.0", "--eval_interval", "20", "--grad_accum", "2"]
     assert run(args, tmp_path, corpus) == 0

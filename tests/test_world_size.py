@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import eval_ppl
+import metrics
+import validation
 import train
 from data import get_tokenizer, load_meta
 from plumbing.distributed import Env
@@ -67,8 +69,8 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
     results = {}
     for world_size in (1, 2, 4):
         cfg, runs = rank_runs(args, ckpt, world_size)
-        sums = sum(eval_ppl.evaluate(run, cfg, str(d / "data"), env) for run, env in runs)
-        results[world_size] = eval_ppl.val_metrics(sums, cfg, str(d / "data"))
+        sums = sum(validation.evaluate(run, cfg, str(d / "data"), env) for run, env in runs)
+        results[world_size] = validation.val_metrics(sums, cfg, str(d / "data"))
     # the validation set: eval_iters global batches of --batch_size sequences (0: every sequence), at any size
     sequences = min(eval_iters * 8, meta["val_sequences"]) if eval_iters else meta["val_sequences"]
     assert eval_iters or meta["val_sequences"] % 8, "the whole split should end in a partial global batch"
@@ -90,23 +92,23 @@ def test_gen_ppl_and_entropy_are_equal_for_1_2_and_4_processes(trained, one_thre
     d, args, ckpt = trained
     tok = get_tokenizer(load_meta(str(d / "data"))["tokenizer"])
     table = torch.randn(tok.vocab_size + 1, 16, generator=torch.Generator().manual_seed(0))
-    judge = eval_ppl.Judge("bigram", lambda ids, attn: table[ids] @ table[:tok.vocab_size].T, tok.encode, tok.eos_id,
+    judge = metrics.Judge("bigram", lambda ids, attn: table[ids] @ table[:tok.vocab_size].T, tok.encode, tok.eos_id,
                            context=64)                     # scores a text by its tokens: other samples, other score
     results, samples = {}, {}
     for world_size in (1, 2, 4):
         cfg, runs = rank_runs(args + ["--loss", "sddlm_v1"], ckpt, world_size)
         drawn = []
-        real = eval_ppl.score_samples
+        real = validation.score_samples
 
         def spy(ids, *a, **k):
             drawn.extend(map(tuple, ids))
             return real(ids, *a, **k)
-        eval_ppl.score_samples = spy
+        validation.score_samples = spy
         try:
-            sums = sum(eval_ppl.sample_quality(run, cfg, env, judge, tok) for run, env in runs)
+            sums = sum(validation.sample_quality(run, cfg, env, judge, tok) for run, env in runs)
         finally:
-            eval_ppl.score_samples = real
-        results[world_size], samples[world_size] = eval_ppl.gen_metrics(sums, cfg, judge), sorted(drawn)
+            validation.score_samples = real
+        results[world_size], samples[world_size] = validation.gen_metrics(sums, cfg, judge), sorted(drawn)
     assert len(samples[1]) == 6 and len(set(samples[1])) == 6
     for world_size in (2, 4):
         assert samples[world_size] == samples[1]
@@ -122,8 +124,8 @@ def test_gen_ppl_and_entropy_are_equal_for_1_2_and_4_processes(trained, one_thre
 def test_sample_groups_cover_every_sample_once_at_any_size():
     for n in (1, 6, 8, 9, 64, 100):
         for world_size in (1, 2, 3, 8, 16):
-            groups = [g for r in range(world_size) for g in eval_ppl.sample_groups(n, r, world_size)]
-            assert sorted(groups) == eval_ppl.sample_groups(n, 0, 1) and sum(s for _, s in groups) == n
+            groups = [g for r in range(world_size) for g in validation.sample_groups(n, r, world_size)]
+            assert sorted(groups) == validation.sample_groups(n, 0, 1) and sum(s for _, s in groups) == n
 
 
 def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out_file):
@@ -139,10 +141,10 @@ def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out
         run, env = runs[rank]
         env.ddp = True
         sums = reduced_unless_stopped({"signal": None, "raise": False}, env,
-                                      lambda: eval_ppl.evaluate(run, cfg, data_dir, env))
+                                      lambda: validation.evaluate(run, cfg, data_dir, env))
         if rank == 0:
             with open(out_file, "w") as f:
-                json.dump(eval_ppl.val_metrics(sums, cfg, data_dir), f)
+                json.dump(validation.val_metrics(sums, cfg, data_dir), f)
     finally:
         dist.destroy_process_group()
 
@@ -154,7 +156,7 @@ def test_one_and_two_gloo_processes_give_the_same_validation(trained, tmp_path):
     d, args, ckpt = trained
     args = args + ["--loss", "sddlm_v1", "--eval_iters", "0"]
     cfg, runs = rank_runs(args, ckpt, 1)
-    one = eval_ppl.val_metrics(eval_ppl.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1]), cfg, str(d / "data"))
+    one = validation.val_metrics(validation.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1]), cfg, str(d / "data"))
     mp.spawn(evaluate_on_rank, args=(2, str(tmp_path / "init"), args, str(d / "out" / "ckpt.pt"), str(d / "data"),
                                      str(tmp_path / "two.json")), nprocs=2)
     two = json.loads((tmp_path / "two.json").read_text())
@@ -176,12 +178,12 @@ def test_validation_is_eval_ppls_estimator_on_the_same_draws(trained, one_thread
     import eval_ppl as ep
     d, args, ckpt = trained
     record = [json.loads(line) for line in open(d / "out" / "log.jsonl") if "val_nelbo" in line][-1]
-    seen, real = [], ep.nelbo_per_token
+    seen, real = [], metrics.nelbo_per_token
 
     def spy(model, x0, t, vocab_size, autocast, generator=None, draws=None):
         seen.append((t.clone(), draws[0].clone(), draws[1].clone()))
         return real(model, x0, t, vocab_size, autocast, generator, draws)
-    monkeypatch.setattr(ep, "nelbo_per_token", spy)
+    monkeypatch.setattr(metrics, "nelbo_per_token", spy)
 
     def eval_ppl_cli(*extra):      # the run validated eval_iters 1 x batch 8: the split's first 8 sequences
         out = d / f"nelbo{len(seen)}.json"
@@ -198,23 +200,23 @@ def test_validation_is_eval_ppls_estimator_on_the_same_draws(trained, one_thread
         (same["ppl_lo"], same["ppl_hi"]), rel=5 * RANKS_REL * same["nll"])
     cfg, runs = rank_runs(args + ["--loss", "sddlm", "--eval_iters", "1"], ckpt, 1)
     run, env = runs[0]
-    ep.evaluate(run, cfg, str(d / "data"), env)
+    validation.evaluate(run, cfg, str(d / "data"), env)
     first, seen[:] = list(seen), []
     with torch.no_grad():
         for e in run.ema:                                   # other weights: a later evaluation of the run
             e.mul_(0.9)
-    ep.evaluate(run, cfg, str(d / "data"), env)
+    validation.evaluate(run, cfg, str(d / "data"), env)
     for draws in (seen, by_eval_ppl):
-        assert len(draws) == len(first) == 2 * ep.VAL_DRAWS
+        assert len(draws) == len(first) == 2 * metrics.VAL_DRAWS
         assert all(all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(first, draws))
-    times, real_terms = [], ep.loss_terms                  # the objective's own draws: t ~ U[1e-3, 1]
+    times, real_terms = [], validation.loss_terms                  # the objective's own draws: t ~ U[1e-3, 1]
 
     def spy_terms(model, cfg, x0, t, *rest):
         times.extend(t.tolist())
         return real_terms(model, cfg, x0, t, *rest)
-    monkeypatch.setattr(ep, "loss_terms", spy_terms)
+    monkeypatch.setattr(validation, "loss_terms", spy_terms)
     cfg, runs = rank_runs(args + ["--loss", "sddlm", "--eval_iters", "0"], ckpt, 1)
-    ep.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1])
+    validation.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1])
     n = len(times)          # the mean of n uniform times: 0.5005 within 4 SE, SE = sqrt(1 / 12 / n)
     assert n == 2 * load_meta(str(d / "data"))["val_sequences"] and min(times) >= 1e-3
     assert abs(sum(times) / n - 0.5005) < 4 * math.sqrt(0.999 ** 2 / 12 / n)
