@@ -134,7 +134,7 @@ def val_metrics(sums, cfg, data_dir):
 
 def load_gen_judge(cfg, env):
     """The judge of sample_quality, or None when --gen_interval is 0. Loaded on every rank before the data are
-    prepared, so a missing judge fails at once (eval_ppl.load_judge never substitutes another)."""
+    prepared, so a missing judge fails at once (metrics.load_judge never substitutes another)."""
     if not cfg.gen_interval:
         return None
     return load_judge(cfg.judge, env.device)
@@ -160,7 +160,7 @@ def sample_quality(run, cfg, env, judge, tok):
     its own sampler). The samples come in groups (sample_groups), group k drawn in one sampler call from a
     generator seeded gen_seed * GEN_GROUPS + k: the same samples for any world size, and the same draws at every
     call, so a curve follows the model and not the sampling noise; each rank scores its groups with the judge
-    (eval_ppl.score_samples). -> this rank's float64 sums (GEN_SUMS,): ratio_moments of the samples' NLL over
+    (score_samples). -> this rank's float64 sums (GEN_SUMS,): ratio_moments of the samples' NLL over
     their scored tokens, then (sum, sum of squares) of their entropies; added over ranks (gen_metrics), they pool
     all samples exactly as one process would, standard errors included."""
     groups = sample_groups(cfg.gen_num_samples, env.rank, env.world_size)

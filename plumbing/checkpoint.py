@@ -182,8 +182,10 @@ def load_resume_checkpoint(cfg, check=None):
         raise ConfigError(f"cannot resume from {path}: not a readable checkpoint ({e})") from None
     if check is not None:
         check(ckpt, path)
+    # keys of a later version, which the checkpoints this one writes would drop (a file without our keys is
+    # another's: the script's own check names what it lacks)
     unknown = sorted(map(str, set(ckpt) - set(CHECKPOINT_KEYS)))
-    if unknown:         # a later version's: the checkpoints this one writes would drop them
+    if unknown and all(k in ckpt for k in RESUME_KEYS):
         raise ConfigError(f"cannot resume from {path}: it holds {', '.join(unknown)}, which this version of sddlm does "
                           f"not know and would drop; resume with the version that wrote it (upgrade sddlm)")
     check_finite_weights(ckpt, path)      # one saved after a divergence is no place to continue from

@@ -382,5 +382,5 @@ def test_progress_bars_have_a_total_reach_it_and_show_an_eta(tmp_path):
                "--max_batches", "12", "--device", "cpu", "--max_rounds", "2")   # an untrained model never reaches
     assert r.returncode == 0, r.stderr[-2000:]                                     # --rel_se: 30 more rounds, ~8 min
     states = bar_states(r.stderr, "nelbo rounds 1-2")                           # its two rounds, in one pass
-    assert states and all(s[2] == "12" for s in states), states
+    assert states and all(s[2] == "24" for s in states), states            # 12 batches of 2: 24 sequences
     assert any(s[3] for s in states), states                                   # an ETA once the first batch ran

@@ -765,7 +765,7 @@ def test_a_killed_preparation_takes_its_workers_leaves_nothing(tmp_path):
     deadline = time.time() + 120
     children = []
     while time.time() < deadline and proc.poll() is None and not (
-            len(children) == 2 and any(p.name.startswith("d.tmp-") and any(p.iterdir()) for p in tmp_path.iterdir())):
+            len(children) == 2 and any(p.name.startswith("d.sddlm-tmp-") and any(p.iterdir()) for p in tmp_path.iterdir())):
         time.sleep(0.02)      # until both workers run and the temp folder is being written
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     proc.send_signal(signal.SIGKILL)
