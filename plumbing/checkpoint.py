@@ -21,8 +21,8 @@ from plumbing.signals import deferred_signals
 # what a resumed run requires of its checkpoint (save writes them)
 RESUME_KEYS = ("model", "optimizer", "model_config", "train_config", "step", "data_state", "rng")
 # every key a checkpoint of this version holds (distill.py's and a fine-tuning run's extra() among them)
-CHECKPOINT_KEYS = RESUME_KEYS + ("ema", "meta", "n_ema", "distill_config", "distilled_from", "teacher", "finetuned_from",
-                                 "tokenizer_model")
+CHECKPOINT_KEYS = RESUME_KEYS + ("ema", "meta", "n_ema", "distill_config", "distilled_from", "teacher",
+                                 "finetuned_from", "tokenizer_model")
 
 
 def checkpoint_state(run, cfg, mcfg, meta, resume=None):

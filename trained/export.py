@@ -235,9 +235,9 @@ def save_folder(folder, state, config, name=None, proto=None):
 
 
 def export(ckpt, out, weights="ema"):
-    """Any checkpoint cli.load_model reads (train.py / distillation/distill.py ckpt.pt, duo:PATH, a model folder) -> a model
-    folder at `out` with its EMA weights (weights="ema"; the live ones when it has no EMA) or its live ones
-    (weights="raw"). -> (folder, the weights written: "ema" | "raw")."""
+    """Any checkpoint trained.checkpoint.load_model reads (train.py / distillation/distill.py ckpt.pt, duo:PATH, a
+    model folder) -> a model folder at `out` with its EMA weights (weights="ema"; the live ones when it has no EMA)
+    or its live ones (weights="raw"). -> (folder, the weights written: "ema" | "raw")."""
     if weights not in ("ema", "raw"):
         raise UsageError(f"--weights must be ema or raw, got {weights!r}")
     check_target(os.path.normpath(str(out)), "--out")          # before the weights load

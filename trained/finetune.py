@@ -11,9 +11,16 @@ past SOURCE's length is for the training to teach)."""
 import os
 from dataclasses import asdict, dataclass
 
+import torch
+
+from data import get_tokenizer
 from diffusion import OBJECTIVES
 from model import PRESETS, ModelConfig
+from plumbing.checkpoint import read_checkpoint
 from plumbing.cli import ConfigError, UsageError, first_line
+from plumbing.integrity import check_tokenizer_identity
+from plumbing.runlog import start_lines
+from trained.checkpoint import check_data_tokenizer, load_model, load_tokenizer
 
 # train.py's data flags SOURCE sets unless they are given on the command line (a preset's are not)
 FROM_SOURCE = ("tokenizer", "block_size")
@@ -57,20 +64,18 @@ class Source:
         """The prepared data's tokenizer is SOURCE's, as every reader of a prepared folder checks it
         (trained.checkpoint.check_data_tokenizer: by content where both hashes are known, else its vocabulary and
         special ids against SOURCE's). Nothing to check on a resume (trained.checkpoint.check_resume does)."""
-        from trained.checkpoint import check_data_tokenizer
         if self.weights is None:
             return
         ours, theirs = meta.get("tokenizer_sha256"), (self.meta or {}).get("tokenizer_sha256")
         if ours and theirs and ours != theirs:
-            raise UsageError(f"{data_dir} was prepared with the tokenizer {meta.get('tokenizer')} (sha256 {ours[:12]}...), "
-                             f"not the one {self.label} was trained with ({self.tokenizer}, sha256 {theirs[:12]}...); "
-                             f"give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)")
+            raise UsageError(f"{data_dir} was prepared with the tokenizer {meta.get('tokenizer')} (sha256 "
+                             f"{ours[:12]}...), not the one {self.label} was trained with ({self.tokenizer}, sha256 "
+                             f"{theirs[:12]}...); give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)")
         check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label)
 
     def start(self, run):
         """SOURCE's weights into the run's model (its output rows fitted to the run's padding); the EMA starts at
         them. Every rank loads the same weights, so a DDP run still equals one process."""
-        import torch
         run.raw_model.load_state_dict(fit_output_rows(self.weights, run.raw_model.config))
         if run.ema is not None:
             with torch.no_grad():
@@ -83,7 +88,6 @@ class Source:
 
     def lines(self, cfg, raw_model, env):
         """The run's start lines (plumbing.runlog.start_lines) and one that says what it fine-tunes."""
-        from plumbing.runlog import start_lines
         length = (f"L = {cfg.block_size}, trained at {self.block_size}" if cfg.block_size != self.block_size
                   else f"L = {cfg.block_size}")
         return (start_lines(cfg, raw_model, env) + f"\nfine-tuning from {self.described}: its model ({length}) and "
@@ -95,7 +99,6 @@ def fit_output_rows(state, mcfg):
     """A state dict whose output layer (lm_head) has other padding rows than mcfg's (--vocab_multiple) -> the same
     weights with mcfg.padded_vocab_size rows: the vocabulary's rows kept, the padding rows zero (never used: the
     model returns only the vocabulary's logits)."""
-    import torch
     rows, vocab = mcfg.padded_vocab_size, mcfg.vocab_size
     state = dict(state)
     for name in ("lm_head.weight", "lm_head.bias"):
@@ -114,7 +117,6 @@ def read_init(spec, use_ema=True):
     """--init SPEC (train.py, distillation/distill.py) -> (model, checkpoint dict) as every script's --ckpt reads it
     (trained.checkpoint.load_model), on the CPU: its EMA weights where it has them and use_ema. One that does not
     load -> UsageError (one line)."""
-    from trained.checkpoint import load_model
     if not spec.startswith("duo:") and not os.path.exists(spec):
         raise UsageError(f"--init {spec}: no such checkpoint or model folder (duo:PATH or duo:USER/NAME for Duo's)")
     try:
@@ -143,7 +145,6 @@ def resumed_source(out_dir):
     """The Source of a fine-tuning run resumed from out_dir/ckpt.pt (it records finetuned_from, its model, tokenizer
     and block size), without its weights; None for any other checkpoint (or none: the resume's own checks report
     it). Read memory-mapped: no weights are read here."""
-    from plumbing.checkpoint import read_checkpoint
     path = os.path.join(out_dir, "ckpt.pt")
     try:
         saved = read_checkpoint(path, mmap=True)
@@ -184,8 +185,6 @@ def start_from(cfg, given):
     if source.weights is not None:
         source.meta = tokenizer_identity(source.meta, source.model_config, source.label)
         if cfg.tokenizer != source.tokenizer and not cfg.tokenizer.startswith("sp_train:"):
-            from data import get_tokenizer
-            from plumbing.integrity import check_tokenizer_identity
             check_tokenizer_identity(get_tokenizer(cfg.tokenizer), {"meta": source.meta,
                                                                     "model_config": source.model_config},
                                      source.label, fix="give its tokenizer, or leave --tokenizer out")
@@ -221,7 +220,6 @@ def tokenizer_identity(meta, model_config, label):
     """A loaded model's meta (label: how messages name it) with its tokenizer's sha256, vocabulary and special ids,
     loaded where it records only the tokenizer's name (Duo's checkpoints: "gpt2"), so that the data's tokenizer is
     checked by content. A tokenizer that cannot be loaded here -> UsageError (the run needs it for its data)."""
-    from trained.checkpoint import load_tokenizer
     meta = dict(meta or {})
     if not meta.get("tokenizer") or meta.get("tokenizer_sha256"):
         return meta

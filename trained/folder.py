@@ -5,8 +5,17 @@ import dataclasses
 import json
 import os
 import sys
+from dataclasses import fields
 
+import diffusion
+from data import not_a_file
+from diffusion import FINAL_STEPS
+from model import ModelConfig, build_model
+from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, check_writable, kind_of
+from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, fits, is_int, sha256_file
+from plumbing.memory import check_model_memory
+from trained.fields import TRAIN_CONFIG_TYPES, check_train_config_values, checked_model_config
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -46,7 +55,6 @@ def check_target(folder, flag="the output folder", fix="choose another"):
     """A model folder may be written into a new or empty folder, or over a model folder of ours (replacing only
     our_files); a folder holding anything else is the user's: one line (UsageError, ending in `fix`) before any
     work."""
-    from plumbing.cli import UsageError
     check_writable(folder, flag, folder=True)      # not a file, pipe or device, nor under one; writable
     if os.path.lexists(folder) and not os.path.isdir(folder):
         raise UsageError(f"{flag} {folder} is a {kind_of(os.path.realpath(folder))}, not a folder; give a folder")
@@ -68,8 +76,6 @@ def check_target(folder, flag="the output folder", fix="choose another"):
 
 def model_config_of(config):
     """config.json's model fields: flat (format -2, the hub's way) or nested under "model_config" (format -1)."""
-    from dataclasses import fields
-    from model import ModelConfig
     if isinstance(config.get("model_config"), dict):
         return config["model_config"]
     return {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
@@ -88,7 +94,6 @@ def read_config(folder):
     inside = [f for f in ("model", "ckpt.pt") if os.path.exists(os.path.join(folder, f))]
     hint = f"; give {' or '.join(os.path.join(folder, f) for f in inside)}" if inside else ""   # a run's folder
     if not os.path.isfile(path):          # (a pipe or a device there is named as one: data.not_a_file)
-        from data import not_a_file
         raise ValueError(not_a_file(path, f"{folder} is a folder but not a model folder (no {CONFIG}){hint}"))
     try:
         with open(path, encoding="utf-8") as f:
@@ -109,10 +114,6 @@ def check_config(config, path):
     """A model folder's config.json, field by field as its flags and a checkpoint's fields are checked (the
     objective, noise schedule, final step, weights, step, the tokenizer record, the training config, the model's
     fields) -> the ModelConfig; else ConfigError naming the file and the field."""
-    import diffusion
-    from diffusion import FINAL_STEPS
-    from plumbing.integrity import expect, fits, is_int
-    from trained.fields import TRAIN_CONFIG_TYPES, check_train_config_values, checked_model_config
     hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
     optional = lambda test: lambda v: v is None or test(v)
     fields = {"model_type": (optional(lambda v: v == MODEL_TYPE), repr(MODEL_TYPE)),
@@ -159,9 +160,6 @@ def load_folder(folder, device="cpu", use_ema=True):
     finiteness and shapes against the config, and the model's size against the memory there is. Raises ValueError
     (one line) for a broken folder."""
     from safetensors.torch import load_file
-    from model import build_model
-    from plumbing.integrity import check_config_matches, check_state_fits, check_weights, sha256_file
-    from plumbing.memory import check_model_memory
     config = read_config(folder)
     config_path = os.path.join(folder, CONFIG)
     mcfg = check_config(config, config_path)
@@ -170,13 +168,11 @@ def load_folder(folder, device="cpu", use_ema=True):
                          f"--ckpt CKPT --out FOLDER --weights raw")
     path = os.path.join(folder, WEIGHTS)
     if not os.path.isfile(path):
-        from data import not_a_file
         raise ValueError(not_a_file(path, f"{folder}: {WEIGHTS} is missing"))
     tok = dict(config.get("tokenizer") or {})
     if tok.get("file"):
         file = os.path.join(folder, tok["file"])
         if not os.path.isfile(file):
-            from data import not_a_file
             raise ValueError(not_a_file(file, f"{folder}: its tokenizer file {tok['file']} is missing"))
         if tok.get("sha256") and sha256_file(file) != tok["sha256"]:
             raise ValueError(f"{file} is not the tokenizer recorded in {CONFIG} (sha256 mismatch)")
