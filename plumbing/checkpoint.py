@@ -1,7 +1,8 @@
 """Checkpoints: the one state dict a run saves (ckpt.pt to resume, ckpt_<step>.pt to evaluate), writing and
 restoring it, and the checks before a resume that need no model (what needs one: trained/checkpoint.py).
 A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
-(the last two per rank), plus a script's own entries (distillation/distill.py: distill_config, distilled_from, teacher)."""
+(the last two per rank), plus a script's own entries (distillation/distill.py: distill_config, distilled_from,
+teacher)."""
 import os
 import pickle
 import warnings
@@ -193,8 +194,9 @@ def load_resume_checkpoint(cfg, check=None):
 
 
 def written_by(ckpt):
-    """The script whose run wrote a checkpoint, as its content records it: "distillation/distill.py" (it holds distill_config,
-    and the teacher that a resumed round needs), "train.py" (a model and train_config without it), else None."""
+    """The script whose run wrote a checkpoint, as its content records it: "distillation/distill.py" (it holds
+    distill_config, and the teacher that a resumed round needs), "train.py" (a model and train_config without it),
+    else None."""
     if not isinstance(ckpt, dict):
         return None
     if "distill_config" in ckpt:
@@ -204,7 +206,8 @@ def written_by(ckpt):
 
 def refuse_other_script(ckpt, out_dir, script):
     """--resume continues a folder only with the script that wrote it (train.py would drop a distillation's teacher
-    and settings; distillation/distill.py would train a base model with DCD): else one line naming the command that does."""
+    and settings; distillation/distill.py would train a base model with DCD): else one line naming the command that
+    does."""
     writer = written_by(ckpt)
     if writer is None or writer == script:
         return
