@@ -70,8 +70,8 @@ class Source:
         if ours and theirs and ours != theirs:
             raise UsageError(f"{data_dir} was prepared with the tokenizer {meta.get('tokenizer')} (sha256 "
                              f"{ours[:12]}...), not the one {self.label} was trained with ({self.tokenizer}, sha256 "
-                             f"{theirs[:12]}...); give a --data_dir prepared with it, or leave --data_dir out (train.py "
-                             f"prepares one)")
+                             f"{theirs[:12]}...); give a --data_dir prepared with it, or leave --data_dir out "
+                             f"(train.py prepares one)")
         check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label)
 
     def start(self, run):
