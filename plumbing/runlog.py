@@ -1,7 +1,8 @@
 """The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume, and the
 trackers beside it (Log); the lines a run prints before its bar starts, when its curriculum ends and after it ends
 (start_lines, finish_lines, kept, Log.stopped; the events a script passes, e.g. train.py's curriculum end); and the
-one reader of JSONL files the evaluation scripts take as input. What is logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
+one reader of JSONL files the evaluation scripts take as input. What is logged, and when, the training loop's
+plumbing decides (plumbing/run.py)."""
 import importlib.util
 import json
 import os
