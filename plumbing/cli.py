@@ -1,17 +1,10 @@
 """
-The command-line plumbing every script shares, so that each script is only its own concern.
-
-  parse_flags     one --flag per field of a script's dataclass (booleans as 0/1, a bare --flag means 1),
-                  optional presets (dicts of overrides; explicit flags win), no prefix abbreviations; --help
-                  describes and groups every flag from the dataclass's source comments (field_help: a field's
-                  trailing `# comment` is its description, a comment line at the fields' indentation opens a
-                  group named by its text); `--preset NAME --help` shows the values NAME sets
-  run_cli         the entry point: bad input and resource faults become ONE line on stderr, exit code 2
-                  a stop signal (STOP_SIGNALS: Ctrl-C, SIGTERM, a scheduler's SIGUSR1, ...) one line, exit code
-                  130 (install, exiting; what the training loop does with them: plumbing/signals.py)
-  resolve_device, resolve_dtype, autocast_for      where and in which precision the network runs
-  UsageError, ConfigError, OutOfMemory, first_line  the one-line failures a user can act on
-Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer, plumbing/checkpoint.py.
+The command-line plumbing every script shares, so that each script is only its own concern: flags from a dataclass
+(parse_flags; --help from its source comments: field_help), the entry point whose failures are one line and exit
+code 2 and whose stop signals (STOP_SIGNALS) are one line and exit code 130 (run_cli; the training loop's handling
+is plumbing/signals.py), where and in which precision the network runs (resolve_device, resolve_dtype,
+autocast_for). Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer,
+plumbing/checkpoint.py.
 """
 import argparse
 import dataclasses
@@ -71,9 +64,7 @@ def bar_hidden(show=True):
 def is_out_of_memory(e):
     """torch's CUDA out-of-memory error, a failed CPU allocation (a RuntimeError from the CPU allocator) or
     Python's own MemoryError (an allocation refused under `ulimit -v`, in numpy or the interpreter)."""
-    if isinstance(e, MemoryError):
-        return True
-    if "std::bad_alloc" in str(e):     # a C++ allocation refused (under `ulimit -v`), as torch passes it on
+    if isinstance(e, MemoryError) or "std::bad_alloc" in str(e):   # a C++ allocation refused, as torch passes it on
         return True
     import torch
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
@@ -103,12 +94,9 @@ def oom_summary(e):
 
 def parse_bool(s):
     """'1/true/yes/y' -> True, '0/false/no/n' -> False (any case); booleans pass through."""
-    if isinstance(s, bool):
-        return s
-    if str(s).strip().lower() in ("1", "true", "yes", "y"):
-        return True
-    if str(s).strip().lower() in ("0", "false", "no", "n"):
-        return False
+    word = str(s).strip().lower()
+    if word in ("1", "true", "yes", "y", "0", "false", "no", "n"):
+        return word in ("1", "true", "yes", "y")
     raise argparse.ArgumentTypeError(f"expected 0/1, got {s!r}")
 
 
@@ -201,15 +189,13 @@ def _parser(cls, description, shown=None, epilog=None):
         parents[title] = p.add_argument_group(title, text)
     for f in dataclasses.fields(cls):
         text, group = docs.get(f.name, ("", None))
-        value = (shown or {}).get(f.name, f"default {_show(_default_of(f))}")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = (shown or {}).get(f.name, f"default {_show(None if default is dataclasses.MISSING else default)}")
         help_text = (f"{text} ({value})" if text else value).replace("%", "%%")
-        if f.type in (bool, "bool"):
-            parents[group].add_argument(f"--{f.name}", type=parse_bool, nargs="?", const=True, metavar="0|1",
-                                        help=help_text)
-        else:
-            kind = f.type if callable(f.type) else {"int": int, "float": float}.get(f.type, str)
-            kind = finite_float if kind is float else kind
-            parents[group].add_argument(f"--{f.name}", type=kind, metavar=f.name.upper(), help=help_text)
+        kind = f.type if callable(f.type) else {"int": int, "float": float, "bool": bool}.get(f.type, str)
+        kind = {float: finite_float, bool: parse_bool}.get(kind, kind)
+        how = dict(nargs="?", const=True, metavar="0|1") if kind is parse_bool else dict(metavar=f.name.upper())
+        parents[group].add_argument(f"--{f.name}", type=kind, help=help_text, **how)     # a bare --flag means 1
 
     def error(message):
         raise UsageError(message)
@@ -219,22 +205,22 @@ def _parser(cls, description, shown=None, epilog=None):
 
 def _print_help(cls, description, presets, name, default, named, preset_note, resolve):
     """--help, with the values a run takes where a flag is not given (parse_flags), then exit 0. name: the run's
-    preset, named by --preset or not; default: the one it takes without --preset."""
-    shown = None
+    preset, named by --preset or not; default: the one it takes without --preset. Its last lines: the presets, what
+    the run's preset sets and preset_note(name)."""
+    shown, epilog = None, None
     if presets is not None:
         values = lambda preset: {f.name: getattr(_config(cls, presets, preset, {}, resolve), f.name)
                                  for f in dataclasses.fields(cls)}
         run, without = values(name), values(default)
         shown = {k: (f"--preset {name}: {_show(v)}; default {_show(without[k])}" if v != without[k]
                      else f"default {_show(v)}") for k, v in run.items()}
-    _parser(cls, description, shown, _preset_epilog(presets, name, named, preset_note)).print_help()
+        sets = ", ".join(f"{k}={_show(v)}" for k, v in presets[name].items()) or "no flag (the defaults)"
+        lines = [f"--preset {name} sets: {sets}"] if named else [
+            f"presets: {', '.join(presets)}; --preset NAME --help shows the values NAME sets (explicit flags win)",
+            f"without --preset: {name}, whose values are the defaults above; it sets: {sets}"]
+        epilog = "; ".join(lines + ([preset_note(name)] if preset_note is not None else []))
+    _parser(cls, description, shown, epilog).print_help()
     sys.exit(0)
-
-
-def _default_of(f):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
 def _show(v):
@@ -242,20 +228,6 @@ def _show(v):
     if isinstance(v, bool):
         return str(int(v))
     return '""' if v == "" else str(v)
-
-
-def _preset_epilog(presets, name, named, preset_note):
-    """--help's last lines: the presets, what the run's preset sets (given with --preset, or the default) and
-    preset_note(name)."""
-    if not presets:
-        return None
-    sets = ", ".join(f"{k}={_show(v)}" for k, v in presets[name].items()) or "no flag (the defaults)"
-    lines = [f"--preset {name} sets: {sets}"] if named else [
-        f"presets: {', '.join(presets)}; --preset NAME --help shows the values NAME sets (explicit flags win)",
-        f"without --preset: {name}, whose values are the defaults above; it sets: {sets}"]
-    if preset_note is not None:
-        lines += [preset_note(name)]
-    return "; ".join(lines)
 
 
 def field_help(cls):
@@ -274,71 +246,63 @@ def field_help(cls):
     Groups show the subclass's own first, then its bases'; fields above any group line show ungrouped, first."""
     docs, order = {}, []
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):   # bases first
-        own = _class_comments(klass)
-        new_titles = []
-        for name, (text, title) in own["fields"].items():
-            if name in docs:
-                docs[name] = (text or docs[name][0], docs[name][1])
-            else:
-                docs[name] = (text, title)
-        for title, text in own["groups"]:
-            if title not in [t for t, _ in order] + [t for t, _ in new_titles]:
-                new_titles.append((title, text))
-        order = new_titles + order            # a subclass's own groups first
+        own_fields, own_groups = _class_comments(klass)
+        for name, (text, title) in own_fields.items():
+            docs[name] = (text or docs[name][0], docs[name][1]) if name in docs else (text, title)
+        new = {}
+        for title, text in own_groups:
+            new.setdefault(title, text)
+        order = [(t, d) for t, d in new.items() if t not in dict(order)] + order     # a subclass's own groups first
     used = {title for _, title in docs.values()}
     return docs, [(t, d) for t, d in order if t in used]
 
 
 def _class_comments(klass):
-    """The field lines and group lines of one class's own source (see field_help): {"fields": {name:
-    (description, group title)}, "groups": [(title, description)]}; empty where the source is not available."""
+    """The field lines and group lines of one class's own source (see field_help): ({name: (description, group
+    title)}, [(title, description)]); empty where the source is not available."""
+    import ast
     import inspect
     import io
     import textwrap
     import tokenize
-    out = {"fields": {}, "groups": []}
+    fields, groups = {}, []
     try:
         source = textwrap.dedent(inspect.getsource(klass))
     except (OSError, TypeError):
-        return out
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-              if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
-    rows = {}
-    for t in tokens:
-        rows.setdefault(t.start[0], []).append(t)
-    class_row = next(r for r, ts in sorted(rows.items()) if any(t.string == "class" for t in ts))
-    body = [(r, ts) for r, ts in sorted(rows.items()) if r > class_row]
-    code_cols = [ts[0].start[1] for _, ts in body if ts[0].type != tokenize.COMMENT]
-    if not code_cols:
-        return out
-    body_col = code_cols[0]
-    title, last, previous, prev_row = None, None, None, None   # the open group, the last field, the row before
-    for r, ts in body:
-        first, follows = ts[0], prev_row is not None and r == prev_row + 1
-        if first.type == tokenize.COMMENT:
-            text = first.string.lstrip("#").strip()
-            if first.start[1] <= body_col:                        # a group line
+        return fields, groups
+    comments = {t.start[0]: (t.start[1], t.string.lstrip("#").strip())     # row -> (column, text)
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef))
+    names = {n.lineno: n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}     # row -> field
+    body_col = node.body[0].col_offset
+    title, last, previous, prev_row = None, None, None, -1    # the open group, the last field, the row before
+    lines = source.splitlines()
+    for r in range(node.lineno + 1, len(lines) + 1):
+        line = lines[r - 1]
+        if not line.strip():
+            continue
+        follows = r == prev_row + 1
+        if r in comments and comments[r][0] == len(line) - len(line.lstrip()):     # a line of comment only
+            col, text = comments[r]
+            if col <= body_col:                                   # a group line
                 if previous == "group" and follows:               # ... describing the group it follows
-                    t, d = out["groups"][-1]
-                    out["groups"][-1] = (t, f"{d} {text}" if d else text)
+                    t, d = groups[-1]
+                    groups[-1] = (t, f"{d} {text}" if d else text)
                 else:
                     title = text
-                    out["groups"].append((title, None))
+                    groups.append((title, None))
                 previous = "group"
             elif previous in ("field", "more") and follows:       # continues the description of the field above
-                desc, group = out["fields"][last]
-                out["fields"][last] = (f"{desc} {text}".strip(), group)
+                desc, group = fields[last]
+                fields[last] = (f"{desc} {text}".strip(), group)
                 previous = "more"
-        elif first.start[1] < body_col:
-            break                                                 # the class has ended
-        elif first.start[1] == body_col and first.type == tokenize.NAME and len(ts) > 1 and ts[1].string == ":":
-            comments = [t.string.lstrip("#").strip() for t in ts if t.type == tokenize.COMMENT]
-            out["fields"][first.string] = (" ".join(comments), title)
-            last, previous = first.string, "field"
+        elif r in names:
+            last, previous = names[r], "field"
+            fields[last] = (comments.get(r, (0, ""))[1], title)
         else:
             previous = "code"
         prev_row = r
-    return out
+    return fields, groups
 
 
 # -----------------------------------------------------------------------------------------------
@@ -381,14 +345,6 @@ def set_stop_handlers(handler):
     return old
 
 
-def install():
-    """A script's start (cli.run_cli): every stop signal raises Interrupted, so each `finally` on the way out runs
-    (a preparation's temp folder, out_dir's lock and an out_dir the run left empty are removed) and run_cli
-    prints one line and exits 130. A signal inside a long C++ call (SentencePiece training) takes effect when it
-    returns."""
-    set_stop_handlers(_raise)
-
-
 _REPORTED = []       # the error line this process printed (run_cli's _fail), so a late signal adds no second one
 
 
@@ -399,42 +355,36 @@ def _rank():
     return str(int(rank)) if rank.isdigit() and world.isdigit() and int(world) > 1 else "0"
 
 
-def _exit_now(signum, frame):
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    if not _REPORTED and _rank() == "0":
-        try:
-            os.write(2, f"error: interrupted by {signal_name(signum)} while exiting\n".encode())
-        except OSError:
-            pass
-    os._exit(EXIT_CODE)
-
-
-def exiting():
-    """The script's outcome is decided (its result, or its one error line): a stop signal from now on ends the
-    process at once with exit code 130 and one line (none when the error line is out already), instead of raising
-    inside the interpreter's shutdown (atexit, finalizers), where it would print a traceback."""
-    set_stop_handlers(_exit_now)
-
-
-def _ignore_at_shutdown():
-    """The last exit handler (registered first, atexit runs them in reverse): the interpreter's shutdown then puts
-    SIG_DFL back in place of every Python handler before it frees its modules (torch's take a while), so a stop
-    signal there would kill the process by the signal (exit 143 for SIGTERM, no message). Ignored from here on, the
-    process ends with the exit code its script chose (130 after a stop)."""
-    set_stop_handlers(signal.SIG_IGN)
+def _exit_at_once(phase):
+    """The handler of a stop signal while starting (before run_cli: nothing is written yet, nothing to clean up) or
+    exiting (the outcome is decided, and a signal raised inside the interpreter's shutdown would print a traceback):
+    one line, unless the error line is out already, and exit code 130 at once."""
+    def handler(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        if not _REPORTED and _rank() == "0":
+            try:
+                os.write(2, f"error: interrupted by {signal_name(signum)} while {phase}\n".encode())
+            except OSError:
+                pass
+        os._exit(EXIT_CODE)
+    return handler
 
 
 _AT_SHUTDOWN = []
 
 
-def _register_shutdown():
+def _ignore_at_shutdown():
+    """Stop signals are ignored by the last exit handler (registered first, atexit runs them in reverse): the
+    interpreter's shutdown then puts SIG_DFL back in place of every Python handler before it frees its modules
+    (torch's take a while), so a stop signal there would kill the process by the signal (exit 143 for SIGTERM, no
+    message). Ignored from there on, the process ends with the exit code its script chose (130 after a stop)."""
     if not _AT_SHUTDOWN:
         import atexit
-        atexit.register(_ignore_at_shutdown)
+        atexit.register(set_stop_handlers, signal.SIG_IGN)
         _AT_SHUTDOWN.append(True)
 
 
@@ -449,8 +399,8 @@ def stop_at_once(name):
     "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once; nothing
     has been written yet, so there is nothing to clean up. Imported as a library, it does nothing."""
     if name == "__main__":
-        _register_shutdown()
-        set_stop_handlers(_exit_while_starting)
+        _ignore_at_shutdown()
+        set_stop_handlers(_exit_at_once("starting"))
         sys.excepthook = _out_of_memory_while_starting
 
 
@@ -471,22 +421,16 @@ def _out_of_memory_while_starting(kind, e, trace):
     os._exit(2)
 
 
-def _exit_while_starting(signum, frame):
-    if _rank() == "0":
-        try:
-            os.write(2, f"error: interrupted by {signal_name(signum)} while starting\n".encode())
-        except OSError:
-            pass
-    os._exit(EXIT_CODE)
-
-
 def run_cli(main, *errors, oom_hint="lower --batch_size"):
     """The scripts' entry point: run main(); a UsageError or one of `errors` (bad input the script reports
     rather than a bug), running out of memory (OutOfMemory, or torch's own error with `oom_hint`, the flag to
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
-    signal (STOP_SIGNALS) ends it with one line and exit code 130, its temp files removed."""
-    install()
-    _register_shutdown()
+    signal (STOP_SIGNALS) raises Interrupted wherever the process is, so each `finally` on the way out runs (a
+    preparation's temp folder, out_dir's lock and an out_dir the run left empty are removed), then ends it with one
+    line and exit code 130 (a signal inside a long C++ call, SentencePiece training, takes effect when it returns);
+    once the outcome is decided, a signal ends the process at once (_exit_at_once)."""
+    set_stop_handlers(_raise)
+    _ignore_at_shutdown()
     try:
         code = main()
     except OutOfMemory as e:
@@ -502,14 +446,14 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", None)
         _fail("interrupted" + (f" by {signal_name(signum)}" if signum else ""), code=EXIT_CODE)
-    exiting()
+    set_stop_handlers(_exit_at_once("exiting"))
     sys.exit(code)
 
 
 def _fail(message, code=2, any_rank=False):
     """Print `error: message` and exit with `code`. Under torchrun every rank fails alike on bad input, so rank 0
     speaks for all; a fault one rank may hit alone (any_rank: out of memory) is reported by that rank."""
-    exiting()
+    set_stop_handlers(_exit_at_once("exiting"))
     rank = _rank()
     if rank == "0" or any_rank:
         from tqdm import tqdm

@@ -17,8 +17,7 @@ def append_jsonl(path, records):
     """Append whole lines with a single write on an O_APPEND descriptor, then fsync: earlier lines are never
     touched, and concurrent writers do not interleave inside one batch of lines. A failed write (a full disk)
     is cut back, so no partial line is left; a stop signal waits until the lines are whole."""
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
     refuse_special(path)
     with deferred_signals():
@@ -45,8 +44,7 @@ def save_atomic(path, write):
     if os.path.lexists(path) and not written_by_us(path):
         raise OSError(errno.EEXIST, f"{path} exists and was not written by sddlm; refusing to replace it (move it "
                                     f"away, then run again)")
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = temp_name(path)
     try:
         write(tmp)
@@ -131,8 +129,8 @@ def pid_alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:
-        return True
+    except OSError:             # one we may not signal
+        pass
     return True
 
 
@@ -173,9 +171,7 @@ def remove_unfinished(out_dir, before):
     before (before: out_dir's entries when the run began) are removed. Nothing else is touched."""
     if before is None or os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         return
-    for entry in run_output_names(out_dir):
-        if entry in before or entry == ".lock":
-            continue
+    for entry in set(run_output_names(out_dir)) - before - {".lock"}:
         remove_path(os.path.join(out_dir, entry))
 
 
@@ -191,9 +187,7 @@ def refuse_overwrite(outputs, inputs):
             p = str(p or "").strip()
             if input_side:
                 p = p.removeprefix("sp:").removeprefix("duo:")
-                if not p or not os.path.exists(p):
-                    continue
-            if p:
+            if p and (os.path.exists(p) or not input_side):
                 yield p, os.path.realpath(p)
 
     def inside(child, parent):
@@ -235,9 +229,7 @@ def check_writable(path, flag, folder=False):
         raise UsageError(f"{flag} {path} is a {kind_of(os.path.realpath(path))}, not a folder; give a folder")
     if not folder and os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder; give a file name")
-    nearest = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(nearest):
-        nearest = os.path.dirname(nearest)
+    nearest = part if not os.path.exists(path) or os.path.isdir(path) else os.path.dirname(part)
     if not os.path.isdir(nearest):
         raise UsageError(f"{flag} {path}: {nearest} is a {kind_of(os.path.realpath(nearest))}, not a folder")
     target = path if os.path.exists(path) else nearest
@@ -275,11 +267,13 @@ TEXT_MARK = "<!-- written by sddlm"   # the first line of a text output (markdow
 CARD_MARK = ("<!-- sddlm model card, written by hub/pretrained.py and replaced by the next export into this folder; "
              "delete this line to keep the file as your own -->")
 PNG_SOFTWARE = "sddlm"          # a PNG's tEXt "Software" chunk starts with this (figures/plot.py)
-# what earlier versions wrote without the field, recognised by their keys: a run's config.json, eval_ppl.py's
-# --out, eval_downstream.py's --out, a sample.py / --save_samples record, a log.jsonl record
-OUR_KEYS = ({"train_config", "model_config", "meta"}, {"distill_config", "model_config", "meta"},
-               {"metric", "results", "config"}, {"checkpoint", "definitions", "results"},
-               {"sample", "ids", "settings"}, {"step"})
+# what earlier versions wrote without the field, recognised by its keys -> the script that wrote it: a run's
+# config.json, eval_ppl.py's --out, eval_downstream.py's --out, a sample.py / --save_samples record, a log.jsonl record
+OUR_KEYS = (({"train_config", "model_config", "meta"}, "train.py"),
+            ({"distill_config", "model_config", "meta"}, "distillation/distill.py"),
+            ({"metric", "results", "config"}, "eval_ppl.py"),
+            ({"checkpoint", "definitions", "results"}, "downstream/eval_downstream.py"),
+            ({"sample", "ids", "settings"}, "sample.py"), ({"step"}, "train.py"))
 
 
 def signature(script):
@@ -328,11 +322,6 @@ def written_by_us(path):
     return writer_of(path) is not None
 
 
-# the script that wrote an earlier version's file without the field, by its keys (OUR_KEYS, in order)
-OUR_KEYS_WRITER = ("train.py", "distillation/distill.py", "eval_ppl.py", "downstream/eval_downstream.py", "sample.py",
-                   "train.py")
-
-
 def writer_of(path):
     """Which of this project's scripts wrote the regular file at `path`, by its content -> signature(script) (or
     "sddlm checkpoint" for a torch checkpoint), None when sddlm did not write it: a JSON object (or a JSONL file's
@@ -354,8 +343,7 @@ def writer_of(path):
                 mark = record.get(WRITTEN_BY)
                 if isinstance(mark, str) and mark.startswith("sddlm "):
                     return mark
-                return next((signature(script) for keys, script in zip(OUR_KEYS, OUR_KEYS_WRITER)
-                             if keys <= set(record)), None)
+                return next((signature(script) for keys, script in OUR_KEYS if keys <= set(record)), None)
             for line in text.splitlines()[:8]:
                 if line.startswith(CARD_MARK):
                     return signature("hub/pretrained.py")

@@ -18,10 +18,6 @@ from plumbing.cli import ConfigError, UsageError
 # checkpoint fields
 
 
-def _type_name(value):
-    return "None" if value is None else type(value).__name__
-
-
 CHECKPOINT_FIX = "the checkpoint was damaged or written by other code: use another checkpoint"
 
 
@@ -29,7 +25,8 @@ def expect(ok, path, field, value, wanted, error=ConfigError, fix=CHECKPOINT_FIX
     """Not ok -> error: '{path}: its field {field} holds {value} ({type}), not {wanted}; {fix}'."""
     if not ok:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise error(f"{path}: its field {field} holds {shown} ({_type_name(value)}), not {wanted}; {fix}")
+        kind = "None" if value is None else type(value).__name__
+        raise error(f"{path}: its field {field} holds {shown} ({kind}), not {wanted}; {fix}")
 
 
 def is_int(v):
@@ -40,15 +37,10 @@ def fits(value, annotation):
     """value has the type a dataclass field declares (int: not a bool; float: int or float; None where the
     default is None)."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    if kind == "int":
-        return is_int(value)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    return True
+    types = {"int": int, "float": (int, float), "bool": bool, "str": str}
+    if kind not in types:
+        return True
+    return isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))   # a bool is an int
 
 
 def check_dataclass_fields(config, cls, path, name, error):
@@ -182,13 +174,10 @@ def check_zip(f, path):
                              f"was written (a changed byte)")
 
 
-def sha256_file(path, block=1 << 22):
+def sha256_file(path):
     """The sha256 of a file, read in blocks (streaming: memory stays flat for any size)."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # -----------------------------------------------------------------------------------------------

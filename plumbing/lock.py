@@ -41,30 +41,21 @@ class FolderLock:
                 break
 
 
-def _holder(fd):
-    """The record a lock file holds ({} when empty or unreadable)."""
-    try:
-        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
-        record = json.loads(text) if text.strip() else {}
-        return record if isinstance(record, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _is_lock_record(fd):
-    """Whether a lock file holds what acquire_folder writes there: nothing yet (a run killed before writing it), or
-    one JSON object of its fields (pid, host, started, command; a garbled value is still a lock's)."""
+def _lock_record(fd):
+    """The record a lock file holds, when it is what acquire_folder writes there: {} for nothing yet (a run killed
+    before writing it), or one JSON object of its fields (pid, host, started, command; a garbled value is still a
+    lock's); None for anything else."""
     try:
         text = os.pread(fd, 4096, 0).decode("utf-8")
         record = json.loads(text) if text.strip() else {}
     except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and set(record) <= {"pid", "host", "started", "command"}
+        return None
+    return record if isinstance(record, dict) and set(record) <= {"pid", "host", "started", "command"} else None
 
 
 def open_lock_file(path, where, fix):
     """Open (create) the lock file `path` -> its descriptor, never through a symbolic link. What is there already
-    must be a lock file of ours (a regular file, empty or holding a lock record: _is_lock_record); a link, a folder,
+    must be a lock file of ours (a regular file, empty or holding a lock record: _lock_record); a link, a folder,
     a pipe, a device or a user's file is never written to nor removed -> UsageError naming `where` and `fix`.
     FileNotFoundError when its folder is gone; another OSError when the folder is not writable."""
     try:
@@ -73,7 +64,7 @@ def open_lock_file(path, where, fix):
         raise
     except OSError:                            # a symbolic link (ELOOP), a folder (EISDIR)
         fd = None
-    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode) or not _is_lock_record(fd):
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode) or _lock_record(fd) is None:
         if fd is not None:
             os.close(fd)
         kind = kind_of(path) or "file"
@@ -111,11 +102,11 @@ def acquire_folder(out_dir):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder(fd)
+            holder = _lock_record(fd) or {}
             os.close(fd)
             raise _in_use(out_dir, holder, path) from None
         except OSError:                        # no flock on this file system: the recorded pid decides
-            holder = _holder(fd)
+            holder = _lock_record(fd) or {}
             pid, same_host = holder.get("pid"), holder.get("host") == socket.gethostname()
             if isinstance(pid, int) and pid != os.getpid() and (not same_host or pid_alive(pid)):
                 os.close(fd)

@@ -1,5 +1,5 @@
 """Stop signals: every signal a terminal, a job scheduler (Slurm's preemption: SIGTERM, or SIGUSR1 / SIGUSR2 with
---signal) or the OS (SIGXCPU: a CPU-time limit) sends to end a job. At start-up (cli.install, from cli.run_cli) each
+--signal) or the OS (SIGXCPU: a CPU-time limit) sends to end a job. At start-up (cli.run_cli) each
 raises Interrupted wherever the process is, so the way out removes temp folders and locks and the script ends
 with one line and exit code 130. The training loop (stop_signals) turns them into a flag instead: the run saves
 at the next step and exits 130. Evaluation and sampling are abandoned at once (interruptible), and a swap of

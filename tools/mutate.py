@@ -139,7 +139,7 @@ MUTATIONS = [
       old="if script is not None and writer != signature(script):", new="if False:",
       tests=["tests/test_files.py::test_an_output_replaces_only_its_own_scripts_earlier_output"]),
     M(name="lock_file_written_through", file="plumbing/lock.py",
-      old="if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode) or not _is_lock_record(fd):", new="if False:",
+      old="if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode) or _lock_record(fd) is None:", new="if False:",
       tests=["tests/test_lock.py::test_locks_never_write_through_nor_replace_a_users_file"]),
     M(name="zip_crc_unchecked", file="plumbing/integrity.py",
       old="zlib.crc32(view[start:start + info.compress_size]) == info.CRC", new="True",
