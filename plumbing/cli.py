@@ -34,8 +34,7 @@ class ConfigError(UsageError):
 
 def first_line(e):
     """The first line of an exception's message ('' for none): a one-line report keeps the cause, not the trace."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def os_error_line(e):

@@ -2,6 +2,7 @@
 (the one rule for every writer: check_output), and the leftovers of writers that were killed."""
 import errno
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -182,36 +183,34 @@ def refuse_overwrite(outputs, inputs):
     names); an output may end in a glob (out_dir/ckpt_*.pt). One line (UsageError) when an output IS an input,
     when an input lies inside an output (a folder written whole), or when an output would land inside an input
     folder (a corpus folder would read it as a document)."""
-    def paths(spec, input_side):
-        for p in ([spec] if isinstance(spec, str) else list(spec or ())):
-            p = str(p or "").strip()
-            if input_side:
-                p = p.removeprefix("sp:").removeprefix("duo:")
-            if p and (os.path.exists(p) or not input_side):
-                yield p, os.path.realpath(p)
+    def paths(specs, input_side):
+        for flag, spec in specs.items():
+            for p in ([spec] if isinstance(spec, str) else list(spec or ())):
+                p = str(p or "").strip()
+                if input_side:
+                    p = p.removeprefix("sp:").removeprefix("duo:")
+                if p and (os.path.exists(p) or not input_side):
+                    yield flag, p, os.path.realpath(p)
 
     def inside(child, parent):
         return child.startswith(parent.rstrip(os.sep) + os.sep)
-    for in_flag, in_spec in inputs.items():
-        for inp, in_real in paths(in_spec, True):
-            for out_flag, out_spec in outputs.items():
-                for out, out_real in paths(out_spec, False):
-                    if any(c in os.path.basename(out_real) for c in "*?["):
-                        same = (os.path.dirname(out_real) == os.path.dirname(in_real)
-                                and fnmatch.fnmatchcase(os.path.basename(in_real), os.path.basename(out_real)))
-                    else:
-                        same = out_real == in_real or (os.path.exists(out) and os.path.samefile(out, inp))
-                    if same:
-                        what = (f"{out_flag} writes {out}, which is" if out_flag.endswith("_dir") else
-                                f"{out_flag} {out} is")
-                        raise UsageError(f"{what} the input {in_flag} {inp} itself; writing it would destroy it: "
-                                         f"choose another {out_flag}")
-                    if inside(in_real, out_real):
-                        raise UsageError(f"{out_flag} {out} would be written over the input {in_flag} {inp}, which "
-                                         f"lies inside it; choose another {out_flag}")
-                    if inside(out_real, in_real) and os.path.isdir(in_real):
-                        raise UsageError(f"{out_flag} {out} lies inside the input folder {in_flag} {inp}, which "
-                                         f"would then read it; choose an {out_flag} outside it")
+    ins, outs = paths(inputs, True), paths(outputs, False)
+    for (in_flag, inp, in_real), (out_flag, out, out_real) in itertools.product(ins, outs):
+        if any(c in os.path.basename(out_real) for c in "*?["):
+            same = (os.path.dirname(out_real) == os.path.dirname(in_real)
+                    and fnmatch.fnmatchcase(os.path.basename(in_real), os.path.basename(out_real)))
+        else:
+            same = out_real == in_real or (os.path.exists(out) and os.path.samefile(out, inp))
+        if same:
+            what = f"{out_flag} writes {out}, which is" if out_flag.endswith("_dir") else f"{out_flag} {out} is"
+            raise UsageError(f"{what} the input {in_flag} {inp} itself; writing it would destroy it: "
+                             f"choose another {out_flag}")
+        if inside(in_real, out_real):
+            raise UsageError(f"{out_flag} {out} would be written over the input {in_flag} {inp}, which "
+                             f"lies inside it; choose another {out_flag}")
+        if inside(out_real, in_real) and os.path.isdir(in_real):
+            raise UsageError(f"{out_flag} {out} lies inside the input folder {in_flag} {inp}, which "
+                             f"would then read it; choose an {out_flag} outside it")
 
 
 def check_writable(path, flag, folder=False):

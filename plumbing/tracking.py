@@ -12,9 +12,9 @@ TENSORBOARD_DIR = "tensorboard"    # in out_dir: one event stream per out_dir, l
 
 def require_trackers(cfg):
     """At start-up, before any work: each tracker asked for has its package, else one line naming the install."""
-    for flag, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
-        if getattr(cfg, flag, False) and importlib.util.find_spec(package) is None:
-            raise UsageError(f"--{flag} needs the {package} package: pip install {package}")
+    for name in ("wandb", "tensorboard"):         # each flag is named after its package
+        if getattr(cfg, name, False) and importlib.util.find_spec(name) is None:
+            raise UsageError(f"--{name} needs the {name} package: pip install {name}")
 
 
 def open_trackers(cfg, step, config):
