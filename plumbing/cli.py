@@ -151,8 +151,7 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
     from a run without --preset. preset_note(name) -> more lines about what NAME sets beyond the flags (train.py:
     its model's shape). given: a dict that receives the flags on the command line, for the script's later rules
     (train.py: --init's)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    flags = vars(_parser(cls, description).parse_args(argv))
+    flags = vars(_parser(cls, description).parse_args(argv))       # argv None: the command line
     wants_help = flags.pop("help", False)
     default, name = None, None
     if presets is not None:

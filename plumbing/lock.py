@@ -1,8 +1,9 @@
-"""One run per folder: a train.py or distillation/distill.py run holds an exclusive lock on its out_dir (out_dir/.lock, holding
-the holder's pid, host and start time) for its whole life, so a second run into the same folder stops at once
-instead of interleaving its log and checkpoints with the first. The OS releases the lock when its holder dies
-(SIGKILL included), so a lock file left by a killed run is recognised and taken over; on a file system without
-flock the recorded pid is probed instead (on the same host). A run that leaves its out_dir empty removes it."""
+"""One run per folder: a train.py or distillation/distill.py run holds an exclusive lock on its out_dir
+(out_dir/.lock, holding the holder's pid, host and start time) for its whole life, so a second run into the same
+folder stops at once instead of interleaving its log and checkpoints with the first. The OS releases the lock when
+its holder dies (SIGKILL included), so a lock file left by a killed run is recognised and taken over; on a file
+system without flock the recorded pid is probed instead (on the same host). A run that leaves its out_dir empty
+removes it."""
 import json
 import os
 import socket
