@@ -197,9 +197,8 @@ def check_tokenizer_identity(tok, ckpt, path, fix=None):
     if recorded and tok.fingerprint and tok.fingerprint != recorded:
         raise UsageError(f"{where} is not the tokenizer {path} was trained with (sha256 {tok.fingerprint[:12]}..., "
                          f"recorded {recorded[:12]}...); {fix}")
-    theirs = {k: meta.get(k) for k in ("vocab_size", "bos_id", "eos_id", "pad_id")}
-    ours = {"vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
-    diff = [f"{k} {ours[k]}, recorded {v}" for k, v in theirs.items() if v is not None and ours[k] != v]
+    diff = [f"{k} {getattr(tok, k)}, recorded {meta[k]}" for k in ("vocab_size", "bos_id", "eos_id", "pad_id")
+            if meta.get(k) is not None and getattr(tok, k) != meta[k]]
     model_vocab = (ckpt.get("model_config") or {}).get("vocab_size")
     if model_vocab is not None and tok.vocab_size > model_vocab:
         diff.append(f"vocab_size {tok.vocab_size} > the model's {model_vocab}")
