@@ -1,16 +1,10 @@
 """
-The corpora sddlm reads, as documents (prepare.py tokenizes them): Duo's named corpora, any parquet set on the
-hub, and local files and folders, each split read lazily as Docs.
+The corpora sddlm reads, as documents (prepare.py tokenizes them): Duo's named corpora (HF_CORPORA), any parquet set
+on the hub, and local files and folders (LOCAL_FORMATS), each split read lazily as Docs.
 
     train, val = load_corpus("pydoc")     # or a local corpus, a name in HF_CORPORA, "hf:REPO[:CONFIG][@REVISION]"
 
-Corpora (load_corpus): "pydoc" (Python's help topics); a local file or folder (LOCAL_FORMATS); a name in
-HF_CORPORA (Duo's corpora, from parquet repositories pinned by revision, with Duo's splits, text fields and
-detokenizers); or "hf:REPO[:CONFIG][@REVISION]", any parquet dataset on the Hugging Face hub (its train split and
-its validation or test split, or the last --val_fraction of train). SDDLM_HF_MIRROR=/folder reads REPO from
-/folder/REPO (a downloaded snapshot) instead. A local corpus's val split is its trailing documents, found in one
-pass; a lone .txt is cut into ~1 MB pieces of whole paragraphs by that pass, and prepare.py's workers read and
-split the pieces themselves (Docs.units), as they read their rows of a hub split. corpus_fingerprint: the
+SDDLM_HF_MIRROR=/folder reads a hub REPO from /folder/REPO (a downloaded snapshot) instead. corpus_fingerprint: the
 corpus's part of prepare.py's data key.
 """
 import collections
@@ -23,7 +17,6 @@ import os
 import re
 import sys
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -155,16 +148,20 @@ class Docs:
         return map(self.detokenizer, self.raw()) if self.detokenizer else self.raw()
 
 
+def _check_field(name, field, columns, kind):
+    """The text column `field` is among `columns` and its type (`kind`, Arrow's name) is text -> else DataError."""
+    if field not in columns:
+        raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise DataError(f"{name}: field {field!r} holds {kind}, not text (--text_field)")
+
+
 def _hf_texts(ds, field, name):
     """Docs over a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
     columns = ds.column_names or (list(ds.features) if ds.features else None)
     if columns is None:                      # a streaming json split: columns are known from the first row
         columns = list(next(iter(ds), {}))
-    if field not in columns:
-        raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
-    feature = ds.features.get(field) if ds.features else None
-    if getattr(feature, "dtype", "string") not in ("string", "large_string", "string_view"):
-        raise DataError(f"{name}: field {field!r} holds {feature.dtype}, not text (--text_field)")
+    _check_field(name, field, columns, getattr((ds.features or {}).get(field), "dtype", "string"))
 
     def raw():
         for batch in ds.iter(batch_size=1000):
@@ -198,52 +195,40 @@ def _dataset_rows(key, field, start, stop):
     return _DATASETS[key][start:stop][field]
 
 
-def _load_dataset(what, path, **kwargs):
+def _load_dataset(what, repo, revision=None, **kwargs):
+    """datasets.load_dataset of `repo` at `revision` from the hub, or from the local mirror named by
+    SDDLM_HF_MIRROR; its failure -> one DataError line."""
     try:
         import datasets
     except ImportError:
         raise DataError(f"dataset {what!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
-    try:
-        with _quiet_loggers("huggingface_hub", "datasets"):     # a failed request is logged before it is raised
-            return datasets.load_dataset(path, **kwargs)
-    except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
-        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
-
-
-@contextmanager
-def _quiet_loggers(*names):
-    """Only errors from these loggers while inside: the failure itself becomes one line of ours."""
-    loggers = [logging.getLogger(name) for name in names]
+    mirror = os.environ.get("SDDLM_HF_MIRROR")
+    path, kwargs = (os.path.join(mirror, repo), kwargs) if mirror else (repo, dict(kwargs, revision=revision))
+    # only errors from the clients' loggers: a failed request is logged before it is raised, and becomes our line
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        yield
+        return datasets.load_dataset(path, **kwargs)
+    except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 
 
-def _hub_path(repo, revision):
-    """-> (path for load_dataset, its revision kwargs): the hub, or the local mirror named by SDDLM_HF_MIRROR."""
-    mirror = os.environ.get("SDDLM_HF_MIRROR")
-    if mirror:
-        return os.path.join(mirror, repo), {}
-    return repo, dict(revision=revision)
-
-
 def load_hf_split(name, which, text_field=None, val_fraction=0.05):
     """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers) or of
-    "hf:REPO[:CONFIG][@REVISION]"; [] where the set has no such split. Needs `datasets` (and the network, its
+    "hf:REPO[:CONFIG][@REVISION]"; no documents where the set has no such split. Needs `datasets` (and the network, its
     cache, or SDDLM_HF_MIRROR)."""
     if name.startswith("hf:"):
         return _load_hub_split(name, which, text_field or "text", val_fraction)
     src = HF_CORPORA[name]
     split = src.train if which == "train" else src.val
     if split is None:
-        return []
-    path, rev = _hub_path(src.repo, src.revision)
-    ds = _load_dataset(name, path, data_files=src.data_files, split=split, streaming=src.streaming, **rev)
+        return Docs(lambda: iter(()), length=0)
+    ds = _load_dataset(name, src.repo, src.revision, data_files=src.data_files, split=split, streaming=src.streaming)
     return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
                 units=None if src.streaming else _row_units(ds, src.field))
 
@@ -262,8 +247,7 @@ def _load_hub_split(name, which, text_field, val_fraction):
     """A hub dataset's train split and its validation (or test) split; without either, the last val_fraction
     of train's rows is held out."""
     repo, config, revision = _parse_hub_name(name)
-    path, rev = _hub_path(repo, revision)
-    splits = _load_dataset(name, path, name=config, **rev)
+    splits = _load_dataset(name, repo, revision, name=config)
     if "train" not in splits:
         raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
     held_out = next((s for s in ("validation", "test") if s in splits), None)
@@ -333,16 +317,11 @@ _SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone 
 _TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
 
 
-def _text_blocks(path, block=1 << 20):
+def _decoded_blocks(path, block=1 << 20):
     """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
-    normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
-    naming the file and the byte offset (of the uncompressed bytes for .gz)."""
-    return (text for text, _, _ in _decoded_blocks(path, block))
-
-
-def _decoded_blocks(path, block):
-    """_text_blocks, each with the number of bytes it was decoded from and whether it is exactly their
-    decoding (no "\\r" normalised away)."""
+    normalised as open() does ("\\r\\n" and "\\r" -> "\\n") -> (text, the number of bytes it was decoded from,
+    whether it is exactly their decoding: no "\\r" normalised away). Not UTF-8, or binary (a NUL byte) ->
+    DataError naming the file and the byte offset (of the uncompressed bytes for .gz)."""
     with _open_binary(path) as f:
         pending, offset = b"", 0
         while True:
@@ -450,7 +429,7 @@ def _last_break(text):
 
 
 def _read_whole(path):
-    return "".join(_text_blocks(path))
+    return "".join(text for text, _, _ in _decoded_blocks(path))
 
 
 def _records(path, field):
@@ -464,12 +443,8 @@ def _records(path, field):
             pf = pq.ParquetFile(path)
         except Exception as e:
             raise DataError(f"{path}: not a parquet file ({type(e).__name__})") from None
-        if field not in pf.schema_arrow.names:
-            raise DataError(f"{path} has no text field {field!r}; its fields are {', '.join(pf.schema_arrow.names)} "
-                            f"(--text_field)")
-        kind = pf.schema_arrow.field(field).type
-        if str(kind) not in ("string", "large_string", "string_view"):
-            raise DataError(f"{path}: field {field!r} holds {kind}, not text (--text_field)")
+        names = pf.schema_arrow.names
+        _check_field(path, field, names, field in names and pf.schema_arrow.field(field).type)
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=[field]):
                 yield from batch.column(0).to_pylist()
@@ -482,7 +457,7 @@ def _records(path, field):
         rows = json.loads(_read_whole(path))
         lines = ((n, row) for n, row in enumerate(rows, 1))
     else:
-        blocks = (b.removesuffix("\n").split("\n") for b in _text_blocks(path))    # blocks of whole lines
+        blocks = (text.removesuffix("\n").split("\n") for text, _, _ in _decoded_blocks(path))   # whole lines
         lines = ((n, line) for n, line in enumerate(itertools.chain.from_iterable(blocks), 1) if line.strip())
     for n, row in lines:
         if isinstance(row, str):
@@ -527,7 +502,15 @@ def _arrow_docs(folder, field):
 
 
 def _local_docs(name, field):
-    """-> () -> iterator of the documents of a local corpus, in order."""
+    """-> () -> iterator of the documents of pydoc or a local corpus, in order."""
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        return lambda: (topics[k] for k in sorted(topics))
+    if not os.path.exists(_regular(name)):
+        if name.endswith(_TEXT + _RECORDS) or os.sep in name:
+            raise DataError(f"no such file or folder: {name}")
+        raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
+                        f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     if _is_arrow_folder(name):
         return lambda: _arrow_docs(name, field)
     if os.path.isdir(name):
@@ -585,21 +568,9 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     document each, in path order; the val split is the trailing documents holding ~val_fraction of the
     characters), a name in HF_CORPORA, or "hf:REPO[:CONFIG][@REVISION]". A local corpus is read once here (its
     text checked, its split found) and again, streaming, when the Docs are iterated."""
-    if name == "pydoc":
-        from pydoc_data.topics import topics
-        docs = [topics[k] for k in sorted(topics)]
-        n, cut = _tail_split([list(map(len, docs))], val_fraction, name)
-        size = lambda part: sum(len(d.encode()) for d in part)     # the progress bar's total: the text's bytes
-        return (Docs(lambda: iter(docs[:cut]), nbytes=size(docs[:cut]), length=cut),
-                Docs(lambda: iter(docs[cut:]), nbytes=size(docs[cut:]), length=n - cut))
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
                 load_hf_split(name, "val", text_field, val_fraction))
-    if not os.path.exists(_regular(name)):
-        if name.endswith(_TEXT + _RECORDS) or os.sep in name:
-            raise DataError(f"no such file or folder: {name}")
-        raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
-                        f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     docs = _local_docs(name, text_field)
     units = None
     if os.path.isfile(name) and name.endswith(_TEXT):    # a lone .txt: its pieces go to the workers unsplit

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.cli import UsageError
+from plumbing.cli import UsageError, first_line
 from plumbing.files import temp_name
 
 
@@ -146,27 +146,20 @@ def _gpt2_tokenizer(threads=None):
     return Tokenizer("gpt2", 50258, eot, eot, pad, encode_batch, decode, fingerprint)
 
 
-def special_file(path):
-    """What `path` is when it exists but is neither a regular file nor a folder: 'a named pipe', 'a socket', 'a
-    device', else None. Asked of the file system (stat), it never opens the path, so it never waits for a writer."""
+def not_a_file(path, missing, flag=""):
+    """The line for an input file that cannot be read as one: `missing` (the script's own 'not found' line) when
+    nothing regular is there, or, when `path` is a named pipe, socket or device, what it is (a pipe would be read
+    once, or wait for a writer forever, and every reader here reads its inputs whole, some twice). Asked of the
+    file system (stat), it never opens the path, so it never waits for a writer."""
     import stat
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
-        return None
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    return ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
-
-
-def not_a_file(path, missing, flag=""):
-    """The line for an input file that cannot be read as one: `missing` (the script's own 'not found' line) when
-    nothing regular is there, or, when `path` is a named pipe, socket or device, what it is (a pipe would be read
-    once, or wait for a writer forever, and every reader here reads its inputs whole, some twice)."""
-    kind = special_file(path)
-    if kind is None:
         return missing
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return missing
+    kind = ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
     return f"{flag + ' ' if flag else ''}{path} is {kind}, not a regular file; save it to a file first and give that"
 
 
@@ -177,8 +170,7 @@ def _sentencepiece_tokenizer(path, threads=None, proto=None):
     try:
         sp = spm.SentencePieceProcessor(**({"model_file": path} if proto is None else {"model_proto": proto}))
     except (RuntimeError, OSError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{path} is not a SentencePiece model ({why})") from None
+        raise DataError(f"{path} is not a SentencePiece model ({first_line(e) or type(e).__name__})") from None
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
     if min(sp.bos_id(), sp.eos_id()) < 0:
         raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
@@ -257,12 +249,9 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     return out_prefix + ".model"
 
 
-
-
 def sentencepiece_failure(message, vocab_size):
     """SentencePiece's training error -> the reason and the fix in this repository's flags (its own hints name
     options of its command line, e.g. --character_coverage, that no script here has)."""
-    import re
     low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
     high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
     if low:
@@ -294,7 +283,6 @@ def read_text(path):
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-
 # -----------------------------------------------------------------------------
 # Prepared folders: what prepare.py writes and training reads
 
@@ -308,7 +296,6 @@ def wrap_blocks(stream, block_size, bos_id, eos_id):
     pieces, rest = stream[:n * (block_size - 2)].reshape(n, block_size - 2), stream[n * (block_size - 2):]
     bos, eos = np.full((n, 1), bos_id, stream.dtype), np.full((n, 1), eos_id, stream.dtype)
     return np.concatenate([bos, pieces, eos], axis=1), rest
-
 
 
 def file_sha256(path, cached=True):
@@ -332,7 +319,6 @@ def _file_sha256(path, size, mtime_ns):
     return h.hexdigest()
 
 
-
 def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
@@ -349,12 +335,11 @@ def load_meta(data_dir):
     return meta
 
 
-# what prepare.py writes in meta.json, and what readers rely on: field -> (type name, required)
-META_FIELDS = {"tokenizer": ("str", True), "vocab_size": ("int", True), "bos_id": ("int", True),
-               "eos_id": ("int", True), "pad_id": ("int", True), "block_size": ("int", True), "wrap": ("bool", True),
-               "dtype": ("str", True), "train_sequences": ("int", True), "val_sequences": ("int", True),
-               "probe_ids": ("list", True), "sha256": ("dict", False), "stat": ("dict", False),
-               "data_key": ("dict", False), "tokenizer_sha256": ("str", False), "tokenizer_file": ("str", False)}
+# what prepare.py writes in meta.json, and what readers rely on: field -> type; the optional ones
+META_FIELDS = {"tokenizer": str, "vocab_size": int, "bos_id": int, "eos_id": int, "pad_id": int, "block_size": int,
+               "wrap": bool, "dtype": str, "train_sequences": int, "val_sequences": int, "probe_ids": list,
+               "sha256": dict, "stat": dict, "data_key": dict, "tokenizer_sha256": str, "tokenizer_file": str}
+OPTIONAL_FIELDS = ("sha256", "stat", "data_key", "tokenizer_sha256", "tokenizer_file")
 
 
 def check_meta_fields(meta, path):
@@ -365,15 +350,13 @@ def check_meta_fields(meta, path):
     fix = f"delete {folder} to prepare it again"
     if not isinstance(meta, dict):
         raise DataError(f"{path} holds {type(meta).__name__}, not the object prepare.py writes; {fix}")
-    kinds = {"str": str, "int": int, "bool": bool, "list": list, "dict": dict}
-    for name, (kind, required) in META_FIELDS.items():
+    for name, kind in META_FIELDS.items():
         value = meta.get(name)
-        if value is None:
-            if required:
-                raise DataError(f"{path} has no field {name!r}; {fix}")
-            continue
-        if not isinstance(value, kinds[kind]) or (kind == "int" and isinstance(value, bool)):
-            raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not {kind}; {fix}")
+        if value is None and name not in OPTIONAL_FIELDS:
+            raise DataError(f"{path} has no field {name!r}; {fix}")
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not "
+                            f"{kind.__name__}; {fix}")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: field 'dtype' is {meta['dtype']!r}, not uint16 or uint32; {fix}")
     for name, least in (("vocab_size", 1), ("block_size", 3), ("bos_id", 0), ("eos_id", 0), ("pad_id", 0),
@@ -456,15 +439,11 @@ def key_digest(key):
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def data_identity(data_dir, meta):
-    """(data_dir, key digest, the files' sha256) of a prepared folder: what one node tells the others."""
-    return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
-
-
 def same_data_on_every_node(identities):
-    """identities {node: data_identity} -> DataError (one line, on every rank) unless every node holds the same
-    prepared data: the same data_key and the same bytes, wherever each node keeps its folder. Nodes without
-    shared storage each prepare their own folder, and must agree on its content, not on a path."""
+    """identities {node: (data_dir, key_digest of its data_key, its files' sha256)} -> DataError (one line, on
+    every rank) unless every node holds the same prepared data: the same data_key and the same bytes, wherever each
+    node keeps its folder. Nodes without shared storage each prepare their own folder, and must agree on its
+    content, not on a path."""
     (node0, (dir0, key0, sha0)), *others = sorted(identities.items())
     for node, (data_dir, key, sha) in others:
         if key != key0:
@@ -607,8 +586,7 @@ def check_split(data_dir, split, meta):
 def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, device="cpu"):
     """Yield (x0 (B, L), mask or None) over `split` in stored order, last batch possibly smaller;
     batch i goes to rank i % world_size."""
-    meta = load_meta(data_dir)
-    tokens, mask = _open_split(data_dir, split, meta)
+    tokens, mask = _open_split(data_dir, split, load_meta(data_dir))
     starts = range(0, len(tokens), batch_size)
     for i, start in enumerate(itertools.islice(starts, max_batches)):
         if i % world_size == rank:
@@ -621,8 +599,7 @@ def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_siz
     world_size contiguous, near-equal shares of every global batch, in pieces of at most `piece` rows (the
     micro-batch that fits). Yields (j, n, lo, hi, x0 (hi - lo, L), mask or None): rows lo:hi of global batch j
     of n sequences, so draws made for the whole global batch can be sliced to them (train.py's evaluation)."""
-    meta = load_meta(data_dir)
-    tokens, mask = _open_split(data_dir, split, meta)
+    tokens, mask = _open_split(data_dir, split, load_meta(data_dir))
     for j, start in enumerate(itertools.islice(range(0, len(tokens), batch_size), max_batches)):
         n = min(batch_size, len(tokens) - start)
         first, end = n * rank // world_size, n * (rank + 1) // world_size    # this rank's share: rows first:end

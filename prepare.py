@@ -12,13 +12,10 @@ where <key> is a digest of everything that determines the tokens (data_key): the
 content, L, wrap, EOS insertion, the validation share. An edited corpus gets a new folder, never stale tokens.
 
 The corpora and how they are read (Duo's table, hub sets, local files, detokenizers): corpora.py. Documents are
-read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB and written in order, so the bytes
-written do not depend on --num_proc and memory does not grow with the corpus. A lone .txt is cut into ~1 MB
-pieces of whole paragraphs by one scan (which also finds the val split); the workers read and split the pieces
-themselves, as they read their rows of a hub split, so the main process, the one serial part, mostly writes and
-hashes tokens. The folder is built in a temp folder beside it and renamed into place when complete, under an
-exclusive lock: concurrent preparations wait for one another, a reader sees no folder or a finished one, and a
-killed preparation leaves only a temp folder that the next run deletes. Every file is hashed once after writing
+read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB (or work units that the workers read
+themselves: Docs.units) and written in order, so the bytes written do not depend on --num_proc and memory does not
+grow with the corpus. The folder is built aside and renamed into place under a lock (prepare_dataset): a killed
+preparation leaves only a temp folder that the next run deletes. Every file is hashed once after writing
 (data.verify_prepared).
 """
 
@@ -43,19 +40,16 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from corpora import HF_CORPORA, Docs, corpus_fingerprint, load_corpus, start_method
-from data import (PROBE, DataError, DiskFullError, data_identity, file_sha256, file_stat, full_data_key, get_tokenizer,
-                  key_digest, load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums,
-                  verify_prepared, wrap_blocks)
-from trained.checkpoint import check_resume_data
-from plumbing.cli import ConfigError, UsageError, os_error_line
+from corpora import HF_CORPORA, corpus_fingerprint, load_corpus, start_method
+from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, full_data_key, get_tokenizer, key_digest,
+                  load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums, verify_prepared,
+                  wrap_blocks)
+from plumbing.cli import ConfigError, UsageError, ignore_stop_signals, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.flags import check_prepare_flags
-from plumbing.files import (check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs,
-                            temp_name)
-from trained.checkpoint import check_data_tokenizer
-from plumbing.cli import ignore_stop_signals
+from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs, temp_name
 from plumbing.signals import deferred_signals
+from trained.checkpoint import check_data_tokenizer, check_resume_data
 
 # -----------------------------------------------------------------------------
 # Content keys: what identifies prepared data
@@ -84,10 +78,6 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
     return key
 
 
-def _digest(key):
-    return key_digest(key)
-
-
 def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05,
                  text_field="text"):
     """The default folder of a prepared dataset: data/<dataset name>-<tokenizer>-<L>[-padded]-<digest of data_key>.
@@ -101,7 +91,7 @@ def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True
     if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
         tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
     return os.path.join("data", f"{_short(name)}-{_short(tok)}-{block_size}" + ("" if wrap else "-padded") +
-                        f"-{_digest(key)}")
+                        f"-{key_digest(key)}")
 
 
 def _short(part, limit=64):
@@ -114,31 +104,29 @@ def _short(part, limit=64):
     return raw[:limit - 9].decode(errors="ignore") + "~" + hashlib.sha256(raw).hexdigest()[:8]
 
 
-def _unverifiable(data_dir, key):
-    """The files a folder prepared from this very data_key lists no sha256 for ([] when it lists them all, or the
-    folder is not one of ours): such a folder is prepared again, never trusted."""
+def _raw_meta(data_dir):
+    """data_dir's meta.json as it is, unchecked ({} when absent, unreadable or not an object)."""
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
     except (OSError, ValueError):
-        return []                               # absent or unreadable: _check_reusable / the caller reports it
-    if not isinstance(meta, dict) or not isinstance(meta.get("data_key"), dict):
-        return []
-    if full_data_key(meta["data_key"]) != full_data_key(key):
-        return []                               # another dataset's folder: refused, not replaced
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _unverifiable(data_dir, key):
+    """The files a folder prepared from this very data_key lists no sha256 for ([] when it lists them all, or the
+    folder is not one of ours): such a folder is prepared again, never trusted."""
+    meta = _raw_meta(data_dir)       # absent or unreadable: _check_reusable / the caller reports it
+    if not isinstance(meta.get("data_key"), dict) or full_data_key(meta["data_key"]) != full_data_key(key):
+        return []                    # not one of ours, or another dataset's folder: refused, not replaced
     return unlisted_checksums(meta)
 
 
 def _ours(data_dir):
     """The files a preparation wrote into data_dir, as its meta.json names them (meta.json itself, the token files,
     the tokenizer it trained, every file it lists a sha256 or stat for): all that a new preparation may replace."""
-    try:
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return {"meta.json"}
-    if not isinstance(meta, dict):
-        return {"meta.json"}
+    meta = _raw_meta(data_dir)
     parts = ("",) if meta.get("wrap", True) else ("", "_mask")
     names = {"meta.json", *(f"{split}{part}.bin" for split in ("train", "val") for part in parts)}
     if isinstance(meta.get("tokenizer_file"), str):
@@ -283,9 +271,7 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     digests = {name: hashlib.sha256() for name in names}
     counts = dict(documents=0, tokens=0, sequences=0, dropped_tokens=0)  # tokens: of the text, without specials
     carry = np.zeros(0, dtype=dtype)  # wrapped: stream tokens not yet in a full block
-    raw = docs.raw() if isinstance(docs, Docs) else iter(docs)
-    detok = docs.detokenizer if isinstance(docs, Docs) else None
-    total = docs.nbytes if isinstance(docs, Docs) else None
+    total = docs.nbytes
     bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, dynamic_ncols=True,
                disable=cli.bar_hidden(progress) or bool(total and total < 1 << 18))   # under 256 KiB: no bar
     files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
@@ -295,8 +281,8 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         files[name].write(data)
         digests[name].update(data)
     try:
-        job = (detok, wrap, insert_eos, block_size, np.dtype(dtype).name)
-        chunks = docs.units() if isinstance(docs, Docs) and docs.units else _chunks(raw)
+        job = (docs.detokenizer, wrap, insert_eos, block_size, np.dtype(dtype).name)
+        chunks = docs.units() if docs.units else _chunks(docs.raw())
         for out in _in_order(pool, chunks, job, window=2 * num_proc):
             if wrap:
                 rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), L, tok.bos_id, tok.eos_id)
@@ -478,8 +464,8 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
     dropped, tokens = meta["train_dropped_tokens"], meta["train_tokens"]
     if not wrap and dropped:          # documents cut to block_size - 2 tokens
         print(f"note: --wrap 0 keeps a document's first {block_size - 2} tokens: {dropped:,} of the train split's "
-              f"{tokens:,} tokens ({dropped / tokens:.1%}) are dropped; --wrap 1 keeps them all (or raise --block_size)",
-              file=sys.stderr)
+              f"{tokens:,} tokens ({dropped / tokens:.1%}) are dropped; --wrap 1 keeps them all (or raise "
+              f"--block_size)", file=sys.stderr)
     # the one full check: the bytes on disk hash to what was written; their size and time are recorded, which
     # later starts compare instead of hashing
     for name, digest in digests.items():
@@ -524,7 +510,8 @@ def prepare_for_run(cfg, env, given):
                             num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify, key=key)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
-        return data_identity(data_dir, load_meta(data_dir))
+        meta = load_meta(data_dir)      # what this node tells the others: same_data_on_every_node
+        return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
     (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
     same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
