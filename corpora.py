@@ -8,7 +8,6 @@ SDDLM_HF_MIRROR=/folder reads a hub REPO from /folder/REPO (a downloaded snapsho
 corpus's part of prepare.py's data key.
 """
 import collections
-import gzip
 import hashlib
 import itertools
 import json
@@ -16,13 +15,12 @@ import logging
 import os
 import re
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from data import DataError, check_text, file_sha256
+from data import BOM, DataError, check_text, file_sha256, open_binary, read_text, text_blocks
 from plumbing.cli import first_line
 
 # -----------------------------------------------------------------------------
@@ -218,21 +216,6 @@ def _load_dataset(what, repo, revision=None, **kwargs):
             logger.setLevel(level)
 
 
-def load_hf_split(name, which, text_field=None, val_fraction=0.05):
-    """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers) or of
-    "hf:REPO[:CONFIG][@REVISION]"; no documents where the set has no such split. Needs `datasets` (and the network, its
-    cache, or SDDLM_HF_MIRROR)."""
-    if name.startswith("hf:"):
-        return _load_hub_split(name, which, text_field or "text", val_fraction)
-    src = HF_CORPORA[name]
-    split = src.train if which == "train" else src.val
-    if split is None:
-        return Docs(lambda: iter(()), length=0)
-    ds = _load_dataset(name, src.repo, src.revision, data_files=src.data_files, split=split, streaming=src.streaming)
-    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
-                units=None if src.streaming else _row_units(ds, src.field))
-
-
 def _parse_hub_name(name):
     """ "hf:REPO[:CONFIG][@REVISION]" -> (repo, config or None, revision)."""
     spec, _, revision = name[3:].partition("@")
@@ -243,21 +226,31 @@ def _parse_hub_name(name):
     return repo, config or None, revision or "main"
 
 
-def _load_hub_split(name, which, text_field, val_fraction):
-    """A hub dataset's train split and its validation (or test) split; without either, the last val_fraction
-    of train's rows is held out."""
-    repo, config, revision = _parse_hub_name(name)
-    splits = _load_dataset(name, repo, revision, name=config)
-    if "train" not in splits:
-        raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
-    held_out = next((s for s in ("validation", "test") if s in splits), None)
-    if held_out:
-        ds = splits["train" if which == "train" else held_out]
-    else:
-        n = len(splits["train"])
-        cut = n - max(1, round(val_fraction * n))
-        ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
-    return Docs(_hf_texts(ds, text_field, name), length=len(ds), units=_row_units(ds, text_field))
+def load_hf_split(name, which, text_field=None, val_fraction=0.05):
+    """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers; no documents
+    where the set has no such split) or of "hf:REPO[:CONFIG][@REVISION]" (its train split and its validation or
+    test split; without either, the last val_fraction of train's rows is held out). Needs `datasets` (and the
+    network, its cache, or SDDLM_HF_MIRROR)."""
+    if name.startswith("hf:"):
+        repo, config, revision = _parse_hub_name(name)
+        splits, field = _load_dataset(name, repo, revision, name=config), text_field or "text"
+        if "train" not in splits:
+            raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
+        held_out = next((s for s in ("validation", "test") if s in splits), None)
+        if held_out:
+            ds = splits["train" if which == "train" else held_out]
+        else:
+            n = len(splits["train"])
+            cut = n - max(1, round(val_fraction * n))
+            ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
+        return Docs(_hf_texts(ds, field, name), length=len(ds), units=_row_units(ds, field))
+    src = HF_CORPORA[name]
+    split = src.train if which == "train" else src.val
+    if split is None:
+        return Docs(lambda: iter(()), length=0)
+    ds = _load_dataset(name, src.repo, src.revision, data_files=src.data_files, split=split, streaming=src.streaming)
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
+                units=None if src.streaming else _row_units(ds, src.field))
 
 
 # -----------------------------------------------------------------------------
@@ -293,60 +286,8 @@ def _folder_files(folder):
     return sorted(p for p in _walk(folder) if p.endswith(_TEXT + _RECORDS))
 
 
-def _open_binary(path):
-    return _Gzip(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-class _Gzip(gzip.GzipFile):
-    """A .gz file whose damage (truncated, not gzip, a bad block) is a DataError naming it, not a traceback."""
-
-    def read(self, size=-1):
-        try:
-            return super().read(size)
-        except (EOFError, OSError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
-            raise DataError(f"{self.name}: a damaged gzip file ({first_line(e) or type(e).__name__}); compress or "
-                            f"download it again") from None
-
-
-_BOM = b"\xef\xbb\xbf"    # UTF-8's byte-order mark, which editors on Windows put first: not part of the text
-
-
 _SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
 _TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
-
-
-def _decoded_blocks(path, block=1 << 20):
-    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
-    normalised as open() does ("\\r\\n" and "\\r" -> "\\n") -> (text, the number of bytes it was decoded from,
-    whether it is exactly their decoding: no "\\r" normalised away). Not UTF-8, or binary (a NUL byte) ->
-    DataError naming the file and the byte offset (of the uncompressed bytes for .gz)."""
-    with _open_binary(path) as f:
-        pending, offset = b"", 0
-        while True:
-            raw = f.read(block)
-            pending += raw
-            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
-            if raw and not cut:
-                continue
-            piece, pending = pending[:cut], pending[cut:]
-            if offset == 0 and piece.startswith((b"\xff\xfe", b"\xfe\xff")):
-                raise DataError(f"{path}: UTF-16 text (byte-order mark at offset 0), not UTF-8; convert it, e.g. "
-                                f"iconv -f utf-16 -t utf-8")
-            nul = piece.find(b"\0")
-            try:
-                text = piece.decode("utf-8")
-                text = text[1:] if offset == 0 and piece.startswith(_BOM) else text
-            except UnicodeDecodeError as e:
-                if nul < 0 or nul > e.start:
-                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
-                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
-            if nul >= 0:
-                raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
-            exact = "\r" not in text
-            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
-            offset += len(piece)
-            if not raw:
-                return
 
 
 def _paragraphs(path, block=1 << 20):
@@ -363,7 +304,7 @@ def _paragraph_pieces(path, block=1 << 20):
     end, the byte offset where the piece ends in the file, so that a worker can read the piece itself; None
     in a .gz or from the first "\\r" on, where the text's bytes are not the file's."""
     carry, offset, exact = "", 0, not path.endswith(".gz")
-    for text, nbytes, same in _decoded_blocks(path, block):
+    for text, nbytes, same in text_blocks(path, block):
         text, offset, exact = carry + text, offset + nbytes, exact and same
         end = _last_break(text)
         carry = text[end:]
@@ -384,7 +325,7 @@ def _read_piece(path, begin, end):
     try:
         if len(raw) != end - begin:
             raise ValueError("shorter")
-        return raw[len(_BOM) if begin == 0 and raw.startswith(_BOM) else 0:].decode("utf-8")
+        return raw[len(BOM) if begin == 0 and raw.startswith(BOM) else 0:].decode("utf-8")
     except ValueError:          # edited between the scan and this read (nothing half-written is kept)
         raise DataError(f"{path} changed while it was being prepared; prepare it again once it is complete") from None
 
@@ -426,10 +367,6 @@ def _last_break(text):
             return end
 
 
-def _read_whole(path):
-    return "".join(text for text, _, _ in _decoded_blocks(path))
-
-
 def _records(path, field):
     """The `field` of each record of a .jsonl/.json(.gz) or .parquet file, in order."""
     if path.endswith(".parquet"):
@@ -449,12 +386,12 @@ def _records(path, field):
         except (OSError, ValueError) as e:            # pyarrow's ArrowIOError / ArrowInvalid: a damaged file
             raise DataError(f"{path}: a damaged parquet file ({first_line(e) or type(e).__name__})") from None
         return
-    with _open_binary(path) as f:
-        head = f.read(4096).removeprefix(_BOM).lstrip()
+    with open_binary(path) as f:
+        head = f.read(4096).removeprefix(BOM).lstrip()
     if head.startswith(b"["):            # a JSON array of records: read whole (JSON lines stream)
-        lines = enumerate(json.loads(_read_whole(path)), 1)
+        lines = enumerate(json.loads(read_text(path)), 1)
     else:
-        blocks = (text.removesuffix("\n").split("\n") for text, _, _ in _decoded_blocks(path))   # whole lines
+        blocks = (text.removesuffix("\n").split("\n") for text, _, _ in text_blocks(path))   # whole lines
         lines = ((n, line) for n, line in enumerate(itertools.chain.from_iterable(blocks), 1) if line.strip())
     for n, row in lines:
         if isinstance(row, str):
@@ -479,7 +416,7 @@ def _file_docs(path, field, in_folder):
     if path.endswith(_TEXT):
         if not in_folder:
             return _paragraphs(path)
-        text = _read_whole(path)
+        text = read_text(path)
         return iter([text] if text.strip() else [])
     return (d for d in _records(path, field) if isinstance(d, str) and d.strip())
 

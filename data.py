@@ -18,6 +18,7 @@ time; verify_prepared then checks size and time (O(1), so a start on OpenWebText
 hashes a file again only when they differ, or on request (full=True, prepare.py --verify).
 """
 
+import gzip
 import hashlib
 import importlib.util
 import io
@@ -25,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.cli import UsageError, first_line
+from plumbing.cli import UsageError, bar_hidden, first_line
 from plumbing.files import temp_name
 
 
@@ -255,22 +257,64 @@ def sentencepiece_failure(message, vocab_size):
     return " ".join(kept) + f" (--tokenizer sp_train:{vocab_size})"
 
 
+# -----------------------------------------------------------------------------
+# Text files: UTF-8, checked (corpora.py reads local corpora with these, the evaluation scripts their inputs)
+
+def open_binary(path):
+    return _Gzip(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+class _Gzip(gzip.GzipFile):
+    """A .gz file whose damage (truncated, not gzip, a bad block) is a DataError naming it, not a traceback."""
+
+    def read(self, size=-1):
+        try:
+            return super().read(size)
+        except (EOFError, OSError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
+            raise DataError(f"{self.name}: a damaged gzip file ({first_line(e) or type(e).__name__}); compress or "
+                            f"download it again") from None
+
+
+BOM = b"\xef\xbb\xbf"    # UTF-8's byte-order mark, which editors on Windows put first: not part of the text
+
+
+def text_blocks(path, block=1 << 20):
+    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
+    normalised as open() does ("\\r\\n" and "\\r" -> "\\n") -> (text, the number of bytes it was decoded from,
+    whether it is exactly their decoding: no "\\r" normalised away). Not UTF-8, or binary (a NUL byte) ->
+    DataError naming the file and the byte offset (of the uncompressed bytes for .gz)."""
+    with open_binary(path) as f:
+        pending, offset = b"", 0
+        while True:
+            raw = f.read(block)
+            pending += raw
+            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
+            if raw and not cut:
+                continue
+            piece, pending = pending[:cut], pending[cut:]
+            if offset == 0 and piece.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise DataError(f"{path}: UTF-16 text (byte-order mark at offset 0), not UTF-8; convert it, e.g. "
+                                f"iconv -f utf-16 -t utf-8")
+            nul = piece.find(b"\0")
+            try:
+                text = piece.decode("utf-8")
+                text = text[1:] if offset == 0 and piece.startswith(BOM) else text
+            except UnicodeDecodeError as e:
+                if nul < 0 or nul > e.start:
+                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
+                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+            if nul >= 0:
+                raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
+            exact = "\r" not in text
+            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
+            offset += len(piece)
+            if not raw:
+                return
+
+
 def read_text(path):
-    """A text file's content, newlines normalised as open() does. Not UTF-8, or binary (a NUL byte) -> DataError
-    naming the file and the byte offset."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-        nul = raw.find(b"\0")
-    except UnicodeDecodeError as e:
-        text, nul = None, raw.find(b"\0", 0, e.start)
-        if nul < 0:
-            raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it, "
-                            f"e.g. iconv -f latin1 -t utf-8") from None
-    if nul >= 0:
-        raise DataError(f"{path}: a binary file, not text (NUL byte at offset {nul})")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    """A text file's content (text_blocks, joined)."""
+    return "".join(text for text, _, _ in text_blocks(path))
 
 
 # -----------------------------------------------------------------------------
@@ -299,10 +343,8 @@ def file_sha256(path, cached=True):
 @lru_cache(maxsize=256)
 def _file_sha256(path, size, mtime_ns):
     h = hashlib.sha256()
-    # a bar for files of 1 GiB and more, unless tqdm's own switch TQDM_DISABLE (which disable= would override) is set
-    hidden = size < 2 ** 30 or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
     with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {os.path.basename(path)}",
-                                     disable=hidden, leave=False) as bar:
+                                     disable=bar_hidden(size >= 2 ** 30), leave=False) as bar:   # for 1 GiB and more
         while chunk := f.read(1 << 24):
             h.update(chunk)
             bar.update(len(chunk))
@@ -509,11 +551,9 @@ class CheckedIds:
 def _to_tensors(tokens, mask, rows, device):
     """-> (x0 LongTensor (B, L), mask BoolTensor (B, L) or None) on device, for the given row indices."""
     def move(t):
-        if t is None or torch.device(device).type != "cuda":
-            return t if t is None else t.to(device)
-        return t.pin_memory().to(device, non_blocking=True)
+        return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
     x0 = torch.from_numpy(tokens[rows].astype(np.int64))
-    return move(x0), move(None if mask is None else torch.from_numpy(mask[rows].astype(np.bool_)))
+    return move(x0), None if mask is None else move(torch.from_numpy(mask[rows].astype(np.bool_)))
 
 
 class BatchLoader:

@@ -34,7 +34,7 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,11 +185,9 @@ _WORKER = {}    # the tokenizer of this worker process (set once by _init_worker
 def _init_worker(tokenizer_spec):
     ignore_stop_signals()                   # the parent stops the pool and removes the temp folder
     if sys.platform.startswith("linux"):    # a killed preparation takes its workers with it (PR_SET_PDEATHSIG)
-        try:
+        with suppress(OSError, AttributeError):
             import ctypes
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
     _WORKER["tok"] = get_tokenizer(tokenizer_spec, threads=1)
 
 
@@ -336,11 +334,9 @@ def _exclusive(lock_path, what):
             pass                     # a file system without flock: both prepare, the first rename wins
         yield
     finally:
-        try:
+        with suppress(OSError):
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 os.unlink(lock_path)
-        except OSError:
-            pass
         os.close(fd)
 
 
@@ -406,10 +402,8 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
         raise
     finally:
         if made_parent:                        # a failed preparation leaves no empty data/ folder either
-            try:
+            with suppress(OSError):
                 os.rmdir(parent)
-            except OSError:
-                pass
 
 
 def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction,
