@@ -431,8 +431,7 @@ def _arrow_docs(folder, field):
         if "train" not in ds:
             raise DataError(f"{folder} holds the splits {', '.join(ds)}, no train split")
         ds = datasets.concatenate_datasets([ds[s] for s in ("train", "validation", "test") if s in ds])
-    raw = _hf_texts(ds, field, folder)
-    return (d for d in raw() if isinstance(d, str) and d.strip())
+    return (d for d in _hf_texts(ds, field, folder)() if isinstance(d, str) and d.strip())
 
 
 def _local_docs(name, field):
@@ -483,16 +482,15 @@ def _tail_split(length_batches, val_fraction, name):
     return n, n - k
 
 
-def _length_batches(docs, size=4096, text_bytes=None):
+def _length_batches(docs, text_bytes, size=4096):
     """The documents' lengths in lists of `size`: what _tail_split reads; each list's UTF-8 bytes appended to
-    text_bytes, where given (the progress bar's total)."""
+    text_bytes (the progress bar's total)."""
     docs = iter(docs)
     while True:
         batch = list(itertools.islice(docs, size))
         if not batch:
             return
-        if text_bytes is not None:
-            text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
+        text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
         yield list(map(len, batch))
 
 
@@ -522,7 +520,7 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         train_bytes, val_bytes = share(cut), share(n - cut)
     else:                          # the progress bar's totals: the text's own bytes (a record file holds more)
         batch_bytes = []
-        n, cut = _tail_split(_length_batches(docs(), text_bytes=batch_bytes), val_fraction, name)
+        n, cut = _tail_split(_length_batches(docs(), batch_bytes), val_fraction, name)
         whole, rest = divmod(cut, 4096)
         train_bytes = sum(batch_bytes[:whole]) + (int(batch_bytes[whole] * rest / min(4096, n - whole * 4096))
                                                   if rest else 0)

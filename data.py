@@ -617,10 +617,8 @@ def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_si
     """Yield (x0 (B, L), mask or None) over `split` in stored order, last batch possibly smaller;
     batch i goes to rank i % world_size."""
     tokens, mask = _open_split(data_dir, split, load_meta(data_dir))
-    starts = range(0, len(tokens), batch_size)
-    for i, start in enumerate(itertools.islice(starts, max_batches)):
-        if i % world_size == rank:
-            yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
+    for start in range(0, len(tokens), batch_size)[:max_batches][rank::world_size]:
+        yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
 
 
 def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, piece=None, device="cpu"):

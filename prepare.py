@@ -161,11 +161,10 @@ def _check_reusable(data_dir, key, verify=False):
         raise DataError(f"{data_dir} was prepared by an older version of data.py (no data_key in meta.json); "
                         f"delete it or use another --data_dir")
     short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
-    names = dict(corpus="corpus content", tokenizer="tokenizer content")
     old_key = full_data_key(old["data_key"])
     if key.get("tokenizer") == old.get("tokenizer_sha256"):     # by content: the tokenizer it trained (sp_train:N)
         key = {**key, "tokenizer": old_key.get("tokenizer")}
-    diff = [f"{names[k]} ({short(old_key.get(k))}, now {short(v)})" if k in names else
+    diff = [f"{k} content ({short(old_key.get(k))}, now {short(v)})" if k in ("corpus", "tokenizer") else
             f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in full_data_key(key).items()
             if old_key.get(k) != v]
     if diff:
@@ -265,7 +264,7 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     L = block_size
     names = [f"{split}.bin"] + ([] if wrap else [f"{split}_mask.bin"])
     digests = {name: hashlib.sha256() for name in names}
-    counts = dict(documents=0, tokens=0, sequences=0, dropped_tokens=0)  # tokens: of the text, without specials
+    counts = collections.Counter(documents=0, tokens=0, sequences=0, dropped_tokens=0)   # tokens: without specials
     carry = np.zeros(0, dtype=dtype)  # wrapped: stream tokens not yet in a full block
     total = docs.nbytes
     bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, dynamic_ncols=True,
@@ -285,11 +284,9 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
             else:
                 rows = out["rows"]
                 write(f"{split}_mask.bin", out["mask"])
-                counts["dropped_tokens"] += out["dropped_tokens"]
             write(f"{split}.bin", rows)
-            counts["documents"] += out["documents"]
-            counts["tokens"] += out["tokens"]
-            counts["sequences"] += len(rows)
+            counts.update(documents=out["documents"], tokens=out["tokens"], sequences=len(rows),
+                          dropped_tokens=out.get("dropped_tokens", 0))
             bar.update(out["bytes"])
             bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"], refresh=False)
         for f in files.values():
