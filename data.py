@@ -313,7 +313,7 @@ def text_blocks(path, block=1 << 20):
 
 
 def read_text(path):
-    """A text file's content (text_blocks, joined)."""
+    """A text file's content (a .gz's uncompressed), checked and with newlines normalised as text_blocks does."""
     return "".join(text for text, _, _ in text_blocks(path))
 
 
@@ -367,7 +367,7 @@ def load_meta(data_dir):
     return meta
 
 
-# what prepare.py writes in meta.json, and what readers rely on: field -> type; the optional ones
+# what prepare.py writes in meta.json, and what readers rely on: field -> its type (OPTIONAL_FIELDS may be absent)
 META_FIELDS = {"tokenizer": str, "vocab_size": int, "bos_id": int, "eos_id": int, "pad_id": int, "block_size": int,
                "wrap": bool, "dtype": str, "train_sequences": int, "val_sequences": int, "probe_ids": list,
                "sha256": dict, "stat": dict, "data_key": dict, "tokenizer_sha256": str, "tokenizer_file": str}

@@ -261,7 +261,6 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     """Tokenize docs and stream rows of length L = block_size to out_dir/{split}.bin (and {split}_mask.bin when
     un-wrapped) -> (counts, {file name: sha256}). out_dir is the private temp folder of one preparation, so the
     files are written in place."""
-    L = block_size
     names = [f"{split}.bin"] + ([] if wrap else [f"{split}_mask.bin"])
     digests = {name: hashlib.sha256() for name in names}
     counts = collections.Counter(documents=0, tokens=0, sequences=0, dropped_tokens=0)   # tokens: without specials
@@ -280,7 +279,7 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         chunks = docs.units() if docs.units else _chunks(docs.raw())
         for out in _in_order(pool, chunks, job, window=2 * num_proc):
             if wrap:
-                rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), L, tok.bos_id, tok.eos_id)
+                rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), block_size, tok.bos_id, tok.eos_id)
             else:
                 rows = out["rows"]
                 write(f"{split}_mask.bin", out["mask"])
