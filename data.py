@@ -96,14 +96,6 @@ GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf3
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
 
-def gpt2_bytes_to_unicode():
-    """GPT-2's byte -> printable character map used in encoder.json: printable latin-1 bytes stand for
-    themselves, the other 68 bytes are shifted to chr(256 + n) in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
-
-
 @lru_cache(maxsize=None)
 def _gpt2_encoding():
     import tiktoken
@@ -118,7 +110,11 @@ def _gpt2_encoding():
     for name, path in files.items():
         if file_sha256(path) != GPT2_SHA256[name]:
             raise DataError(f"{path} is not the GPT-2 release file (sha256 mismatch)")
-    char_to_byte = {c: b for b, c in gpt2_bytes_to_unicode().items()}
+    # encoder.json spells each byte as a printable character: printable latin-1 bytes stand for themselves, the
+    # other 68 bytes are shifted to chr(256 + n) in byte order
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    char_to_byte = {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
     with open(files["encoder.json"], encoding="utf-8") as f:
         encoder = json.load(f)
     # GPT-2's token ids are its BPE merge ranks (tiktoken checks this on the same two files)
