@@ -543,8 +543,7 @@ class PrepareConfig:
 
 
 def main(argv=None):
-    from plumbing.cli import parse_flags
-    cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
+    cfg = cli.parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
     check_prepare_flags(cfg.num_proc, cfg.val_fraction)
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field)
@@ -564,5 +563,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing.cli import run_cli
-    run_cli(main, DataError, ImportError)
+    cli.run_cli(main, DataError, ImportError)
