@@ -3,67 +3,15 @@ Benchmark train.py's training step for every objective, and the ancestral sample
 
     python bench/bench.py                                          # tiny preset, L=128, B=4, CPU float32: ~1 min
     python bench/bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
-    python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
+    python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1
+                                                                   # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
     python bench/bench.py --repeats 5 --warmup 2 --sample_steps 16 --head_chunks 8 --long_blocks 4 --batch_size 8
-                                      # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
+                          # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
     python bench/bench.py --losses sddlm_v1 --profile 1            # where a step, the sampler spend their time
 
-Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
-per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
-training recipe (TRAIN_PRESETS: lr, dropout, clip, EMA) and the curriculum off. All diffusion losses share
-one model (same architecture, same FLOPs); 'ar' has its causal twin. Steps are interleaved round-robin over
-the losses, `warmup` rounds are dropped, and each loss reports the median of `repeats` rounds, so drifting
-clocks and neighbours on shared machines hit every loss alike. On a shared CPU, --threads 1 avoids OpenMP
-oversubscription (10x slowdowns with 2 threads on 2 busy cores).
-
-Columns:
-  step ms      median wall time of one step (CUDA synchronised before and after)
-  tokens/s     B * L / step time
-  MFU          model FLOPs per step / step time / peak FLOP/s. The peak is MEASURED: the best rate of a large
-               square matmul in the compute dtype (bf16 under autocast, else float32), timed at start and
-               again every round (a neighbour busy at start-up cannot inflate MFU). Model FLOPs:
-                 FLOPs/step = 6 N T + 12 n_layer L d T + 6 d V T,   T = B L tokens,
-               N = the weight matrices the blocks apply to every token (attention qkv/proj, MLP; not the
-               embedding, the output layer, or the per-sequence sigma MLP and adaLN), 12 n_layer L d T the
-               attention scores and values (full L x L, also for 'ar'), 6 d V T the output layer. The loss
-               itself counts 0: what the NELBO spends over (B, L, V) shows up as lower MFU.
-  peak MiB     CUDA only: torch.cuda.max_memory_allocated over one step, reset per loss (weights, gradients,
-               AdamW and EMA state of the table's models included: the diffusion rows share one, 'ar' has its
-               own). 'n/a' on CPU: no allocator statistics to read there.
-  step MiB     the most memory the step's own tensors (activations, logits, loss temporaries, gradients)
-               hold at once above what was allocated before it. CUDA: peak MiB - memory_allocated at the
-               step's start; CPU: one extra profiled step per loss, from the allocation events of
-               torch.profiler(profile_memory=True) (it prints two USDT lines per loss on stderr).
-  act MiB      any device: bytes of the tensors autograd saves for backward (saved_tensors_hooks on an eager
-               forward + loss, storages counted once, parameters excluded; autocast's bf16 weight copies
-               are included). The device-independent part of the memory that the loss changes.
-  x duo        ratio to the 'duo' row (Duo's NELBO computed as Duo does, usdm_nelbo_loss); 'duo_lean' is the
-               same NELBO computed in chunks of rows (usdm_nelbo_loss_lean)
-Rows: the objectives of diffusion.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
-with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one.
-Memory: every table (the training rows, the sampler, the fused head) starts from the same memory, and so does
-every step and measurement of a row after the first round (which makes what the runs keep: AdamW moments,
-compiled graphs): what one allocated is released before the next starts (Rows). On CUDA bench checks that
-torch.cuda.memory_allocated is back where it was after each and prints the result under the tables. A row or
-a measurement that does not fit in memory reads 'n/a (out of memory)', releases what it held, and the tables
-still come out, with what did not fit.
-Sampler: sample.generate (ancestral: float64 per-token mixture weights, two-stage Gumbel-max on block
-log-sum-exps, final ancestral step) vs no-grad forwards of the same model (a fresh one, built with the table) at
-the same batch: overhead = generate
-time / (its forwards x forward time) - 1. The last table puts the curriculum's and the sampler's costs over the
-bare computation side by side, both from this one run.
-The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
-same rounds, and its time per step over the ancestral sampler's.
-Fused head (--head_chunks): the output layer fused with sddlm_v1 (kernels/fused_head.py) on the model's B L
-rows cut into that many chunks, forward + backward, with each chunk's logits kept for backward or recomputed
-there: median time, and the FLOPs torch's counter sees over the formula's 2 N d V_pad of one output-layer product
-(N = B L rows; kept: 3 products, recomputed: 4).
-Long generation (--long_blocks): sample.generate_long to n = long_blocks x L tokens at strides L, L/2, L/4 (windows
-of one block, block - stride tokens held) against one block of sample.generate on the same model (a fresh one, as
-the sampler's), same steps and batch, timed in the same rounds: time per generated token over one block's, beside
-what the windows predict (windows x L / n).
+The method (train.py's own step, interleaved rounds, medians), every column and table: docs/testing.md.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -270,7 +218,7 @@ class Rows:
 # FLOPs and the device's peak
 
 def model_flops_per_step(model, batch_size, block_size):
-    """6 N T + 12 n_layer L d T + 6 d V T (see the module docstring)."""
+    """6 N T + 12 n_layer L d T + 6 d V T (docs/testing.md: MFU)."""
     c = model.config
     n = sum(p.numel() for name, p in model.blocks.named_parameters() if p.dim() == 2 and "adaLN" not in name)
     T, L, d = batch_size * block_size, block_size, c.n_embd
@@ -280,6 +228,21 @@ def model_flops_per_step(model, batch_size, block_size):
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_rounds(cfg, device, fns):
+    """fns {name: fn} run round-robin for cfg.warmup + cfg.repeats rounds -> {name: median seconds over the rounds
+    after the warm-up}."""
+    times = {name: [] for name in fns}
+    for round_ in range(cfg.warmup + cfg.repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            if round_ >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 PEAK_MATMUL_N = {"cuda": 8192, "cpu": 1024}
@@ -438,83 +401,67 @@ def bench_training(cfg, device, dtype, rows):
     return results, model, configs_for(cfg, names[0])[0].block_size, peak_flops
 
 
-def bench_sampler(cfg, mcfg, device, dtype, L):
-    """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch, on a model
-    of its own (mcfg; compiled with --compile). -> dict."""
-    from sample import Psi, generate
+def sampler_model(cfg, mcfg, device):
+    """A model of the sampler tables' own (mcfg; compiled with --compile) -> (the model, the one to call)."""
     torch.manual_seed(cfg.seed)
     raw = build_model(mcfg).to(device).eval()
-    model = torch.compile(raw) if cfg.compile else raw
-    B, V = cfg.batch_size, raw.config.vocab_size
-    calls = [0]
-    hook = raw.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return raw, torch.compile(raw) if cfg.compile else raw
+
+
+def bench_sampler(cfg, mcfg, device, dtype, L):
+    """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch, on a model
+    of its own, in interleaved rounds. -> dict."""
+    from sample import Psi, generate
+    raw, model = sampler_model(cfg, mcfg, device)
+    B, V, steps = cfg.batch_size, raw.config.vocab_size, cfg.sample_steps
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randint(0, V, (B, L), device=device, generator=gen)
     sigma = torch.full((B,), 0.5, device=device)
-    fwd, gen_time, psi_time, nfe = [], [], [], 0
+    sample = lambda **psi: generate(model, B, L, V, steps, generator=gen, device=device, dtype=dtype,
+                                    show_progress=False, **psi)
+    calls, nfe = [], [0]
+    hook = raw.register_forward_hook(lambda *_: calls.append(1))
+
+    def forwards():
+        with torch.no_grad(), autocast_for(device, dtype):
+            for _ in range(steps):
+                model(x, sigma)
+
+    def ancestral():                    # its forwards counted: the sampler's NFE
+        calls.clear()
+        sample()
+        nfe[0] = len(calls)
     try:
-        for round_ in range(cfg.warmup + cfg.repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
-            with torch.no_grad(), autocast_for(device, dtype):
-                for _ in range(cfg.sample_steps):
-                    model(x, sigma)
-            synchronize(device)
-            t1 = time.perf_counter()
-            calls[0] = 0
-            generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device, dtype=dtype,
-                     show_progress=False)
-            synchronize(device)
-            t2 = time.perf_counter()
-            nfe = calls[0]
-            generate(model, B, L, V, cfg.sample_steps, psi=Psi(("eta",), (0.9,)), generator=gen, device=device,
-                     dtype=dtype, show_progress=False)
-            synchronize(device)
-            t3 = time.perf_counter()
-            if round_ >= cfg.warmup:
-                fwd.append((t1 - t0) / cfg.sample_steps)
-                gen_time.append(t2 - t1)
-                psi_time.append(t3 - t2)
-        profiled = profile_table(lambda: generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device,
-                                                  dtype=dtype, show_progress=False), device) if cfg.profile else None
+        t = timed_rounds(cfg, device, dict(forward=forwards, ancestral=ancestral,
+                                           psi=lambda: sample(psi=Psi(("eta",), (0.9,)))))
+        profiled = profile_table(sample, device) if cfg.profile else None
     finally:
         hook.remove()
-    forward_s, generate_s, psi_s = statistics.median(fwd), statistics.median(gen_time), statistics.median(psi_time)
-    return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
-                profile=profiled,
-                ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1,
-                psi_ms_per_step=1e3 * psi_s / cfg.sample_steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
+    forward_s, generate_s, psi_s, nfe = t["forward"] / steps, t["ancestral"], t["psi"], nfe[0]
+    return dict(steps=steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s, profile=profiled,
+                ms_per_step=1e3 * generate_s / steps, overhead=generate_s / (nfe * forward_s) - 1,
+                psi_ms_per_step=1e3 * psi_s / steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
                 psi_vs_ancestral=psi_s / generate_s)
 
 
 def bench_long(cfg, mcfg, device, dtype, L):
     """sample.generate_long to long_blocks x L tokens at strides L, L/2, L/4 vs one block of sample.generate, on a
-    model of its own (mcfg; compiled with --compile): median time per generated token, interleaved rounds. -> dict."""
+    model of its own: median time per generated token, interleaved rounds. -> dict."""
     from sample import generate, generate_long, long_windows
-    torch.manual_seed(cfg.seed)
-    raw = build_model(mcfg).to(device).eval()
-    model = torch.compile(raw) if cfg.compile else raw
+    raw, model = sampler_model(cfg, mcfg, device)
     B, V, n = cfg.batch_size, raw.config.vocab_size, cfg.long_blocks * L
     strides = sorted({L, max(1, L // 2), max(1, L // 4)}, reverse=True)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    times = {s: [] for s in [0, *strides]}             # 0: one block of the one-block sampler
-    for round_ in range(cfg.warmup + cfg.repeats):
-        for s in times:
-            synchronize(device)
-            t0 = time.perf_counter()
-            if s == 0:
-                generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device, dtype=dtype, show_progress=False)
-            else:
-                generate_long(model, B, n, V, cfg.sample_steps, block_size=L, stride=s, generator=gen, device=device,
-                              dtype=dtype, show_progress=False)
-            synchronize(device)
-            if round_ >= cfg.warmup:
-                times[s].append(time.perf_counter() - t0)
-    block_ms = 1e3 * statistics.median(times[0]) / L
+    kw = dict(generator=torch.Generator(device=device).manual_seed(cfg.seed), device=device, dtype=dtype,
+              show_progress=False)
+    fns = {0: lambda: generate(model, B, L, V, cfg.sample_steps, **kw)}     # 0: one block of the one-block sampler
+    fns.update({s: lambda s=s: generate_long(model, B, n, V, cfg.sample_steps, block_size=L, stride=s, **kw)
+                for s in strides})
+    times = timed_rounds(cfg, device, fns)
+    block_ms = 1e3 * times[0] / L
     rows = []
     for s in strides:
         windows = len(long_windows(0, n, L, s))
-        ms = 1e3 * statistics.median(times[s]) / n
+        ms = 1e3 * times[s] / n
         rows.append(dict(stride=s, windows=windows, ms_per_token=ms, vs_block=ms / block_ms, predicted=windows * L / n))
     return dict(seq_len=n, steps=cfg.sample_steps, block_ms_per_token=block_ms, rows=rows)
 
@@ -540,18 +487,9 @@ def bench_head(cfg, mc, device, dtype, L):
         with FlopCounterMode(display=False) as counter:
             step(keep)
         flops[name] = counter.get_total_flops()
-    times = {name: [] for name in kinds}
-    for round_ in range(cfg.warmup + cfg.repeats):
-        for name, keep in kinds.items():
-            synchronize(device)
-            t0 = time.perf_counter()
-            step(keep)
-            synchronize(device)
-            if round_ >= cfg.warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = timed_rounds(cfg, device, {name: lambda keep=keep: step(keep) for name, keep in kinds.items()})
     product = 2 * B * L * d * V_pad
-    out = {name: dict(ms=1e3 * statistics.median(times[name]), flops=flops[name], products=flops[name] / product)
-           for name in kinds}
+    out = {name: dict(ms=1e3 * times[name], flops=flops[name], products=flops[name] / product) for name in kinds}
     return dict(rows=B * L, d=d, padded_vocab_size=V_pad, chunks=-(-B * L // (chunk_elems // V_pad)),
                 product_flops=product, kept_vs_recomputed=out["kept"]["ms"] / out["recomputed"]["ms"], **out)
 
