@@ -21,6 +21,7 @@ cli.stop_at_once(__name__)
 
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -36,7 +38,8 @@ import curriculum.gaussian as curriculum
 import diffusion
 import losses
 from kernels.fused_head import HEADS, Head
-from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import (OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags,
+                          resolve_device, resolve_dtype, run_cli)
 from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
 from plumbing.distributed import Env, check_threads, omp_threads
@@ -65,7 +68,8 @@ class BenchConfig:
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 4           # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 1                # CPU threads for torch (0 = torch's default, every core: 10x slower on busy ones)
-    head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
+    head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused
+                                    # | fused_recompute
     head_chunks: int = 4            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
     long_blocks: int = 2            # long generation: samples of this many blocks at strides L, L/2, L/4 (0 = skip)
     profile: bool = False           # also profile one more step of each row (torch.profiler): its ops by self time
@@ -104,18 +108,17 @@ def parse_args(argv=None):
 def train_config_for(cfg, loss, curriculum=False):
     """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes, with Duo's
     curriculum on for every step (curriculum=True) or off."""
-    model = PRESETS[cfg.preset]
     return TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset, "loss": loss,
-                          "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
-                          "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-                          "vocab_multiple": cfg.vocab_multiple, "curriculum_iters": 10 ** 9 if curriculum else 0,
-                          "seed": cfg.seed, "compile": cfg.compile, "head": cfg.head})
+                          "block_size": cfg.block_size or PRESETS[cfg.preset]["block_size"],
+                          "batch_size": cfg.batch_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                          "n_embd": cfg.n_embd, "vocab_multiple": cfg.vocab_multiple,
+                          "curriculum_iters": 10 ** 9 if curriculum else 0, "seed": cfg.seed, "compile": cfg.compile,
+                          "head": cfg.head})
 
 
 def profile_table(fn, device, rows=25):
     """torch.profiler over fn(): its ops and kernels by self time on the device (CUDA; CPU: on the CPU), as the
     profiler's own table of the first `rows`."""
-    from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
@@ -127,16 +130,11 @@ def profile_table(fn, device, rows=25):
 def cpu_step_peak_bytes(fn):
     """Most bytes that tensors allocated inside fn() hold at once, from the profiler's CPU allocation events
     (frees of tensors made before fn are not seen, so this can only overstate by what fn frees early)."""
-    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    held = peak = 0
-    for _, nbytes in events:
-        held += nbytes
-        peak = max(peak, held)
-    return peak
+    return max([0, *itertools.accumulate(nbytes for _, nbytes in events)])    # the most held at once
 
 
 def saved_activation_bytes(fn, params):
@@ -156,8 +154,7 @@ def saved_activation_bytes(fn, params):
         raise RuntimeError("bench: a graph built by saved_activation_bytes cannot run backward")
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = fn()
-    del out
+        fn()
     return sum(s.nbytes() for s in kept.values())
 
 
@@ -391,13 +388,10 @@ def bench_training(cfg, device, dtype, rows):
                                             if value is None])
     ratio = lambda r, ref, k: r[k] / ref[k] if ref is not None and r[k] and ref[k] else None
     for name, r in results.items():
-        ref = results.get("duo")
-        r["step_vs_duo"] = ratio(r, ref, "step_ms")
-        r["peak_vs_duo"] = ratio(r, ref, "peak_mem_bytes")
-        r["step_mem_vs_duo"] = ratio(r, ref, "step_mem_bytes")
-        r["act_vs_duo"] = ratio(r, ref, "act_bytes")
-        r["step_vs_sddlm"] = ratio(r, results.get("sddlm"), "step_ms")
-        r["step_vs_plain"] = ratio(r, results.get(name.removesuffix(CURRICULUM)), "step_ms")
+        r.update({f"{what}_vs_duo": ratio(r, results.get("duo"), k) for what, k in (
+            ("step", "step_ms"), ("peak", "peak_mem_bytes"), ("step_mem", "step_mem_bytes"), ("act", "act_bytes"))},
+                 step_vs_sddlm=ratio(r, results.get("sddlm"), "step_ms"),
+                 step_vs_plain=ratio(r, results.get(name.removesuffix(CURRICULUM)), "step_ms"))
     return results, model, configs_for(cfg, names[0])[0].block_size, peak_flops
 
 
@@ -568,7 +562,8 @@ def fmt(x, spec, none="n/a"):
 def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
     """The tables of `parts` (each table as it finishes: main), "footer" the lines that follow them all."""
     m, cfg = out["model"], out["bench_config"]
-    padded = f" (output layer {m['padded_vocab_size']})" if m.get("padded_vocab_size", m["vocab_size"]) != m["vocab_size"] else ""
+    padded = m.get("padded_vocab_size", m["vocab_size"])
+    padded = f" (output layer {padded})" if padded != m["vocab_size"] else ""
     lines = [] if "losses" not in parts else [
         f"### bench/bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
         f"V={m['vocab_size']}{padded}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
@@ -589,23 +584,22 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
         na = lambda *what: lost if set(what) & set(r.get("out_of_memory", ())) else "n/a"
         lines.append(f"| {name} | {fmt(r['step_ms'], '.1f', na('model', 'step'))} | {fmt(r['tokens_per_s'], ',.0f')} "
                      f"| {fmt(pct(r['mfu']), '.1f')}{'%' if r['mfu'] is not None else ''} "
-                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {fmt(mib(r['step_mem_bytes']), ',.1f', na('step MiB'))} "
+                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} "
+                     f"| {fmt(mib(r['step_mem_bytes']), ',.1f', na('step MiB'))} "
                      f"| {fmt(mib(r['act_bytes']), ',.1f', na('act'))} | {fmt(r['step_vs_duo'], '.2f')} "
-                     f"| {fmt(r['peak_vs_duo'], '.2f')} | {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
+                     f"| {fmt(r['peak_vs_duo'], '.2f')} | {fmt(r['step_mem_vs_duo'], '.2f')} "
+                     f"| {fmt(r['act_vs_duo'], '.2f')} |")
     oom = out.get("out_of_memory") or {}
-    s, shown = out["sampler"], out["sampler"] if "sampler" in parts else None
+    s, h, g = out["sampler"], out.get("head"), out.get("long")
     if "sampler" in parts and (s is not None or "sampler" in oom):
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|"]
-    if shown is not None:
-        lines += [f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
-                  f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
-                  f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
-                  f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
-                  "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
-    elif "sampler" in parts and "sampler" in oom:
-        lines.append(f"| sample.generate | {lost} | n/a | n/a | n/a | n/a |")
-    h = out.get("head") if "head" in parts else None
-    if h is not None:
+        lines += [f"| sample.generate | {lost} | n/a | n/a | n/a | n/a |"] if s is None else [
+            f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
+            f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
+            f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
+            f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
+            "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
+    if "head" in parts and h is not None:
         lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
                       f"{h['chunks']} chunks, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|"]
@@ -616,18 +610,15 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
     elif "head" in parts and "fused head" in oom:
         lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
-    g, long = out.get("long"), "long" in parts and "long generation" in oom
-    if "long" in parts and g is not None or long:
+    if "long" in parts and (g is not None or "long generation" in oom):
         title = "long generation" if g is None else \
             f"long generation, {g['seq_len']} tokens, {g['steps']} steps a window"
         lines += ["", f"| {title} | stride | windows | ms / token | x one block | windows x L / n |",
                   "|---|---:|---:|---:|---:|---:|"]
-    if "long" in parts and g is not None:
-        lines += [f"| sample.generate, one block | - | 1 | {g['block_ms_per_token']:.2f} | 1.000 | 1.000 |"]
-        lines += [f"| sample.generate_long | {r['stride']} | {r['windows']} | {r['ms_per_token']:.2f} "
-                  f"| {r['vs_block']:.3f} | {r['predicted']:.3f} |" for r in g["rows"]]
-    elif long:
-        lines.append(f"| sample.generate_long | {lost} | n/a | n/a | n/a | n/a |")
+        lines += [f"| sample.generate_long | {lost} | n/a | n/a | n/a | n/a |"] if g is None else [
+            f"| sample.generate, one block | - | 1 | {g['block_ms_per_token']:.2f} | 1.000 | 1.000 |",
+            *(f"| sample.generate_long | {r['stride']} | {r['windows']} | {r['ms_per_token']:.2f} "
+              f"| {r['vs_block']:.3f} | {r['predicted']:.3f} |" for r in g["rows"])]
     if "footer" not in parts:
         return "\n".join(lines)
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))
