@@ -29,6 +29,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from plumbing.files import check_writable
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 # the child: run prepare.py's main, then report its own and its reaped workers' peak RSS (KiB on Linux)
 CHILD = ("import resource, sys, prepare; code = prepare.main(sys.argv[1:]); "
@@ -76,11 +78,9 @@ def run_once(cfg, corpus, num_proc, out):
 
 
 def main(argv=None):
-    from plumbing.cli import parse_flags
-    cfg = parse_flags(BenchPrepareConfig, argv, "Benchmark prepare.py with several worker counts.")
+    cfg = cli.parse_flags(BenchPrepareConfig, argv, "Benchmark prepare.py with several worker counts.")
     procs = [int(n) for n in cfg.num_procs.split(",")]
     if cfg.work_dir:
-        from plumbing.files import check_writable
         check_writable(cfg.work_dir, "--work_dir", folder=True)     # a folder (made if need be), writable
         os.makedirs(cfg.work_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cfg.work_dir or None) as work:
@@ -108,5 +108,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing.cli import run_cli
-    run_cli(main)
+    cli.run_cli(main)

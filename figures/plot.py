@@ -41,6 +41,7 @@ cli.stop_at_once(__name__)
 
 import json
 import os
+import pathlib
 import re
 import sys
 from dataclasses import dataclass
@@ -248,11 +249,6 @@ STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1, 1, 
 NAMES = ["sddlm", "sddlm_v1", "sddlm_v2", "duo", "ar", "naive", "duo_lean"]
 
 
-def _style(i):
-    marker, dash = STYLES[i % len(STYLES)]
-    return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{i % 10}")
-
-
 def _styles(labels):
     """One style per curve label: an objective's own (NAMES) where the figure has one curve of it, else a style
     no other curve of the figure uses (a second run of an objective, at another ε, stays distinguishable)."""
@@ -264,7 +260,8 @@ def _styles(labels):
             k = min(j for j in range(len(NAMES) + len(labels) + 1)
                     if j not in used and (j >= len(NAMES) or NAMES[j] not in names))
         used.add(k)
-        out.append(_style(k))
+        marker, dash = STYLES[k % len(STYLES)]
+        out.append(dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{k % 10}"))
     return out
 
 
@@ -302,15 +299,6 @@ def figure_names(curves, gen, bench):
              "gen_ppl_vs_steps.png": any(isinstance(r["steps"], int) for r in gen),
              "time_memory.png": bench is not None}
     return [name for name, wanted in drawn.items() if wanted]
-
-
-def refuse_existing(paths):
-    """Before anything is written: an output file that exists is replaced only with --overwrite 1."""
-    there = [p for p in paths if os.path.lexists(p)]
-    if there:
-        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
-        raise UsageError(f"{shown} exist{'s' if len(there) == 1 else ''} already; give --overwrite 1 to replace "
-                         f"{'it' if len(there) == 1 else 'them'}, or another --out_dir / --table")
 
 
 def _band(ax, band, style, lo, hi):
@@ -488,32 +476,26 @@ def tables(gen, nelbo, steps):
             picked[r["ckpt"]] = r
     if not picked:
         raise UsageError(f"--table: no Gen PPL evaluation at {steps or 'any number of'} sampling steps")
-    ppl = lambda r: _fmt(nelbo.get(r["ckpt"], {}).get("ppl"), ".1f", nelbo.get(r["ckpt"], {}).get("ppl_se"))
+    nelbo_of = lambda r: nelbo.get(r["ckpt"], {})
+    metrics = lambda r: (f"{_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
+                         f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | "
+                         f"{_fmt(nelbo_of(r).get('ppl'), '.1f', nelbo_of(r).get('ppl_se'))}")
     lines = ["| model | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint (step) | judge | sampler | samples "
              "| seed |",
              "|---|---:|---:|---:|---|---|---|---:|---:|"]
-    for r in picked.values():
-        if "ε=" in r["label"]:          # the ε sweep's models: in the sweep table below
-            continue
-        lines.append(f"| {r['label']} | {_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
-                     f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | {ppl(r)} "
-                     f"| `{r['ckpt']}` ({r['ckpt_step']}) | `{r['judge']}` | ancestral, {r['steps']} steps, final "
-                     f"{r['final_step']}, top-p {r['top_p']} | {r['samples']} | {r['seed']} |")
-    out = "\n".join(lines) + "\n"
+    lines += [f"| {r['label']} | {metrics(r)} | `{r['ckpt']}` ({r['ckpt_step']}) | `{r['judge']}` | ancestral, "
+              f"{r['steps']} steps, final {r['final_step']}, top-p {r['top_p']} | {r['samples']} | {r['seed']} |"
+              for r in picked.values() if "ε=" not in r["label"]]      # the ε sweep's models: in its table below
     sweep = {}
     for r in picked.values():
-        cfg = run_config(os.path.dirname(r["ckpt"])) if not r["ckpt"].startswith("duo:") else {}
-        if cfg.get("loss") in ("sddlm_v1", "sddlm_v2"):
-            sweep.setdefault(cfg["loss"], []).append((cfg.get("eps", losses.EPS), r))
-    if any(len({e for e, _ in v}) > 1 for v in sweep.values()):
-        out += ("\n| objective | ε | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint |\n"
-                "|---|---:|---:|---:|---:|---|\n")
-        for loss, items in sweep.items():
-            for eps, r in sorted(items, key=lambda x: x[0]):
-                out += (f"| {loss} | {eps:g} | {_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
-                        f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | {ppl(r)} "
-                        f"| `{r['ckpt']}` |\n")
-    return out
+        if r["loss"] in ("sddlm_v1", "sddlm_v2"):
+            sweep.setdefault(r["loss"], []).append(r)
+    if any(len({r["eps"] for r in rows}) > 1 for rows in sweep.values()):
+        lines += ["", "| objective | ε | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint |",
+                  "|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {loss} | {r['eps']:g} | {metrics(r)} | `{r['ckpt']}` |"
+                  for loss, rows in sweep.items() for r in sorted(rows, key=lambda r: r["eps"])]
+    return "\n".join(lines) + "\n"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -532,17 +514,18 @@ def main(argv=None):
     bench = _read_json(cfg.bench) if cfg.bench else None
     if bench is not None and not (isinstance(bench, dict) and isinstance(bench.get("losses"), dict)):
         raise UsageError(f"--bench {cfg.bench}: not a bench/bench.py --json 1 output")
-    written = []
     outputs = [os.path.join(cfg.out_dir, name) for name in figure_names(curves, gen, bench)]
     table = [cfg.table] if cfg.table not in ("", "-") else []
     check_outputs({"--out_dir": outputs, "--table": table}, script="figures/plot.py")   # replaces only its own
-    if not cfg.overwrite:                # so the one left to refuse here is a file --overwrite 1 would replace
-        refuse_existing(outputs + table)
+    there = [p for p in outputs + table if os.path.lexists(p)]     # so what is left to refuse before anything is
+    if there and not cfg.overwrite:                                # written is a file --overwrite 1 would replace
+        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        raise UsageError(f"{shown} exist{'s' if len(there) == 1 else ''} already; give --overwrite 1 to replace "
+                         f"{'it' if len(there) == 1 else 'them'}, or another --out_dir / --table")
     if outputs:
         _pyplot()                        # without matplotlib: its one line, before a folder is made
         os.makedirs(cfg.out_dir, exist_ok=True)
-    if curves:
-        written += plot_training(curves, cfg)
+    written = plot_training(curves, cfg) if curves else []
     if gen:
         written.append(plot_gen_ppl_vs_steps(gen, cfg))
     if bench is not None:
@@ -553,10 +536,8 @@ def main(argv=None):
         text = tables(gen, nelbo, cfg.table_steps)
         print(text)
         if cfg.table != "-":
-            def write(tmp):
-                with open(tmp, "w") as f:
-                    f.write(text_mark("figures/plot.py") + "\n" + text)
-            save_atomic(cfg.table, write)
+            marked = text_mark("figures/plot.py") + "\n" + text
+            save_atomic(cfg.table, lambda tmp: pathlib.Path(tmp).write_text(marked))
     return 0
 
 
