@@ -45,6 +45,7 @@ from diffusion import OBJECTIVES, loss_terms, token_mean
 from plumbing.distributed import Env, check_threads, omp_threads
 from plumbing.memory import check_training_memory, cuda_allocator_env
 from plumbing.run import Run
+from sample import Psi, check_sample_size, generate, generate_long, long_windows
 from train import TRAIN_PRESETS, TrainConfig, make_optimizer, model_config_for, train_step
 
 ALL_LOSSES = ",".join(OBJECTIVES)
@@ -405,7 +406,6 @@ def sampler_model(cfg, mcfg, device):
 def bench_sampler(cfg, mcfg, device, dtype, L):
     """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch, on a model
     of its own, in interleaved rounds. -> dict."""
-    from sample import Psi, generate
     raw, model = sampler_model(cfg, mcfg, device)
     B, V, steps = cfg.batch_size, raw.config.vocab_size, cfg.sample_steps
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -441,7 +441,6 @@ def bench_sampler(cfg, mcfg, device, dtype, L):
 def bench_long(cfg, mcfg, device, dtype, L):
     """sample.generate_long to long_blocks x L tokens at strides L, L/2, L/4 vs one block of sample.generate, on a
     model of its own: median time per generated token, interleaved rounds. -> dict."""
-    from sample import generate, generate_long, long_windows
     raw, model = sampler_model(cfg, mcfg, device)
     B, V, n = cfg.batch_size, raw.config.vocab_size, cfg.long_blocks * L
     strides = sorted({L, max(1, L // 2), max(1, L // 4)}, reverse=True)
@@ -513,7 +512,6 @@ def run(cfg, show=lambda out, table: None):
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.sample_steps and cfg.long_blocks:        # the long samples' length, at the start (not after the rows)
-        from sample import check_sample_size
         L = configs_for(cfg, row_names(cfg)[0])[1].block_size
         check_sample_size(cfg.batch_size, cfg.long_blocks * L, device, ("--batch_size", "--long_blocks x L"))
     names = row_names(cfg)

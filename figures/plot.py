@@ -435,11 +435,9 @@ def plot_gen_ppl_vs_steps(gen, cfg):
 
 def plot_time_memory(bench, cfg):
     """Fig. time: step time and memory per objective (bars) from bench/bench.py --json 1 -> written path."""
-    plt = _pyplot()
-    names = list(bench["losses"])
-    res = bench["losses"]
-    cuda = bench.get("cuda", False)
-    mem_key, mem_label = (("peak_mem_bytes", "peak memory (MiB)") if cuda else
+    plt, res = _pyplot(), bench["losses"]
+    names = list(res)
+    mem_key, mem_label = (("peak_mem_bytes", "peak memory (MiB)") if bench.get("cuda", False) else
                           ("step_mem_bytes", "memory of the step's tensors (MiB)"))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, values, ylabel in ((axes[0], [res[n]["step_ms"] for n in names], "step time (ms)"),
