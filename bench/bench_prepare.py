@@ -1,18 +1,10 @@
 """
 Benchmark prepare.py: speed and peak memory of one preparation with 1, 2, ... worker processes, side by side.
 
-    python bench/bench_prepare.py                                  # ~100 MB .txt from pydoc, gpt2, L=1024, 1 vs 2 workers
+    python bench/bench_prepare.py                  # ~100 MB .txt from pydoc, gpt2, L=1024, 1 vs 2 workers
     python bench/bench_prepare.py --corpus big.txt --num_procs 1,4,16 --rounds 2
 
-Method. The corpus (unless --corpus names one): Python's help topics as paragraphs, shuffled and repeated
-(seeded) up to --mb megabytes, written once as a .txt. Each run is a fresh `python prepare.py` process
-preparing the corpus into its own folder; the runs alternate over --num_procs for --rounds rounds, so a
-neighbour's load on a shared machine hits every worker count alike, and each count reports its fastest round.
-Columns: seconds (wall, whole command: start-up, scan, tokenization, writing, the final hash), MB/s of corpus
-bytes, speedup over the first count, CPU seconds (user + sys) of the main process (reading, writing, hashing)
-and of all workers together (tokenizing): on a machine busy with other work the wall-time speedup says little,
-the split of CPU time says what N idle cores would give; peak RSS of the main process and of the largest worker
-(getrusage), and whether the bytes written equal those of the first count (sha256 in meta.json).
+The method and the columns: docs/data.md.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):

@@ -11,27 +11,7 @@ several, else beside the first --evals or --bench file), never by default into t
 that exists already is replaced only with --overwrite 1, and only when figures/plot.py wrote it (otherwise one error
 line, and nothing is written).
 
-Figures (PNG; matplotlib, an optional dependency, is imported only to draw them):
-  training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
-  training_entropy.png   sample entropy over training steps              (Fig. entropy_curve_lm1b)
-  training_val_ppl.png   validation NELBO PPL over training steps        (Fig. eppl_curve_lm1b)
-  training_loss.png      the training loss over training steps
-  gen_ppl_vs_steps.png   Gen PPL vs sampling steps, one line per model   (Fig. steps; eval_ppl.py --metric genppl)
-  time_memory.png        training step time and memory per objective     (Fig. time; bench/bench.py)
-A figure whose data are absent is skipped (and said so). The training figures shade the 95% interval the log
-recorded for each point, and a dotted line marks the step after which a run's curriculum ended (the training loss
-jumps there: the task changes). A line is named by its run's objective (config.json next to the run's log or
-checkpoint), with ε when it is not the default, and has its own marker and dashes (curves that coincide stay
-visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated at one step
-count (an ε sweep) get a panel of their own in gen_ppl_vs_steps.png: Gen PPL against ε, with the same objective at
-its default ε, on the same Gen PPL axis. Every Gen PPL figure names its judge in the title by a short label (an AR
-checkpoint's folder and step, a hub name); data scored by different judges are never drawn in one figure. A
-log.jsonl line that is not a whole record (torn by a crash, garbage) is skipped and counted; an input file of the
-wrong shape is refused in one line.
---table writes the rows of Table main_results_metrics (Gen PPL and entropy at --table_steps sampling steps, with the
-NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given; each ± its standard error
-where the evaluation recorded one), each naming its checkpoint, step, judge, sampler settings and seed; models that
-differ only in ε also form an ε-sweep table.
+The figures (each the paper's figure it redraws) and the tables: docs/training.md, "Figures".
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
