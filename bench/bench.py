@@ -3,67 +3,15 @@ Benchmark train.py's training step for every objective, and the ancestral sample
 
     python bench/bench.py                                          # tiny preset, L=128, B=4, CPU float32: ~1 min
     python bench/bench.py --preset tiny --vocab_size 50258         # the vocabulary cost of the NELBO
-    python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1   # paper Fig. (time)
+    python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1
+                                                                   # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
     python bench/bench.py --repeats 5 --warmup 2 --sample_steps 16 --head_chunks 8 --long_blocks 4 --batch_size 8
-                                      # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
+                          # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
     python bench/bench.py --losses sddlm_v1 --profile 1            # where a step, the sampler spend their time
 
-Method. One process, random tokens (no dataset). The step is train.py's: loss_terms (corrupt x0, forward,
-per-token loss) under the run's autocast, token mean, backward, grad clip, AdamW, EMA, with the preset's
-training recipe (TRAIN_PRESETS: lr, dropout, clip, EMA) and the curriculum off. All diffusion losses share
-one model (same architecture, same FLOPs); 'ar' has its causal twin. Steps are interleaved round-robin over
-the losses, `warmup` rounds are dropped, and each loss reports the median of `repeats` rounds, so drifting
-clocks and neighbours on shared machines hit every loss alike. On a shared CPU, --threads 1 avoids OpenMP
-oversubscription (10x slowdowns with 2 threads on 2 busy cores).
-
-Columns:
-  step ms      median wall time of one step (CUDA synchronised before and after)
-  tokens/s     B * L / step time
-  MFU          model FLOPs per step / step time / peak FLOP/s. The peak is MEASURED: the best rate of a large
-               square matmul in the compute dtype (bf16 under autocast, else float32), timed at start and
-               again every round (a neighbour busy at start-up cannot inflate MFU). Model FLOPs:
-                 FLOPs/step = 6 N T + 12 n_layer L d T + 6 d V T,   T = B L tokens,
-               N = the weight matrices the blocks apply to every token (attention qkv/proj, MLP; not the
-               embedding, the output layer, or the per-sequence sigma MLP and adaLN), 12 n_layer L d T the
-               attention scores and values (full L x L, also for 'ar'), 6 d V T the output layer. The loss
-               itself counts 0: what the NELBO spends over (B, L, V) shows up as lower MFU.
-  peak MiB     CUDA only: torch.cuda.max_memory_allocated over one step, reset per loss (weights, gradients,
-               AdamW and EMA state of the table's models included: the diffusion rows share one, 'ar' has its
-               own). 'n/a' on CPU: no allocator statistics to read there.
-  step MiB     the most memory the step's own tensors (activations, logits, loss temporaries, gradients)
-               hold at once above what was allocated before it. CUDA: peak MiB - memory_allocated at the
-               step's start; CPU: one extra profiled step per loss, from the allocation events of
-               torch.profiler(profile_memory=True) (it prints two USDT lines per loss on stderr).
-  act MiB      any device: bytes of the tensors autograd saves for backward (saved_tensors_hooks on an eager
-               forward + loss, storages counted once, parameters excluded; autocast's bf16 weight copies
-               are included). The device-independent part of the memory that the loss changes.
-  x duo        ratio to the 'duo' row (Duo's NELBO computed as Duo does, usdm_nelbo_loss); 'duo_lean' is the
-               same NELBO computed in chunks of rows (usdm_nelbo_loss_lean)
-Rows: the objectives of diffusion.OBJECTIVES (--losses), then '<loss>+curriculum' (--curriculum): the same step
-with Duo's curriculum on (Gaussian latent, top-k soft input), and its step time over the plain one.
-Memory: every table (the training rows, the sampler, the fused head) starts from the same memory, and so does
-every step and measurement of a row after the first round (which makes what the runs keep: AdamW moments,
-compiled graphs): what one allocated is released before the next starts (Rows). On CUDA bench checks that
-torch.cuda.memory_allocated is back where it was after each and prints the result under the tables. A row or
-a measurement that does not fit in memory reads 'n/a (out of memory)', releases what it held, and the tables
-still come out, with what did not fit.
-Sampler: sample.generate (ancestral: float64 per-token mixture weights, two-stage Gumbel-max on block
-log-sum-exps, final ancestral step) vs no-grad forwards of the same model (a fresh one, built with the table) at
-the same batch: overhead = generate
-time / (its forwards x forward time) - 1. The last table puts the curriculum's and the sampler's costs over the
-bare computation side by side, both from this one run.
-The same for the Psi sampler (kappa = 0.9: every step draws the predictor-corrector mixture), timed in the
-same rounds, and its time per step over the ancestral sampler's.
-Fused head (--head_chunks): the output layer fused with sddlm_v1 (kernels/fused_head.py) on the model's B L
-rows cut into that many chunks, forward + backward, with each chunk's logits kept for backward or recomputed
-there: median time, and the FLOPs torch's counter sees over the formula's 2 N d V_pad of one output-layer product
-(N = B L rows; kept: 3 products, recomputed: 4).
-Long generation (--long_blocks): sample.generate_long to n = long_blocks x L tokens at strides L, L/2, L/4 (windows
-of one block, block - stride tokens held) against one block of sample.generate on the same model (a fresh one, as
-the sampler's), same steps and batch, timed in the same rounds: time per generated token over one block's, beside
-what the windows predict (windows x L / n).
+The method (train.py's own step, interleaved rounds, medians), every column and table: docs/testing.md.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -73,6 +21,7 @@ cli.stop_at_once(__name__)
 
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -81,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -88,12 +38,14 @@ import curriculum.gaussian as curriculum
 import diffusion
 import losses
 from kernels.fused_head import HEADS, Head
-from plumbing.cli import OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags, resolve_device, resolve_dtype, run_cli
+from plumbing.cli import (OutOfMemory, UsageError, autocast_for, is_out_of_memory, oom_summary, parse_flags,
+                          resolve_device, resolve_dtype, run_cli)
 from model import PRESETS, build_model
 from diffusion import OBJECTIVES, loss_terms, token_mean
 from plumbing.distributed import Env, check_threads, omp_threads
 from plumbing.memory import check_training_memory, cuda_allocator_env
 from plumbing.run import Run
+from sample import Psi, check_sample_size, generate, generate_long, long_windows
 from train import TRAIN_PRESETS, TrainConfig, make_optimizer, model_config_for, train_step
 
 ALL_LOSSES = ",".join(OBJECTIVES)
@@ -117,7 +69,8 @@ class BenchConfig:
     vocab_multiple: int = 0         # pad the output layer to a multiple of this; 0 = the preset's
     sample_steps: int = 4           # reverse steps of the sampler benchmark (0 = skip it)
     threads: int = 1                # CPU threads for torch (0 = torch's default, every core: 10x slower on busy ones)
-    head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused | fused_recompute
+    head: str = "auto"              # the steps' output layer, as train.py --head: auto | plain | fused
+                                    # | fused_recompute
     head_chunks: int = 4            # the fused head's rows in this many chunks: kept vs recomputed logits (0 = skip)
     long_blocks: int = 2            # long generation: samples of this many blocks at strides L, L/2, L/4 (0 = skip)
     profile: bool = False           # also profile one more step of each row (torch.profiler): its ops by self time
@@ -156,18 +109,17 @@ def parse_args(argv=None):
 def train_config_for(cfg, loss, curriculum=False):
     """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes, with Duo's
     curriculum on for every step (curriculum=True) or off."""
-    model = PRESETS[cfg.preset]
     return TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset, "loss": loss,
-                          "block_size": cfg.block_size or model["block_size"], "batch_size": cfg.batch_size,
-                          "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-                          "vocab_multiple": cfg.vocab_multiple, "curriculum_iters": 10 ** 9 if curriculum else 0,
-                          "seed": cfg.seed, "compile": cfg.compile, "head": cfg.head})
+                          "block_size": cfg.block_size or PRESETS[cfg.preset]["block_size"],
+                          "batch_size": cfg.batch_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                          "n_embd": cfg.n_embd, "vocab_multiple": cfg.vocab_multiple,
+                          "curriculum_iters": 10 ** 9 if curriculum else 0, "seed": cfg.seed, "compile": cfg.compile,
+                          "head": cfg.head})
 
 
 def profile_table(fn, device, rows=25):
     """torch.profiler over fn(): its ops and kernels by self time on the device (CUDA; CPU: on the CPU), as the
     profiler's own table of the first `rows`."""
-    from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
@@ -179,16 +131,11 @@ def profile_table(fn, device, rows=25):
 def cpu_step_peak_bytes(fn):
     """Most bytes that tensors allocated inside fn() hold at once, from the profiler's CPU allocation events
     (frees of tensors made before fn are not seen, so this can only overstate by what fn frees early)."""
-    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    held = peak = 0
-    for _, nbytes in events:
-        held += nbytes
-        peak = max(peak, held)
-    return peak
+    return max([0, *itertools.accumulate(nbytes for _, nbytes in events)])    # the most held at once
 
 
 def saved_activation_bytes(fn, params):
@@ -208,8 +155,7 @@ def saved_activation_bytes(fn, params):
         raise RuntimeError("bench: a graph built by saved_activation_bytes cannot run backward")
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = fn()
-    del out
+        fn()
     return sum(s.nbytes() for s in kept.values())
 
 
@@ -270,7 +216,7 @@ class Rows:
 # FLOPs and the device's peak
 
 def model_flops_per_step(model, batch_size, block_size):
-    """6 N T + 12 n_layer L d T + 6 d V T (see the module docstring)."""
+    """6 N T + 12 n_layer L d T + 6 d V T (docs/testing.md: MFU)."""
     c = model.config
     n = sum(p.numel() for name, p in model.blocks.named_parameters() if p.dim() == 2 and "adaLN" not in name)
     T, L, d = batch_size * block_size, block_size, c.n_embd
@@ -280,6 +226,21 @@ def model_flops_per_step(model, batch_size, block_size):
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_rounds(cfg, device, fns):
+    """fns {name: fn} run round-robin for cfg.warmup + cfg.repeats rounds -> {name: median seconds over the rounds
+    after the warm-up}."""
+    times = {name: [] for name in fns}
+    for round_ in range(cfg.warmup + cfg.repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            if round_ >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 PEAK_MATMUL_N = {"cuda": 8192, "cpu": 1024}
@@ -428,93 +389,72 @@ def bench_training(cfg, device, dtype, rows):
                                             if value is None])
     ratio = lambda r, ref, k: r[k] / ref[k] if ref is not None and r[k] and ref[k] else None
     for name, r in results.items():
-        ref = results.get("duo")
-        r["step_vs_duo"] = ratio(r, ref, "step_ms")
-        r["peak_vs_duo"] = ratio(r, ref, "peak_mem_bytes")
-        r["step_mem_vs_duo"] = ratio(r, ref, "step_mem_bytes")
-        r["act_vs_duo"] = ratio(r, ref, "act_bytes")
-        r["step_vs_sddlm"] = ratio(r, results.get("sddlm"), "step_ms")
-        r["step_vs_plain"] = ratio(r, results.get(name.removesuffix(CURRICULUM)), "step_ms")
+        r.update({f"{what}_vs_duo": ratio(r, results.get("duo"), k) for what, k in (
+            ("step", "step_ms"), ("peak", "peak_mem_bytes"), ("step_mem", "step_mem_bytes"), ("act", "act_bytes"))},
+                 step_vs_sddlm=ratio(r, results.get("sddlm"), "step_ms"),
+                 step_vs_plain=ratio(r, results.get(name.removesuffix(CURRICULUM)), "step_ms"))
     return results, model, configs_for(cfg, names[0])[0].block_size, peak_flops
+
+
+def sampler_model(cfg, mcfg, device):
+    """A model of the sampler tables' own (mcfg; compiled with --compile) -> (the model, the one to call)."""
+    torch.manual_seed(cfg.seed)
+    raw = build_model(mcfg).to(device).eval()
+    return raw, torch.compile(raw) if cfg.compile else raw
 
 
 def bench_sampler(cfg, mcfg, device, dtype, L):
     """sample.generate per reverse step (ancestral, then Psi) vs one no-grad forward of the same batch, on a model
-    of its own (mcfg; compiled with --compile). -> dict."""
-    from sample import Psi, generate
-    torch.manual_seed(cfg.seed)
-    raw = build_model(mcfg).to(device).eval()
-    model = torch.compile(raw) if cfg.compile else raw
-    B, V = cfg.batch_size, raw.config.vocab_size
-    calls = [0]
-    hook = raw.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    of its own, in interleaved rounds. -> dict."""
+    raw, model = sampler_model(cfg, mcfg, device)
+    B, V, steps = cfg.batch_size, raw.config.vocab_size, cfg.sample_steps
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randint(0, V, (B, L), device=device, generator=gen)
     sigma = torch.full((B,), 0.5, device=device)
-    fwd, gen_time, psi_time, nfe = [], [], [], 0
+    sample = lambda **psi: generate(model, B, L, V, steps, generator=gen, device=device, dtype=dtype,
+                                    show_progress=False, **psi)
+    calls, nfe = [], [0]
+    hook = raw.register_forward_hook(lambda *_: calls.append(1))
+
+    def forwards():
+        with torch.no_grad(), autocast_for(device, dtype):
+            for _ in range(steps):
+                model(x, sigma)
+
+    def ancestral():                    # its forwards counted: the sampler's NFE
+        calls.clear()
+        sample()
+        nfe[0] = len(calls)
     try:
-        for round_ in range(cfg.warmup + cfg.repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
-            with torch.no_grad(), autocast_for(device, dtype):
-                for _ in range(cfg.sample_steps):
-                    model(x, sigma)
-            synchronize(device)
-            t1 = time.perf_counter()
-            calls[0] = 0
-            generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device, dtype=dtype,
-                     show_progress=False)
-            synchronize(device)
-            t2 = time.perf_counter()
-            nfe = calls[0]
-            generate(model, B, L, V, cfg.sample_steps, psi=Psi(("eta",), (0.9,)), generator=gen, device=device,
-                     dtype=dtype, show_progress=False)
-            synchronize(device)
-            t3 = time.perf_counter()
-            if round_ >= cfg.warmup:
-                fwd.append((t1 - t0) / cfg.sample_steps)
-                gen_time.append(t2 - t1)
-                psi_time.append(t3 - t2)
-        profiled = profile_table(lambda: generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device,
-                                                  dtype=dtype, show_progress=False), device) if cfg.profile else None
+        t = timed_rounds(cfg, device, dict(forward=forwards, ancestral=ancestral,
+                                           psi=lambda: sample(psi=Psi(("eta",), (0.9,)))))
+        profiled = profile_table(sample, device) if cfg.profile else None
     finally:
         hook.remove()
-    forward_s, generate_s, psi_s = statistics.median(fwd), statistics.median(gen_time), statistics.median(psi_time)
-    return dict(steps=cfg.sample_steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s,
-                profile=profiled,
-                ms_per_step=1e3 * generate_s / cfg.sample_steps, overhead=generate_s / (nfe * forward_s) - 1,
-                psi_ms_per_step=1e3 * psi_s / cfg.sample_steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
+    forward_s, generate_s, psi_s, nfe = t["forward"] / steps, t["ancestral"], t["psi"], nfe[0]
+    return dict(steps=steps, nfe=nfe, forward_ms=1e3 * forward_s, generate_ms=1e3 * generate_s, profile=profiled,
+                ms_per_step=1e3 * generate_s / steps, overhead=generate_s / (nfe * forward_s) - 1,
+                psi_ms_per_step=1e3 * psi_s / steps, psi_overhead=psi_s / (nfe * forward_s) - 1,
                 psi_vs_ancestral=psi_s / generate_s)
 
 
 def bench_long(cfg, mcfg, device, dtype, L):
     """sample.generate_long to long_blocks x L tokens at strides L, L/2, L/4 vs one block of sample.generate, on a
-    model of its own (mcfg; compiled with --compile): median time per generated token, interleaved rounds. -> dict."""
-    from sample import generate, generate_long, long_windows
-    torch.manual_seed(cfg.seed)
-    raw = build_model(mcfg).to(device).eval()
-    model = torch.compile(raw) if cfg.compile else raw
+    model of its own: median time per generated token, interleaved rounds. -> dict."""
+    raw, model = sampler_model(cfg, mcfg, device)
     B, V, n = cfg.batch_size, raw.config.vocab_size, cfg.long_blocks * L
     strides = sorted({L, max(1, L // 2), max(1, L // 4)}, reverse=True)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    times = {s: [] for s in [0, *strides]}             # 0: one block of the one-block sampler
-    for round_ in range(cfg.warmup + cfg.repeats):
-        for s in times:
-            synchronize(device)
-            t0 = time.perf_counter()
-            if s == 0:
-                generate(model, B, L, V, cfg.sample_steps, generator=gen, device=device, dtype=dtype, show_progress=False)
-            else:
-                generate_long(model, B, n, V, cfg.sample_steps, block_size=L, stride=s, generator=gen, device=device,
-                              dtype=dtype, show_progress=False)
-            synchronize(device)
-            if round_ >= cfg.warmup:
-                times[s].append(time.perf_counter() - t0)
-    block_ms = 1e3 * statistics.median(times[0]) / L
+    kw = dict(generator=torch.Generator(device=device).manual_seed(cfg.seed), device=device, dtype=dtype,
+              show_progress=False)
+    fns = {0: lambda: generate(model, B, L, V, cfg.sample_steps, **kw)}     # 0: one block of the one-block sampler
+    fns.update({s: lambda s=s: generate_long(model, B, n, V, cfg.sample_steps, block_size=L, stride=s, **kw)
+                for s in strides})
+    times = timed_rounds(cfg, device, fns)
+    block_ms = 1e3 * times[0] / L
     rows = []
     for s in strides:
         windows = len(long_windows(0, n, L, s))
-        ms = 1e3 * statistics.median(times[s]) / n
+        ms = 1e3 * times[s] / n
         rows.append(dict(stride=s, windows=windows, ms_per_token=ms, vs_block=ms / block_ms, predicted=windows * L / n))
     return dict(seq_len=n, steps=cfg.sample_steps, block_ms_per_token=block_ms, rows=rows)
 
@@ -540,18 +480,9 @@ def bench_head(cfg, mc, device, dtype, L):
         with FlopCounterMode(display=False) as counter:
             step(keep)
         flops[name] = counter.get_total_flops()
-    times = {name: [] for name in kinds}
-    for round_ in range(cfg.warmup + cfg.repeats):
-        for name, keep in kinds.items():
-            synchronize(device)
-            t0 = time.perf_counter()
-            step(keep)
-            synchronize(device)
-            if round_ >= cfg.warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = timed_rounds(cfg, device, {name: lambda keep=keep: step(keep) for name, keep in kinds.items()})
     product = 2 * B * L * d * V_pad
-    out = {name: dict(ms=1e3 * statistics.median(times[name]), flops=flops[name], products=flops[name] / product)
-           for name in kinds}
+    out = {name: dict(ms=1e3 * times[name], flops=flops[name], products=flops[name] / product) for name in kinds}
     return dict(rows=B * L, d=d, padded_vocab_size=V_pad, chunks=-(-B * L // (chunk_elems // V_pad)),
                 product_flops=product, kept_vs_recomputed=out["kept"]["ms"] / out["recomputed"]["ms"], **out)
 
@@ -581,7 +512,6 @@ def run(cfg, show=lambda out, table: None):
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.sample_steps and cfg.long_blocks:        # the long samples' length, at the start (not after the rows)
-        from sample import check_sample_size
         L = configs_for(cfg, row_names(cfg)[0])[1].block_size
         check_sample_size(cfg.batch_size, cfg.long_blocks * L, device, ("--batch_size", "--long_blocks x L"))
     names = row_names(cfg)
@@ -630,7 +560,8 @@ def fmt(x, spec, none="n/a"):
 def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
     """The tables of `parts` (each table as it finishes: main), "footer" the lines that follow them all."""
     m, cfg = out["model"], out["bench_config"]
-    padded = f" (output layer {m['padded_vocab_size']})" if m.get("padded_vocab_size", m["vocab_size"]) != m["vocab_size"] else ""
+    padded = m.get("padded_vocab_size", m["vocab_size"])
+    padded = f" (output layer {padded})" if padded != m["vocab_size"] else ""
     lines = [] if "losses" not in parts else [
         f"### bench/bench.py: preset {cfg['preset']} ({m['arch']}, {m['n_layer']} layers, d={m['n_embd']}, "
         f"V={m['vocab_size']}{padded}, {m['params'] / 1e6:.2f}M params), L={out['block_size']}, B={cfg['batch_size']}, "
@@ -651,23 +582,22 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
         na = lambda *what: lost if set(what) & set(r.get("out_of_memory", ())) else "n/a"
         lines.append(f"| {name} | {fmt(r['step_ms'], '.1f', na('model', 'step'))} | {fmt(r['tokens_per_s'], ',.0f')} "
                      f"| {fmt(pct(r['mfu']), '.1f')}{'%' if r['mfu'] is not None else ''} "
-                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} | {fmt(mib(r['step_mem_bytes']), ',.1f', na('step MiB'))} "
+                     f"| {fmt(mib(r['peak_mem_bytes']), ',.0f')} "
+                     f"| {fmt(mib(r['step_mem_bytes']), ',.1f', na('step MiB'))} "
                      f"| {fmt(mib(r['act_bytes']), ',.1f', na('act'))} | {fmt(r['step_vs_duo'], '.2f')} "
-                     f"| {fmt(r['peak_vs_duo'], '.2f')} | {fmt(r['step_mem_vs_duo'], '.2f')} | {fmt(r['act_vs_duo'], '.2f')} |")
+                     f"| {fmt(r['peak_vs_duo'], '.2f')} | {fmt(r['step_mem_vs_duo'], '.2f')} "
+                     f"| {fmt(r['act_vs_duo'], '.2f')} |")
     oom = out.get("out_of_memory") or {}
-    s, shown = out["sampler"], out["sampler"] if "sampler" in parts else None
+    s, h, g = out["sampler"], out.get("head"), out.get("long")
     if "sampler" in parts and (s is not None or "sampler" in oom):
         lines += ["", "| sampler | steps | NFE | ms / step | forward ms | overhead |", "|---|---:|---:|---:|---:|---:|"]
-    if shown is not None:
-        lines += [f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
-                  f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
-                  f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
-                  f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
-                  "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
-    elif "sampler" in parts and "sampler" in oom:
-        lines.append(f"| sample.generate | {lost} | n/a | n/a | n/a | n/a |")
-    h = out.get("head") if "head" in parts else None
-    if h is not None:
+        lines += [f"| sample.generate | {lost} | n/a | n/a | n/a | n/a |"] if s is None else [
+            f"| sample.generate (ancestral) | {s['steps']} | {s['nfe']} | {s['ms_per_step']:.1f} "
+            f"| {s['forward_ms']:.1f} | {100 * s['overhead']:+.1f}% |",
+            f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
+            f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
+            "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
+    if "head" in parts and h is not None:
         lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
                       f"{h['chunks']} chunks, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|"]
@@ -678,18 +608,15 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
     elif "head" in parts and "fused head" in oom:
         lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
-    g, long = out.get("long"), "long" in parts and "long generation" in oom
-    if "long" in parts and g is not None or long:
+    if "long" in parts and (g is not None or "long generation" in oom):
         title = "long generation" if g is None else \
             f"long generation, {g['seq_len']} tokens, {g['steps']} steps a window"
         lines += ["", f"| {title} | stride | windows | ms / token | x one block | windows x L / n |",
                   "|---|---:|---:|---:|---:|---:|"]
-    if "long" in parts and g is not None:
-        lines += [f"| sample.generate, one block | - | 1 | {g['block_ms_per_token']:.2f} | 1.000 | 1.000 |"]
-        lines += [f"| sample.generate_long | {r['stride']} | {r['windows']} | {r['ms_per_token']:.2f} "
-                  f"| {r['vs_block']:.3f} | {r['predicted']:.3f} |" for r in g["rows"]]
-    elif long:
-        lines.append(f"| sample.generate_long | {lost} | n/a | n/a | n/a | n/a |")
+        lines += [f"| sample.generate_long | {lost} | n/a | n/a | n/a | n/a |"] if g is None else [
+            f"| sample.generate, one block | - | 1 | {g['block_ms_per_token']:.2f} | 1.000 | 1.000 |",
+            *(f"| sample.generate_long | {r['stride']} | {r['windows']} | {r['ms_per_token']:.2f} "
+              f"| {r['vs_block']:.3f} | {r['predicted']:.3f} |" for r in g["rows"])]
     if "footer" not in parts:
         return "\n".join(lines)
     costs = [(f"{name} step / {name.removesuffix(CURRICULUM)} step", fmt(r["step_vs_plain"], ".3f"))

@@ -1,18 +1,10 @@
 """
 Benchmark prepare.py: speed and peak memory of one preparation with 1, 2, ... worker processes, side by side.
 
-    python bench/bench_prepare.py                                  # ~100 MB .txt from pydoc, gpt2, L=1024, 1 vs 2 workers
+    python bench/bench_prepare.py                  # ~100 MB .txt from pydoc, gpt2, L=1024, 1 vs 2 workers
     python bench/bench_prepare.py --corpus big.txt --num_procs 1,4,16 --rounds 2
 
-Method. The corpus (unless --corpus names one): Python's help topics as paragraphs, shuffled and repeated
-(seeded) up to --mb megabytes, written once as a .txt. Each run is a fresh `python prepare.py` process
-preparing the corpus into its own folder; the runs alternate over --num_procs for --rounds rounds, so a
-neighbour's load on a shared machine hits every worker count alike, and each count reports its fastest round.
-Columns: seconds (wall, whole command: start-up, scan, tokenization, writing, the final hash), MB/s of corpus
-bytes, speedup over the first count, CPU seconds (user + sys) of the main process (reading, writing, hashing)
-and of all workers together (tokenizing): on a machine busy with other work the wall-time speedup says little,
-the split of CPU time says what N idle cores would give; peak RSS of the main process and of the largest worker
-(getrusage), and whether the bytes written equal those of the first count (sha256 in meta.json).
+The method and the columns: docs/data.md.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -28,6 +20,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from plumbing.files import check_writable
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 # the child: run prepare.py's main, then report its own and its reaped workers' peak RSS (KiB on Linux)
@@ -76,11 +70,9 @@ def run_once(cfg, corpus, num_proc, out):
 
 
 def main(argv=None):
-    from plumbing.cli import parse_flags
-    cfg = parse_flags(BenchPrepareConfig, argv, "Benchmark prepare.py with several worker counts.")
+    cfg = cli.parse_flags(BenchPrepareConfig, argv, "Benchmark prepare.py with several worker counts.")
     procs = [int(n) for n in cfg.num_procs.split(",")]
     if cfg.work_dir:
-        from plumbing.files import check_writable
         check_writable(cfg.work_dir, "--work_dir", folder=True)     # a folder (made if need be), writable
         os.makedirs(cfg.work_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cfg.work_dir or None) as work:
@@ -108,5 +100,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing.cli import run_cli
-    run_cli(main)
+    cli.run_cli(main)

@@ -11,27 +11,7 @@ several, else beside the first --evals or --bench file), never by default into t
 that exists already is replaced only with --overwrite 1, and only when figures/plot.py wrote it (otherwise one error
 line, and nothing is written).
 
-Figures (PNG; matplotlib, an optional dependency, is imported only to draw them):
-  training_gen_ppl.png   Gen PPL over training steps, one line per run   (Fig. ppl_curve_lm1b; train.py --gen_interval)
-  training_entropy.png   sample entropy over training steps              (Fig. entropy_curve_lm1b)
-  training_val_ppl.png   validation NELBO PPL over training steps        (Fig. eppl_curve_lm1b)
-  training_loss.png      the training loss over training steps
-  gen_ppl_vs_steps.png   Gen PPL vs sampling steps, one line per model   (Fig. steps; eval_ppl.py --metric genppl)
-  time_memory.png        training step time and memory per objective     (Fig. time; bench/bench.py)
-A figure whose data are absent is skipped (and said so). The training
-figures shade the 95% interval the log recorded for each point, and a dotted line marks the step after which a run's
-curriculum ended (the training loss jumps there: the task changes). A line is named by its run's objective
-(config.json next to the run's log or checkpoint), with ε when it is not the default, and has its own marker and
-dashes (curves that coincide stay visible); a model evaluated at one step count only says so in the legend, and V1/V2 models evaluated
-at one step count (an ε sweep) get a panel of their own in gen_ppl_vs_steps.png: Gen PPL against ε, with the
-same objective at its default ε, on the same Gen PPL axis. Every Gen PPL figure names
-its judge in the title by a short label (an AR checkpoint's folder and step, a hub name); data scored by different
-judges are never drawn in one figure. A log.jsonl line that is not a whole record (torn by a crash, garbage) is
-skipped and counted; an input file of the wrong shape is refused in one line.
---table writes the rows of Table main_results_metrics (Gen PPL and entropy at --table_steps sampling steps, with
-the NELBO PPL of the same checkpoint when an eval_ppl.py --metric nelbo JSON for it is given; each ± its standard
-error where the evaluation recorded one), each naming its
-checkpoint, step, judge, sampler settings and seed; models that differ only in ε also form an ε-sweep table.
+The figures (each the paper's figure it redraws) and the tables: docs/training.md, "Figures".
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -41,6 +21,7 @@ cli.stop_at_once(__name__)
 
 import json
 import os
+import pathlib
 import re
 import sys
 from dataclasses import dataclass
@@ -139,8 +120,8 @@ def training_curves(folder):
         curves["curriculum_end"] = config["curriculum_iters"]
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
-        print(f"figures/plot.py: {path}: skipped {len(skipped)} unreadable line(s) (torn by a crash, or not a log record): "
-              f"line {shown}", file=sys.stderr)
+        print(f"figures/plot.py: {path}: skipped {len(skipped)} unreadable line(s) (torn by a crash, or not a log "
+              f"record): line {shown}", file=sys.stderr)
     return curves
 
 
@@ -197,8 +178,8 @@ def eval_rows(paths):
             nelbo[ckpt] = e["results"][0]
             continue
         for r in e["results"]:
-            gen.append(dict(r, label=label, ckpt=ckpt, ckpt_step=r.get("ckpt_step", e.get("ckpt_step")), seed=cfg.get("seed"),
-                            final_step=cfg.get("final_step"), top_p=cfg.get("top_p"), file=path,
+            gen.append(dict(r, label=label, ckpt=ckpt, ckpt_step=r.get("ckpt_step", e.get("ckpt_step")),
+                            seed=cfg.get("seed"), final_step=cfg.get("final_step"), top_p=cfg.get("top_p"), file=path,
                             loss=train_config.get("loss"), eps=train_config.get("eps", losses.EPS)))
     return gen, nelbo
 
@@ -231,8 +212,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UsageError("figures/plot.py needs matplotlib for figures (pip install matplotlib); --table works without it") \
-            from None
+        raise UsageError("figures/plot.py needs matplotlib for figures (pip install matplotlib); --table works "
+                         "without it") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -244,18 +225,8 @@ STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1, 1, 
           ("X", (0, (1, 1))), ("*", (0, (3, 1, 1, 1, 1, 1)))]
 
 
-def _ticker():
-    import matplotlib.ticker
-    return matplotlib.ticker
-
-
 # the objectives' own order (train.py's --loss names): an objective keeps its colour and marker in every figure
 NAMES = ["sddlm", "sddlm_v1", "sddlm_v2", "duo", "ar", "naive", "duo_lean"]
-
-
-def _style(i):
-    marker, dash = STYLES[i % len(STYLES)]
-    return dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{i % 10}")
 
 
 def _styles(labels):
@@ -269,7 +240,8 @@ def _styles(labels):
             k = min(j for j in range(len(NAMES) + len(labels) + 1)
                     if j not in used and (j >= len(NAMES) or NAMES[j] not in names))
         used.add(k)
-        out.append(_style(k))
+        marker, dash = STYLES[k % len(STYLES)]
+        out.append(dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{k % 10}"))
     return out
 
 
@@ -282,6 +254,7 @@ def _save(fig, out_dir, name, dpi):
     path = os.path.join(out_dir, name)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi, metadata={"Software": f"{PNG_SOFTWARE} figures/plot.py"})   # ours: --overwrite 1
+    _pyplot().close(fig)
     return path
 
 
@@ -300,30 +273,15 @@ def default_out_dir(cfg):
 
 def figure_names(curves, gen, bench):
     """The PNG files this call will write (as plot_training, plot_gen_ppl_vs_steps, plot_time_memory decide)."""
-    names = []
-    if any(c["gen"] for c in curves):
-        names += ["training_gen_ppl.png", "training_entropy.png"]
-    if any(c["val"] for c in curves):
-        names.append("training_val_ppl.png")
-    if any(c["loss"] for c in curves):
-        names.append("training_loss.png")
-    if any(isinstance(r["steps"], int) for r in gen):
-        names.append("gen_ppl_vs_steps.png")
-    if bench is not None:
-        names.append("time_memory.png")
-    return names
+    gen_curves = any(c["gen"] for c in curves)
+    drawn = {"training_gen_ppl.png": gen_curves, "training_entropy.png": gen_curves,
+             "training_val_ppl.png": any(c["val"] for c in curves), "training_loss.png": any(c["loss"] for c in curves),
+             "gen_ppl_vs_steps.png": any(isinstance(r["steps"], int) for r in gen),
+             "time_memory.png": bench is not None}
+    return [name for name, wanted in drawn.items() if wanted]
 
 
-def refuse_existing(paths):
-    """Before anything is written: an output file that exists is replaced only with --overwrite 1."""
-    there = [p for p in paths if os.path.lexists(p)]
-    if there:
-        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
-        raise UsageError(f"{shown} exist{'s' if len(there) == 1 else ''} already; give --overwrite 1 to replace "
-                         f"{'it' if len(there) == 1 else 'them'}, or another --out_dir / --table")
-
-
-def _band(ax, band, style, lo=1, hi=2):
+def _band(ax, band, style, lo, hi):
     """The 95% interval of a curve's points as a shaded band in the curve's colour (points without one: none)."""
     if band:
         ax.fill_between([b[0] for b in band], [b[lo] for b in band], [b[hi] for b in band], color=style["color"],
@@ -346,6 +304,7 @@ def plot_training(curves, cfg):
     """Figs. ppl_curve_lm1b, entropy_curve_lm1b and eppl_curve_lm1b from run folders, and the training loss ->
     written paths. Bands: the 95% intervals the log recorded; a dotted line: where a curriculum ended."""
     plt, written = _pyplot(), []
+    figures = []        # (PNG, curve key, the point's y index, y label, log scale, title, the band's lo and hi indices)
     with_gen = [c for c in curves if c["gen"]]
     if with_gen:
         judge = one_judge(set().union(*(c["judges"] for c in with_gen)), "training Gen PPL")
@@ -353,56 +312,39 @@ def plot_training(curves, cfg):
         how = "; ".join(f"{n} samples, {'AR' if s is None else f'{s} steps'}, seed {seed}"
                         for n, s, seed, _ in sorted(settings, key=str))
         for key, index, ylabel, name, log in (("Gen PPL", 1, "Gen PPL (lower is better)", "training_gen_ppl.png", True),
-                                              ("Sample entropy", 2, "sample entropy (nats)", "training_entropy.png", False)):
-            fig, ax = plt.subplots(figsize=(8.4, 4.2))
-            for c, style in zip(with_gen, _styles([c["label"] for c in with_gen])):
-                ax.plot([p[0] for p in c["gen"]], [p[index] for p in c["gen"]], label=c["label"], **style)
-                _band(ax, c["gen_band"], style, 2 * index - 1, 2 * index)
-            _mark_curriculum_end(ax, with_gen)
-            ax.set_xlabel("training step")
-            ax.set_ylabel(ylabel)
-            if log:
-                ax.set_yscale("log")
-            ax.set_title(f"{key} over training (judge: {judge})\neach point: {how}, EMA weights (live without EMA); "
-                         f"band: 95% interval over the samples", fontsize=9)
-            ax.grid(alpha=0.3)
-            _legend(ax)
-            written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
-            plt.close(fig)
+                                              ("Sample entropy", 2, "sample entropy (nats)", "training_entropy.png",
+                                               False)):
+            figures.append((name, "gen", index, ylabel, log, f"{key} over training (judge: {judge})\neach point: "
+                            f"{how}, EMA weights (live without EMA); band: 95% interval over the samples",
+                            (2 * index - 1, 2 * index)))
     else:
         print("figures/plot.py: no Gen PPL in the runs' logs (train.py --gen_interval): training_gen_ppl.png and "
               "training_entropy.png skipped")
-    with_val = [c for c in curves if c["val"]]
-    if with_val:
+    figures += [("training_val_ppl.png", "val", 1, "validation NELBO PPL (upper bound; AR: exact)", True,
+                 "Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights "
+                 "(live without EMA); band: 95% interval of its Monte-Carlo draws", (1, 2)),
+                ("training_loss.png", "loss", 1, "training loss (each run's objective)", False,
+                 "Training loss over training\neach point: the mean over the steps since the previous point", None)]
+    for name, key, index, ylabel, log, title, band in figures:
+        drawn = [c for c in curves if c[key]]
+        if not drawn:
+            continue
         fig, ax = plt.subplots(figsize=(8.4, 4.2))
-        for c, style in zip(with_val, _styles([c["label"] for c in with_val])):
-            ax.plot([p[0] for p in c["val"]], [p[1] for p in c["val"]], label=c["label"] + (" (exact PPL)" if
-                    c["label"] == "ar" else ""), **style)
-            _band(ax, c["val_band"], style)
-        _mark_curriculum_end(ax, with_val)
+        for c, style in zip(drawn, _styles([c["label"] for c in drawn])):
+            label = c["label"] + (" (exact PPL)" if key == "val" and c["label"] == "ar" else "")
+            ax.plot([p[0] for p in c[key]], [p[index] for p in c[key]], label=label,
+                    **(style if band else {**style, "ms": 0}))
+            if band:
+                _band(ax, c[key + "_band"], style, *band)
+        _mark_curriculum_end(ax, drawn)
         ax.set_xlabel("training step")
-        ax.set_ylabel("validation NELBO PPL (upper bound; AR: exact)")
-        ax.set_yscale("log")
-        ax.set_title("Validation perplexity over training\neach point: validation NELBO PPL at that step, EMA weights "
-                     "(live without EMA); band: 95% interval of its Monte-Carlo draws", fontsize=9)
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         _legend(ax)
-        written.append(_save(fig, cfg.out_dir, "training_val_ppl.png", cfg.dpi))
-        plt.close(fig)
-    with_loss = [c for c in curves if c["loss"]]
-    if with_loss:
-        fig, ax = plt.subplots(figsize=(8.4, 4.2))
-        for c, style in zip(with_loss, _styles([c["label"] for c in with_loss])):
-            ax.plot([p[0] for p in c["loss"]], [p[1] for p in c["loss"]], label=c["label"], **{**style, "ms": 0})
-        _mark_curriculum_end(ax, with_loss)
-        ax.set_xlabel("training step")
-        ax.set_ylabel("training loss (each run's objective)")
-        ax.set_title("Training loss over training\neach point: the mean over the steps since the previous point",
-                     fontsize=9)
-        ax.grid(alpha=0.3)
-        _legend(ax)
-        written.append(_save(fig, cfg.out_dir, "training_loss.png", cfg.dpi))
-        plt.close(fig)
+        written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
     return written
 
 
@@ -412,8 +354,8 @@ def plot_gen_ppl_vs_steps(gen, cfg):
     against ε at that step count, with the same objective at its default ε, on the same Gen PPL axis."""
     rows = [r for r in gen if isinstance(r["steps"], int)]
     if not rows:
-        print("figures/plot.py: no diffusion Gen PPL evaluations (eval_ppl.py --metric genppl --out): gen_ppl_vs_steps.png "
-              "skipped")
+        print("figures/plot.py: no diffusion Gen PPL evaluations (eval_ppl.py --metric genppl --out): "
+              "gen_ppl_vs_steps.png skipped")
         return None
     plt = _pyplot()
     judge = one_judge({r["judge"] for r in rows}, "Gen PPL vs sampling steps")
@@ -443,7 +385,7 @@ def plot_gen_ppl_vs_steps(gen, cfg):
     ax.set_xscale("log", base=2)
     steps = sorted({r["steps"] for label in labels if label not in in_sweep for r in mine[label]})
     ax.set_xticks(steps, [str(s) for s in steps])            # the step counts evaluated, as numbers
-    ax.xaxis.set_minor_locator(_ticker().NullLocator())
+    ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.set_yscale("log")
     ax.set_xlabel("sampling steps")
     ax.set_ylabel("Gen PPL (lower is better)")
@@ -462,24 +404,20 @@ def plot_gen_ppl_vs_steps(gen, cfg):
         eps = sorted({r["eps"] for members in sweeps.values() for r in members})
         ax_eps.set_xscale("log")
         ax_eps.set_xticks(eps, [f"{e:g}" + (" (default)" if e == losses.EPS else "") for e in eps], fontsize=8)
-        ax_eps.xaxis.set_minor_locator(_ticker().NullLocator())
+        ax_eps.xaxis.set_minor_locator(plt.NullLocator())
         ax_eps.set_xlabel("ε of log(p + ε) in training")
         ax_eps.set_title(f"ε sweep at {', '.join(sorted({str(s) for _, s in sweeps}))} sampling steps\n"
                          f"each point: a model trained with that ε", fontsize=9)
         ax_eps.grid(alpha=0.3, which="both")
         ax_eps.legend(fontsize=8)
-    path = _save(fig, cfg.out_dir, "gen_ppl_vs_steps.png", cfg.dpi)
-    plt.close(fig)
-    return path
+    return _save(fig, cfg.out_dir, "gen_ppl_vs_steps.png", cfg.dpi)
 
 
 def plot_time_memory(bench, cfg):
     """Fig. time: step time and memory per objective (bars) from bench/bench.py --json 1 -> written path."""
-    plt = _pyplot()
-    names = list(bench["losses"])
-    res = bench["losses"]
-    cuda = bench.get("cuda", False)
-    mem_key, mem_label = (("peak_mem_bytes", "peak memory (MiB)") if cuda else
+    plt, res = _pyplot(), bench["losses"]
+    names = list(res)
+    mem_key, mem_label = (("peak_mem_bytes", "peak memory (MiB)") if bench.get("cuda", False) else
                           ("step_mem_bytes", "memory of the step's tensors (MiB)"))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, values, ylabel in ((axes[0], [res[n]["step_ms"] for n in names], "step time (ms)"),
@@ -494,9 +432,7 @@ def plot_time_memory(bench, cfg):
     fig.suptitle(f"Training step per objective: {bench['device']}, {bench['dtype']}\n"
                  f"{m['params'] / 1e6:.1f}M params, V = {m['vocab_size']}, L = {bench['block_size']}, "
                  f"B = {bench['bench_config']['batch_size']} (bench/bench.py, {bench['date'][:10]})", fontsize=9)
-    path = _save(fig, cfg.out_dir, "time_memory.png", cfg.dpi)
-    plt.close(fig)
-    return path
+    return _save(fig, cfg.out_dir, "time_memory.png", cfg.dpi)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -518,31 +454,26 @@ def tables(gen, nelbo, steps):
             picked[r["ckpt"]] = r
     if not picked:
         raise UsageError(f"--table: no Gen PPL evaluation at {steps or 'any number of'} sampling steps")
-    ppl = lambda r: _fmt(nelbo.get(r["ckpt"], {}).get("ppl"), ".1f", nelbo.get(r["ckpt"], {}).get("ppl_se"))
-    lines = ["| model | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint (step) | judge | sampler | samples | seed |",
+    nelbo_of = lambda r: nelbo.get(r["ckpt"], {})
+    metrics = lambda r: (f"{_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
+                         f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | "
+                         f"{_fmt(nelbo_of(r).get('ppl'), '.1f', nelbo_of(r).get('ppl_se'))}")
+    lines = ["| model | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint (step) | judge | sampler | samples "
+             "| seed |",
              "|---|---:|---:|---:|---|---|---|---:|---:|"]
-    for r in picked.values():
-        if "ε=" in r["label"]:          # the ε sweep's models: in the sweep table below
-            continue
-        lines.append(f"| {r['label']} | {_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
-                     f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | {ppl(r)} "
-                     f"| `{r['ckpt']}` ({r['ckpt_step']}) | `{r['judge']}` | ancestral, {r['steps']} steps, final "
-                     f"{r['final_step']}, top-p {r['top_p']} | {r['samples']} | {r['seed']} |")
-    out = "\n".join(lines) + "\n"
+    lines += [f"| {r['label']} | {metrics(r)} | `{r['ckpt']}` ({r['ckpt_step']}) | `{r['judge']}` | ancestral, "
+              f"{r['steps']} steps, final {r['final_step']}, top-p {r['top_p']} | {r['samples']} | {r['seed']} |"
+              for r in picked.values() if "ε=" not in r["label"]]      # the ε sweep's models: in its table below
     sweep = {}
     for r in picked.values():
-        cfg = run_config(os.path.dirname(r["ckpt"])) if not r["ckpt"].startswith("duo:") else {}
-        if cfg.get("loss") in ("sddlm_v1", "sddlm_v2"):
-            sweep.setdefault(cfg["loss"], []).append((cfg.get("eps", losses.EPS), r))
-    if any(len({e for e, _ in v}) > 1 for v in sweep.values()):
-        out += ("\n| objective | ε | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint |\n"
-                "|---|---:|---:|---:|---:|---|\n")
-        for loss, items in sweep.items():
-            for eps, r in sorted(items, key=lambda x: x[0]):
-                out += (f"| {loss} | {eps:g} | {_fmt(r['gen_ppl'], '.1f', r.get('gen_ppl_se'))} | "
-                        f"{_fmt(r['entropy'], '.2f', r.get('entropy_se'))} | {ppl(r)} "
-                        f"| `{r['ckpt']}` |\n")
-    return out
+        if r["loss"] in ("sddlm_v1", "sddlm_v2"):
+            sweep.setdefault(r["loss"], []).append(r)
+    if any(len({r["eps"] for r in rows}) > 1 for rows in sweep.values()):
+        lines += ["", "| objective | ε | Gen PPL ↓ | entropy ↑ | val NELBO PPL | checkpoint |",
+                  "|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {loss} | {r['eps']:g} | {metrics(r)} | `{r['ckpt']}` |"
+                  for loss, rows in sweep.items() for r in sorted(rows, key=lambda r: r["eps"])]
+    return "\n".join(lines) + "\n"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -561,17 +492,18 @@ def main(argv=None):
     bench = _read_json(cfg.bench) if cfg.bench else None
     if bench is not None and not (isinstance(bench, dict) and isinstance(bench.get("losses"), dict)):
         raise UsageError(f"--bench {cfg.bench}: not a bench/bench.py --json 1 output")
-    written = []
     outputs = [os.path.join(cfg.out_dir, name) for name in figure_names(curves, gen, bench)]
     table = [cfg.table] if cfg.table not in ("", "-") else []
     check_outputs({"--out_dir": outputs, "--table": table}, script="figures/plot.py")   # replaces only its own
-    if not cfg.overwrite:                # so the one left to refuse here is a file --overwrite 1 would replace
-        refuse_existing(outputs + table)
+    there = [p for p in outputs + table if os.path.lexists(p)]     # so what is left to refuse before anything is
+    if there and not cfg.overwrite:                                # written is a file --overwrite 1 would replace
+        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        raise UsageError(f"{shown} exist{'s' if len(there) == 1 else ''} already; give --overwrite 1 to replace "
+                         f"{'it' if len(there) == 1 else 'them'}, or another --out_dir / --table")
     if outputs:
         _pyplot()                        # without matplotlib: its one line, before a folder is made
         os.makedirs(cfg.out_dir, exist_ok=True)
-    if curves:
-        written += plot_training(curves, cfg)
+    written = plot_training(curves, cfg) if curves else []
     if gen:
         written.append(plot_gen_ppl_vs_steps(gen, cfg))
     if bench is not None:
@@ -582,10 +514,8 @@ def main(argv=None):
         text = tables(gen, nelbo, cfg.table_steps)
         print(text)
         if cfg.table != "-":
-            def write(tmp):
-                with open(tmp, "w") as f:
-                    f.write(text_mark("figures/plot.py") + "\n" + text)
-            save_atomic(cfg.table, write)
+            marked = text_mark("figures/plot.py") + "\n" + text
+            save_atomic(cfg.table, lambda tmp: pathlib.Path(tmp).write_text(marked))
     return 0
 
 

@@ -14,6 +14,7 @@ error. The named tests are first run on the unchanged copy, which must pass. Whe
 """
 import argparse
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -243,21 +244,18 @@ def main(argv=None):
             print("the named tests must pass on the unchanged code first", file=sys.stderr)
             return 1
         for m in chosen:
-            path = os.path.join(copy, m["file"])
-            source = open(path).read() if os.path.exists(path) else None
-            n = 0 if source is None else source.count(m["old"])
-            if n != 1:
+            path = pathlib.Path(copy, m["file"])
+            source = path.read_text() if path.exists() else ""
+            if (n := source.count(m["old"])) != 1:
                 print(f"{m['name']:40s} STALE   {m['file']}: snippet found {n} times (must be once): {m['old']!r}")
                 bad += 1
                 continue
             start = time.time()
-            with open(path, "w") as f:
-                f.write(source.replace(m["old"], m["new"]))
+            path.write_text(source.replace(m["old"], m["new"]))
             try:
                 code, last = pytest(copy, m["tests"])
             finally:
-                with open(path, "w") as f:
-                    f.write(source)
+                path.write_text(source)
             verdict = {0: "MISSED", 1: "caught"}.get(code, f"ERROR({code})")
             bad += verdict != "caught"
             print(f"{m['name']:40s} {verdict:7s} {time.time() - start:5.1f}s  {last}", flush=True)
