@@ -13,11 +13,8 @@ import sys
 import torch
 
 from data import not_a_file
-from diffusion import default_final_step
-from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, Scorer
-from plumbing.cli import (SEED_END, UsageError, finite_float, first_line, parse_bool, resolve_device, resolve_dtype,
-                          whole)
-from trained.checkpoint import load_model, load_tokenizer
+from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, load_scorer
+from plumbing.cli import SEED_END, UsageError, finite_float, first_line, parse_bool, resolve_device, whole
 from sample import check_sampler, check_stride, parse_psi
 
 
@@ -103,10 +100,10 @@ class _Harness:
             raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
         seed = whole(coerce(seed, int, "seed"), "sddlm model argument seed", 0, SEED_END)
-        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), seed,
-                                                 coerce(lambada_steps, int, "lambada_steps"),
-                                                 coerce(use_ema, bool, "use_ema"), str(dtype),
-                                                 coerce(add_bos, bool, "add_bos"), batch_size, device)
+        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), batch_size, device,
+                                                 coerce(use_ema, bool, "use_ema"), str(dtype), seed=seed,
+                                                 lambada_steps=coerce(lambada_steps, int, "lambada_steps"),
+                                                 add_bos=coerce(add_bos, bool, "add_bos"))
         if self.final_step == "auto":
             self.final_step = self.scorer.final_step
         block_size = self.scorer.model.config.block_size
@@ -118,8 +115,8 @@ class _Harness:
             raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
 
     @staticmethod
-    def load_scorer(ckpt, mc_draws, seed, lambada_steps, use_ema, dtype, add_bos, batch_size, device):
-        """The checkpoint's model and tokenizer in an eval_downstream.Scorer (its sampler on its training schedule)."""
+    def load_scorer(ckpt, mc_draws, batch_size, device, use_ema, dtype, **settings):
+        """scoring.load_scorer of --model_args ckpt=, with lm-eval's batch_size and device."""
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
             batch_size = 16   # no automatic batch-size search: draws per forward is a fixed choice
         batch_size = coerce(batch_size, int, "batch_size")
@@ -134,14 +131,7 @@ class _Harness:
         name = str(device or "auto")
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
-        model, ckpt_dict = load_model(str(ckpt), device, use_ema)
-        tokenizer, why = load_tokenizer(ckpt_dict, str(ckpt))
-        if tokenizer is None:
-            raise EvalError(f"{ckpt}: {why}")
-        return Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
-                         lambada_steps=lambada_steps, dtype=resolve_dtype(dtype, device), add_bos=add_bos,
-                         schedule=(ckpt_dict.get("train_config") or {}).get("noise_schedule") or "loglinear",
-                         final_step=default_final_step(ckpt_dict))
+        return load_scorer(ckpt, device, use_ema, dtype, mc_draws=mc_draws, batch_size=batch_size, **settings)[0]
 
     def loglikelihood(self, requests, disable_tqdm=False):
         scored = self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)

@@ -49,7 +49,6 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import importlib
-import sys
 
 import torch
 
