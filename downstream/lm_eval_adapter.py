@@ -21,11 +21,6 @@ from sample import check_sampler, check_stride, parse_psi
 LM_EVAL = "lm-eval==0.4.13"   # the version the adapter is tested with (CI installs it)
 
 
-def needs_lm_eval(what):
-    """The one line for `what` where lm-eval is not installed."""
-    return f"{what} needs lm-eval, an optional extra: pip install {LM_EVAL}"
-
-
 @functools.cache
 def lm_eval_model_class():
     """The lm-eval model class (needs lm-eval): _Harness on lm-eval's LM, built once. eval_downstream's CLI passes
@@ -65,6 +60,14 @@ def coerce(value, typ, name):
         raise EvalError(f"sddlm model argument {name}={value!r} is not a valid {typ.__name__}") from None
 
 
+def model_argument(check, *args):
+    """check(*args) of sample.py, whose messages name its flags, which are these model arguments."""
+    try:
+        return check(*args)
+    except UsageError as e:
+        raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+
+
 class _Harness:
     """lm-eval's three request types over Scorer (one model, its tokenizer, the MC settings)."""
 
@@ -90,14 +93,11 @@ class _Harness:
             raise EvalError(f"greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {greedy_check!r}")
         self.steps, self.final_step = coerce(steps, int, "steps"), str(final_step)
         self.top_p = coerce(top_p, float, "top_p")
-        try:
-            check_sampler(self.steps, self.final_step, self.top_p)
-            # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
-            self.psi = parse_psi(str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
-                                 str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
-                                 str(psi_fracs).replace("/", ","), self.steps, str(psi_rescale), str(psi_grid))
-        except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
-            raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+        model_argument(check_sampler, self.steps, self.final_step, self.top_p)
+        # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
+        self.psi = model_argument(parse_psi, str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
+                                  str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
+                                  str(psi_fracs).replace("/", ","), self.steps, str(psi_rescale), str(psi_grid))
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
         seed = whole(coerce(seed, int, "seed"), "sddlm model argument seed", 0, SEED_END)
         self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), batch_size, device,
@@ -109,10 +109,7 @@ class _Harness:
         block_size = self.scorer.model.config.block_size
         if not 0 <= self.rolling_context < block_size:
             raise EvalError(f"rolling_context must be in [0, {block_size - 1}], got {self.rolling_context}")
-        try:
-            self.stride = check_stride(coerce(stride, int, "stride"), block_size)
-        except UsageError as e:
-            raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+        self.stride = model_argument(check_stride, coerce(stride, int, "stride"), block_size)
 
     @staticmethod
     def load_scorer(ckpt, mc_draws, batch_size, device, use_ema, dtype, **settings):

@@ -62,7 +62,8 @@ try:
 except ImportError:
     if __name__ != "__main__":           # imported: the caller's own lm_eval needs it anyway
         raise
-    print(f"error: {adapter.needs_lm_eval('python -m downstream.lm_eval_sddlm')}", file=sys.stderr)
+    print(f"error: python -m downstream.lm_eval_sddlm needs lm-eval, an optional extra: pip install {adapter.LM_EVAL}",
+          file=sys.stderr)
     sys.exit(2)
 
 # The harness's own models first: lm-eval's get_model imports them only into an EMPTY registry, so registering

@@ -148,14 +148,6 @@ def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancest
     return ids[0, n_ctx:].tolist()
 
 
-def cut_at_stops(text, until):
-    """lm-eval's generate_until convention: the text before the first occurrence of any stop string."""
-    for stop in until:
-        if stop:
-            text = text.split(stop, 1)[0]
-    return text
-
-
 def rolling_windows(ids, n_prefix, block_size, context=1):
     """The windows of a whole document for the rolling log-likelihood. ids = prefix (n_prefix tokens, e.g. BOS)
     + document; the document is cut into consecutive pieces of block_size - context tokens, and each piece comes
@@ -270,7 +262,10 @@ class Scorer:
                                         dtype=self.dtype, psi=psi, stride=stride) if n > 0 else []
             if self.tokenizer.eos_id in ids:
                 ids = ids[:ids.index(self.tokenizer.eos_id)]
-            out.append(cut_at_stops(self.decode_after(ctx, ids), until))
+            text = self.decode_after(ctx, ids)
+            for stop in filter(None, until):          # lm-eval's convention: the text before the first stop string
+                text = text.split(stop, 1)[0]
+            out.append(text)
         return out
 
     def decode_after(self, ctx, ids):
