@@ -422,17 +422,16 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
     block_size = block_size or getattr(getattr(model, "config", None), "block_size", None)
     device = torch.device(device) if device is not None else device_of(model)
     check_sample_size(num_samples, seq_len, device)
-    prefix = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
+    x = torch.zeros(num_samples, 0, dtype=torch.long, device=device)       # the prefix: [bos_id] + prompt_ids
     if bos_id is not None:
-        prefix = torch.full((num_samples, 1), bos_id, dtype=torch.long, device=device)
+        x = torch.full((num_samples, 1), bos_id, dtype=torch.long, device=device)
     if prompt_ids is not None:
-        prefix = torch.cat([prefix, prompt_rows(prompt_ids, num_samples, device)], dim=1)
-    if not 1 <= prefix.shape[1] <= seq_len:
+        x = torch.cat([x, prompt_rows(prompt_ids, num_samples, device)], dim=1)
+    if not 1 <= x.shape[1] <= seq_len:
         raise ValueError(f"the AR sampler needs a prefix of 1..{seq_len} tokens (bos_id and/or prompt_ids), "
-                         f"got {prefix.shape[1]}")
+                         f"got {x.shape[1]}")
     check_sampler(1, top_p=top_p)
-    x = prefix
-    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress),
+    for _ in tqdm(range(seq_len - x.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress),
                   leave=False):
         with autocast_for(device, dtype):
             logits = model(x if block_size is None else x[:, -block_size:])[:, -1]
@@ -613,18 +612,16 @@ def main(argv=None):
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
     final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
 
-    sampler = "ar" if mc.causal else cfg.sampler
     settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), loss=(ckpt.get("train_config") or {}).get("loss"),
-                    sampler=sampler, tokenizer=tok.spec, seq_len=seq_len, seed=cfg.seed,
+                    sampler="ar" if mc.causal else cfg.sampler, tokenizer=tok.spec, seq_len=seq_len, seed=cfg.seed,
                     use_ema=cfg.use_ema, top_p=cfg.top_p, prompt=cfg.prompt or None, prompt_ids=prompt)
     if not mc.causal:
         settings.update(steps=cfg.steps, nfe=cfg.steps + (final_step != "none"), final_step=final_step,
                         noise_schedule=schedule, t_end=cfg.t_end, cfg_w=cfg.cfg_w)
     if long:      # past the block: sampler windows (nfe is per window), or the AR model's sliding window
         settings.update(block_size=mc.block_size)
-        if not mc.causal:
-            settings.update(stride=stride, windows=len(long_windows(len(prompt or []), seq_len, mc.block_size,
-                                                                    stride)))
+    if long and not mc.causal:
+        settings.update(stride=stride, windows=len(long_windows(len(prompt or []), seq_len, mc.block_size, stride)))
     if psi is not None:
         settings.update(psi=psi._asdict())
     print(f"sampling {cfg.num_samples} x {seq_len} tokens from {cfg.ckpt} (step {ckpt.get('step')}, "

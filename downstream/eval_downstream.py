@@ -299,9 +299,7 @@ def main(argv=None):
     validate(cfg)
     plan = plan_tasks(cfg)
     if any(runner == "lm-eval" for _, runner, _ in plan):
-        offline = hub_offline_check()     # before lm-eval imports `datasets`
-        if offline:
-            print(offline, file=sys.stderr)
+        hub_offline_check()     # before lm-eval imports `datasets`
         check_lm_eval_tasks([name for name, runner, _ in plan if runner == "lm-eval"], cfg.include_path)
     data = {name: read_jsonl(path, cfg.limit) for name, runner, path in plan if runner == "builtin"}
     device = resolve_device(cfg.device)

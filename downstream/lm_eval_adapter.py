@@ -162,8 +162,8 @@ def hub_offline_check(timeout=3.0):
     """Offline, every Hugging Face dataset lm-eval tries to reach costs ~36 s of retries before it fails. Unless
     an offline variable or a proxy is set, try one TCP connection to the hub (HF_ENDPOINT, default huggingface.co);
     when it fails, set HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 for this process (datasets in the local cache
-    still load, others fail at once) -> the note to print, or None. Call it before `datasets` is imported: both
-    libraries read these variables once, at import."""
+    still load, others fail at once) and print a note on stderr -> the note, or None. Call it before `datasets`
+    is imported: both libraries read these variables once, at import."""
     import socket
     import urllib.parse
     if any(v in os.environ for v in OFFLINE_VARS):      # the user decided
@@ -178,8 +178,10 @@ def hub_offline_check(timeout=3.0):
     except OSError as e:
         for v in OFFLINE_VARS:
             os.environ[v] = "1"
-        return (f"note: {host}:{port} is unreachable ({type(e).__name__}); running with HF_DATASETS_OFFLINE=1 "
+        note = (f"note: {host}:{port} is unreachable ({type(e).__name__}); running with HF_DATASETS_OFFLINE=1 "
                 f"HF_HUB_OFFLINE=1: datasets in the local Hugging Face cache load, others fail at once")
+        print(note, file=sys.stderr)
+        return note
 
 
 def lm_eval_failure(e, task=None):

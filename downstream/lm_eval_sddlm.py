@@ -84,9 +84,8 @@ def main():
     """The harness's command line (sys.argv as given) with "sddlm" registered; lm-eval's own failures (a dataset
     that cannot be reached, ...) become one line. --help (-h): the harness's help, then the sddlm model's."""
     asks_help = any(a in ("-h", "--help") for a in sys.argv[1:])
-    offline = None if asks_help else adapter.hub_offline_check()     # before lm-eval imports `datasets`
-    if offline:
-        print(offline, file=sys.stderr)
+    if not asks_help:
+        adapter.hub_offline_check()     # before lm-eval imports `datasets`
     from lm_eval.__main__ import cli_evaluate
     try:
         cli_evaluate()
