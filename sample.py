@@ -152,8 +152,7 @@ def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixe
         prompt = prompt_rows(prompt_ids, B, device)
         if prompt.shape[0] != B or prompt.shape[1] > L:
             raise ValueError(f"prompt_ids of shape {tuple(prompt.shape)} do not fit {B} samples of length {L}")
-        mask[:, :prompt.shape[1]] = True
-        ids[:, :prompt.shape[1]] = prompt
+        mask[:, :prompt.shape[1]], ids[:, :prompt.shape[1]] = True, prompt
     if fixed_mask is not None:
         if fixed_ids is None:
             raise ValueError("fixed_mask needs fixed_ids (the tokens to hold at the fixed positions)")

@@ -103,10 +103,8 @@ def run_multiple_choice(items, loglikelihood):
     acc = acc_norm = 0
     for item in items:
         scores, lls = lls[:len(item["choices"])], lls[len(item["choices"]):]
-        best = max(range(len(scores)), key=lambda k: scores[k])
-        best_norm = max(range(len(scores)), key=lambda k: scores[k] / max(1, len(item["choices"][k])))
-        acc += best == item["gold"]
-        acc_norm += best_norm == item["gold"]
+        acc += max(range(len(scores)), key=lambda k: scores[k]) == item["gold"]
+        acc_norm += max(range(len(scores)), key=lambda k: scores[k] / max(1, len(item["choices"][k]))) == item["gold"]
     n = len(items)
     return {"acc": acc / n, "acc_se": accuracy_se(acc, n), "acc_norm": acc_norm / n,
             "acc_norm_se": accuracy_se(acc_norm, n), "n": n}
@@ -267,9 +265,8 @@ def markdown_table(rows):
     lines = ["| task | setting | w | runner | n | " + " | ".join(metrics) + " |",
              "|---|---|---:|---|---:|" + "---:|" * len(metrics)]
     for r in rows:
-        cells = [cell(r, m) for m in metrics]
         lines.append(f"| {r['task']} | {r['setting']} | {r['cfg_w']:g} | {r['runner']} | {r['n']} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cell(r, m) for m in metrics) + " |")
     return "\n".join(lines)
 
 
