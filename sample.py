@@ -40,7 +40,7 @@ Options, all acting on x_theta before the posterior:
 Past the block (--seq_len > block_size; generate_long): semi-autoregressive windows, as MDLM's and Duo's semi_ar
 samplers. Each sampler call is one whole block: the last block_size - stride tokens so far held fixed as its prompt
 (the mechanism above), --stride new tokens drawn after them by the chosen sampler with all its options; the first
-call fills the first block after the prompt. --stride 0 is half a block (default_stride says why); seq_len <=
+call fills the first block after the prompt. --stride 0 is half a block (check_stride says why); seq_len <=
 block_size is the one-block sampler itself. The AR baseline slides its context window one token at a time.
 
 Writes one JSON line per sample (text, ids, settings) appended to --out (by default samples.jsonl beside the
@@ -93,24 +93,6 @@ def null_tokens(shape, vocab_size, seed, device=None):
     return torch.randint(0, vocab_size, shape, generator=gen, device=device)
 
 
-def cfg_log_probs(log_p_c, log_p_u, cfg_w):
-    """Unsupervised CFG (paper, CFG section): p~ proportional to p_c^(1+w) / p_u^w, i.e.
-    log_softmax((1 + w) log p_c - w log p_u). (..., V) log-probabilities -> (..., V)."""
-    return torch.log_softmax((1 + cfg_w) * log_p_c - cfg_w * log_p_u, dim=-1)
-
-
-def denoiser_log_probs(model, xt, sigma, *, null_xt=None, cfg_w=0.0, autocast=None, dtype=torch.float64, start=0):
-    """log x_theta(. | xt) of positions start.. in `dtype`: xt (B, L), sigma (B,) -> (B, L - start, V).
-    With null_xt (the unconditional input, same shape) and cfg_w != 0: ONE forward of [xt; null_xt] (2B rows)
-    and cfg_log_probs of the two halves."""
-    guided = null_xt is not None and cfg_w != 0
-    x_in, s_in = (torch.cat([xt, null_xt]), torch.cat([sigma, sigma])) if guided else (xt, sigma)
-    with autocast or nullcontext():
-        logits = model(x_in, s_in)[:, start:]
-    log_p = torch.log_softmax(logits.to(dtype), dim=-1)
-    return cfg_log_probs(*log_p.chunk(2), cfg_w) if guided else log_p
-
-
 def nucleus_logits(logits, top_p, chunk_elems=1 << 24):
     """nucleus on logits: -inf outside the smallest set of most likely tokens whose mass reaches top_p (tokens
     tied with the least likely kept one are kept too), so softmax of the result is nucleus(softmax(logits)).
@@ -130,20 +112,33 @@ def nucleus_logits(logits, top_p, chunk_elems=1 << 24):
     return out
 
 
-def denoiser_logits(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
-    """log x_theta(. | xt) up to a constant per position, at the noise level alpha_t (a float): the model's logits
-    as they are; with CFG (null_xt, cfg_w != 0) (1 + w) f_c - w f_u of the two branches' logits f in at least
-    float32 (the per-position log-sum-exps cancel in the softmax: this is cfg_log_probs); with top_p < 1, -inf
-    outside the nucleus. xt (B, L) -> (B, L, V); x_theta = softmax of it. Never a float64 (B, L, V) tensor."""
-    sigma = torch.full((xt.shape[0],), -math.log(alpha_t), device=xt.device)
+def guided_logits(model, xt, sigma, *, null_xt=None, cfg_w=0.0, autocast=None, start=0):
+    """The model's logits of positions start.. of xt (B, L) at sigma (B,) -> (B, L - start, V). With CFG (null_xt,
+    the unconditional input of the same shape, and cfg_w != 0): ONE forward of [xt; null_xt] (2B rows) and
+    (1 + w) f_c - w f_u of the two branches' logits f in at least float32, whose softmax is p_c^(1+w) / p_u^w
+    renormalised (paper, CFG section: the per-position log-sum-exps cancel in the softmax)."""
     guided = null_xt is not None and cfg_w != 0
     x_in, s_in = (torch.cat([xt, null_xt]), torch.cat([sigma, sigma])) if guided else (xt, sigma)
     with autocast or nullcontext():
-        logits = model(x_in, s_in)
-    if guided:      # (1 + w) f_c - w f_u = f_u + (1 + w)(f_c - f_u): one fused pass (lerp)
-        f_c, f_u = logits.to(torch.promote_types(logits.dtype, torch.float32)).chunk(2)
-        logits = torch.lerp(f_u, f_c, 1 + cfg_w)
-    return nucleus_logits(logits, top_p)
+        logits = model(x_in, s_in)[:, start:]
+    if not guided:
+        return logits
+    f_c, f_u = logits.to(torch.promote_types(logits.dtype, torch.float32)).chunk(2)
+    return torch.lerp(f_u, f_c, 1 + cfg_w)      # (1 + w) f_c - w f_u = f_u + (1 + w)(f_c - f_u): one fused pass
+
+
+def denoiser_logits(model, xt, alpha_t, *, null_xt=None, cfg_w=0.0, top_p=1.0, autocast=None):
+    """log x_theta(. | xt) up to a constant per position, at the noise level alpha_t (a float): guided_logits at
+    sigma = -log alpha_t; with top_p < 1, -inf outside the nucleus. xt (B, L) -> (B, L, V); x_theta = softmax of
+    it. Never a float64 (B, L, V) tensor."""
+    sigma = torch.full((xt.shape[0],), -math.log(alpha_t), device=xt.device)
+    return nucleus_logits(guided_logits(model, xt, sigma, null_xt=null_xt, cfg_w=cfg_w, autocast=autocast), top_p)
+
+
+def prompt_rows(prompt_ids, num_samples, device=None):
+    """prompt_ids (P,) or (B, P) -> (B, P) int64 on device, one row per sample."""
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    return prompt.expand(num_samples, -1) if prompt.dim() == 1 else prompt
 
 
 def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixed_ids=None, device=None):
@@ -154,12 +149,10 @@ def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixe
     mask = torch.zeros(B, L, dtype=torch.bool, device=device)
     ids = torch.zeros(B, L, dtype=torch.long, device=device)
     if prompt_ids is not None:
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
-        prompt = prompt.expand(B, -1) if prompt.dim() == 1 else prompt
+        prompt = prompt_rows(prompt_ids, B, device)
         if prompt.shape[0] != B or prompt.shape[1] > L:
             raise ValueError(f"prompt_ids of shape {tuple(prompt.shape)} do not fit {B} samples of length {L}")
-        mask[:, :prompt.shape[1]] = True
-        ids[:, :prompt.shape[1]] = prompt
+        mask[:, :prompt.shape[1]], ids[:, :prompt.shape[1]] = True, prompt
     if fixed_mask is not None:
         if fixed_ids is None:
             raise ValueError("fixed_mask needs fixed_ids (the tokens to hold at the fixed positions)")
@@ -169,7 +162,8 @@ def fixed_positions(num_samples, seq_len, prompt_ids=None, fixed_mask=None, fixe
     return (mask, ids) if mask.any() else (None, None)
 
 
-def _device_of(model):
+def device_of(model):
+    """The device of the model's parameters (the CPU for a model without any)."""
     try:
         return next(model.parameters()).device
     except (AttributeError, StopIteration):
@@ -223,13 +217,6 @@ def psi_kappa(mode, eta, alpha_t, alpha_s, rescale="remdm"):
     return eta if mode == "eta" else kappa_from_sigma(remdm_sigma(mode, eta, alpha_t, alpha_s, rescale), alpha_s)
 
 
-def psi_phase_steps(steps, fracs):
-    """The loop profile's steps per phase (high, middle, low), rounded, the high and low phases at least one."""
-    hi = max(1, round(fracs[0] * steps))
-    mid = max(0, min(steps - hi - 1, round(fracs[1] * steps)))
-    return hi, mid, steps - hi - mid
-
-
 def phase_sizes(n, fracs):
     """round(f_high n), round(f_middle n) and the rest (Python's round: half to even). Our linear profile splits
     its n steps so; Duo's code splits its n = steps + 1 grid points so. -> (hi, mid, lo), lo may be < 0."""
@@ -245,8 +232,9 @@ def time_grid(steps, t_end, psi=None):
     if psi is None or psi.profile == "linear":
         hi, mid, lo = (steps, 0, 0) if psi is None or len(psi.kappa) == 1 else phase_sizes(steps, psi.fracs)
         return torch.linspace(1, t_end, steps + 1, dtype=torch.float64), [0] * hi + [1] * mid + [2] * lo
-    hi, mid, lo = psi_phase_steps(steps, psi.fracs)
-    c = psi.loop_t
+    hi = max(1, round(psi.fracs[0] * steps))                        # the high and low phases at least one step
+    mid = max(0, min(steps - hi - 1, round(psi.fracs[1] * steps)))
+    lo, c = steps - hi - mid, psi.loop_t
     ts = torch.cat([torch.linspace(1, c, hi + 1, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
                     torch.linspace(c, t_end, lo + 1, dtype=torch.float64)[1:]])
     return ts, [0] * hi + [1] * mid + [2] * lo
@@ -277,16 +265,13 @@ def psi_plan(steps, t_end, psi=None, schedule="loglinear"):
     --psi_grid duo, as Duo's code: duo_time_grid; each phase's kappas come from its own points, so a ReMDM mode
     (max_capped, max_rescale, sigma_constant) gives kappa = 1 to the step from the last point of its phase
     (Duo's no-op evaluations at the loop's edges: a posterior step from c to c stays put), eta gives eta."""
-    if psi is None or psi.grid == "ours":
-        ts, phase = time_grid(steps, t_end, psi)
-        if psi is None:
-            return ts, [1.0] * steps
-        a = diffusion.SCHEDULES[schedule](ts)[0].tolist()
-        return ts, [psi_kappa(psi.kappa[p], psi.eta[p], a[i], a[i + 1], psi.rescale) for i, p in enumerate(phase)]
-    ts, phase = duo_time_grid(steps, t_end, psi)
+    if psi is None:
+        return time_grid(steps, t_end)[0], [1.0] * steps
+    ts, phase = (duo_time_grid if psi.grid == "duo" else time_grid)(steps, t_end, psi)
     a = diffusion.SCHEDULES[schedule](ts)[0].tolist()
-    return ts, [1.0 if psi.kappa[p] != "eta" and phase[i + 1] != p
-                else psi_kappa(psi.kappa[p], psi.eta[p], a[i], a[i + 1], psi.rescale) for i, p in enumerate(phase[:-1])]
+    duo_edge = lambda i, p: psi.grid == "duo" and psi.kappa[p] != "eta" and phase[i + 1] != p
+    return ts, [1.0 if duo_edge(i, p) else psi_kappa(psi.kappa[p], psi.eta[p], a[i], a[i + 1], psi.rescale)
+                for i, p in enumerate(phase[:steps])]
 
 
 def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loop_t=0.1, fracs="0.45,0.5,0.05",
@@ -298,12 +283,9 @@ def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loo
         raise UsageError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     if sampler == "ancestral":
         return None
-    if profile not in PROFILES:
-        raise UsageError(f"--psi_profile must be one of {', '.join(PROFILES)}, got {profile!r}")
-    if rescale not in RESCALES:
-        raise UsageError(f"--psi_rescale must be one of {', '.join(RESCALES)}, got {rescale!r}")
-    if grid not in GRIDS:
-        raise UsageError(f"--psi_grid must be one of {', '.join(GRIDS)}, got {grid!r}")
+    for flag, value, allowed in (("profile", profile, PROFILES), ("rescale", rescale, RESCALES), ("grid", grid, GRIDS)):
+        if value not in allowed:
+            raise UsageError(f"--psi_{flag} must be one of {', '.join(allowed)}, got {value!r}")
     modes = tuple(str(kappa).replace(" ", "").split(","))
     etas, fr = finite_floats(eta, "--psi_eta"), finite_floats(fracs, "--psi_fracs")   # nan, inf: one line each
     phases = 3 if profile == "loop" or 3 in (len(modes), len(etas)) else 1
@@ -374,7 +356,7 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
         raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")
     if psi is not None and psi.profile == "loop" and steps < 2:
         raise ValueError(f"the loop profile needs steps >= 2 (a high and a low phase), got {steps}")
-    device = torch.device(device) if device is not None else _device_of(model)
+    device = torch.device(device) if device is not None else device_of(model)
     B, L, K = num_samples, seq_len, vocab_size
     fixed, fixed_val = fixed_positions(B, L, prompt_ids, fixed_mask, fixed_ids, device)
     if cfg_w != 0 and fixed is None:
@@ -383,11 +365,9 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     keep_fixed = (lambda x: x) if fixed is None else (lambda x: torch.where(fixed, fixed_val, x))
 
     x = keep_fixed(torch.randint(0, K, (B, L), generator=generator, device=device))
-    null_fill = None
-    if cfg_w != 0:
-        if cfg_seed is None:
-            cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
-        null_fill = null_tokens((B, L), K, cfg_seed, device)
+    if cfg_w != 0 and cfg_seed is None:
+        cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
+    null_fill = null_tokens((B, L), K, cfg_seed, device) if cfg_w != 0 else None
 
     def x_theta(xt, alpha):      # logits of x_theta, guided and nucleus-filtered
         null_xt = None if null_fill is None else torch.where(fixed, null_fill, xt)
@@ -439,20 +419,18 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
     Any seq_len: each token is predicted from the last block_size tokens at most (a sliding window of the
     model's context; default model.config.block_size, or the whole prefix for a model without a config)."""
     block_size = block_size or getattr(getattr(model, "config", None), "block_size", None)
-    device = torch.device(device) if device is not None else _device_of(model)
+    device = torch.device(device) if device is not None else device_of(model)
     check_sample_size(num_samples, seq_len, device)
-    prefix = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
+    x = torch.zeros(num_samples, 0, dtype=torch.long, device=device)       # the prefix: [bos_id] + prompt_ids
     if bos_id is not None:
-        prefix = torch.full((num_samples, 1), bos_id, dtype=torch.long, device=device)
+        x = torch.full((num_samples, 1), bos_id, dtype=torch.long, device=device)
     if prompt_ids is not None:
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
-        prefix = torch.cat([prefix, prompt.expand(num_samples, -1) if prompt.dim() == 1 else prompt], dim=1)
-    if not 1 <= prefix.shape[1] <= seq_len:
+        x = torch.cat([x, prompt_rows(prompt_ids, num_samples, device)], dim=1)
+    if not 1 <= x.shape[1] <= seq_len:
         raise ValueError(f"the AR sampler needs a prefix of 1..{seq_len} tokens (bos_id and/or prompt_ids), "
-                         f"got {prefix.shape[1]}")
+                         f"got {x.shape[1]}")
     check_sampler(1, top_p=top_p)
-    x = prefix
-    for _ in tqdm(range(seq_len - prefix.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress),
+    for _ in tqdm(range(seq_len - x.shape[1]), desc="sampling (AR)", disable=cli.bar_hidden(show_progress),
                   leave=False):
         with autocast_for(device, dtype):
             logits = model(x if block_size is None else x[:, -block_size:])[:, -1]
@@ -464,19 +442,15 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 # -----------------------------------------------------------------------------------------------
 # longer than the context: semi-autoregressive windows (MDLM's and Duo's semi_ar sampler)
 
-def default_stride(block_size):
-    """--stride 0: half a block. Every token drawn after the first block then sees at least block_size / 2 held
-    tokens before it, at twice one block's sampler cost per token (block_size / stride sampler calls of a block
-    per block_size new tokens); BD3-LM's semi-AR MDLM baseline also advances 512 tokens of its 1024."""
-    return max(1, block_size // 2)
-
-
 def check_stride(stride, block_size):
-    """--stride (0 = default_stride) -> the stride in [1, block_size]. Raises UsageError naming the flag."""
+    """--stride -> the stride in [1, block_size]; 0 is half a block: every token drawn after the first block then
+    sees at least block_size / 2 held tokens before it, at twice one block's sampler cost per token (block_size /
+    stride sampler calls of a block per block_size new tokens); BD3-LM's semi-AR MDLM baseline also advances 512
+    tokens of its 1024. Raises UsageError naming the flag."""
     if not 0 <= stride <= block_size:
         raise UsageError(f"--stride must be in [1, {block_size}] (the model's block_size; 0 = half of it), "
                          f"got {stride}")
-    return stride or default_stride(block_size)
+    return stride or max(1, block_size // 2)
 
 
 def long_windows(prompt_len, seq_len, block_size, stride):
@@ -502,26 +476,23 @@ def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=
     generate itself, the same call. Longer: semi-autoregressive windows (long_windows), each one call of generate
     on a whole block with the tokens it holds as prompt_ids (clamped clean at every step, as any prompt), so the
     chosen sampler (ancestral or Psi, nucleus, final step: `sampler`, generate's other keywords) draws each
-    stretch of `stride` tokens (0 = default_stride) given the block_size - stride before it. prompt_ids (P,) or
+    stretch of `stride` tokens (0 = half a block) given the block_size - stride before it. prompt_ids (P,) or
     (B, P), any P < seq_len. One generator runs through the windows, so a seed gives the same text. CFG (cfg_w):
     each window that holds tokens is guided against random tokens in their place (null_tokens of the same
     cfg_seed in every window); a first window without a prompt holds nothing and is drawn unguided."""
     block_size = block_size or model.config.block_size
-    check_sample_size(num_samples, seq_len, device if device is not None else _device_of(model))
+    device = torch.device(device) if device is not None else device_of(model)
+    check_sample_size(num_samples, seq_len, device)
     if seq_len <= block_size:
         return generate(model, num_samples, seq_len, vocab_size, steps, prompt_ids=prompt_ids, cfg_w=cfg_w,
                         cfg_seed=cfg_seed, generator=generator, device=device, show_progress=show_progress, **sampler)
     stride = check_stride(stride, block_size)
-    device = torch.device(device) if device is not None else _device_of(model)
     x = torch.zeros(num_samples, 0, dtype=torch.long, device=device)
     if prompt_ids is not None:
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
-        x = prompt.expand(num_samples, -1) if prompt.dim() == 1 else prompt
+        x = prompt_rows(prompt_ids, num_samples, device)
         if x.shape[0] != num_samples or x.shape[1] >= seq_len:
-            raise ValueError(f"prompt_ids of shape {tuple(prompt.shape)} do not fit {num_samples} samples of "
-                             f"length {seq_len} (a prompt shorter than seq_len)")
-    if cfg_w != 0 and cfg_seed is None:       # as generate resolves it: one null draw for the whole run
-        cfg_seed = (generator.initial_seed() if generator is not None else torch.initial_seed()) + 1
+            raise ValueError(f"prompt_ids of shape {tuple(torch.as_tensor(prompt_ids).shape)} do not fit "
+                             f"{num_samples} samples of length {seq_len} (a prompt shorter than seq_len)")
     windows = long_windows(x.shape[1], seq_len, block_size, stride)
     for held, new in tqdm(windows, desc=f"sampling ({len(windows)} windows of {block_size}, {steps} steps)",
                           disable=cli.bar_hidden(show_progress), leave=False):
@@ -634,25 +605,22 @@ def main(argv=None):
     if cfg.cfg_w != 0 and prompt is None and not long:
         raise UsageError("--cfg_w needs --prompt or --prompt_ids: unsupervised CFG contrasts the prompt with "
                          "random tokens, so without one it would change nothing")
-    if mc.causal and cfg.cfg_w != 0:
-        raise UsageError("--cfg_w applies to diffusion models; this checkpoint is autoregressive")
-    if mc.causal and psi is not None:
-        raise UsageError("--sampler psi applies to diffusion models; this checkpoint is autoregressive")
+    for flag, used in (("--cfg_w", cfg.cfg_w != 0), ("--sampler psi", psi is not None)):
+        if mc.causal and used:
+            raise UsageError(f"{flag} applies to diffusion models; this checkpoint is autoregressive")
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
     final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
 
-    sampler = "ar" if mc.causal else cfg.sampler
     settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), loss=(ckpt.get("train_config") or {}).get("loss"),
-                    sampler=sampler, tokenizer=tok.spec, seq_len=seq_len, seed=cfg.seed,
+                    sampler="ar" if mc.causal else cfg.sampler, tokenizer=tok.spec, seq_len=seq_len, seed=cfg.seed,
                     use_ema=cfg.use_ema, top_p=cfg.top_p, prompt=cfg.prompt or None, prompt_ids=prompt)
     if not mc.causal:
         settings.update(steps=cfg.steps, nfe=cfg.steps + (final_step != "none"), final_step=final_step,
                         noise_schedule=schedule, t_end=cfg.t_end, cfg_w=cfg.cfg_w)
     if long:      # past the block: sampler windows (nfe is per window), or the AR model's sliding window
         settings.update(block_size=mc.block_size)
-        if not mc.causal:
-            settings.update(stride=stride, windows=len(long_windows(len(prompt or []), seq_len, mc.block_size,
-                                                                    stride)))
+    if long and not mc.causal:
+        settings.update(stride=stride, windows=len(long_windows(len(prompt or []), seq_len, mc.block_size, stride)))
     if psi is not None:
         settings.update(psi=psi._asdict())
     print(f"sampling {cfg.num_samples} x {seq_len} tokens from {cfg.ckpt} (step {ckpt.get('step')}, "
@@ -662,8 +630,7 @@ def main(argv=None):
 
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     batch_size = cfg.batch_size or cfg.num_samples
-    index = 0
-    while index < cfg.num_samples:
+    for index in range(0, cfg.num_samples, batch_size):
         n = min(batch_size, cfg.num_samples - index)
         if mc.causal:
             ids = generate_ar(model, n, seq_len, bos_id=None if prompt else tok.bos_id, prompt_ids=prompt,
@@ -679,7 +646,6 @@ def main(argv=None):
             append_jsonl(cfg.out, records)
         for r in records:
             cli.show(f"--- sample {r['sample']} ---\n{r['text']}")
-        index += len(records)
     if cfg.out:
         print(f"appended {cfg.num_samples} samples to {cfg.out}", file=sys.stderr)
     return 0

@@ -6,11 +6,8 @@ PIQA, RACE, SIQA, LAMBADA, with and without classifier-free guidance).
     python downstream/eval_downstream.py --ckpt out/ckpt.pt --jsonl my/arc_easy.jsonl,my/lambada.jsonl  # built-in runner
 
 Every number is built on one estimate, the conditional log-likelihood bound of a continuation given a clean
-context (the conditional NELBO, with unsupervised CFG when on), stated exactly in downstream/scoring.py.
-Multiple choice (lm-eval convention): one request (context, " " + choice) per choice;
-  acc = [argmax_k ll_k == gold], acc_norm = [argmax_k ll_k / len(choice_k in characters) == gold].
-LAMBADA (context = passage minus its last word, target = " " + last word): acc_generate (protocol a: the target
-  span generated), acc_argmax (protocol b: argmax at t = 1) and perplexity, as scoring.py defines them.
+context (the conditional NELBO, with unsupervised CFG when on), stated exactly in downstream/scoring.py; each
+metric's definition is in DEFINITIONS below, written beside every result.
 
 JSONL files for the built-in runner: one object a line, either multiple choice
   {"context": str, "choices": [str, ...], "gold": int}   or LAMBADA-style   {"text": str}.
@@ -32,18 +29,14 @@ import dataclasses
 import functools
 import importlib.util
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 from data import DataError, not_a_file, read_text
-from diffusion import default_final_step
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
                                         run_lm_eval)
-from downstream.scoring import GREEDY_CHECKS, EvalError, Scorer
+from downstream.scoring import GREEDY_CHECKS, EvalError, load_scorer
 from metrics import mean_se
-from plumbing.cli import finite_float, parse_flags, resolve_device, resolve_dtype, run_cli
-from trained.checkpoint import load_model, load_tokenizer
+from plumbing.cli import finite_float, parse_flags, resolve_device, run_cli
 from plumbing.files import WRITTEN_BY, check_outputs, refuse_overwrite, save_atomic, signature, text_mark, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sampler, check_stride
@@ -59,8 +52,9 @@ SMDM_CFG_W = {"lambada_standard": 1.1, "openbookqa": 1.6, "boolq": 1.6, "piqa": 
 # -----------------------------------------------------------------------------------------------
 # the built-in runner: local JSONL files
 
-def read_jsonl(path):
-    """-> (kind, items) with kind "multiple_choice" or "lambada"; every line is checked, errors name the line."""
+def read_jsonl(path, limit=0):
+    """-> (kind, the first `limit` items, all for 0) with kind "multiple_choice" or "lambada"; every line is
+    checked, errors name the line."""
     if not os.path.isfile(path):
         raise EvalError(not_a_file(path, f"JSONL file not found: {path}", "the JSONL file"))
     items, kinds = [], set()
@@ -83,7 +77,7 @@ def read_jsonl(path):
         raise EvalError(f"{path} has no items")
     if len(kinds) > 1:
         raise EvalError(f"{path} mixes multiple-choice and LAMBADA-style lines; use one file per task")
-    return kinds.pop(), items
+    return kinds.pop(), items[:limit or None]
 
 
 def multiple_choice_requests(items):
@@ -109,10 +103,8 @@ def run_multiple_choice(items, loglikelihood):
     acc = acc_norm = 0
     for item in items:
         scores, lls = lls[:len(item["choices"])], lls[len(item["choices"]):]
-        best = max(range(len(scores)), key=lambda k: scores[k])
-        best_norm = max(range(len(scores)), key=lambda k: scores[k] / max(1, len(item["choices"][k])))
-        acc += best == item["gold"]
-        acc_norm += best_norm == item["gold"]
+        acc += max(range(len(scores)), key=lambda k: scores[k]) == item["gold"]
+        acc_norm += max(range(len(scores)), key=lambda k: scores[k] / max(1, len(item["choices"][k]))) == item["gold"]
     n = len(items)
     return {"acc": acc / n, "acc_se": accuracy_se(acc, n), "acc_norm": acc_norm / n,
             "acc_norm_se": accuracy_se(acc_norm, n), "n": n}
@@ -273,9 +265,8 @@ def markdown_table(rows):
     lines = ["| task | setting | w | runner | n | " + " | ".join(metrics) + " |",
              "|---|---|---:|---|---:|" + "---:|" * len(metrics)]
     for r in rows:
-        cells = [cell(r, m) for m in metrics]
         lines.append(f"| {r['task']} | {r['setting']} | {r['cfg_w']:g} | {r['runner']} | {r['n']} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cell(r, m) for m in metrics) + " |")
     return "\n".join(lines)
 
 
@@ -299,33 +290,24 @@ def results_md(path):
 
 def main(argv=None):
     cfg = parse_flags(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
-    refuse_overwrite({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""},
-                     {"--ckpt": cfg.ckpt, "--jsonl": cfg.jsonl.split(",")})
-    check_outputs({"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""},    # new, or written by it
-                  script="downstream/eval_downstream.py")
+    outputs = {"--out": [cfg.out, results_md(cfg.out)] if cfg.out else ""}
+    refuse_overwrite(outputs, {"--ckpt": cfg.ckpt, "--jsonl": cfg.jsonl.split(",")})
+    check_outputs(outputs, script="downstream/eval_downstream.py")    # new, or written by it
     validate(cfg)
     plan = plan_tasks(cfg)
     if any(runner == "lm-eval" for _, runner, _ in plan):
-        offline = hub_offline_check()     # before lm-eval imports `datasets`
-        if offline:
-            print(offline, file=sys.stderr)
+        hub_offline_check()     # before lm-eval imports `datasets`
         check_lm_eval_tasks([name for name, runner, _ in plan if runner == "lm-eval"], cfg.include_path)
-    data = {name: read_jsonl(path) for name, runner, path in plan if runner == "builtin"}
+    data = {name: read_jsonl(path, cfg.limit) for name, runner, path in plan if runner == "builtin"}
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
-    tokenizer, why = load_tokenizer(ckpt, cfg.ckpt)
-    if tokenizer is None:
-        raise EvalError(f"{cfg.ckpt}: {why}")
-    if cfg.rolling_context >= model.config.block_size:
-        raise EvalError(f"--rolling_context must be < the model's block_size {model.config.block_size}")
-    check_stride(cfg.stride, model.config.block_size)
-    scorer = Scorer(model, tokenizer, mc_draws=cfg.mc_draws, batch_size=cfg.batch_size, seed=cfg.seed,
-                    lambada_steps=cfg.lambada_steps, dtype=dtype, add_bos=cfg.add_bos,
-                    schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear",
-                    final_step=default_final_step(ckpt))
-    for name, (kind, items) in data.items():     # every request is checked before any scoring
-        items = items[:cfg.limit or None]
+    scorer, ckpt = load_scorer(cfg.ckpt, device, cfg.use_ema, cfg.dtype, mc_draws=cfg.mc_draws,
+                               batch_size=cfg.batch_size, seed=cfg.seed, lambada_steps=cfg.lambada_steps,
+                               add_bos=cfg.add_bos)
+    block_size = scorer.model.config.block_size
+    if cfg.rolling_context >= block_size:
+        raise EvalError(f"--rolling_context must be < the model's block_size {block_size}")
+    check_stride(cfg.stride, block_size)
+    for kind, items in data.values():     # every request is checked before any scoring
         scorer.encode_all(multiple_choice_requests(items) if kind == "multiple_choice"
                           else [lambada_request(item) for item in items])
     weights = task_weights(cfg, [name for name, _, _ in plan])
@@ -339,7 +321,7 @@ def main(argv=None):
     result = {WRITTEN_BY: signature("downstream/eval_downstream.py"), "config": dataclasses.asdict(cfg),
               "checkpoint": {"step": ckpt.get("step"), "loss": (ckpt.get("train_config") or {}).get("loss"),
                              "model_config": ckpt.get("model_config")},
-              "tokenizer": tokenizer.spec, "definitions": DEFINITIONS, "results": rows, "failed": failed}
+              "tokenizer": scorer.tokenizer.spec, "definitions": DEFINITIONS, "results": rows, "failed": failed}
     for name, runner, _ in plan:
         for k, (setting, guided) in enumerate(settings):
             w = weights[name] if guided else 0.0
@@ -351,7 +333,6 @@ def main(argv=None):
                     metrics = run_lm_eval(name, lm, cfg.limit, cfg.include_path)
                 else:
                     kind, items = data[name]
-                    items = items[:cfg.limit or None]
                     if kind == "multiple_choice":
                         metrics = run_multiple_choice(
                             items, functools.partial(scorer.loglikelihood, cfg_w=w, desc=f"{name} ({setting})"))

@@ -13,20 +13,12 @@ import sys
 import torch
 
 from data import not_a_file
-from diffusion import default_final_step
-from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, Scorer
-from plumbing.cli import (SEED_END, UsageError, finite_float, first_line, parse_bool, resolve_device, resolve_dtype,
-                          whole)
-from trained.checkpoint import load_model, load_tokenizer
+from downstream.scoring import GREEDY_CHECKS, MAX_GEN_TOKS, EvalError, load_scorer
+from plumbing.cli import SEED_END, UsageError, finite_float, first_line, parse_bool, resolve_device, whole
 from sample import check_sampler, check_stride, parse_psi
 
 
 LM_EVAL = "lm-eval==0.4.13"   # the version the adapter is tested with (CI installs it)
-
-
-def needs_lm_eval(what):
-    """The one line for `what` where lm-eval is not installed."""
-    return f"{what} needs lm-eval, an optional extra: pip install {LM_EVAL}"
 
 
 @functools.cache
@@ -68,6 +60,14 @@ def coerce(value, typ, name):
         raise EvalError(f"sddlm model argument {name}={value!r} is not a valid {typ.__name__}") from None
 
 
+def model_argument(check, *args):
+    """check(*args) of sample.py, whose messages name its flags, which are these model arguments."""
+    try:
+        return check(*args)
+    except UsageError as e:
+        raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+
+
 class _Harness:
     """lm-eval's three request types over Scorer (one model, its tokenizer, the MC settings)."""
 
@@ -93,33 +93,27 @@ class _Harness:
             raise EvalError(f"greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {greedy_check!r}")
         self.steps, self.final_step = coerce(steps, int, "steps"), str(final_step)
         self.top_p = coerce(top_p, float, "top_p")
-        try:
-            check_sampler(self.steps, self.final_step, self.top_p)
-            # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
-            self.psi = parse_psi(str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
-                                 str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
-                                 str(psi_fracs).replace("/", ","), self.steps, str(psi_rescale), str(psi_grid))
-        except UsageError as e:      # its messages name sample.py's flags, which are these model arguments
-            raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+        model_argument(check_sampler, self.steps, self.final_step, self.top_p)
+        # lm-eval splits --model_args at commas, so the phases of the loop profile are separated by "/"
+        self.psi = model_argument(parse_psi, str(sampler), *(str(a).replace("/", ",") for a in (psi_kappa, psi_eta)),
+                                  str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
+                                  str(psi_fracs).replace("/", ","), self.steps, str(psi_rescale), str(psi_grid))
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
         seed = whole(coerce(seed, int, "seed"), "sddlm model argument seed", 0, SEED_END)
-        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), seed,
-                                                 coerce(lambada_steps, int, "lambada_steps"),
-                                                 coerce(use_ema, bool, "use_ema"), str(dtype),
-                                                 coerce(add_bos, bool, "add_bos"), batch_size, device)
+        self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), batch_size, device,
+                                                 coerce(use_ema, bool, "use_ema"), str(dtype), seed=seed,
+                                                 lambada_steps=coerce(lambada_steps, int, "lambada_steps"),
+                                                 add_bos=coerce(add_bos, bool, "add_bos"))
         if self.final_step == "auto":
             self.final_step = self.scorer.final_step
         block_size = self.scorer.model.config.block_size
         if not 0 <= self.rolling_context < block_size:
             raise EvalError(f"rolling_context must be in [0, {block_size - 1}], got {self.rolling_context}")
-        try:
-            self.stride = check_stride(coerce(stride, int, "stride"), block_size)
-        except UsageError as e:
-            raise EvalError(f"sddlm model argument {str(e).lstrip('-')}") from None
+        self.stride = model_argument(check_stride, coerce(stride, int, "stride"), block_size)
 
     @staticmethod
-    def load_scorer(ckpt, mc_draws, seed, lambada_steps, use_ema, dtype, add_bos, batch_size, device):
-        """The checkpoint's model and tokenizer in an eval_downstream.Scorer (its sampler on its training schedule)."""
+    def load_scorer(ckpt, mc_draws, batch_size, device, use_ema, dtype, **settings):
+        """scoring.load_scorer of --model_args ckpt=, with lm-eval's batch_size and device."""
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
             batch_size = 16   # no automatic batch-size search: draws per forward is a fixed choice
         batch_size = coerce(batch_size, int, "batch_size")
@@ -134,14 +128,7 @@ class _Harness:
         name = str(device or "auto")
         device = resolve_device(name.split(":")[0])
         device = torch.device(name) if ":" in name else device     # lm-eval may pass "cuda:0"
-        model, ckpt_dict = load_model(str(ckpt), device, use_ema)
-        tokenizer, why = load_tokenizer(ckpt_dict, str(ckpt))
-        if tokenizer is None:
-            raise EvalError(f"{ckpt}: {why}")
-        return Scorer(model, tokenizer, mc_draws=mc_draws, batch_size=batch_size, seed=seed,
-                         lambada_steps=lambada_steps, dtype=resolve_dtype(dtype, device), add_bos=add_bos,
-                         schedule=(ckpt_dict.get("train_config") or {}).get("noise_schedule") or "loglinear",
-                         final_step=default_final_step(ckpt_dict))
+        return load_scorer(ckpt, device, use_ema, dtype, mc_draws=mc_draws, batch_size=batch_size, **settings)[0]
 
     def loglikelihood(self, requests, disable_tqdm=False):
         scored = self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)
@@ -175,8 +162,8 @@ def hub_offline_check(timeout=3.0):
     """Offline, every Hugging Face dataset lm-eval tries to reach costs ~36 s of retries before it fails. Unless
     an offline variable or a proxy is set, try one TCP connection to the hub (HF_ENDPOINT, default huggingface.co);
     when it fails, set HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 for this process (datasets in the local cache
-    still load, others fail at once) -> the note to print, or None. Call it before `datasets` is imported: both
-    libraries read these variables once, at import."""
+    still load, others fail at once) and print a note on stderr -> the note, or None. Call it before `datasets`
+    is imported: both libraries read these variables once, at import."""
     import socket
     import urllib.parse
     if any(v in os.environ for v in OFFLINE_VARS):      # the user decided
@@ -191,8 +178,10 @@ def hub_offline_check(timeout=3.0):
     except OSError as e:
         for v in OFFLINE_VARS:
             os.environ[v] = "1"
-        return (f"note: {host}:{port} is unreachable ({type(e).__name__}); running with HF_DATASETS_OFFLINE=1 "
+        note = (f"note: {host}:{port} is unreachable ({type(e).__name__}); running with HF_DATASETS_OFFLINE=1 "
                 f"HF_HUB_OFFLINE=1: datasets in the local Hugging Face cache load, others fail at once")
+        print(note, file=sys.stderr)
+        return note
 
 
 def lm_eval_failure(e, task=None):

@@ -49,7 +49,6 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import importlib
-import sys
 
 import torch
 
@@ -63,7 +62,8 @@ try:
 except ImportError:
     if __name__ != "__main__":           # imported: the caller's own lm_eval needs it anyway
         raise
-    print(f"error: {adapter.needs_lm_eval('python -m downstream.lm_eval_sddlm')}", file=sys.stderr)
+    print(f"error: python -m downstream.lm_eval_sddlm needs lm-eval, an optional extra: pip install {adapter.LM_EVAL}",
+          file=sys.stderr)
     sys.exit(2)
 
 # The harness's own models first: lm-eval's get_model imports them only into an EMPTY registry, so registering
@@ -84,9 +84,8 @@ def main():
     """The harness's command line (sys.argv as given) with "sddlm" registered; lm-eval's own failures (a dataset
     that cannot be reached, ...) become one line. --help (-h): the harness's help, then the sddlm model's."""
     asks_help = any(a in ("-h", "--help") for a in sys.argv[1:])
-    offline = None if asks_help else adapter.hub_offline_check()     # before lm-eval imports `datasets`
-    if offline:
-        print(offline, file=sys.stderr)
+    if not asks_help:
+        adapter.hub_offline_check()     # before lm-eval imports `datasets`
     from lm_eval.__main__ import cli_evaluate
     try:
         cli_evaluate()

@@ -39,9 +39,11 @@ from tqdm import tqdm
 
 import diffusion
 import losses
+from diffusion import default_final_step
 from plumbing import cli
-from plumbing.cli import UsageError, autocast_for
-from sample import denoiser_log_probs, generate_long, null_tokens
+from plumbing.cli import UsageError, autocast_for, resolve_dtype
+from sample import device_of, generate_long, guided_logits, null_tokens
+from trained.checkpoint import load_model, load_tokenizer
 
 T_MIN = 1e-3
 GREEDY_CHECKS = ("argmax", "generate")
@@ -54,10 +56,6 @@ class EvalError(UsageError):
 
 # -----------------------------------------------------------------------------------------------
 # the estimate: log p(continuation | context) for token ids
-
-def _device(model):
-    return next(model.parameters()).device
-
 
 def join_context(ctx_ids, cont_ids, block_size, device=None):
     """x0 = [context ; continuation] as a (1, L) tensor, the context cut from the left so that L <= block_size.
@@ -72,13 +70,14 @@ def join_context(ctx_ids, cont_ids, block_size, device=None):
 
 def guided_log_probs(model, xt, sigma, n_ctx, cfg_w=0.0, null_ctx=None, autocast=None):
     """log p~(x0 | x_t) at the continuation positions n_ctx.. : xt (B, L) ids -> (B, L - n_ctx, V) float32.
-    cfg_w = 0 (or no context): log p_theta. Otherwise sample.denoiser_log_probs with the unconditional input
+    cfg_w = 0 (or no context): log p_theta. Otherwise sample.guided_logits with the unconditional input
     xt whose context is replaced by null_ctx (B, n_ctx) and the SAME noisy continuation. sigma (B,) is
     ignored by models without time conditioning (the llama presets)."""
     guided = cfg_w != 0 and n_ctx > 0
     null_xt = torch.cat([null_ctx, xt[:, n_ctx:]], dim=1) if guided else None
-    return denoiser_log_probs(model, xt, sigma, null_xt=null_xt, cfg_w=cfg_w if guided else 0.0, autocast=autocast,
-                              dtype=torch.float32, start=n_ctx)
+    logits = guided_logits(model, xt, sigma, null_xt=null_xt, cfg_w=cfg_w if guided else 0.0, autocast=autocast,
+                           start=n_ctx)
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 @torch.no_grad()
@@ -87,7 +86,7 @@ def conditional_nelbo(model, ctx_ids, cont_ids, *, mc_draws=128, batch_size=16, 
     draw j = sum over continuation positions of usdm_nelbo_loss at t_j (stratified in [1e-3, 1]).
     log p(cont | ctx) >= -mean. All randomness is drawn up front from generators seeded with `seed`, so the
     result does not depend on batch_size (draws per forward; 2 x batch_size rows with CFG)."""
-    device = _device(model)
+    device = device_of(model)
     V = model.config.vocab_size
     x0, n_ctx = join_context(ctx_ids, cont_ids, model.config.block_size, device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -116,7 +115,7 @@ def conditional_loglik(model, ctx_ids, cont_ids, **kwargs):
 def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
     """LAMBADA protocol (b): the continuation fully noised (x_1 ~ q_1(. | cont), alpha_1 = 1e-3), one (guided)
     forward; True iff argmax_v p~(v | x_1) equals the gold token at every continuation position."""
-    device = _device(model)
+    device = device_of(model)
     V = model.config.vocab_size
     x0, n_ctx = join_context(ctx_ids, cont_ids, model.config.block_size, device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -131,11 +130,12 @@ def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
 def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancestral", top_p=1.0, cfg_w=0.0, seed=0,
                           schedule="loglinear", dtype=None, psi=None, stride=0):
     """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps, or Psi steps with
-    psi (a sample.Psi), on the time grid of `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised CFG against a random-token context)
-    -> list of n_tokens ids. Fewer than block_size: one block, the context cut from the left to fit it; more:
-    sample.generate_long's windows of `stride` new tokens after the whole context. The generator is seeded with
-    `seed` for every call, so a request's result does not depend on the others."""
-    device = _device(model)
+    psi (a sample.Psi), on the time grid of `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised
+    CFG against a random-token context) -> list of n_tokens ids. Fewer than block_size: one block, the context
+    cut from the left to fit it; more: sample.generate_long's windows of `stride` new tokens after the whole
+    context. The generator is seeded with `seed` for every call, so a request's result does not depend on the
+    others."""
+    device = device_of(model)
     long = n_tokens >= model.config.block_size
     x0, n_ctx = (torch.tensor([list(ctx_ids)], dtype=torch.long, device=device), len(ctx_ids)) if long else \
         join_context(ctx_ids, [0] * n_tokens, model.config.block_size, device)
@@ -146,22 +146,6 @@ def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancest
                         cfg_w=cfg_w if n_ctx or seq_len > model.config.block_size else 0.0, psi=psi, generator=gen,
                         device=device, dtype=dtype, show_progress=False)
     return ids[0, n_ctx:].tolist()
-
-
-def generate_span(model, ctx_ids, n_tokens, *, steps=8, cfg_w=0.0, seed=0, schedule="loglinear", dtype=None):
-    """LAMBADA protocol (a): n_tokens after the fixed context, generated by sample.generate (ancestral steps,
-    final step greedy, the same unsupervised CFG) -> list of ids. Caveat: SDDLM-family denoisers are trained
-    only on replaced tokens, so their argmax tends to avoid the current token (docs/sampling.md, final step)."""
-    return generate_continuation(model, ctx_ids, n_tokens, steps=steps, final_step="greedy", cfg_w=cfg_w, seed=seed,
-                                 schedule=schedule, dtype=dtype)
-
-
-def cut_at_stops(text, until):
-    """lm-eval's generate_until convention: the text before the first occurrence of any stop string."""
-    for stop in until:
-        if stop:
-            text = text.split(stop, 1)[0]
-    return text
 
 
 def rolling_windows(ids, n_prefix, block_size, context=1):
@@ -194,11 +178,19 @@ class Scorer:
         self.mc_draws, self.batch_size, self.seed = mc_draws, batch_size, seed
         self.lambada_steps, self.dtype, self.add_bos, self.progress = lambada_steps, dtype, add_bos, progress
         self.schedule, self.final_step = schedule, final_step
+        self.prefix = [tokenizer.bos_id] if add_bos else []       # training blocks start with BOS
+
+    def _bar(self, items, desc):
+        return tqdm(items, desc=desc, disable=cli.bar_hidden(self.progress), leave=False)
+
+    def _encoded(self, pairs, desc):
+        """[(context, continuation)] -> a progress bar over ((ctx ids, cont ids), (context, continuation))."""
+        return self._bar(list(zip(self.encode_all(pairs), pairs)), desc)
 
     @property
     def autocast(self):
         """A fresh autocast context for the network (cli.autocast_for)."""
-        return autocast_for(_device(self.model), self.dtype)
+        return autocast_for(device_of(self.model), self.dtype)
 
     def encode(self, context, continuation):
         """lm-eval's split: trailing whitespace of the context moves to the continuation; the continuation ids
@@ -208,7 +200,7 @@ class Scorer:
             context, continuation = context[:-n_space], context[-n_space:] + continuation
         ctx = self.tokenizer.encode(context)
         cont = self.tokenizer.encode(context + continuation)[len(ctx):]
-        return ([self.tokenizer.bos_id] if self.add_bos else []) + ctx, cont
+        return self.prefix + ctx, cont
 
     def encode_all(self, pairs):
         """Encode and check every request before any work (a too-long continuation fails at once)."""
@@ -225,8 +217,7 @@ class Scorer:
         if greedy_check not in GREEDY_CHECKS:
             raise EvalError(f"greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {greedy_check!r}")
         out = []
-        for (ctx, cont), (_, text) in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc,
-                                           disable=cli.bar_hidden(self.progress), leave=False):
+        for (ctx, cont), (_, text) in self._encoded(pairs, desc):
             if not cont:
                 out.append((0.0, True))
                 continue
@@ -241,13 +232,15 @@ class Scorer:
 
     def generate_matches(self, pairs, cfg_w=0.0, desc="generate"):
         """Protocol (a) for each (context, target): does the generated span decode to the target?"""
-        return [self._generated_matches(ctx, cont, text, cfg_w) for (ctx, cont), (_, text)
-                in tqdm(list(zip(self.encode_all(pairs), pairs)), desc=desc, disable=cli.bar_hidden(self.progress),
-                        leave=False)]
+        return [self._generated_matches(ctx, cont, text, cfg_w)
+                for (ctx, cont), (_, text) in self._encoded(pairs, desc)]
 
     def _generated_matches(self, ctx, cont, text, cfg_w):
-        span = generate_span(self.model, ctx, len(cont), steps=self.lambada_steps, cfg_w=cfg_w, seed=self.seed,
-                             schedule=self.schedule, dtype=self.dtype)
+        """LAMBADA protocol (a): the span generated after the fixed context (lambada_steps ancestral steps, final
+        step greedy, the same CFG) decodes to the target. Caveat: SDDLM-family denoisers are trained only on
+        replaced tokens, so their argmax tends to avoid the current token (docs/sampling.md, final step)."""
+        span = generate_continuation(self.model, ctx, len(cont), steps=self.lambada_steps, final_step="greedy",
+                                     cfg_w=cfg_w, seed=self.seed, schedule=self.schedule, dtype=self.dtype)
         return self.tokenizer.decode(span).strip() == text.strip()
 
     def generate_until(self, requests, cfg_w=0.0, steps=128, final_step="ancestral", top_p=1.0,
@@ -257,11 +250,11 @@ class Scorer:
         generate_continuation, cut at the first EOS, decoded, then cut before the first of the stop strings
         gen_kwargs["until"] (a str or a list)."""
         out = []
-        for context, kwargs in tqdm(requests, desc=desc, disable=cli.bar_hidden(self.progress), leave=False):
+        for context, kwargs in self._bar(requests, desc):
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             n = int(kwargs.get("max_gen_toks", MAX_GEN_TOKS))
-            ctx = ([self.tokenizer.bos_id] if self.add_bos else []) + self.tokenizer.encode(context)
+            ctx = self.prefix + self.tokenizer.encode(context)
             if n < self.model.config.block_size:         # one block: the context that fits it
                 ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
             ids = generate_continuation(self.model, ctx, n, steps=steps, final_step=final_step, top_p=top_p,
@@ -269,7 +262,10 @@ class Scorer:
                                         dtype=self.dtype, psi=psi, stride=stride) if n > 0 else []
             if self.tokenizer.eos_id in ids:
                 ids = ids[:ids.index(self.tokenizer.eos_id)]
-            out.append(cut_at_stops(self.decode_after(ctx, ids), until))
+            text = self.decode_after(ctx, ids)
+            for stop in filter(None, until):          # lm-eval's convention: the text before the first stop string
+                text = text.split(stop, 1)[0]
+            out.append(text)
         return out
 
     def decode_after(self, ctx, ids):
@@ -281,12 +277,22 @@ class Scorer:
         """[text] -> [a lower bound on log p(text)]: the sum over rolling_windows (BOS first when add_bos) of the
         conditional bound -mean(conditional_nelbo); window k draws with seed + k. An empty text scores 0."""
         out = []
-        for text in tqdm(texts, desc=desc, disable=cli.bar_hidden(self.progress), leave=False):
-            prefix = [self.tokenizer.bos_id] if self.add_bos else []
-            windows = rolling_windows(prefix + self.tokenizer.encode(text), len(prefix), self.model.config.block_size,
-                                      context)
+        for text in self._bar(texts, desc):
+            windows = rolling_windows(self.prefix + self.tokenizer.encode(text), len(self.prefix),
+                                      self.model.config.block_size, context)
             bound = sum(conditional_loglik(self.model, ctx, piece, mc_draws=self.mc_draws, batch_size=self.batch_size,
                                            cfg_w=cfg_w, seed=self.seed + k, autocast=self.autocast)
                         for k, (ctx, piece) in enumerate(windows))
             out.append(float(bound))
         return out
+
+
+def load_scorer(path, device, use_ema=True, dtype="auto", **settings):
+    """The model and tokenizer of a checkpoint, a model folder or duo:PATH in a Scorer (its sampler on the noise
+    schedule it was trained with, final_step=auto its objective's) -> (scorer, the checkpoint dict)."""
+    model, ckpt = load_model(str(path), device, use_ema)
+    tokenizer, why = load_tokenizer(ckpt, str(path))
+    if tokenizer is None:
+        raise EvalError(f"{path}: {why}")
+    return Scorer(model, tokenizer, dtype=resolve_dtype(dtype, device), final_step=default_final_step(ckpt),
+                  schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear", **settings), ckpt

@@ -36,13 +36,18 @@ if __package__ in (None, ""):
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
 cli.stop_at_once(__name__)
 
-import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
 
+from diffusion import default_final_step
+from metrics import nelbo_ppl
+from plumbing.cli import SEED_END, parse_flags, run_cli, whole
+from plumbing.files import check_writable, refuse_overwrite, writing
+from sample import check_sample_size, device_of, generate_ar, generate_long
+from trained.checkpoint import load_model, load_tokenizer
 from trained.export import export, folder_config, save_folder
-from plumbing.files import writing
 from trained.folder import CARD, CONFIG, TOKENIZER, WEIGHTS, check_target, is_model_folder, is_our_card
 
 
@@ -95,7 +100,6 @@ class SDDLM:
     def from_pretrained(cls, name, device="cpu", use_ema=True):
         """A model folder, a train.py / distillation/distill.py checkpoint, duo:PATH, or a hub repository id (downloaded with
         huggingface_hub) -> SDDLM. The tokenizer is the folder's own file (or the checkpoint's)."""
-        from trained.checkpoint import load_model, load_tokenizer
         name = str(name)
         if not os.path.exists(name) and not name.startswith("duo:"):
             name = snapshot(name)
@@ -107,7 +111,7 @@ class SDDLM:
 
     @property
     def device(self):
-        return next(self.model.parameters()).device
+        return device_of(self.model)
 
     def save_pretrained(self, folder, name=None):
         """Write this model as a model folder (its loaded weights; the tokenizer file travels with it), replacing
@@ -118,7 +122,6 @@ class SDDLM:
 
     def push_to_hub(self, repo_id, private=False, token=None):
         """save_pretrained into a temporary folder, then upload it (push_to_hub)."""
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             folder = self.save_pretrained(os.path.join(tmp, "model"), name=repo_id)
             return push_to_hub(folder, repo_id, private=private, token=token)
@@ -130,9 +133,6 @@ class SDDLM:
         Longer than the block: windows that draw `stride` tokens each (0 = half a block; sample.generate_long).
         prompt: a clean prefix. sampler: more of sample.generate's keywords (top_p, cfg_w, t_end, final_step, psi).
         -> list of str."""
-        from diffusion import default_final_step
-        from plumbing.cli import SEED_END, whole
-        from sample import check_sample_size, generate_ar, generate_long
         if length is not None and seq_len is not None and length != seq_len:
             raise ValueError(f"length={length} and seq_len={seq_len} name the same thing; give one")
         name = "length" if length is not None else "seq_len"
@@ -160,8 +160,6 @@ class SDDLM:
         its Monte-Carlo standard error, from the two rounds' spread: on 1 degree of freedom, so the PPL's 95% interval
         (ppl_lo, ppl_hi) is exp(nll -+ 12.7 nll_se), not 1.96 -> list of dict(nll, nll_se, ppl, ppl_se, ppl_lo,
         ppl_hi, tokens)."""
-        from metrics import nelbo_ppl
-        from plumbing.cli import SEED_END, whole
         whole(mc_draws, "mc_draws", 1), whole(seed, "seed", 0, SEED_END)
         out = []
         for text in ([texts] if isinstance(texts, str) else texts):
@@ -185,8 +183,6 @@ class ExportConfig:
 
 
 def main(argv=None):
-    from plumbing.cli import parse_flags
-    from plumbing.files import check_writable, refuse_overwrite
     cfg = parse_flags(ExportConfig, argv, description="Export a checkpoint as a model folder (safetensors).")
     out = cfg.out or os.path.join(os.path.dirname(os.path.abspath(cfg.ckpt)), "model")
     refuse_overwrite({"--out": out}, {"--ckpt": cfg.ckpt})
@@ -199,5 +195,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing.cli import run_cli
     run_cli(main, ValueError)

@@ -6,9 +6,6 @@ default on CUDA (train.py --head auto), where the logits of a micro-batch (64 x 
   Head                  the output layer in place of logits: losses.py's SDDLM losses and ar_loss take it as they
                         take logits (it has .shape, row slicing and .log_probs)
   usdm_nelbo_loss_lean  losses.usdm_nelbo_loss in chunks of rows, on logits or a Head
-  logsumexp_fp32        a float32 log-sum-exp of bf16 logits in chunks of rows, saving one float per row: not on
-                        the training or sampling path (the Head and usdm_nelbo_loss_lean take their own
-                        log-sum-exps); kept with its tests (tests/test_fastpaths.py) for a caller that holds logits
 
 Each chunk's logits are either kept for backward (Head.keep_logits: three matrix products in all, forward and the
 two of backward) or recomputed there (four products, the memory of one chunk); train.py's memory probe
@@ -58,7 +55,7 @@ class Head:
         tokens = torch.stack(token_sets)
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
         out = _HeadLogProbs.apply(hidden, self.weight, self.bias, tokens.reshape(tokens.shape[0], -1),
-                                  self.shape[-1], _chunk_rows(self.weight.shape[0], self.chunk_elems),
+                                  self.shape[-1], max(1, self.chunk_elems // self.weight.shape[0]),
                                   self.keep_logits and torch.is_grad_enabled())   # in evaluation: nothing to keep
         return tuple(out.view(tokens.shape))
 
@@ -81,17 +78,9 @@ def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25)
     while alpha_t.dim() < x0.dim():
         alpha_t, dalpha_t = alpha_t.unsqueeze(-1), dalpha_t.unsqueeze(-1)
     width = x.shape[-1] if weight is None else weight.shape[0]
-    out = _RowChunks.apply(losses.usdm_nelbo_loss, _chunk_rows(width, chunk_elems), logits.shape[-1], keep,
+    out = _RowChunks.apply(losses.usdm_nelbo_loss, max(1, chunk_elems // width), logits.shape[-1], keep,
                            x, weight, bias, x0.reshape(-1), xt.reshape(-1), rows(alpha_t), rows(dalpha_t))
     return out.view(shape)
-
-
-def logsumexp_fp32(logits, chunk_elems=1 << 25):
-    """log sum_v exp(logits[..., v]) in float32 without materialising a float32 copy of the logits (no caller in
-    training or sampling: see the module's docstring).
-    logits: (..., V) any float dtype -> (...) float32 (float64 for float64 logits)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _LogSumExpFP32.apply(flat, _chunk_rows(flat.shape[-1], chunk_elems)).view(logits.shape[:-1])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -99,11 +88,6 @@ def logsumexp_fp32(logits, chunk_elems=1 << 25):
 
 def _acc_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
-
-
-def _lse_rows(z, V):
-    """z (n, V_pad) any float dtype -> log-sum-exp of its first V columns, (n,) in at least float32."""
-    return torch.logsumexp(z[:, :V].to(_acc_dtype(z.dtype)), dim=-1)
 
 
 def _lse_and_picked(z, tokens, V):
@@ -117,7 +101,9 @@ def _logits_grad(z, lse, tokens, g, V):
     and rounded ONCE to z's dtype (a gather plus a separate log-sum-exp would round the target entry twice:
     ~13% gradient error at p = 0.9 in bf16); zero on the padding columns >= V.
     z (n, V_pad), lse (n,), tokens and g (k, n) -> (n, V_pad)."""
-    grad = _softmax_times(z, lse, -g.sum(0), V)
+    grad = z.to(lse.dtype, copy=True).sub_(lse[:, None]).exp_().mul_(-g.sum(0)[:, None])     # -(sum_i g_i) softmax(z)
+    if V < z.shape[-1]:
+        grad[:, V:] = 0
     if torch.compiler.is_compiling():     # the targets as comparisons: all of it fuses into one kernel
         col = torch.arange(z.shape[-1], device=z.device)
         for t, gt in zip(tokens, g):
@@ -126,15 +112,6 @@ def _logits_grad(z, lse, tokens, g, V):
         for t, gt in zip(tokens, g):
             grad.scatter_add_(-1, t[:, None], gt[:, None])
     return grad.to(z.dtype)
-
-
-def _softmax_times(z, lse, g, V):
-    """softmax(z) * g in float32 (the gradient of g * lse), zero on the padding columns; z (n, V_pad), lse and
-    g (n,) -> (n, V_pad) float32 (at least)."""
-    grad = z.to(lse.dtype, copy=True).sub_(lse[:, None]).exp_().mul_(g[:, None])
-    if V < z.shape[-1]:
-        grad[:, V:] = 0
-    return grad
 
 
 _COMPILED = {}
@@ -157,10 +134,6 @@ def _can_compile():
     except ImportError:
         return False
     return torch._dynamo.is_dynamo_supported() and has_triton()
-
-
-def _chunk_rows(width, chunk_elems):
-    return max(1, chunk_elems // width)
 
 
 def _chunks(n, chunk_rows):
@@ -205,31 +178,6 @@ def _cast_back(grads, x, weight, bias):
 
 # -----------------------------------------------------------------------------------------------
 # autograd Functions over chunks of rows
-
-
-class _LogSumExpFP32(torch.autograd.Function):
-    """logsumexp over the last dim in float32, chunked over rows; saves only the input and the result."""
-
-    @staticmethod
-    def forward(ctx, flat, chunk_rows):
-        V = flat.shape[-1]
-        lse = torch.empty(flat.shape[0], dtype=_acc_dtype(flat.dtype), device=flat.device)
-        kernel = _fused(_lse_rows, flat)
-        for j in _chunks(flat.shape[0], chunk_rows):
-            lse[j] = kernel(flat[j], V)
-        ctx.save_for_backward(flat, lse)
-        ctx.chunk_rows = chunk_rows
-        return lse
-
-    @staticmethod
-    def backward(ctx, grad_lse):
-        flat, lse = ctx.saved_tensors
-        g = grad_lse.to(lse.dtype)
-        grad = torch.empty_like(flat)
-        kernel = _fused(_softmax_times, flat)
-        for j in _chunks(flat.shape[0], ctx.chunk_rows):
-            grad[j] = kernel(flat[j], lse[j], g[j], flat.shape[-1])      # rounded once to the logits' dtype
-        return grad, None
 
 
 class _HeadLogProbs(torch.autograd.Function):
