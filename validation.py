@@ -25,21 +25,16 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
     retokenized), batch_size sequences per judge forward, and entropy of the sampler's own ids, each with its
     standard error over the samples (entropy_se: of their mean). per_sample: gen_ppl's per-sample sums, and
     sample_entropy, too."""
-    max_length = max(map(len, ids))
-    if judge_shares_tokenizer(judge, tok):
-        top = max(max(row) for row in ids)
-        if top >= tok.vocab_size:
-            raise UsageError(f"the samples of {label} hold token id {top}, not below their tokenizer's vocabulary "
-                             f"{tok.vocab_size}: not samples of that tokenizer")
-        result = gen_ppl(ids, judge, max_length=max_length, batch_size=batch_size, device=device,
-                         show_progress=show_progress, per_sample=per_sample)
-        how = "ids scored directly: the judge uses the sampler's tokenizer"
-    else:
-        if any(t is None for t in texts):
-            raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
-        result = gen_ppl(texts, judge, max_length=max_length, batch_size=batch_size, device=device,
-                         show_progress=show_progress, per_sample=per_sample)
-        how = "decoded text retokenized with the judge's tokenizer"
+    shared, top = judge_shares_tokenizer(judge, tok), max(map(max, ids))
+    if shared and top >= tok.vocab_size:
+        raise UsageError(f"the samples of {label} hold token id {top}, not below their tokenizer's vocabulary "
+                         f"{tok.vocab_size}: not samples of that tokenizer")
+    if not shared and any(t is None for t in texts):
+        raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
+    result = gen_ppl(ids if shared else texts, judge, max_length=max(map(len, ids)), batch_size=batch_size,
+                     device=device, show_progress=show_progress, per_sample=per_sample)
+    how = ("ids scored directly: the judge uses the sampler's tokenizer" if shared else
+           "decoded text retokenized with the judge's tokenizer")
     values = entropies(ids)
     mean = sum(values) / len(values)
     return dict(model=label, steps=steps, entropy=mean, entropy_se=mean_se(len(values), sum(values),
@@ -201,24 +196,28 @@ def gen_metrics(sums, cfg, judge):
             "gen_seed": cfg.gen_seed, "gen_judge": judge.name}
 
 
-def print_samples(run, cfg, meta, env):
-    """The end of a train.py run: a few samples from the EMA weights (the live ones with --ema 0), so a newcomer
-    sees text: cfg.num_samples of cfg.block_size tokens, the ancestral sampler with cfg.sample_steps steps (the AR
-    baseline: its own sampler), nucleus cfg.sample_top_p, the run's --dtype. -> the texts."""
+def print_samples(run, cfg, meta, env, schedule=None, final_step=None):
+    """The end of a run (train.py, distillation/distill.py): a few samples from the EMA weights (the live ones with
+    --ema 0), so a newcomer sees text: cfg.num_samples of the model's block_size tokens, the ancestral sampler with
+    cfg.sample_steps steps (the AR baseline: its own sampler) under the noise schedule (default: cfg.noise_schedule)
+    and with the final step (default: sample.generate's, ancestral; distill.py: the one --final_step auto picks),
+    nucleus cfg.sample_top_p, the run's --dtype. -> the texts."""
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
     with ema_weights(run) as model:
         model.eval()
-        if diffusion.OBJECTIVES[cfg.loss].causal:
-            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
+        mc = model.config
+        if mc.causal:
+            ids = generate_ar(model, cfg.num_samples, mc.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
                               generator=gen, dtype=dtype)
         else:
-            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
-                           alpha_schedule=cfg.noise_schedule, top_p=cfg.sample_top_p, generator=gen,
-                           device=env.device, dtype=dtype)
+            ids = generate(model, cfg.num_samples, mc.block_size, mc.vocab_size, cfg.sample_steps,
+                           alpha_schedule=schedule or cfg.noise_schedule, final_step=final_step or "ancestral",
+                           top_p=cfg.sample_top_p, generator=gen, device=env.device, dtype=dtype)
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
+    final = f", final step {final_step}" if final_step else ""
     for i, text in enumerate(texts):
-        cli.show(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
+        cli.show(f"--- sample {i} ({cfg.sample_steps} steps{final}) ---\n{text}")
     return texts

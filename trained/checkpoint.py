@@ -94,34 +94,18 @@ def read_resume(cfg, script):
 
 def open_out_dir(cfg, mcfg, meta=None):
     """train.py's checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
-    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
-    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
-    nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the steps its
-    checkpoint recorded: it continues as it started, whatever --max_iters is now."""
+    mixes its log with an earlier run's; a resume must have RESUME_KEYS, match the saved model, objective, batch,
+    tokenizer (by content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run
+    changes nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the
+    steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
     ckpt = read_resume(cfg, "train.py")
     if ckpt is None:
         return None
-    check_resume(ckpt, cfg, mcfg, meta)
-    if cfg.curriculum_share:
-        cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
-    return ckpt
-
-
-def check_resume(ckpt, cfg, mcfg, meta=None):
-    """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
-    tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [k for k in RESUME_KEYS if k not in ckpt]
     if missing:
         raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
-    unknown = sorted(set(ckpt["model_config"]) - set(asdict(mcfg)))
-    if unknown:
-        raise ConfigError(f"cannot resume from {path}: its model_config has keys this model.py does not know: "
-                          f"{', '.join(unknown)}")
-    try:
-        saved = asdict(ModelConfig(**ckpt["model_config"]))   # fields added since it was saved take their defaults
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"cannot resume from {path}: its model_config is invalid ({e})") from None
+    saved = asdict(ModelConfig(**ckpt["model_config"]))   # valid (read_resume); fields added since take defaults
     if saved != asdict(mcfg):
         diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
         raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
@@ -138,6 +122,8 @@ def check_resume(ckpt, cfg, mcfg, meta=None):
         diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
         raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
                           f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
+    if cfg.curriculum_share:
+        cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
     return ckpt
 
 
@@ -154,32 +140,22 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
     check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
-    mcfg, state = checked_weights(ckpt, path, use_ema)
+    # both weight sets, the one not used too: a damaged file is refused whole
+    sets = [name for name in ("model", "ema") if ckpt.get(name) is not None]
+    for name in sets:          # floating-point and finite
+        check_weights(weight_set(ckpt, name), path, name, ConfigError)
+    state = weight_set(ckpt, "ema" if use_ema and "ema" in sets else "model")
+    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
+    check_config_matches(mcfg, state, path, "model_config.")     # as many blocks, as wide an embedding
     check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
     model = build_model(mcfg)
-    for name in ("model", "ema"):        # both sets, the one not used too: a damaged file is refused whole
-        if ckpt.get(name) is not None:
-            check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
+    for name in sets:
+        check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
     return model.to(device).eval(), ckpt
-
-
-def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
-    """A checkpoint's weights to load (its EMA's when use_ema and it has them, else the model's; a torch.compile'd
-    model's "_orig_mod." prefix dropped), checked before a model is built: floating-point and finite, and as many
-    blocks and as wide an embedding as its model_config says -> (ModelConfig, state dict)."""
-    ema = use_ema and ckpt.get("ema") is not None
-    state = weight_set(ckpt, "ema" if ema else "model")
-    check_weights(state, path, "ema" if ema else "model", error)
-    if ckpt.get("ema") is not None:      # the set not used is checked too: a damaged file is refused whole
-        other = weight_set(ckpt, "model" if ema else "ema")
-        check_weights(other, path, "model" if ema else "ema", error)
-    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
-    check_config_matches(mcfg, state, path, "model_config.")
-    return mcfg, state
 
 
 def load_model(path, device, use_ema=True):

@@ -31,9 +31,6 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
     if ckpt.get("train_config") is not None:
         config = ckpt["train_config"]
         expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
-        for k, kind in TRAIN_CONFIG_TYPES.items():
-            if config.get(k) is not None:
-                expect(fits(config[k], kind), path, f"train_config.{k}", config[k], kind, error)
         check_train_config_values(config, path, "train_config.", error)
     for name in ("meta", "optimizer", "distill_config", "distilled_from"):
         if ckpt.get(name) is not None:
@@ -70,8 +67,12 @@ def checked_model_config(config, path, prefix="model_config.", error=ConfigError
 
 
 def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECKPOINT_FIX):
-    """The values readers act on, checked as their flags are: the objective (train.py --loss), the noise schedule
-    (--noise_schedule), the sizes (--block_size, --batch_size, --max_iters >= 1)."""
+    """The fields readers use (TRAIN_CONFIG_TYPES) of their types, and the values they act on checked as their flags
+    are: the objective (train.py --loss), the noise schedule (--noise_schedule), the sizes (--block_size,
+    --batch_size, --max_iters >= 1)."""
+    for k, kind in TRAIN_CONFIG_TYPES.items():
+        if config.get(k) is not None:
+            expect(fits(config[k], kind), path, prefix + k, config[k], kind, error, fix)
     checks = {"loss": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
               "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
               "block_size": (lambda v: is_int(v) and v >= 2, "an int >= 2"),

@@ -25,7 +25,7 @@ from trained.checkpoint import check_data_tokenizer, load_model, load_tokenizer
 # train.py's data flags SOURCE sets unless they are given on the command line (a preset's are not)
 FROM_SOURCE = ("tokenizer", "block_size")
 # the model fields a preset names that are its shape (the vocabulary is the tokenizer's, the length a data flag,
-# the output layer's padding a matter of speed: fit_output_rows)
+# the output layer's padding a matter of speed: start_at)
 SHAPE = ("arch", "n_layer", "n_head", "n_embd", "cond_dim", "mlp_hidden", "time_cond", "causal")
 
 
@@ -75,13 +75,8 @@ class Source:
         check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label)
 
     def start(self, run):
-        """SOURCE's weights into the run's model (its output rows fitted to the run's padding); the EMA starts at
-        them. Every rank loads the same weights, so a DDP run still equals one process."""
-        run.raw_model.load_state_dict(fit_output_rows(self.weights, run.raw_model.config))
-        if run.ema is not None:
-            with torch.no_grad():
-                for e, p in zip(run.ema, run.raw_model.parameters()):
-                    e.copy_(p.detach())
+        """SOURCE's weights into the run's model, the EMA at them (start_at)."""
+        start_at(run, self.weights)
 
     def extra(self):
         """What a checkpoint of the run adds (RunPlumbing's extra): where it started."""
@@ -96,19 +91,24 @@ class Source:
                 f"{cfg.preset} and the flags given)")
 
 
-def fit_output_rows(state, mcfg):
-    """A state dict whose output layer (lm_head) has other padding rows than mcfg's (--vocab_multiple) -> the same
-    weights with mcfg.padded_vocab_size rows: the vocabulary's rows kept, the padding rows zero (never used: the
-    model returns only the vocabulary's logits)."""
-    rows, vocab = mcfg.padded_vocab_size, mcfg.vocab_size
-    state = dict(state)
+def start_at(run, state):
+    """The run's model starts at the weights `state` (a state dict: train.py --init, distillation/distill.py), its
+    EMA at the same weights. An output layer (lm_head) with other padding rows than the run's (--vocab_multiple) is
+    fitted to padded_vocab_size rows: the vocabulary's rows kept, the padding rows zero (never used: the model
+    returns only the vocabulary's logits). Every rank loads the same weights, so a DDP run still equals one
+    process."""
+    mcfg, state = run.raw_model.config, dict(state)
+    rows = mcfg.padded_vocab_size
     for name in ("lm_head.weight", "lm_head.bias"):
         v = state.get(name)
         if v is not None and v.shape[0] != rows:
-            fitted = torch.zeros((rows,) + tuple(v.shape[1:]), dtype=v.dtype)
-            fitted[:vocab] = v[:vocab]
-            state[name] = fitted
-    return state
+            state[name] = torch.zeros((rows,) + tuple(v.shape[1:]), dtype=v.dtype)
+            state[name][:mcfg.vocab_size] = v[:mcfg.vocab_size]
+    run.raw_model.load_state_dict(state)
+    if run.ema is not None:
+        with torch.no_grad():
+            for e, p in zip(run.ema, run.raw_model.parameters()):
+                e.copy_(p.detach())
 
 
 # -----------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import fields
 
 import diffusion
 from data import not_a_file
@@ -13,9 +12,9 @@ from diffusion import FINAL_STEPS
 from model import ModelConfig, build_model
 from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, check_writable, kind_of
-from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, fits, is_int, sha256_file
+from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, is_int, sha256_file
 from plumbing.memory import check_model_memory
-from trained.fields import TRAIN_CONFIG_TYPES, check_train_config_values, checked_model_config
+from trained.fields import check_train_config_values, checked_model_config
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -55,9 +54,7 @@ def check_target(folder, flag="the output folder", fix="choose another"):
     """A model folder may be written into a new or empty folder, or over a model folder of ours (replacing only
     our_files); a folder holding anything else is the user's: one line (UsageError, ending in `fix`) before any
     work."""
-    check_writable(folder, flag, folder=True)      # not a file, pipe or device, nor under one; writable
-    if os.path.lexists(folder) and not os.path.isdir(folder):
-        raise UsageError(f"{flag} {folder} is a {kind_of(os.path.realpath(folder))}, not a folder; give a folder")
+    check_writable(folder, flag, folder=True)      # a folder (not a file, pipe or device, nor under one); writable
     if not os.path.isdir(folder):
         return
     if is_model_folder(folder):
@@ -72,13 +69,6 @@ def check_target(folder, flag="the output folder", fix="choose another"):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise UsageError(f"{flag} {folder} already holds files that are not an sddlm model folder ({shown}); a model "
                          f"folder is written only into a new or empty folder or over an earlier one: {fix}")
-
-
-def model_config_of(config):
-    """config.json's model fields: flat (format -2, the hub's way) or nested under "model_config" (format -1)."""
-    if isinstance(config.get("model_config"), dict):
-        return config["model_config"]
-    return {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -143,13 +133,11 @@ def check_config(config, path):
                             **{i: (optional(lambda v: is_int(v) and v >= 0), "an int >= 0")
                                for i in ("bos_id", "eos_id", "pad_id")}}.items():
         expect(ok(tok.get(k)), path, f"tokenizer.{k}", tok.get(k), wanted, fix=FOLDER_FIX)
-    train = config.get("train_config") or {}
-    for k, kind in TRAIN_CONFIG_TYPES.items():
-        if train.get(k) is not None:
-            expect(fits(train[k], kind), path, f"train_config.{k}", train[k], kind, fix=FOLDER_FIX)
-    check_train_config_values(train, path, "train_config.", fix=FOLDER_FIX)
-    nested = isinstance(config.get("model_config"), dict)
-    return checked_model_config(model_config_of(config), path, "model_config." if nested else "", fix=FOLDER_FIX)
+    check_train_config_values(config.get("train_config") or {}, path, "train_config.", fix=FOLDER_FIX)
+    if isinstance(config.get("model_config"), dict):      # format -1: nested
+        return checked_model_config(config["model_config"], path, "model_config.", fix=FOLDER_FIX)
+    flat = {f.name: config[f.name] for f in dataclasses.fields(ModelConfig) if f.name in config}   # format -2
+    return checked_model_config(flat, path, "", fix=FOLDER_FIX)
 
 
 def load_folder(folder, device="cpu", use_ema=True):
@@ -204,11 +192,6 @@ def load_folder(folder, device="cpu", use_ema=True):
             "meta": {"tokenizer": tok.get("spec"), "tokenizer_sha256": tok.get("sha256"),
                      **{k: tok.get(k) for k in ("vocab_size", "bos_id", "eos_id", "pad_id")}},
             "step": config.get("step"), "model": state, "ema": state if config.get("weights") == "ema" else None,
-            "final_step": config.get("final_step"), "source": folder, "format": config.get("format")}
-    if isinstance(config.get("validation"), dict):
-        ckpt["validation"] = config["validation"]
-    if config.get("distilled_from"):
-        ckpt["distilled_from"] = config["distilled_from"]
-    if config.get("finetuned_from"):
-        ckpt["finetuned_from"] = config["finetuned_from"]
+            "final_step": config.get("final_step"), "source": folder, "format": config.get("format"),
+            **{k: config[k] for k in ("validation", "distilled_from", "finetuned_from") if config.get(k)}}
     return model.to(device).eval(), ckpt
