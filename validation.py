@@ -159,29 +159,27 @@ def sample_quality(run, cfg, env, judge, tok):
     their scored tokens, then (sum, sum of squares) of their entropies; added over ranks (gen_metrics), they pool
     all samples exactly as one process would, standard errors included."""
     groups = sample_groups(cfg.gen_num_samples, env.rank, env.world_size)
-    n = sum(size for _, size in groups)
-    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    if not groups:                   # more ranks than groups: this one draws none
+        return torch.zeros(GEN_SUMS, dtype=torch.float64)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    sums = torch.zeros(GEN_SUMS, dtype=torch.float64)
-    if n:
-        ids = []
-        with ema_weights(run) as model:
-            model.eval()
-            for k, m in groups:
-                gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed * GEN_GROUPS + k)
-                if diffusion.OBJECTIVES[cfg.loss].causal:
-                    ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
-                                       dtype=dtype, show_progress=False).tolist()
-                else:
-                    ids += generate(model, m, cfg.block_size, model.config.vocab_size, cfg.gen_steps,
-                                    alpha_schedule=cfg.noise_schedule, final_step="ancestral", generator=gen,
-                                    device=env.device, dtype=dtype, show_progress=False).tolist()
-            model.train()
-        r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
-                          steps=cfg.gen_steps, show_progress=False, per_sample=True)
-        e = torch.tensor(r["sample_entropy"], dtype=torch.float64)
-        sums = torch.cat([ratio_moments(r["sample_nll"], r["sample_tokens"]), torch.stack([e.sum(), (e * e).sum()])])
-    return sums
+    ids = []
+    with ema_weights(run) as model:
+        model.eval()
+        for k, m in groups:
+            gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed * GEN_GROUPS + k)
+            if diffusion.OBJECTIVES[cfg.loss].causal:
+                ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
+                                   dtype=dtype, show_progress=False).tolist()
+            else:
+                ids += generate(model, m, cfg.block_size, model.config.vocab_size, cfg.gen_steps,
+                                alpha_schedule=cfg.noise_schedule, final_step="ancestral", generator=gen,
+                                device=env.device, dtype=dtype, show_progress=False).tolist()
+        model.train()
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
+                      steps=cfg.gen_steps, show_progress=False, per_sample=True)
+    e = torch.tensor(r["sample_entropy"], dtype=torch.float64)
+    return torch.cat([ratio_moments(r["sample_nll"], r["sample_tokens"]), torch.stack([e.sum(), (e * e).sum()])])
 
 
 def gen_metrics(sums, cfg, judge):

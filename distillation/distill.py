@@ -255,11 +255,14 @@ def base_of(cfg, init_ckpt, record, env):
 
 
 def open_out_dir(cfg):
-    """The checkpoint to resume (None for a fresh run): trained.checkpoint.read_resume's, a distillation/distill.py
-    checkpoint with the same DCD settings. A refused run changes nothing in out_dir."""
+    """The checkpoint to resume and what a resumed run needs to know of the model it distils, from its own checkpoint
+    (--init is not needed, and may be gone by then): the base model's configs and where it came from; (None, None)
+    for a fresh run. The checkpoint is trained.checkpoint.read_resume's, a distillation/distill.py checkpoint with
+    the same DCD settings, of the model an --init given names (other than the default, which a resume leaves as it
+    is: another one would be ignored without a word). A refused run changes nothing in out_dir."""
     ckpt = read_resume(cfg, "distillation/distill.py")
     if ckpt is None:
-        return None
+        return None, None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
     saved = ckpt.get("distill_config")
     if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
@@ -267,32 +270,22 @@ def open_out_dir(cfg):
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
         raise UsageError(f"cannot resume from {path}: DCD settings differ (saved, now) {diff}")
-    return ckpt
+    origin = ckpt.get("distilled_from") or {}
+    recorded = origin.get("ckpt")
+    if recorded and cfg.init != DistillConfig.init:
+        same = (cfg.init == recorded if cfg.init.startswith("duo:") or recorded.startswith("duo:")
+                else os.path.realpath(cfg.init) == os.path.realpath(recorded))
+        if not same:
+            raise UsageError(f"--init {cfg.init}: the run in {cfg.out_dir} distils {recorded}, which --resume 1 "
+                             f"continues; leave --init out to resume it, or distil {cfg.init} in another --out_dir")
+    cfg.init = recorded or cfg.init
+    return ckpt, {"train_config": ckpt.get("train_config"), "model_config": ckpt["model_config"], "path": recorded,
+                  "step": origin.get("step"), "distill_config": origin.get("distill_config")}
 
 
 def make_teacher(raw_model):
     """A frozen copy of the student in eval mode: no dropout in the targets (Duo's teacher inherits train mode)."""
     return copy.deepcopy(raw_model).eval().requires_grad_(False)
-
-
-def saved_init(ckpt):
-    """What a resumed run needs to know about the checkpoint it distils, from its own checkpoint (--init is not
-    needed, and may be gone by then): the base model's configs and where it came from."""
-    origin = ckpt.get("distilled_from") or {}
-    return {"train_config": ckpt.get("train_config"), "model_config": ckpt["model_config"], "path": origin.get("ckpt"),
-            "step": origin.get("step"), "distill_config": origin.get("distill_config")}
-
-
-def check_resumed_init(cfg, recorded):
-    """A resume distils the model its checkpoint records (recorded: its path); an --init naming another one (other
-    than the default, which a resume leaves as it is) would be ignored without a word -> UsageError."""
-    if not recorded or cfg.init == DistillConfig.init:
-        return
-    same = (cfg.init == recorded if cfg.init.startswith("duo:") or recorded.startswith("duo:")
-            else os.path.realpath(cfg.init) == os.path.realpath(recorded))
-    if not same:
-        raise UsageError(f"--init {cfg.init}: the run in {cfg.out_dir} distils {recorded}, which --resume 1 continues; "
-                         f"leave --init out to resume it, or distil {cfg.init} in another --out_dir")
 
 
 def refresh_teacher(teacher, run, cfg):
@@ -317,18 +310,12 @@ def dcd_step(run, teacher, cfg, env, x0, mask=None):
 def evaluate(run, teacher, cfg, data_dir, env):
     """validation.validation_sums (the same validation set and draws for any world size) of the DCD loss against the
     current teacher at the current round's dt (its pair noise from draw_pair_noise), and of the NELBO. -> this
-    rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
+    rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (train.loop)."""
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
 
     def per_token_loss(model, x0, mask, t, noise):
         return dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask
     return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_pair_noise)
-
-
-def val_metrics(sums, cfg, data_dir, it):
-    """evaluate's sums, added over ranks -> the log.jsonl record (validation.validation_record: each with its standard
-    error), with the dt of the round evaluated."""
-    return {**validation_record(sums, data_dir, "val_dcd"), "dt": step_size(max(it - 1, 0), cfg)}
 
 
 def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
@@ -355,11 +342,9 @@ def distill(cfg, env):
     if not cfg.resume:                   # every fault of --init and its data is found before out_dir is made
         weights, init_ckpt = load_init(cfg)
         mcfg, data_dir, meta = base_of(cfg, init_ckpt, init_ckpt, env)
-    ckpt = open_out_dir(cfg)
+    ckpt, resumed = open_out_dir(cfg)
     if ckpt is not None:
-        weights, init_ckpt = None, saved_init(ckpt)
-        check_resumed_init(cfg, init_ckpt["path"])
-        cfg.init = init_ckpt["path"] or cfg.init
+        weights, init_ckpt = None, resumed
         mcfg, data_dir, meta = base_of(cfg, init_ckpt, ckpt, env)
     base = init_ckpt.get("train_config") or {}
     base_loss = base.get("loss", "?")
@@ -383,7 +368,9 @@ def distill(cfg, env):
     with plumbing.start(run, config, describe(cfg, init_ckpt, base_loss, mcfg.vocab_size, env)):
         return train.loop(run, cfg, plumbing, lambda x0, mask: dcd_step(run, teacher_fn, cfg, env, x0, mask),
                           (lambda: evaluate(run, teacher_fn, cfg, data_dir, env),      # validation DCD loss, NELBO
-                           lambda sums: val_metrics(sums, cfg, data_dir, run.it)),
+                           # evaluate's sums, added over ranks -> the log.jsonl record, with the round's dt
+                           lambda sums: {**validation_record(sums, data_dir, "val_dcd"),
+                                         "dt": step_size(max(run.it - 1, 0), cfg)}),
                           lambda: print_samples(run, cfg, meta, env, schedule, final_step))
 
 

@@ -17,20 +17,23 @@ from trained.fields import check_checkpoint_fields
 from trained.folder import check_target, load_folder
 
 
-def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True):
+def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True, fix=None):
     """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
     (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
     given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
-    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text).
+    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text; fix: what
+    its message tells the user to do).
     need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
     check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
     line naming the folder and the fix)."""
     record = (ckpt or {}).get("meta") or {}
     ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
-    fix = f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its tokenizer"
+    fix = fix or (f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its "
+                  f"tokenizer")
     if ours and theirs and ours != theirs:
         raise UsageError(f"{data_dir} was prepared with another tokenizer ({meta.get('tokenizer')}, sha256 "
-                         f"{ours[:12]}...) than {path} was trained with (sha256 {theirs[:12]}...); {fix}")
+                         f"{ours[:12]}...) than {path} was trained with ({record.get('tokenizer')}, sha256 "
+                         f"{theirs[:12]}...); {fix}")
     try:
         tok = get_tokenizer(meta["tokenizer"])
     except DataError:
@@ -149,12 +152,9 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     check_config_matches(mcfg, state, path, "model_config.")     # as many blocks, as wide an embedding
     check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
     model = build_model(mcfg)
-    for name in sets:
+    for name in sets:          # names and shapes: it loads
         check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
+    model.load_state_dict(state)
     return model.to(device).eval(), ckpt
 
 

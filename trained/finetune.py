@@ -53,26 +53,16 @@ class Source:
     def model_config_for(self, cfg, data_dir, meta):
         """The run's ModelConfig: SOURCE's model at this run's --block_size and --dropout, its output layer padded to
         --vocab_multiple where given (else SOURCE's padding); once the prepared data (data_dir, meta) are checked
-        to be tokenized by SOURCE's tokenizer (check_data)."""
-        self.check_data(data_dir, meta)
+        to be tokenized by SOURCE's tokenizer, as every reader of a prepared folder checks it
+        (trained.checkpoint.check_data_tokenizer; on a resume trained.checkpoint.open_out_dir does)."""
+        if self.weights is not None:
+            fix = "give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)"
+            check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label,
+                                 fix=fix)
         fields = dict(self.model_config, block_size=cfg.block_size, dropout=cfg.dropout)
         if cfg.vocab_multiple:
             fields["vocab_multiple"] = cfg.vocab_multiple
         return ModelConfig(**fields)
-
-    def check_data(self, data_dir, meta):
-        """The prepared data's tokenizer is SOURCE's, as every reader of a prepared folder checks it
-        (trained.checkpoint.check_data_tokenizer: by content where both hashes are known, else its vocabulary and
-        special ids against SOURCE's). Nothing to check on a resume (trained.checkpoint.check_resume does)."""
-        if self.weights is None:
-            return
-        ours, theirs = meta.get("tokenizer_sha256"), (self.meta or {}).get("tokenizer_sha256")
-        if ours and theirs and ours != theirs:
-            raise UsageError(f"{data_dir} was prepared with the tokenizer {meta.get('tokenizer')} (sha256 "
-                             f"{ours[:12]}...), not the one {self.label} was trained with ({self.tokenizer}, sha256 "
-                             f"{theirs[:12]}...); give a --data_dir prepared with it, or leave --data_dir out "
-                             f"(train.py prepares one)")
-        check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label)
 
     def start(self, run):
         """SOURCE's weights into the run's model, the EMA at them (start_at)."""
@@ -168,12 +158,7 @@ def start_from(cfg, given):
     the flags given that contradict it refused (check_flags), the data flags it sets taken where not given
     (FROM_SOURCE), and a tokenizer given on the command line checked against SOURCE's before any data is prepared.
     given: the flags on the command line. -> the Source, or None for a run from random weights."""
-    if cfg.init:
-        source = load_source(cfg.init, cfg.init_ema)
-    elif cfg.resume:
-        source = resumed_source(cfg.out_dir)
-    else:
-        return None
+    source = load_source(cfg.init, cfg.init_ema) if cfg.init else resumed_source(cfg.out_dir) if cfg.resume else None
     if source is None:
         return None
     check_flags(cfg, given, source)

@@ -24,13 +24,9 @@ WEIGHTS, CONFIG, TOKENIZER, CARD = "model.safetensors", "config.json", "tokenize
 
 def is_model_folder(path):
     """True for a folder holding a config.json of one of our formats (not, e.g., a Duo or transformers folder)."""
-    config = os.path.join(str(path), CONFIG)
-    if not os.path.isfile(config):
-        return False
     try:
-        with open(config) as f:
-            return json.load(f).get("format") in FORMATS
-    except (OSError, ValueError, AttributeError):
+        return bool(read_config(str(path)))
+    except (OSError, ValueError):
         return False
 
 
@@ -180,11 +176,8 @@ def load_folder(folder, device="cpu", use_ema=True):
     check_config_matches(mcfg, weights, config_path, "", weights=f"the weights ({WEIGHTS})", fix=FOLDER_FIX)
     check_model_memory(mcfg, device, lambda field: f"{config_path}: {field}")
     model = build_model(mcfg)
-    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)
-    try:
-        model.load_state_dict(weights)
-    except Exception as e:     # weights of another shape (RuntimeError)
-        raise ValueError(f"{path}: weights do not load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)     # names and shapes: it loads
+    model.load_state_dict(weights)
     state = model.state_dict()
     ckpt = {"model_config": dataclasses.asdict(mcfg),
             "train_config": {**(config.get("train_config") or {}), "loss": config.get("objective"),
