@@ -343,10 +343,9 @@ def main(argv=None):
     result = dict({WRITTEN_BY: signature("eval_ppl.py")}, metric=cfg.metric,
                   ckpt=None if cfg.metric == "genppl" and cfg.samples else cfg.ckpt,
                   ckpt_step=ckpt.get("step") if ckpt else None, config=asdict(cfg), results=rows)
-    text = json.dumps(result, indent=2)
     if cfg.out:
         write_json(cfg.out, result)
-    cli.show("\n".join([text, _table(rows, columns)] + [precision_line(row, cfg) for row in rows]))
+    cli.show("\n".join([json.dumps(result, indent=2), _table(rows, columns), *(precision_line(r, cfg) for r in rows)]))
     return 0
 
 

@@ -6,7 +6,7 @@ import torch
 
 import diffusion
 import losses
-from data import get_tokenizer
+from data import DataError, eval_pieces, get_tokenizer
 from diffusion import draw_noise, loss_terms
 from metrics import (EVAL_SEED, VAL_DRAWS, VAL_ROUNDS, draw_seed, entropies, gen_ppl, judge_shares_tokenizer,
                      load_judge, mean_se, nelbo_summary, ppl_summary, ratio_moments, ratio_summary, round_sums,
@@ -59,7 +59,6 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
     that round (draw_seed with rounds -1, -2, never the NELBO's). So the validation set and its draws are the same
     for any world size and at every evaluation, and the NELBO is eval_ppl.py's at its defaults (its first rounds).
     -> this rank's float64 sums (VAL_SUMS,), for the caller to add over ranks (validation_record)."""
-    from data import eval_pieces
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     autocast = autocast_for(env.device, resolve_dtype(cfg.dtype, env.device))
     pieces = eval_pieces(data_dir, "val", cfg.batch_size, cfg.eval_iters or None, env.rank, env.world_size, micro,
@@ -109,7 +108,6 @@ def validation_record(sums, data_dir, loss_key="val_loss"):
     """validation_sums added over ranks -> the log.jsonl record: the objective (under loss_key) and the NELBO,
     each with its Monte-Carlo standard error (nelbo_summary), the PPL's 95% interval, the tokens and the draws
     per sequence."""
-    from data import DataError
     if sums[1] == 0 or sums[5] == 0:
         raise DataError(f"{data_dir}: the validation split has no sequences to evaluate")
     loss, nelbo = nelbo_summary(sums[:4]), nelbo_summary(sums[4:])

@@ -211,10 +211,10 @@ def validate(cfg, world_size):
     """The flags at start-up (plumbing.run.launch's check; world_size: the torchrun job's ranks): every run's
     (plumbing.flags.check_run_flags: no output over an input, each flag against the values it may take) and DCD's
     -> UsageError naming the flag."""
+    limit = curriculum.GAMMA_LIMIT
     check_run_flags(cfg, world_size, {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir},
                     dict(divergence=DIVERGENCES, teacher=("live", "ema")),
-                    [("gamma_min", -curriculum.GAMMA_LIMIT, curriculum.GAMMA_LIMIT, True),
-                     ("gamma_max", -curriculum.GAMMA_LIMIT, curriculum.GAMMA_LIMIT, True)])
+                    [(name, -limit, limit, True) for name in ("gamma_min", "gamma_max")])
     if cfg.teacher == "ema" and not cfg.ema:
         raise UsageError("--teacher ema needs EMA weights: set --ema > 0")
     if min(cfg.round_iters, cfg.T) < 1:

@@ -3,7 +3,6 @@ builds, a resume's checkpoint against the run (model, objective, batch, tokenize
 tokenizer loaded for sampling and evaluation (a ckpt.pt, a model folder or Duo's release). The run's state itself
 (saved atomically, restored bit for bit) is plumbing/checkpoint.py's."""
 import os
-import zipfile
 from dataclasses import asdict
 
 from data import DataError, check_tokenizer, full_data_key, get_tokenizer, not_a_file
@@ -61,11 +60,11 @@ def check_resume_data(cfg, key):
     --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
     weights are read); one that cannot be read this way is left to the full check after preparation."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
+    if not cfg.resume or not os.path.isfile(path):
         return
     try:
         old = full_data_key(read_checkpoint(path, mmap=True)["meta"]["data_key"])
-    except Exception:
+    except Exception:         # not a zip (torch.save's format), or no data_key
         return
     flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
     changed = [k for k, v in full_data_key(key).items() if old.get(k) != v]

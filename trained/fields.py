@@ -37,9 +37,9 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
             expect(isinstance(ckpt[name], dict), path, name, ckpt[name], "a dict", error)
     meta = ckpt.get("meta") or {}
     for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "block_size"):
+        low = 1 if k in ("vocab_size", "block_size") else 0
         if meta.get(k) is not None:
-            expect(is_int(meta[k]) and meta[k] >= (1 if k in ("vocab_size", "block_size") else 0), path,
-                    f"meta.{k}", meta[k], "an int >= 1" if k in ("vocab_size", "block_size") else "an int >= 0", error)
+            expect(is_int(meta[k]) and meta[k] >= low, path, f"meta.{k}", meta[k], f"an int >= {low}", error)
     for k in ("tokenizer", "tokenizer_sha256"):
         if meta.get(k) is not None:
             expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)

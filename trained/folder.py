@@ -101,34 +101,29 @@ def check_config(config, path):
     objective, noise schedule, final step, weights, step, the tokenizer record, the training config, the model's
     fields) -> the ModelConfig; else ConfigError naming the file and the field."""
     hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
-    optional = lambda test: lambda v: v is None or test(v)
-    fields = {"model_type": (optional(lambda v: v == MODEL_TYPE), repr(MODEL_TYPE)),
-              "objective": (optional(lambda v: v in diffusion.OBJECTIVES),
-                            f"one of {', '.join(diffusion.OBJECTIVES)}"),
-              "noise_schedule": (optional(lambda v: v in diffusion.SCHEDULES),
-                                 f"one of {', '.join(diffusion.SCHEDULES)}"),
-              "final_step": (optional(lambda v: v in FINAL_STEPS), f"one of {', '.join(FINAL_STEPS)}"),
-              "weights": (optional(lambda v: v in ("ema", "raw")), "ema or raw"),
-              "step": (optional(lambda v: is_int(v) and v >= 0), "an int >= 0"),
-              "weights_sha256": (optional(hex64), "a sha256 (64 hex digits)"),
-              "tokenizer": (optional(lambda v: isinstance(v, dict)), "an object (spec, sha256, file, vocab_size, ids)"),
-              "train_config": (optional(lambda v: isinstance(v, dict)), "an object"),
-              "distilled_from": (optional(lambda v: isinstance(v, (dict, str))), "an object or a path"),
-              "validation": (optional(lambda v: isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) and not
-                                                                            isinstance(v.get(k), bool)
-                                                                            for k in ("step", "nelbo", "ppl"))),
-                             "an object with the numbers step, nelbo, ppl")}
-    for k, (ok, wanted) in fields.items():
-        expect(ok(config.get(k)), path, k, config.get(k), wanted, fix=FOLDER_FIX)
-    tok = config.get("tokenizer") or {}
-    for k, (ok, wanted) in {"spec": (optional(lambda v: isinstance(v, str)), "a string"),
-                            "sha256": (optional(hex64), "a sha256 (64 hex digits)"),
-                            "file": (optional(lambda v: isinstance(v, str) and v and os.path.basename(v) == v
-                                              and v not in (".", "..")), "a file name inside the folder"),
-                            "vocab_size": (optional(lambda v: is_int(v) and v >= 1), "an int >= 1"),
-                            **{i: (optional(lambda v: is_int(v) and v >= 0), "an int >= 0")
-                               for i in ("bos_id", "eos_id", "pad_id")}}.items():
-        expect(ok(tok.get(k)), path, f"tokenizer.{k}", tok.get(k), wanted, fix=FOLDER_FIX)
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    top = {"model_type": (lambda v: v == MODEL_TYPE, repr(MODEL_TYPE)),
+           "objective": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
+           "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
+           "final_step": (lambda v: v in FINAL_STEPS, f"one of {', '.join(FINAL_STEPS)}"),
+           "weights": (lambda v: v in ("ema", "raw"), "ema or raw"),
+           "step": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
+           "weights_sha256": (hex64, "a sha256 (64 hex digits)"),
+           "tokenizer": (lambda v: isinstance(v, dict), "an object (spec, sha256, file, vocab_size, ids)"),
+           "train_config": (lambda v: isinstance(v, dict), "an object"),
+           "distilled_from": (lambda v: isinstance(v, (dict, str)), "an object or a path"),
+           "validation": (lambda v: isinstance(v, dict) and all(number(v.get(k)) for k in ("step", "nelbo", "ppl")),
+                          "an object with the numbers step, nelbo, ppl")}
+    tokenizer = {"spec": (lambda v: isinstance(v, str), "a string"),
+                 "sha256": (hex64, "a sha256 (64 hex digits)"),
+                 "file": (lambda v: isinstance(v, str) and v and os.path.basename(v) == v and v not in (".", ".."),
+                          "a file name inside the folder"),
+                 "vocab_size": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
+                 **{i: (lambda v: is_int(v) and v >= 0, "an int >= 0") for i in ("bos_id", "eos_id", "pad_id")}}
+    for record, prefix, checks in ((config, "", top), (config.get("tokenizer") or {}, "tokenizer.", tokenizer)):
+        for k, (ok, wanted) in checks.items():        # every field optional: None passes
+            v = record.get(k)
+            expect(v is None or ok(v), path, prefix + k, v, wanted, fix=FOLDER_FIX)
     check_train_config_values(config.get("train_config") or {}, path, "train_config.", fix=FOLDER_FIX)
     if isinstance(config.get("model_config"), dict):      # format -1: nested
         return checked_model_config(config["model_config"], path, "model_config.", fix=FOLDER_FIX)
