@@ -163,8 +163,7 @@ def _read_samples(path):
 
 def estimator(cfg):
     """nelbo_ppl's settings from the flags."""
-    return dict(seed=cfg.seed, mc_draws=cfg.mc_draws, rounds=cfg.rounds, rel_se=cfg.rel_se, max_rounds=cfg.max_rounds,
-                t_min=cfg.t_min)
+    return {k: getattr(cfg, k) for k in ("seed", "mc_draws", "rounds", "rel_se", "max_rounds", "t_min")}
 
 
 def precision_line(row, cfg):
