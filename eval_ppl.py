@@ -35,14 +35,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import not_a_file, read_text
+from corpora import load_hf_split
+from data import (DataError, check_split, check_tokenizer, eval_batches, load_meta, not_a_file, read_text,
+                  verify_prepared, wrap_blocks)
 from diffusion import default_final_step
 from metrics import EVAL_SEED, NU_MIN, VAL_DRAWS, VAL_ROUNDS, load_judge, nelbo_ppl
 from plumbing.cli import UsageError, parse_flags, resolve_device, resolve_dtype, run_cli
 from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overwrite, signature, write_json
 from plumbing.runlog import jsonl_records
 from sample import check_sample_size, check_sampler, check_stride, generate_ar, generate_long, psi_from_flags
-from trained.checkpoint import load_model, load_tokenizer
+from trained.checkpoint import check_data_tokenizer, load_model, load_tokenizer
 from validation import score_samples
 
 ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxiv", "pubmed", "lm1b")
@@ -54,7 +56,6 @@ ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxi
 def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
     """Duo's zero-shot wrap WITHOUT an EOS between documents: the documents' ids concatenated, then
     data.wrap_blocks ([BOS] + piece of seq_len - 2 + [EOS]; the remainder dropped). -> (N, seq_len) int64."""
-    from data import wrap_blocks
     stream = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64)
     return torch.from_numpy(wrap_blocks(stream, seq_len, bos_id, eos_id)[0])
 
@@ -62,8 +63,6 @@ def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
 def zero_shot_documents(name):
     """A local text file (one document: the whole file) or a named zero-shot set: its evaluation split via
     corpora.load_hf_split (Duo's splits, text fields and detokenizers; needs `datasets` and the network)."""
-    from data import DataError, read_text
-    from corpora import load_hf_split
     if os.path.isfile(name):
         return [read_text(name)]      # not UTF-8 -> one line naming the byte
     if special := not_a_file(name, None, "--dataset"):   # a named pipe: what it is, not "neither a file nor ..."
@@ -133,13 +132,9 @@ class EvalConfig:
 
 
 def _table(rows, columns):
-    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
-    lines = ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join([header, *lines])
-
-
-def _fmt(v):
-    return f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v)
+    cell = lambda v: f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v)    # noqa: E731
+    return "\n".join(["| " + " | ".join(columns) + " |\n|" + "---|" * len(columns),
+                      *("| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows)])
 
 
 def _read_samples(path):
@@ -150,15 +145,15 @@ def _read_samples(path):
     records = []
     bad = lambda n, e: UsageError(f"--samples {path}:{n}: not a JSON line ({e}); a truncated file?")   # noqa: E731
     for n, record in jsonl_records(read_text(path), bad):
-        if not isinstance(record, dict) or not isinstance(record.get("ids"), list) or \
-                not all(isinstance(i, int) and not isinstance(i, bool) for i in record["ids"]):
+        ids = record.get("ids") if isinstance(record, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise UsageError(f"--samples {path}:{n}: expected a JSON object with 'ids' (a list of integers) and "
                              f"'text', as sample.py writes")
-        if not record["ids"] or min(record["ids"]) < 0 or not isinstance(record.get("text"), (str, type(None))) \
-                or not isinstance(record.get("settings"), (dict, type(None))):
-            what = ("an empty sample (no ids)" if not record["ids"] else "a negative token id" if
-                    min(record["ids"]) < 0 else "'text' that is not a string" if
-                    not isinstance(record.get("text"), (str, type(None))) else "'settings' that is not an object")
+        what = ("an empty sample (no ids)" if not ids else "a negative token id" if min(ids) < 0 else
+                "'text' that is not a string" if not isinstance(record.get("text"), (str, type(None))) else
+                "'settings' that is not an object" if not isinstance(record.get("settings"), (dict, type(None)))
+                else None)
+        if what:
             raise UsageError(f"--samples {path}:{n}: {what}; sample.py writes none such: drop or fix that line")
         records.append(record)
     if not records:
@@ -168,8 +163,7 @@ def _read_samples(path):
 
 def estimator(cfg):
     """nelbo_ppl's settings from the flags."""
-    return dict(seed=cfg.seed, mc_draws=cfg.mc_draws, rounds=cfg.rounds, rel_se=cfg.rel_se, max_rounds=cfg.max_rounds,
-                t_min=cfg.t_min)
+    return {k: getattr(cfg, k) for k in ("seed", "mc_draws", "rounds", "rel_se", "max_rounds", "t_min")}
 
 
 def precision_line(row, cfg):
@@ -191,25 +185,17 @@ def precision_line(row, cfg):
 
 
 def run_nelbo(cfg, model, ckpt, device, dtype):
-    from data import DataError, check_split, check_tokenizer, eval_batches, load_meta, verify_prepared
-    from trained.checkpoint import check_data_tokenizer
     recorded = (ckpt.get("train_config") or {}).get("data_dir") or (ckpt.get("meta") or {}).get("data_dir")
     data_dir = cfg.data_dir or recorded
     if not data_dir:
         raise UsageError("--data_dir is needed: the checkpoint does not record its prepared data folder")
-    try:
-        meta = load_meta(data_dir)
-        check_data_tokenizer(data_dir, meta, ckpt, cfg.ckpt, need_tokenizer=False)   # the checkpoint's, by content
-        check_tokenizer(meta, model.config.vocab_size)
-    except DataError as e:
-        raise UsageError(str(e)) from None
+    meta = load_meta(data_dir)
+    check_data_tokenizer(data_dir, meta, ckpt, cfg.ckpt, need_tokenizer=False)   # the checkpoint's, by content
+    check_tokenizer(meta, model.config.vocab_size)
     if not meta.get(f"{cfg.split}_sequences"):
         raise UsageError(f"--split {cfg.split!r}: {data_dir} has no sequences there (splits: train, val)")
     verify_prepared(data_dir, meta, [f"{cfg.split}.bin", f"{cfg.split}_mask.bin"])   # its sha256 in meta.json
-    try:
-        check_split(data_dir, cfg.split, meta)       # the files' sizes against meta.json, before the progress bar
-    except DataError as e:
-        raise UsageError(str(e)) from None
+    check_split(data_dir, cfg.split, meta)       # the files' sizes against meta.json, before the progress bar
     batches = lambda: eval_batches(data_dir, cfg.split, cfg.batch_size, cfg.max_batches or None, device=device)
     n_sequences = min(meta[f"{cfg.split}_sequences"], cfg.max_batches * cfg.batch_size or math.inf)   # the bar's total
     result = nelbo_ppl(model, batches, model.config.vocab_size, device=device, dtype=dtype, n_sequences=n_sequences,
@@ -356,14 +342,12 @@ def main(argv=None):
     result = dict({WRITTEN_BY: signature("eval_ppl.py")}, metric=cfg.metric,
                   ckpt=None if cfg.metric == "genppl" and cfg.samples else cfg.ckpt,
                   ckpt_step=ckpt.get("step") if ckpt else None, config=asdict(cfg), results=rows)
-    text = json.dumps(result, indent=2)
     if cfg.out:
         write_json(cfg.out, result)
-    cli.show("\n".join([text, _table(rows, columns)] + [precision_line(row, cfg) for row in rows]))
+    cli.show("\n".join([json.dumps(result, indent=2), _table(rows, columns), *(precision_line(r, cfg) for r in rows)]))
     return 0
 
 
 if __name__ == "__main__":
-    from data import DataError
     run_cli(main, DataError, oom_hint="lower --batch_size or --mc_draws (a round's draws are made at once; "
                                               "--judge_batch_size for genppl)")

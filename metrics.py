@@ -1,13 +1,6 @@
 """The estimators of sddlm's metrics, each with its standard error (Duo spec sections 3.3 and 7): what eval_ppl.py
 prints, what training logs (validation.py) and what SDDLM.score returns.
 
-nelbo                          # validation NELBO perplexity
-    python eval_ppl.py --ckpt out/ckpt.pt --metric zeroshot --dataset wikitext103,lambada   # or a .txt file
-    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --judge gpt2-large --steps 32,64,128
-    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --sampler psi --psi_eta 0.9 --steps 64,1024
-    python eval_ppl.py --metric genppl --samples out/samples.jsonl --judge out-ar/ckpt.pt   # sample.py's samples
-    python eval_ppl.py --ckpt out/ckpt.pt --metric genppl --seq_len 512 --stride 64     # past the block
-
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log-linear schedule, EMA weights: an
           upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
           sequence gets its own draws (seeded by --seed, its index and the round; the same as training's validation
@@ -46,7 +39,7 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from data import not_a_file
+from data import DataError, check_tokenizer, not_a_file
 from kernels import fused_head
 from plumbing import cli
 from plumbing.cli import UsageError, autocast_for, first_line
@@ -431,7 +424,6 @@ def load_judge(spec, device):
 def judge_shares_tokenizer(judge, tok):
     """True when the judge is an AR checkpoint whose tokenizer is `tok` (same vocabulary, specials and ids on
     data.py's probe text): then the sampler's ids are scored without retokenization."""
-    from data import DataError, check_tokenizer
     if judge.tokenizer_meta is None or tok is None:
         return False
     try:

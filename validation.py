@@ -6,7 +6,7 @@ import torch
 
 import diffusion
 import losses
-from data import get_tokenizer
+from data import DataError, eval_pieces, get_tokenizer
 from diffusion import draw_noise, loss_terms
 from metrics import (EVAL_SEED, VAL_DRAWS, VAL_ROUNDS, draw_seed, entropies, gen_ppl, judge_shares_tokenizer,
                      load_judge, mean_se, nelbo_summary, ppl_summary, ratio_moments, ratio_summary, round_sums,
@@ -25,21 +25,16 @@ def score_samples(ids, texts, tok, judge, batch_size, device, label, steps, show
     retokenized), batch_size sequences per judge forward, and entropy of the sampler's own ids, each with its
     standard error over the samples (entropy_se: of their mean). per_sample: gen_ppl's per-sample sums, and
     sample_entropy, too."""
-    max_length = max(map(len, ids))
-    if judge_shares_tokenizer(judge, tok):
-        top = max(max(row) for row in ids)
-        if top >= tok.vocab_size:
-            raise UsageError(f"the samples of {label} hold token id {top}, not below their tokenizer's vocabulary "
-                             f"{tok.vocab_size}: not samples of that tokenizer")
-        result = gen_ppl(ids, judge, max_length=max_length, batch_size=batch_size, device=device,
-                         show_progress=show_progress, per_sample=per_sample)
-        how = "ids scored directly: the judge uses the sampler's tokenizer"
-    else:
-        if any(t is None for t in texts):
-            raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
-        result = gen_ppl(texts, judge, max_length=max_length, batch_size=batch_size, device=device,
-                         show_progress=show_progress, per_sample=per_sample)
-        how = "decoded text retokenized with the judge's tokenizer"
+    shared, top = judge_shares_tokenizer(judge, tok), max(map(max, ids))
+    if shared and top >= tok.vocab_size:
+        raise UsageError(f"the samples of {label} hold token id {top}, not below their tokenizer's vocabulary "
+                         f"{tok.vocab_size}: not samples of that tokenizer")
+    if not shared and any(t is None for t in texts):
+        raise UsageError("the samples have no text and the judge uses another tokenizer: cannot retokenize")
+    result = gen_ppl(ids if shared else texts, judge, max_length=max(map(len, ids)), batch_size=batch_size,
+                     device=device, show_progress=show_progress, per_sample=per_sample)
+    how = ("ids scored directly: the judge uses the sampler's tokenizer" if shared else
+           "decoded text retokenized with the judge's tokenizer")
     values = entropies(ids)
     mean = sum(values) / len(values)
     return dict(model=label, steps=steps, entropy=mean, entropy_se=mean_se(len(values), sum(values),
@@ -64,7 +59,6 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
     that round (draw_seed with rounds -1, -2, never the NELBO's). So the validation set and its draws are the same
     for any world size and at every evaluation, and the NELBO is eval_ppl.py's at its defaults (its first rounds).
     -> this rank's float64 sums (VAL_SUMS,), for the caller to add over ranks (validation_record)."""
-    from data import eval_pieces
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     autocast = autocast_for(env.device, resolve_dtype(cfg.dtype, env.device))
     pieces = eval_pieces(data_dir, "val", cfg.batch_size, cfg.eval_iters or None, env.rank, env.world_size, micro,
@@ -114,7 +108,6 @@ def validation_record(sums, data_dir, loss_key="val_loss"):
     """validation_sums added over ranks -> the log.jsonl record: the objective (under loss_key) and the NELBO,
     each with its Monte-Carlo standard error (nelbo_summary), the PPL's 95% interval, the tokens and the draws
     per sequence."""
-    from data import DataError
     if sums[1] == 0 or sums[5] == 0:
         raise DataError(f"{data_dir}: the validation split has no sequences to evaluate")
     loss, nelbo = nelbo_summary(sums[:4]), nelbo_summary(sums[4:])
@@ -164,29 +157,27 @@ def sample_quality(run, cfg, env, judge, tok):
     their scored tokens, then (sum, sum of squares) of their entropies; added over ranks (gen_metrics), they pool
     all samples exactly as one process would, standard errors included."""
     groups = sample_groups(cfg.gen_num_samples, env.rank, env.world_size)
-    n = sum(size for _, size in groups)
-    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    if not groups:                   # more ranks than groups: this one draws none
+        return torch.zeros(GEN_SUMS, dtype=torch.float64)
     dtype = resolve_dtype(cfg.dtype, env.device)
-    sums = torch.zeros(GEN_SUMS, dtype=torch.float64)
-    if n:
-        ids = []
-        with ema_weights(run) as model:
-            model.eval()
-            for k, m in groups:
-                gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed * GEN_GROUPS + k)
-                if diffusion.OBJECTIVES[cfg.loss].causal:
-                    ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
-                                       dtype=dtype, show_progress=False).tolist()
-                else:
-                    ids += generate(model, m, cfg.block_size, model.config.vocab_size, cfg.gen_steps,
-                                    alpha_schedule=cfg.noise_schedule, final_step="ancestral", generator=gen,
-                                    device=env.device, dtype=dtype, show_progress=False).tolist()
-            model.train()
-        r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
-                          steps=cfg.gen_steps, show_progress=False, per_sample=True)
-        e = torch.tensor(r["sample_entropy"], dtype=torch.float64)
-        sums = torch.cat([ratio_moments(r["sample_nll"], r["sample_tokens"]), torch.stack([e.sum(), (e * e).sum()])])
-    return sums
+    ids = []
+    with ema_weights(run) as model:
+        model.eval()
+        for k, m in groups:
+            gen = torch.Generator(device=env.device).manual_seed(cfg.gen_seed * GEN_GROUPS + k)
+            if diffusion.OBJECTIVES[cfg.loss].causal:
+                ids += generate_ar(model, m, cfg.block_size, bos_id=tok.bos_id, generator=gen, device=env.device,
+                                   dtype=dtype, show_progress=False).tolist()
+            else:
+                ids += generate(model, m, cfg.block_size, model.config.vocab_size, cfg.gen_steps,
+                                alpha_schedule=cfg.noise_schedule, final_step="ancestral", generator=gen,
+                                device=env.device, dtype=dtype, show_progress=False).tolist()
+        model.train()
+    micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+    r = score_samples(ids, [tok.decode(row) for row in ids], tok, judge, micro, env.device, label=cfg.out_dir,
+                      steps=cfg.gen_steps, show_progress=False, per_sample=True)
+    e = torch.tensor(r["sample_entropy"], dtype=torch.float64)
+    return torch.cat([ratio_moments(r["sample_nll"], r["sample_tokens"]), torch.stack([e.sum(), (e * e).sum()])])
 
 
 def gen_metrics(sums, cfg, judge):
@@ -201,24 +192,28 @@ def gen_metrics(sums, cfg, judge):
             "gen_seed": cfg.gen_seed, "gen_judge": judge.name}
 
 
-def print_samples(run, cfg, meta, env):
-    """The end of a train.py run: a few samples from the EMA weights (the live ones with --ema 0), so a newcomer
-    sees text: cfg.num_samples of cfg.block_size tokens, the ancestral sampler with cfg.sample_steps steps (the AR
-    baseline: its own sampler), nucleus cfg.sample_top_p, the run's --dtype. -> the texts."""
+def print_samples(run, cfg, meta, env, schedule=None, final_step=None):
+    """The end of a run (train.py, distillation/distill.py): a few samples from the EMA weights (the live ones with
+    --ema 0), so a newcomer sees text: cfg.num_samples of the model's block_size tokens, the ancestral sampler with
+    cfg.sample_steps steps (the AR baseline: its own sampler) under the noise schedule (default: cfg.noise_schedule)
+    and with the final step (default: sample.generate's, ancestral; distill.py: the one --final_step auto picks),
+    nucleus cfg.sample_top_p, the run's --dtype. -> the texts."""
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)
     with ema_weights(run) as model:
         model.eval()
-        if diffusion.OBJECTIVES[cfg.loss].causal:
-            ids = generate_ar(model, cfg.num_samples, cfg.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
+        mc = model.config
+        if mc.causal:
+            ids = generate_ar(model, cfg.num_samples, mc.block_size, bos_id=tok.bos_id, top_p=cfg.sample_top_p,
                               generator=gen, dtype=dtype)
         else:
-            ids = generate(model, cfg.num_samples, cfg.block_size, model.config.vocab_size, cfg.sample_steps,
-                           alpha_schedule=cfg.noise_schedule, top_p=cfg.sample_top_p, generator=gen,
-                           device=env.device, dtype=dtype)
+            ids = generate(model, cfg.num_samples, mc.block_size, mc.vocab_size, cfg.sample_steps,
+                           alpha_schedule=schedule or cfg.noise_schedule, final_step=final_step or "ancestral",
+                           top_p=cfg.sample_top_p, generator=gen, device=env.device, dtype=dtype)
         model.train()
     texts = [tok.decode(row) for row in ids.tolist()]
+    final = f", final step {final_step}" if final_step else ""
     for i, text in enumerate(texts):
-        cli.show(f"--- sample {i} ({cfg.sample_steps} steps) ---\n{text}")
+        cli.show(f"--- sample {i} ({cfg.sample_steps} steps{final}) ---\n{text}")
     return texts

@@ -43,9 +43,9 @@ import curriculum.gaussian as curriculum
 import diffusion
 import train
 from data import DataError, check_tokenizer, get_tokenizer, load_meta, verify_prepared
-from validation import validation_record, validation_sums
+from validation import print_samples, validation_record, validation_sums
 from model import ModelConfig
-from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, ema_weights, restore
+from plumbing.checkpoint import RESUME_KEYS as CKPT_KEYS, restore
 from plumbing.cli import UsageError, parse_flags, run_cli
 from plumbing.flags import check_run_flags
 from plumbing.integrity import check_tokenizer_identity
@@ -53,7 +53,7 @@ from plumbing.memory import check_run_fits
 from plumbing.run import RunPlumbing, launch
 from trained.checkpoint import read_resume
 from trained.export import export
-from trained.finetune import read_init, tokenizer_identity
+from trained.finetune import read_init, start_at, tokenizer_identity
 
 
 @dataclass
@@ -211,10 +211,10 @@ def validate(cfg, world_size):
     """The flags at start-up (plumbing.run.launch's check; world_size: the torchrun job's ranks): every run's
     (plumbing.flags.check_run_flags: no output over an input, each flag against the values it may take) and DCD's
     -> UsageError naming the flag."""
+    limit = curriculum.GAMMA_LIMIT
     check_run_flags(cfg, world_size, {"--init": "" if cfg.resume else cfg.init, "--data_dir": cfg.data_dir},
                     dict(divergence=DIVERGENCES, teacher=("live", "ema")),
-                    [("gamma_min", -curriculum.GAMMA_LIMIT, curriculum.GAMMA_LIMIT, True),
-                     ("gamma_max", -curriculum.GAMMA_LIMIT, curriculum.GAMMA_LIMIT, True)])
+                    [(name, -limit, limit, True) for name in ("gamma_min", "gamma_max")])
     if cfg.teacher == "ema" and not cfg.ema:
         raise UsageError("--teacher ema needs EMA weights: set --ema > 0")
     if min(cfg.round_iters, cfg.T) < 1:
@@ -237,38 +237,32 @@ def load_init(cfg):
     return model.state_dict(), ckpt
 
 
-def data_for(cfg, init_ckpt, record, vocab_size):
-    """The prepared data folder (--data_dir, else the one recorded in --init), its meta (files verified) and its
-    tokenizer, checked against K and against the tokenizer `record` (the checkpoint distilled or resumed) was
-    trained with. -> (data_dir, meta, tokenizer)."""
+def base_of(cfg, init_ckpt, record, env):
+    """The model config of the checkpoint distilled (valid: load_model or read_resume built it), checked to fit env's
+    memory, and its prepared data folder (--data_dir, else the one recorded in --init), its meta (files verified)
+    and its tokenizer, checked against K and against the tokenizer `record` (the checkpoint distilled or resumed)
+    was trained with. -> (mcfg, data_dir, meta)."""
+    mcfg = ModelConfig(**init_ckpt["model_config"])
+    check_run_fits(cfg, mcfg, env, model_from=f"--init {cfg.init}: model_config.")   # before any allocation
     data_dir = cfg.data_dir or (init_ckpt.get("train_config") or {}).get("data_dir")
     if not data_dir:
         raise UsageError(f"--init {cfg.init} records no data folder; pass --data_dir")
     meta = load_meta(data_dir)
-    check_tokenizer(meta, vocab_size)
+    check_tokenizer(meta, mcfg.vocab_size)
     verify_prepared(data_dir, meta)
-    tok = get_tokenizer(meta["tokenizer"])
-    check_tokenizer_identity(tok, record, cfg.init)
-    return os.path.abspath(data_dir), meta, tok
-
-
-def base_of(cfg, init_ckpt, record, env):
-    """The model config of the checkpoint distilled, checked to fit env's memory, and its data (data_for) -> (mcfg,
-    data_dir, meta, tokenizer)."""
-    try:
-        mcfg = ModelConfig(**init_ckpt["model_config"])
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"--init {cfg.init}: its model_config does not build a model here ({e})") from None
-    check_run_fits(cfg, mcfg, env, model_from=f"--init {cfg.init}: model_config.")   # before any allocation
-    return (mcfg, *data_for(cfg, init_ckpt, record, mcfg.vocab_size))
+    check_tokenizer_identity(get_tokenizer(meta["tokenizer"]), record, cfg.init)
+    return mcfg, os.path.abspath(data_dir), meta
 
 
 def open_out_dir(cfg):
-    """The checkpoint to resume (None for a fresh run): trained.checkpoint.read_resume's, a distillation/distill.py
-    checkpoint with the same DCD settings. A refused run changes nothing in out_dir."""
+    """The checkpoint to resume and what a resumed run needs to know of the model it distils, from its own checkpoint
+    (--init is not needed, and may be gone by then): the base model's configs and where it came from; (None, None)
+    for a fresh run. The checkpoint is trained.checkpoint.read_resume's, a distillation/distill.py checkpoint with
+    the same DCD settings, of the model an --init given names (other than the default, which a resume leaves as it
+    is: another one would be ignored without a word). A refused run changes nothing in out_dir."""
     ckpt = read_resume(cfg, "distillation/distill.py")
     if ckpt is None:
-        return None
+        return None, None
     path = os.path.join(cfg.out_dir, "ckpt.pt")
     saved = ckpt.get("distill_config")
     if saved is None or any(k not in ckpt for k in (*CKPT_KEYS, "teacher")):
@@ -276,40 +270,22 @@ def open_out_dir(cfg):
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
         raise UsageError(f"cannot resume from {path}: DCD settings differ (saved, now) {diff}")
-    return ckpt
+    origin = ckpt.get("distilled_from") or {}
+    recorded = origin.get("ckpt")
+    if recorded and cfg.init != DistillConfig.init:
+        same = (cfg.init == recorded if cfg.init.startswith("duo:") or recorded.startswith("duo:")
+                else os.path.realpath(cfg.init) == os.path.realpath(recorded))
+        if not same:
+            raise UsageError(f"--init {cfg.init}: the run in {cfg.out_dir} distils {recorded}, which --resume 1 "
+                             f"continues; leave --init out to resume it, or distil {cfg.init} in another --out_dir")
+    cfg.init = recorded or cfg.init
+    return ckpt, {"train_config": ckpt.get("train_config"), "model_config": ckpt["model_config"], "path": recorded,
+                  "step": origin.get("step"), "distill_config": origin.get("distill_config")}
 
 
 def make_teacher(raw_model):
     """A frozen copy of the student in eval mode: no dropout in the targets (Duo's teacher inherits train mode)."""
     return copy.deepcopy(raw_model).eval().requires_grad_(False)
-
-
-def load_weights(run, weights):
-    """Start the student from `weights` (a state dict); the EMA starts at the same weights."""
-    run.raw_model.load_state_dict(weights)
-    if run.ema is not None:
-        for e, p in zip(run.ema, run.raw_model.parameters()):
-            e.copy_(p.detach())
-
-
-def saved_init(ckpt):
-    """What a resumed run needs to know about the checkpoint it distils, from its own checkpoint (--init is not
-    needed, and may be gone by then): the base model's configs and where it came from."""
-    origin = ckpt.get("distilled_from") or {}
-    return {"train_config": ckpt.get("train_config"), "model_config": ckpt["model_config"], "path": origin.get("ckpt"),
-            "step": origin.get("step"), "distill_config": origin.get("distill_config")}
-
-
-def check_resumed_init(cfg, recorded):
-    """A resume distils the model its checkpoint records (recorded: its path); an --init naming another one (other
-    than the default, which a resume leaves as it is) would be ignored without a word -> UsageError."""
-    if not recorded or cfg.init == DistillConfig.init:
-        return
-    same = (cfg.init == recorded if cfg.init.startswith("duo:") or recorded.startswith("duo:")
-            else os.path.realpath(cfg.init) == os.path.realpath(recorded))
-    if not same:
-        raise UsageError(f"--init {cfg.init}: the run in {cfg.out_dir} distils {recorded}, which --resume 1 continues; "
-                         f"leave --init out to resume it, or distil {cfg.init} in another --out_dir")
 
 
 def refresh_teacher(teacher, run, cfg):
@@ -334,18 +310,12 @@ def dcd_step(run, teacher, cfg, env, x0, mask=None):
 def evaluate(run, teacher, cfg, data_dir, env):
     """validation.validation_sums (the same validation set and draws for any world size) of the DCD loss against the
     current teacher at the current round's dt (its pair noise from draw_pair_noise), and of the NELBO. -> this
-    rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (val_metrics)."""
+    rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (train.loop)."""
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
 
     def per_token_loss(model, x0, mask, t, noise):
         return dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask
     return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_pair_noise)
-
-
-def val_metrics(sums, cfg, data_dir, it):
-    """evaluate's sums, added over ranks -> the log.jsonl record (validation.validation_record: each with its standard
-    error), with the dt of the round evaluated."""
-    return {**validation_record(sums, data_dir, "val_dcd"), "dt": step_size(max(it - 1, 0), cfg)}
 
 
 def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
@@ -371,14 +341,13 @@ def main(argv=None):
 def distill(cfg, env):
     if not cfg.resume:                   # every fault of --init and its data is found before out_dir is made
         weights, init_ckpt = load_init(cfg)
-        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, init_ckpt, env)
-    ckpt = open_out_dir(cfg)
+        mcfg, data_dir, meta = base_of(cfg, init_ckpt, init_ckpt, env)
+    ckpt, resumed = open_out_dir(cfg)
     if ckpt is not None:
-        weights, init_ckpt = None, saved_init(ckpt)
-        check_resumed_init(cfg, init_ckpt["path"])
-        cfg.init = init_ckpt["path"] or cfg.init
-        mcfg, data_dir, meta, tok = base_of(cfg, init_ckpt, ckpt, env)
-    base_loss = (init_ckpt.get("train_config") or {}).get("loss", "?")
+        weights, init_ckpt = None, resumed
+        mcfg, data_dir, meta = base_of(cfg, init_ckpt, ckpt, env)
+    base = init_ckpt.get("train_config") or {}
+    base_loss = base.get("loss", "?")
     plumbing = RunPlumbing(cfg, env, mcfg, meta, export, what="distillation", label=f"dcd {base_loss}",
                            loss_name="DCD loss", extra=lambda: checkpoint_extra(cfg, init_ckpt, data_dir, teacher))
     if plumbing.done(ckpt):
@@ -387,18 +356,23 @@ def distill(cfg, env):
     if ckpt is not None:
         restore(run, ckpt, env, plumbing.ckpt_path)
     else:
-        load_weights(run, weights)
+        start_at(run, weights)
     teacher = make_teacher(run.raw_model)
     if ckpt is not None:
         teacher.load_state_dict(ckpt["teacher"])
     teacher_fn = torch.compile(teacher) if plumbing.place_model(run) else teacher
     config = {"distill_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta,
               "train_config": init_ckpt.get("train_config")}
+    schedule = base.get("noise_schedule", "loglinear")
+    final_step = diffusion.default_final_step({**init_ckpt, "distill_config": asdict(cfg)})   # --final_step auto's
     with plumbing.start(run, config, describe(cfg, init_ckpt, base_loss, mcfg.vocab_size, env)):
         return train.loop(run, cfg, plumbing, lambda x0, mask: dcd_step(run, teacher_fn, cfg, env, x0, mask),
                           (lambda: evaluate(run, teacher_fn, cfg, data_dir, env),      # validation DCD loss, NELBO
-                           lambda sums: val_metrics(sums, cfg, data_dir, run.it)),
-                          lambda: print_samples(run, cfg, init_ckpt, tok, env))
+                           # evaluate's sums, added over ranks -> the log.jsonl record, with the round's dt
+                           lambda sums: {**validation_record(sums, data_dir, "val_dcd"),
+                                         "dt": step_size(max(run.it - 1, 0), cfg)}),
+                          lambda: print_samples(run, cfg, meta, env, schedule, final_step))
+
 
 def describe(cfg, init_ckpt, base_loss, K, env):
     """The distillation in one line, printed before the progress bar starts."""
@@ -409,24 +383,6 @@ def describe(cfg, init_ckpt, base_loss, K, env):
             f"dt = 1/{cfg.T} ... {step_size(cfg.max_iters - 1, cfg):.4g}, gamma in [{cfg.gamma_min}, "
             f"{cfg.gamma_max}] -> alpha in [{a_lo:.4f}, {a_hi:.4f}], {cfg.divergence}, "
             f"teacher = {cfg.teacher} weights; {cfg.batch_size} sequences/step on {env.describe()}")
-
-
-def print_samples(run, cfg, init_ckpt, tok, env):
-    """A few few-step samples from the EMA weights, with the final step --final_step auto picks."""
-    from sample import generate
-    final_step = diffusion.default_final_step({**init_ckpt, "distill_config": asdict(cfg)})
-    gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
-    schedule = (init_ckpt.get("train_config") or {}).get("noise_schedule", "loglinear")
-    with ema_weights(run) as model:
-        model.eval()
-        ids = generate(model, cfg.num_samples, model.config.block_size, model.config.vocab_size, cfg.sample_steps,
-                       alpha_schedule=schedule, final_step=final_step, top_p=cfg.sample_top_p, generator=gen,
-                       device=env.device)
-        model.train()
-    texts = [tok.decode(row) for row in ids.tolist()]
-    for i, text in enumerate(texts):
-        cli.show(f"--- sample {i} ({cfg.sample_steps} steps, final step {final_step}) ---\n{text}")
-    return texts
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def distill_toy(weights, rounds=2):
     cfg = distill.DistillConfig(batch_size=256, gamma_min=-4.0, gamma_max=6.0, lr=3e-4, warmup_iters=10, ema=0.99,
                                 round_iters=100, T=64, max_iters=100 * rounds, seed=3)
     run = train.build_run(cfg, TOY_MODEL, env)
-    distill.load_weights(run, weights)
+    distill.start_at(run, weights)
     teacher = distill.make_teacher(run.raw_model)
     g = gen(1)
     for _ in range(cfg.max_iters):

@@ -174,7 +174,7 @@ MUTATIONS = [
       old="e.copy_(p.detach())", new="pass",
       tests=["tests/test_finetune.py::test_a_run_from_a_checkpoint_starts_at_its_validation"]),
     M(name="finetune_resume_forgets_its_source", file="trained/finetune.py",
-      old="source = resumed_source(cfg.out_dir)", new="source = None",
+      old="resumed_source(cfg.out_dir) if cfg.resume", new="None if cfg.resume",
       tests=["tests/test_finetune.py::test_a_resumed_fine_tuning_run_continues_bit_identically"]),
     M(name="finetune_runs_the_presets_curriculum", file="train.py",
       old='if cfg.init and "curriculum_share" not in given:', new="if False:",

@@ -3,7 +3,6 @@ builds, a resume's checkpoint against the run (model, objective, batch, tokenize
 tokenizer loaded for sampling and evaluation (a ckpt.pt, a model folder or Duo's release). The run's state itself
 (saved atomically, restored bit for bit) is plumbing/checkpoint.py's."""
 import os
-import zipfile
 from dataclasses import asdict
 
 from data import DataError, check_tokenizer, full_data_key, get_tokenizer, not_a_file
@@ -17,20 +16,23 @@ from trained.fields import check_checkpoint_fields
 from trained.folder import check_target, load_folder
 
 
-def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True):
+def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True, fix=None):
     """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
     (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
     given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
-    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text).
+    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text; fix: what
+    its message tells the user to do).
     need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
     check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
     line naming the folder and the fix)."""
     record = (ckpt or {}).get("meta") or {}
     ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
-    fix = f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its tokenizer"
+    fix = fix or (f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its "
+                  f"tokenizer")
     if ours and theirs and ours != theirs:
         raise UsageError(f"{data_dir} was prepared with another tokenizer ({meta.get('tokenizer')}, sha256 "
-                         f"{ours[:12]}...) than {path} was trained with (sha256 {theirs[:12]}...); {fix}")
+                         f"{ours[:12]}...) than {path} was trained with ({record.get('tokenizer')}, sha256 "
+                         f"{theirs[:12]}...); {fix}")
     try:
         tok = get_tokenizer(meta["tokenizer"])
     except DataError:
@@ -58,11 +60,11 @@ def check_resume_data(cfg, key):
     --dataset or --wrap fails now, not after preparing a whole new dataset. Reads the checkpoint memory-mapped (no
     weights are read); one that cannot be read this way is left to the full check after preparation."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    if not cfg.resume or not os.path.isfile(path) or not zipfile.is_zipfile(path):   # torch.save's format is a zip
+    if not cfg.resume or not os.path.isfile(path):
         return
     try:
         old = full_data_key(read_checkpoint(path, mmap=True)["meta"]["data_key"])
-    except Exception:
+    except Exception:         # not a zip (torch.save's format), or no data_key
         return
     flags = {"block_size": "--block_size", "wrap": "--wrap", "corpus": "--dataset", "tokenizer": "--tokenizer"}
     changed = [k for k, v in full_data_key(key).items() if old.get(k) != v]
@@ -94,34 +96,18 @@ def read_resume(cfg, script):
 
 def open_out_dir(cfg, mcfg, meta=None):
     """train.py's checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
-    mixes its log with an earlier run's; a resume must match the saved model, objective, batch, tokenizer (by
-    content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run changes
-    nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the steps its
-    checkpoint recorded: it continues as it started, whatever --max_iters is now."""
+    mixes its log with an earlier run's; a resume must have RESUME_KEYS, match the saved model, objective, batch,
+    tokenizer (by content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run
+    changes nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the
+    steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
     ckpt = read_resume(cfg, "train.py")
     if ckpt is None:
         return None
-    check_resume(ckpt, cfg, mcfg, meta)
-    if cfg.curriculum_share:
-        cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
-    return ckpt
-
-
-def check_resume(ckpt, cfg, mcfg, meta=None):
-    """A train.py checkpoint may be resumed by this run: it has RESUME_KEYS, the same model, objective, batch,
-    tokenizer (by content) and data (meta: this run's prepared data), and a step within --max_iters."""
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    missing = [k for k in RESUME_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [k for k in RESUME_KEYS if k not in ckpt]
     if missing:
         raise ConfigError(f"cannot resume from {path}: not a train.py checkpoint (missing {', '.join(missing)})")
-    unknown = sorted(set(ckpt["model_config"]) - set(asdict(mcfg)))
-    if unknown:
-        raise ConfigError(f"cannot resume from {path}: its model_config has keys this model.py does not know: "
-                          f"{', '.join(unknown)}")
-    try:
-        saved = asdict(ModelConfig(**ckpt["model_config"]))   # fields added since it was saved take their defaults
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"cannot resume from {path}: its model_config is invalid ({e})") from None
+    saved = asdict(ModelConfig(**ckpt["model_config"]))   # valid (read_resume); fields added since take defaults
     if saved != asdict(mcfg):
         diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
         raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
@@ -138,6 +124,8 @@ def check_resume(ckpt, cfg, mcfg, meta=None):
         diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
         raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
                           f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
+    if cfg.curriculum_share:
+        cfg.curriculum_iters = ckpt["train_config"].get("curriculum_iters", cfg.curriculum_iters)
     return ckpt
 
 
@@ -154,32 +142,19 @@ def load_checkpoint(path, device="cpu", use_ema=True):
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
     check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
-    mcfg, state = checked_weights(ckpt, path, use_ema)
+    # both weight sets, the one not used too: a damaged file is refused whole
+    sets = [name for name in ("model", "ema") if ckpt.get(name) is not None]
+    for name in sets:          # floating-point and finite
+        check_weights(weight_set(ckpt, name), path, name, ConfigError)
+    state = weight_set(ckpt, "ema" if use_ema and "ema" in sets else "model")
+    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
+    check_config_matches(mcfg, state, path, "model_config.")     # as many blocks, as wide an embedding
     check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
     model = build_model(mcfg)
-    for name in ("model", "ema"):        # both sets, the one not used too: a damaged file is refused whole
-        if ckpt.get(name) is not None:
-            check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not fit its model_config ({first_line(e)})") from None
+    for name in sets:          # names and shapes: it loads
+        check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
+    model.load_state_dict(state)
     return model.to(device).eval(), ckpt
-
-
-def checked_weights(ckpt, path, use_ema=True, error=ConfigError):
-    """A checkpoint's weights to load (its EMA's when use_ema and it has them, else the model's; a torch.compile'd
-    model's "_orig_mod." prefix dropped), checked before a model is built: floating-point and finite, and as many
-    blocks and as wide an embedding as its model_config says -> (ModelConfig, state dict)."""
-    ema = use_ema and ckpt.get("ema") is not None
-    state = weight_set(ckpt, "ema" if ema else "model")
-    check_weights(state, path, "ema" if ema else "model", error)
-    if ckpt.get("ema") is not None:      # the set not used is checked too: a damaged file is refused whole
-        other = weight_set(ckpt, "model" if ema else "ema")
-        check_weights(other, path, "model" if ema else "ema", error)
-    mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
-    check_config_matches(mcfg, state, path, "model_config.")
-    return mcfg, state
 
 
 def load_model(path, device, use_ema=True):

@@ -10,7 +10,7 @@ import torch
 
 from model import build_model
 from plumbing.cli import first_line
-from plumbing.integrity import check_weights, check_zip
+from plumbing.integrity import check_state_fits, check_weights, check_zip
 from trained.fields import checked_model_config
 from plumbing.memory import check_model_memory
 
@@ -128,12 +128,10 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     d, K = fields["n_embd"], fields["vocab_size"]
     fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)
     fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)
-    mcfg = checked_model_config(fields, f"duo:{spec}", "", fix="use another checkpoint")
+    mcfg = checked_model_config(fields, f"duo:{spec}", "")
     check_model_memory(mcfg, device, lambda field: f"duo:{spec}: {field}")
     model = build_model(mcfg)
-    missing = set(model.state_dict()) - set(ours)
-    if missing:
-        raise ValueError(f"duo:{spec}: the checkpoint lacks {sorted(missing)[:4]}")
+    check_state_fits(model.state_dict(), ours, f"duo:{spec}", "", fix="use another checkpoint")    # so it loads
     model.load_state_dict(ours)
     tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)
     ckpt = {"model_config": asdict(model.config), "meta": {"tokenizer": tokenizer} if tokenizer else {},

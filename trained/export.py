@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from diffusion import default_final_step
 from trained.checkpoint import load_model
@@ -39,9 +40,7 @@ def folder_config(ckpt, weights, validation=None):
         "tokenizer": {"spec": meta.get("tokenizer"), "sha256": meta.get("tokenizer_sha256"),
                       **{k: meta.get(k) for k in ("vocab_size", "bos_id", "eos_id", "pad_id")}},
         "train_config": train_config,
-        **({"distilled_from": ckpt["distilled_from"]} if ckpt.get("distilled_from") else {}),
-        **({"finetuned_from": ckpt["finetuned_from"]} if ckpt.get("finetuned_from") else {}),
-        **({"source": ckpt["source"]} if ckpt.get("source") else {}),
+        **{k: ckpt[k] for k in ("distilled_from", "finetuned_from", "source") if ckpt.get(k)},
     }
 
 
@@ -188,11 +187,12 @@ def save_folder(folder, state, config, name=None, proto=None):
         if proto is None and not os.path.isfile(source):
             raise UsageError(f"the tokenizer file {source} is missing: a model folder carries its tokenizer; "
                              f"put the file back (or re-export from a copy of it)")
-        proto = open(source, "rb").read() if proto is None else proto
-        if tok.get("sha256") and hashlib.sha256(proto).hexdigest() != tok["sha256"]:
-            raise UsageError(f"{source} is not the tokenizer this model was trained with (sha256 "
-                             f"{hashlib.sha256(proto).hexdigest()[:12]}..., recorded {tok['sha256'][:12]}...)")
-        tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=hashlib.sha256(proto).hexdigest())
+        proto = Path(source).read_bytes() if proto is None else proto
+        sha256 = hashlib.sha256(proto).hexdigest()
+        if tok.get("sha256") and sha256 != tok["sha256"]:
+            raise UsageError(f"{source} is not the tokenizer this model was trained with (sha256 {sha256[:12]}..., "
+                             f"recorded {tok['sha256'][:12]}...)")
+        tok.update(spec="sp:" + TOKENIZER, file=TOKENIZER, sha256=sha256)
     folder = os.path.normpath(folder)
     check_target(folder)
     existing = os.path.isdir(folder) and bool(os.listdir(folder))
@@ -207,15 +207,11 @@ def save_folder(folder, state, config, name=None, proto=None):
                   os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
         os.chmod(os.path.join(tmp, WEIGHTS), 0o644)     # safetensors writes it owner-only; a folder is for sharing
         config["weights_sha256"] = sha256_file(os.path.join(tmp, WEIGHTS))   # every reader checks the bytes by it
-        with open(os.path.join(tmp, CONFIG), "w") as f:
-            json.dump(config, f, indent=1)
-            f.write("\n")
+        Path(tmp, CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         if source is not None:
-            with open(os.path.join(tmp, TOKENIZER), "wb") as f:
-                f.write(proto)
+            Path(tmp, TOKENIZER).write_bytes(proto)
         if not users_card:
-            with open(os.path.join(tmp, CARD), "w", encoding="utf-8") as f:
-                f.write(model_card(config, name or folder))
+            Path(tmp, CARD).write_text(model_card(config, name or folder), encoding="utf-8")
         with deferred_signals():      # a stop signal between the renames would leave a folder half old, half new
             if not existing:
                 os.replace(tmp, folder)                  # a new folder, or over an empty one: whole at once

@@ -31,18 +31,15 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
     if ckpt.get("train_config") is not None:
         config = ckpt["train_config"]
         expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
-        for k, kind in TRAIN_CONFIG_TYPES.items():
-            if config.get(k) is not None:
-                expect(fits(config[k], kind), path, f"train_config.{k}", config[k], kind, error)
         check_train_config_values(config, path, "train_config.", error)
     for name in ("meta", "optimizer", "distill_config", "distilled_from"):
         if ckpt.get(name) is not None:
             expect(isinstance(ckpt[name], dict), path, name, ckpt[name], "a dict", error)
     meta = ckpt.get("meta") or {}
     for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "block_size"):
+        low = 1 if k in ("vocab_size", "block_size") else 0
         if meta.get(k) is not None:
-            expect(is_int(meta[k]) and meta[k] >= (1 if k in ("vocab_size", "block_size") else 0), path,
-                    f"meta.{k}", meta[k], "an int >= 1" if k in ("vocab_size", "block_size") else "an int >= 0", error)
+            expect(is_int(meta[k]) and meta[k] >= low, path, f"meta.{k}", meta[k], f"an int >= {low}", error)
     for k in ("tokenizer", "tokenizer_sha256"):
         if meta.get(k) is not None:
             expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)
@@ -70,8 +67,12 @@ def checked_model_config(config, path, prefix="model_config.", error=ConfigError
 
 
 def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECKPOINT_FIX):
-    """The values readers act on, checked as their flags are: the objective (train.py --loss), the noise schedule
-    (--noise_schedule), the sizes (--block_size, --batch_size, --max_iters >= 1)."""
+    """The fields readers use (TRAIN_CONFIG_TYPES) of their types, and the values they act on checked as their flags
+    are: the objective (train.py --loss), the noise schedule (--noise_schedule), the sizes (--block_size,
+    --batch_size, --max_iters >= 1)."""
+    for k, kind in TRAIN_CONFIG_TYPES.items():
+        if config.get(k) is not None:
+            expect(fits(config[k], kind), path, prefix + k, config[k], kind, error, fix)
     checks = {"loss": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
               "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
               "block_size": (lambda v: is_int(v) and v >= 2, "an int >= 2"),

@@ -25,7 +25,7 @@ from trained.checkpoint import check_data_tokenizer, load_model, load_tokenizer
 # train.py's data flags SOURCE sets unless they are given on the command line (a preset's are not)
 FROM_SOURCE = ("tokenizer", "block_size")
 # the model fields a preset names that are its shape (the vocabulary is the tokenizer's, the length a data flag,
-# the output layer's padding a matter of speed: fit_output_rows)
+# the output layer's padding a matter of speed: start_at)
 SHAPE = ("arch", "n_layer", "n_head", "n_embd", "cond_dim", "mlp_hidden", "time_cond", "causal")
 
 
@@ -53,35 +53,20 @@ class Source:
     def model_config_for(self, cfg, data_dir, meta):
         """The run's ModelConfig: SOURCE's model at this run's --block_size and --dropout, its output layer padded to
         --vocab_multiple where given (else SOURCE's padding); once the prepared data (data_dir, meta) are checked
-        to be tokenized by SOURCE's tokenizer (check_data)."""
-        self.check_data(data_dir, meta)
+        to be tokenized by SOURCE's tokenizer, as every reader of a prepared folder checks it
+        (trained.checkpoint.check_data_tokenizer; on a resume trained.checkpoint.open_out_dir does)."""
+        if self.weights is not None:
+            fix = "give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)"
+            check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label,
+                                 fix=fix)
         fields = dict(self.model_config, block_size=cfg.block_size, dropout=cfg.dropout)
         if cfg.vocab_multiple:
             fields["vocab_multiple"] = cfg.vocab_multiple
         return ModelConfig(**fields)
 
-    def check_data(self, data_dir, meta):
-        """The prepared data's tokenizer is SOURCE's, as every reader of a prepared folder checks it
-        (trained.checkpoint.check_data_tokenizer: by content where both hashes are known, else its vocabulary and
-        special ids against SOURCE's). Nothing to check on a resume (trained.checkpoint.check_resume does)."""
-        if self.weights is None:
-            return
-        ours, theirs = meta.get("tokenizer_sha256"), (self.meta or {}).get("tokenizer_sha256")
-        if ours and theirs and ours != theirs:
-            raise UsageError(f"{data_dir} was prepared with the tokenizer {meta.get('tokenizer')} (sha256 "
-                             f"{ours[:12]}...), not the one {self.label} was trained with ({self.tokenizer}, sha256 "
-                             f"{theirs[:12]}...); give a --data_dir prepared with it, or leave --data_dir out "
-                             f"(train.py prepares one)")
-        check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label)
-
     def start(self, run):
-        """SOURCE's weights into the run's model (its output rows fitted to the run's padding); the EMA starts at
-        them. Every rank loads the same weights, so a DDP run still equals one process."""
-        run.raw_model.load_state_dict(fit_output_rows(self.weights, run.raw_model.config))
-        if run.ema is not None:
-            with torch.no_grad():
-                for e, p in zip(run.ema, run.raw_model.parameters()):
-                    e.copy_(p.detach())
+        """SOURCE's weights into the run's model, the EMA at them (start_at)."""
+        start_at(run, self.weights)
 
     def extra(self):
         """What a checkpoint of the run adds (RunPlumbing's extra): where it started."""
@@ -96,19 +81,24 @@ class Source:
                 f"{cfg.preset} and the flags given)")
 
 
-def fit_output_rows(state, mcfg):
-    """A state dict whose output layer (lm_head) has other padding rows than mcfg's (--vocab_multiple) -> the same
-    weights with mcfg.padded_vocab_size rows: the vocabulary's rows kept, the padding rows zero (never used: the
-    model returns only the vocabulary's logits)."""
-    rows, vocab = mcfg.padded_vocab_size, mcfg.vocab_size
-    state = dict(state)
+def start_at(run, state):
+    """The run's model starts at the weights `state` (a state dict: train.py --init, distillation/distill.py), its
+    EMA at the same weights. An output layer (lm_head) with other padding rows than the run's (--vocab_multiple) is
+    fitted to padded_vocab_size rows: the vocabulary's rows kept, the padding rows zero (never used: the model
+    returns only the vocabulary's logits). Every rank loads the same weights, so a DDP run still equals one
+    process."""
+    mcfg, state = run.raw_model.config, dict(state)
+    rows = mcfg.padded_vocab_size
     for name in ("lm_head.weight", "lm_head.bias"):
         v = state.get(name)
         if v is not None and v.shape[0] != rows:
-            fitted = torch.zeros((rows,) + tuple(v.shape[1:]), dtype=v.dtype)
-            fitted[:vocab] = v[:vocab]
-            state[name] = fitted
-    return state
+            state[name] = torch.zeros((rows,) + tuple(v.shape[1:]), dtype=v.dtype)
+            state[name][:mcfg.vocab_size] = v[:mcfg.vocab_size]
+    run.raw_model.load_state_dict(state)
+    if run.ema is not None:
+        with torch.no_grad():
+            for e, p in zip(run.ema, run.raw_model.parameters()):
+                e.copy_(p.detach())
 
 
 # -----------------------------------------------------------------------------------------------
@@ -168,12 +158,7 @@ def start_from(cfg, given):
     the flags given that contradict it refused (check_flags), the data flags it sets taken where not given
     (FROM_SOURCE), and a tokenizer given on the command line checked against SOURCE's before any data is prepared.
     given: the flags on the command line. -> the Source, or None for a run from random weights."""
-    if cfg.init:
-        source = load_source(cfg.init, cfg.init_ema)
-    elif cfg.resume:
-        source = resumed_source(cfg.out_dir)
-    else:
-        return None
+    source = load_source(cfg.init, cfg.init_ema) if cfg.init else resumed_source(cfg.out_dir) if cfg.resume else None
     if source is None:
         return None
     check_flags(cfg, given, source)

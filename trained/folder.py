@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import fields
 
 import diffusion
 from data import not_a_file
@@ -13,9 +12,9 @@ from diffusion import FINAL_STEPS
 from model import ModelConfig, build_model
 from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, check_writable, kind_of
-from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, fits, is_int, sha256_file
+from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, is_int, sha256_file
 from plumbing.memory import check_model_memory
-from trained.fields import TRAIN_CONFIG_TYPES, check_train_config_values, checked_model_config
+from trained.fields import check_train_config_values, checked_model_config
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -25,13 +24,9 @@ WEIGHTS, CONFIG, TOKENIZER, CARD = "model.safetensors", "config.json", "tokenize
 
 def is_model_folder(path):
     """True for a folder holding a config.json of one of our formats (not, e.g., a Duo or transformers folder)."""
-    config = os.path.join(str(path), CONFIG)
-    if not os.path.isfile(config):
-        return False
     try:
-        with open(config) as f:
-            return json.load(f).get("format") in FORMATS
-    except (OSError, ValueError, AttributeError):
+        return bool(read_config(str(path)))
+    except (OSError, ValueError):
         return False
 
 
@@ -55,9 +50,7 @@ def check_target(folder, flag="the output folder", fix="choose another"):
     """A model folder may be written into a new or empty folder, or over a model folder of ours (replacing only
     our_files); a folder holding anything else is the user's: one line (UsageError, ending in `fix`) before any
     work."""
-    check_writable(folder, flag, folder=True)      # not a file, pipe or device, nor under one; writable
-    if os.path.lexists(folder) and not os.path.isdir(folder):
-        raise UsageError(f"{flag} {folder} is a {kind_of(os.path.realpath(folder))}, not a folder; give a folder")
+    check_writable(folder, flag, folder=True)      # a folder (not a file, pipe or device, nor under one); writable
     if not os.path.isdir(folder):
         return
     if is_model_folder(folder):
@@ -72,13 +65,6 @@ def check_target(folder, flag="the output folder", fix="choose another"):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise UsageError(f"{flag} {folder} already holds files that are not an sddlm model folder ({shown}); a model "
                          f"folder is written only into a new or empty folder or over an earlier one: {fix}")
-
-
-def model_config_of(config):
-    """config.json's model fields: flat (format -2, the hub's way) or nested under "model_config" (format -1)."""
-    if isinstance(config.get("model_config"), dict):
-        return config["model_config"]
-    return {f.name: config[f.name] for f in fields(ModelConfig) if f.name in config}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -115,41 +101,34 @@ def check_config(config, path):
     objective, noise schedule, final step, weights, step, the tokenizer record, the training config, the model's
     fields) -> the ModelConfig; else ConfigError naming the file and the field."""
     hex64 = lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
-    optional = lambda test: lambda v: v is None or test(v)
-    fields = {"model_type": (optional(lambda v: v == MODEL_TYPE), repr(MODEL_TYPE)),
-              "objective": (optional(lambda v: v in diffusion.OBJECTIVES),
-                            f"one of {', '.join(diffusion.OBJECTIVES)}"),
-              "noise_schedule": (optional(lambda v: v in diffusion.SCHEDULES),
-                                 f"one of {', '.join(diffusion.SCHEDULES)}"),
-              "final_step": (optional(lambda v: v in FINAL_STEPS), f"one of {', '.join(FINAL_STEPS)}"),
-              "weights": (optional(lambda v: v in ("ema", "raw")), "ema or raw"),
-              "step": (optional(lambda v: is_int(v) and v >= 0), "an int >= 0"),
-              "weights_sha256": (optional(hex64), "a sha256 (64 hex digits)"),
-              "tokenizer": (optional(lambda v: isinstance(v, dict)), "an object (spec, sha256, file, vocab_size, ids)"),
-              "train_config": (optional(lambda v: isinstance(v, dict)), "an object"),
-              "distilled_from": (optional(lambda v: isinstance(v, (dict, str))), "an object or a path"),
-              "validation": (optional(lambda v: isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) and not
-                                                                            isinstance(v.get(k), bool)
-                                                                            for k in ("step", "nelbo", "ppl"))),
-                             "an object with the numbers step, nelbo, ppl")}
-    for k, (ok, wanted) in fields.items():
-        expect(ok(config.get(k)), path, k, config.get(k), wanted, fix=FOLDER_FIX)
-    tok = config.get("tokenizer") or {}
-    for k, (ok, wanted) in {"spec": (optional(lambda v: isinstance(v, str)), "a string"),
-                            "sha256": (optional(hex64), "a sha256 (64 hex digits)"),
-                            "file": (optional(lambda v: isinstance(v, str) and v and os.path.basename(v) == v
-                                              and v not in (".", "..")), "a file name inside the folder"),
-                            "vocab_size": (optional(lambda v: is_int(v) and v >= 1), "an int >= 1"),
-                            **{i: (optional(lambda v: is_int(v) and v >= 0), "an int >= 0")
-                               for i in ("bos_id", "eos_id", "pad_id")}}.items():
-        expect(ok(tok.get(k)), path, f"tokenizer.{k}", tok.get(k), wanted, fix=FOLDER_FIX)
-    train = config.get("train_config") or {}
-    for k, kind in TRAIN_CONFIG_TYPES.items():
-        if train.get(k) is not None:
-            expect(fits(train[k], kind), path, f"train_config.{k}", train[k], kind, fix=FOLDER_FIX)
-    check_train_config_values(train, path, "train_config.", fix=FOLDER_FIX)
-    nested = isinstance(config.get("model_config"), dict)
-    return checked_model_config(model_config_of(config), path, "model_config." if nested else "", fix=FOLDER_FIX)
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    top = {"model_type": (lambda v: v == MODEL_TYPE, repr(MODEL_TYPE)),
+           "objective": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
+           "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
+           "final_step": (lambda v: v in FINAL_STEPS, f"one of {', '.join(FINAL_STEPS)}"),
+           "weights": (lambda v: v in ("ema", "raw"), "ema or raw"),
+           "step": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
+           "weights_sha256": (hex64, "a sha256 (64 hex digits)"),
+           "tokenizer": (lambda v: isinstance(v, dict), "an object (spec, sha256, file, vocab_size, ids)"),
+           "train_config": (lambda v: isinstance(v, dict), "an object"),
+           "distilled_from": (lambda v: isinstance(v, (dict, str)), "an object or a path"),
+           "validation": (lambda v: isinstance(v, dict) and all(number(v.get(k)) for k in ("step", "nelbo", "ppl")),
+                          "an object with the numbers step, nelbo, ppl")}
+    tokenizer = {"spec": (lambda v: isinstance(v, str), "a string"),
+                 "sha256": (hex64, "a sha256 (64 hex digits)"),
+                 "file": (lambda v: isinstance(v, str) and v and os.path.basename(v) == v and v not in (".", ".."),
+                          "a file name inside the folder"),
+                 "vocab_size": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
+                 **{i: (lambda v: is_int(v) and v >= 0, "an int >= 0") for i in ("bos_id", "eos_id", "pad_id")}}
+    for record, prefix, checks in ((config, "", top), (config.get("tokenizer") or {}, "tokenizer.", tokenizer)):
+        for k, (ok, wanted) in checks.items():        # every field optional: None passes
+            v = record.get(k)
+            expect(v is None or ok(v), path, prefix + k, v, wanted, fix=FOLDER_FIX)
+    check_train_config_values(config.get("train_config") or {}, path, "train_config.", fix=FOLDER_FIX)
+    if isinstance(config.get("model_config"), dict):      # format -1: nested
+        return checked_model_config(config["model_config"], path, "model_config.", fix=FOLDER_FIX)
+    flat = {f.name: config[f.name] for f in dataclasses.fields(ModelConfig) if f.name in config}   # format -2
+    return checked_model_config(flat, path, "", fix=FOLDER_FIX)
 
 
 def load_folder(folder, device="cpu", use_ema=True):
@@ -192,11 +171,8 @@ def load_folder(folder, device="cpu", use_ema=True):
     check_config_matches(mcfg, weights, config_path, "", weights=f"the weights ({WEIGHTS})", fix=FOLDER_FIX)
     check_model_memory(mcfg, device, lambda field: f"{config_path}: {field}")
     model = build_model(mcfg)
-    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)
-    try:
-        model.load_state_dict(weights)
-    except Exception as e:     # weights of another shape (RuntimeError)
-        raise ValueError(f"{path}: weights do not load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)     # names and shapes: it loads
+    model.load_state_dict(weights)
     state = model.state_dict()
     ckpt = {"model_config": dataclasses.asdict(mcfg),
             "train_config": {**(config.get("train_config") or {}), "loss": config.get("objective"),
@@ -204,11 +180,6 @@ def load_folder(folder, device="cpu", use_ema=True):
             "meta": {"tokenizer": tok.get("spec"), "tokenizer_sha256": tok.get("sha256"),
                      **{k: tok.get(k) for k in ("vocab_size", "bos_id", "eos_id", "pad_id")}},
             "step": config.get("step"), "model": state, "ema": state if config.get("weights") == "ema" else None,
-            "final_step": config.get("final_step"), "source": folder, "format": config.get("format")}
-    if isinstance(config.get("validation"), dict):
-        ckpt["validation"] = config["validation"]
-    if config.get("distilled_from"):
-        ckpt["distilled_from"] = config["distilled_from"]
-    if config.get("finetuned_from"):
-        ckpt["finetuned_from"] = config["finetuned_from"]
+            "final_step": config.get("final_step"), "source": folder, "format": config.get("format"),
+            **{k: config[k] for k in ("validation", "distilled_from", "finetuned_from") if config.get(k)}}
     return model.to(device).eval(), ckpt
