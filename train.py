@@ -27,7 +27,7 @@ from data import BatchLoader, DataError, get_tokenizer
 from kernels.fused_head import HEADS
 from validation import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
-from plumbing.checkpoint import restore
+from plumbing import checkpoint
 from plumbing.flags import check_train_flags
 from plumbing.memory import check_run_fits
 from plumbing.run import Run, RunPlumbing, launch
@@ -380,7 +380,7 @@ def train(cfg, env, source, given):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:                         # the checkpoint's state, to continue bit for bit
-        restore(run, ckpt, env, plumbing.ckpt_path)
+        checkpoint.restore(run, ckpt, env, plumbing.ckpt_path)
     elif source is not None:                     # fine-tuning: SOURCE's weights, the EMA at them
         source.start(run)
     fusable = not diffusion.OBJECTIVES[cfg.loss].full_logits     # an objective the fused head computes
@@ -390,8 +390,9 @@ def train(cfg, env, source, given):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
             if plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env), lambda sums: {
                     **val_metrics(sums, cfg, data_dir), "init": source.described}):
-                plumbing.save(run)               # stopped in it: saved at step 0, where --resume 1 evaluates again
-                return plumbing.stopped(run)
+                # stopped in it: saved at step 0, where --resume 1 evaluates again
+                checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)
+                return plumbing.log.stopped(plumbing.stop["signal"], run.it)
         return loop(run, cfg, plumbing, lambda x0, mask: train_step(run, cfg, env, x0, mask),
                     (lambda: evaluate(run, cfg, data_dir, env), lambda sums: val_metrics(sums, cfg, data_dir)),
                     lambda: print_samples(run, cfg, meta, env),
@@ -404,6 +405,7 @@ def loop(run, cfg, plumbing, step, validation, samples, quality=None):
     step(x0, mask) -> the step's loss; validation and quality: (sums() -> this rank's sums, metrics(summed) -> the
     record) every --eval_interval / --gen_interval steps and at the end; samples() -> the texts printed at the end.
     -> the exit code."""
+    env, mcfg, meta = plumbing.env, plumbing.mcfg, plumbing.meta
     while run.it < cfg.max_iters:
         loss = step(*run.loader.next_batch())
         last = run.it == cfg.max_iters
@@ -412,12 +414,12 @@ def loop(run, cfg, plumbing, step, validation, samples, quality=None):
             stopping = plumbing.sync_metrics_and_stop(run.it, *validation)
         if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
             stopping = plumbing.sync_metrics_and_stop(run.it, *quality)
-        if run.it % cfg.ckpt_interval == 0 or last or stopping:
-            plumbing.save(run)
-        if getattr(cfg, "keep_every", 0) and run.it % cfg.keep_every == 0:
-            plumbing.keep(run)
+        if run.it % cfg.ckpt_interval == 0 or last or stopping:    # ckpt.pt: what --resume 1 continues bit for bit
+            checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)
+        if getattr(cfg, "keep_every", 0) and run.it % cfg.keep_every == 0 and env.master:
+            checkpoint.keep_checkpoint(run, cfg, mcfg, meta)         # ckpt_<step>.pt: the weights, for evaluation
         if stopping:
-            return plumbing.stopped(run)
+            return plumbing.log.stopped(plumbing.stop["signal"], run.it)
     return plumbing.finish(run, samples)   # model folder, samples, last lines
 
 if __name__ == "__main__":

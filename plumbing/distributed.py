@@ -12,11 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plumbing.cli import (OutOfMemory, UsageError, autocast_for, first_line, oom_summary, parse_bool, resolve_device,
-                          resolve_dtype)
-from plumbing.lock import acquire_folder
+from plumbing.cli import UsageError, autocast_for, first_line, parse_bool, resolve_device, resolve_dtype
 from plumbing.memory import cuda_allocator_env
-from plumbing.signals import deferred_signals
 
 
 @dataclass
@@ -198,20 +195,6 @@ def launch_env(environ=None):
             fail(f"contradictory: {why}")
     return Launch(world, rank, local_rank, local_world, node, nnodes, given.get("MASTER_ADDR", ""),
                   num.get("MASTER_PORT", 0), num.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
-def check_launch(cfg):
-    """A training script's start, before anything else runs: the launch environment (launch_env) and the CPU threads
-    asked for (--threads, OMP_NUM_THREADS) against the cores -> Launch, or one line (exit code 2)."""
-    launch = launch_env()
-    if getattr(cfg, "threads", 0) < 0:
-        raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
-    if getattr(cfg, "threads", 0) > 0:
-        check_threads(cfg.threads, "--threads")
-    omp_threads()
-    if not getattr(cfg, "dist_timeout", 1) > 0:
-        raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
-    return launch
 
 
 def join(launch, timeout, poll=0.2, report=30.0):
@@ -401,33 +384,3 @@ def on_each_node(env, work, *errors):
         if error is not None:
             raise error if node == 0 else type(error)(f"node {node}: {error}")
     return firsts[env.node][0], {node: value for node, (value, _) in sorted(firsts.items())}
-
-
-def run_distributed(cfg, work):
-    """work(env) in this process's place of a torchrun job (setup_distributed), holding the lock on cfg.out_dir
-    (plumbing.lock: one run per folder), the process group torn down after it. Out of memory -> one line naming
-    the micro-batch and the flag that halves it; the checkpoint on disk is kept. Shared by train.py and
-    distillation/distill.py."""
-    env = setup_distributed(cfg)
-    held = []
-
-    def lock():
-        with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
-            held.append(acquire_folder(cfg.out_dir))
-    try:
-        # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
-        on_rank0(env, lock, UsageError)
-        return work(env)
-    except torch.OutOfMemoryError as e:
-        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-        fix = (f"set --grad_accum {2 * cfg.grad_accum} (micro-batch {micro // 2})" if micro > 1 and
-               cfg.batch_size % (2 * env.world_size * cfg.grad_accum) == 0 else
-               "lower --batch_size, --block_size or the model size")
-        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
-                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; {fix}; the last checkpoint "
-                          f"in {cfg.out_dir} is kept") from None
-    finally:
-        for lock in held:
-            lock.release()
-        if env.ddp and dist.is_initialized():
-            dist.destroy_process_group()

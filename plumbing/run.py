@@ -1,12 +1,11 @@
 """The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch (the launch
 environment checked, then the script's own checks before anything is made, then this process in its place of a
 torchrun job, out_dir locked for the whole process), the run's state (Run) and RunPlumbing: the model placed for the
-run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the checkpoints and what
-they record, the model folder exported at the end by the script's export (a full disk: one line, the checkpoint
-kept), the lines printed before, during (the curriculum's end) and after; and the stop signals and the divergence
-rule that decide when a run stops. Each method is named for what the loop does and takes what the loop knows; how
-is here, in the rooms it calls. Nothing here knows the model or the objective: what a script's run needs of them
-comes in as a value or a callable."""
+run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the model folder exported
+at the end by the script's export (a full disk: one line, the checkpoint kept), the lines printed before, during (the
+curriculum's end) and after; and the stop signals and the divergence rule that decide when a run stops. The loop saves
+its checkpoints itself (plumbing.checkpoint). Nothing here knows the model or the objective: what a script's run needs
+of them comes in as a value or a callable."""
 import math
 import os
 import time
@@ -14,28 +13,61 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from plumbing.checkpoint import keep_checkpoint, save
-from plumbing.cli import Interrupted
-from plumbing.distributed import agree, any_rank, check_launch, compiles, run_distributed, wrap_model
+from plumbing.cli import Interrupted, OutOfMemory, UsageError, oom_summary
+from plumbing.distributed import (agree, any_rank, check_threads, compiles, launch_env, omp_threads, on_rank0,
+                                  setup_distributed, wrap_model)
 from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
+from plumbing.lock import acquire_folder
 from plumbing.memory import fit_micro_batch, probe_steps
 from plumbing.runlog import Log, finish_lines, kept, start_lines, started_line
-from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
+from plumbing.signals import deferred_signals, interruptible, reduced_unless_stopped, stop_signals
 
 
 # -----------------------------------------------------------------------------------------------
 # the launch: everything checked before out_dir is locked or made
 
 def launch(cfg, check, work):
-    """A training script's start: the launch environment and the CPU threads as a whole (WORLD_SIZE, RANK,
-    MASTER_ADDR, ..., --threads, OMP_NUM_THREADS: plumbing.distributed.check_launch), then check(launch) -> what the
-    run starts from (the script's flags and sizes, each bad one a line, exit code 2), then work(env, that) in this
-    process's place of a torchrun job, out_dir locked for the whole process (plumbing.distributed.run_distributed).
-    -> work's exit code."""
-    start = check(check_launch(cfg))
-    return run_distributed(cfg, lambda env: work(env, start))
+    """A training script's start: the launch environment as a whole (WORLD_SIZE, RANK, MASTER_ADDR, ...:
+    plumbing.distributed.launch_env) and the CPU threads asked for (--threads, OMP_NUM_THREADS) against the cores,
+    then check(launch) -> what the run starts from (the script's flags and sizes, each bad one a line, exit code 2),
+    then work(env, that) in this process's place of a torchrun job (setup_distributed), holding the lock on
+    cfg.out_dir (plumbing.lock: one run per folder), the process group torn down after it. Out of memory -> one line
+    naming the micro-batch and the flag that halves it; the checkpoint on disk is kept. -> work's exit code."""
+    where = launch_env()
+    if cfg.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
+    if cfg.threads > 0:
+        check_threads(cfg.threads, "--threads")
+    omp_threads()
+    if not cfg.dist_timeout > 0:
+        raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
+    start = check(where)
+    env = setup_distributed(cfg)
+    held = []
+
+    def lock():
+        with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
+            held.append(acquire_folder(cfg.out_dir))
+    try:
+        # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
+        on_rank0(env, lock, UsageError)
+        return work(env, start)
+    except torch.OutOfMemoryError as e:
+        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+        fix = (f"set --grad_accum {2 * cfg.grad_accum} (micro-batch {micro // 2})" if micro > 1 and
+               cfg.batch_size % (2 * env.world_size * cfg.grad_accum) == 0 else
+               "lower --batch_size, --block_size or the model size")
+        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
+                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; {fix}; the last checkpoint "
+                          f"in {cfg.out_dir} is kept") from None
+    finally:
+        for folder in held:
+            folder.release()
+        if env.ddp and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -80,9 +112,6 @@ class RunPlumbing:
         self.events = events or {}
         self.marks = [("start-up", env.started), ("data", time.time())]   # (phase, when it ended): started_line
 
-    def mark(self, phase):
-        self.marks.append((phase, time.time()))
-
     # -------------------------------------------------------------------------------------------
     # before the loop
 
@@ -109,14 +138,14 @@ class RunPlumbing:
         compiles."""
         cfg, env = self.cfg, self.env
         compile = compiles(cfg.compile, cfg.preset, env.device)
-        self.mark("model")
+        self.marks.append(("model", time.time()))
         if probe and env.device.type == "cuda":
             fit_micro_batch(run, cfg, env, compile, probe, fusable)
-            self.mark("probe")
+            self.marks.append(("probe", time.time()))
         run.model = wrap_model(run.raw_model, env, compile)      # after the probe: see wrap_model
         if probe and compile:
             probe_steps(run, cfg, env, cfg.batch_size // (env.world_size * cfg.grad_accum), probe, run.model)
-            self.mark("compilation")
+            self.marks.append(("compilation", time.time()))
         run.eval_model = torch.compile(run.raw_model) if compile else None
         return compile
 
@@ -133,7 +162,8 @@ class RunPlumbing:
         if self.env.master:
             write_json(os.path.join(self.cfg.out_dir, "config.json"), config)
             print(lines or start_lines(self.cfg, run.raw_model, self.env), flush=True)
-        self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size)
+        self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size,
+                       what=self.what)
         self.rule = DivergenceRule(self.cfg.diverge_margin, math.log(self.mcfg.vocab_size))
         self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
         self.loss_sum = self.bad = None
@@ -169,7 +199,7 @@ class RunPlumbing:
         self.lr = lr
         if step == self.first_step:
             self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
-            self.mark("first step")
+            self.marks.append(("first step", time.time()))
             self.log.say(started_line(self.marks))     # how long the start took, and where it went
         signalled = self.stop["signal"] is not None
         saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
@@ -200,21 +230,6 @@ class RunPlumbing:
                 raise self.diverged(why, step)
         return any_rank(self.env, self.stop["signal"] is not None)
 
-    def save(self, run):
-        """out_dir/ckpt.pt, written atomically (plumbing.checkpoint.save): what resumes the run bit for bit (weights,
-        EMA, optimizer, step, every rank's data position and RNG states), the configs, the data's meta, and extra()."""
-        extra = self.extra() if self.extra is not None and self.env.master else None
-        save(run, self.cfg, self.mcfg, self.meta, self.env, extra=extra)
-
-    def keep(self, run):
-        """out_dir/ckpt_<step>.pt (rank 0): the weights and EMA weights of this step, for evaluation afterwards."""
-        if self.env.master:
-            keep_checkpoint(run, self.cfg, self.mcfg, self.meta)
-
-    def stopped(self, run):
-        """The run stopped by a signal, its checkpoint saved: the bar closed, one line. -> exit code 130."""
-        return self.log.stopped(self.stop["signal"], run.it, self.what, finished=run.it == self.cfg.max_iters)
-
     def diverged(self, why, step):
         """The error a diverged run ends with (exit code 2), saying what is kept and what to change."""
         why = why.replace(" loss", f" {self.loss_name}", 1)
@@ -242,7 +257,7 @@ class RunPlumbing:
                 if self.env.master and self.cfg.num_samples > 0:
                     self.log.samples(run.it, samples())
         except Interrupted:
-            return self.log.stopped(self.stop["signal"], run.it, self.what, finished=True, after=True)
+            return self.log.stopped(self.stop["signal"], run.it, after=True)
         self.log.close_trackers()
         if self.env.master:                  # last, after the trackers have closed
             self.log.end(run.it)
