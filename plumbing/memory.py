@@ -6,11 +6,12 @@ raised or the run stops with the flag to set), the margin it leaves for what tor
 the allocator's settings. check_fits: any other size a script knows at its start (samples' tokens, NELBO draws)."""
 import os
 import resource
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from plumbing.cli import OutOfMemory, autocast_for, resolve_device, resolve_dtype
+from plumbing.cli import OutOfMemory, UsageError, autocast_for, resolve_device, resolve_dtype
 
 # What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
 # leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
@@ -102,28 +103,24 @@ def check_fits(need, device, what, fix):
     """`what` (words naming the values at fault) needs at least `need` bytes on `device`: more than the memory there
     is (available_memory) -> UsageError, one line with both sizes and `fix`. For the sizes a script knows at its
     start that are not a model's: sample.py's tokens, eval_ppl.py's draws."""
-    from plumbing.cli import UsageError
     free, where = available_memory(device)
     if free is not None and need > free:
         raise UsageError(f"{what} need at least {_size(need)}, more than the {_size(max(free, 0))} of {where}; {fix}")
 
 
-def _refuse_if_too_big(need, c, device, name, what, fix, smaller):
-    """need(config, micro) -> bytes; above the memory there is -> UsageError naming the field whose value costs the
-    most (the one whose reset to smaller's value saves the most), as name(field) says it."""
-    from types import SimpleNamespace
-    from plumbing.cli import UsageError
+def _refuse_if_too_big(need, mcfg, micro, device, name, what, fix, smaller):
+    """need(c) -> bytes, c: mcfg's fields and the micro-batch `micro`; above the memory there is -> UsageError naming
+    the field whose value costs the most (the one whose reset to smaller's value saves the most), as name(field)
+    says it."""
+    c = SimpleNamespace(**vars(mcfg), micro=micro)
     total = need(c)
     free, where = available_memory(device)
     if free is None or total <= free:
         return
-    savings = {}
-    for field, small in smaller.items():
-        if getattr(c, field) is not None and getattr(c, field) > small:
-            savings[field] = total - need(SimpleNamespace(**{**vars(c), field: small}))
+    savings = {field: total - need(SimpleNamespace(**{**vars(c), field: small})) for field, small in smaller.items()
+               if getattr(c, field) is not None and getattr(c, field) > small}
     field = max(savings, key=savings.get) if savings else "n_layer"
-    params = model_numel(c)[0]
-    raise UsageError(f"{name(field)} {getattr(c, field)}: {what} needs at least {_size(total)} ({params:,} "
+    raise UsageError(f"{name(field)} {getattr(c, field)}: {what} needs at least {_size(total)} ({model_numel(c)[0]:,} "
                      f"parameters), more than the {_size(max(free, 0))} of {where}; {fix}")
 
 
@@ -135,9 +132,7 @@ def check_model_memory(mcfg, device, name, fix="use a machine with more memory")
     """Before a model is built (sample.py, eval_ppl.py, a model folder or checkpoint read anywhere): its weights and
     RoPE tables (float32) fit in the memory there is, else one line naming the field at fault (name(field) -> how
     the user knows it, e.g. "out/model/config.json: n_layer")."""
-    from types import SimpleNamespace
-    c = SimpleNamespace(**vars(mcfg), micro=0)
-    _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), c, device, name, "the model", fix,
+    _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), mcfg, 0, device, name, "the model", fix,
                        {k: v for k, v in SMALL.items() if k != "micro"})
 
 
@@ -145,9 +140,7 @@ def check_training_memory(mcfg, micro, ema, device, name, fix="lower it"):
     """Before a training run allocates its model: weights, gradients, AdamW's state, the EMA and one micro-batch of
     micro sequences fit in the memory there is (training_bytes, a lower bound), else one line naming the flag at
     fault (name(field) -> e.g. "--n_layer"; field "micro" is the micro-batch)."""
-    from types import SimpleNamespace
-    c = SimpleNamespace(**vars(mcfg), micro=micro)
-    _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), c, device, name,
+    _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), mcfg, micro, device, name,
                        "training (weights, gradients, AdamW's moments, EMA, one micro-batch)", fix, SMALL)
 
 
@@ -196,34 +189,30 @@ def fit_micro_batch(run, cfg, env, compile=False, loss=None, fusable=False):
     fit, and recomputes them (--head fused_recompute) where only that fits: tried at each micro-batch before a
     smaller one. Updates cfg.grad_accum and cfg.head."""
     model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
-    first = cfg.grad_accum
+    accum = first = cfg.grad_accum
     try:
-        _fit(model, run, cfg, env, loss, fusable)
+        while True:
+            micro = cfg.batch_size // (env.world_size * accum)
+            fits = _probe_fits(run, cfg, env, micro, model, loss)
+            if not fits and cfg.head == "auto" and fusable:
+                cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
+                fits = _probe_fits(run, cfg, env, micro, model, loss)
+                if fits and env.master:
+                    print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing "
+                          f"its logits in backward: --head fused_recompute (one more output-layer product a step)",
+                          flush=True)
+                cfg.head = "fused_recompute" if fits else "auto"
+            if fits:
+                break
+            if micro == 1 or cfg.batch_size % (env.world_size * accum * 2):
+                raise OutOfMemory(f"micro-batch {micro} does not fit in GPU memory ({_gpu_gib(env)}): lower "
+                                  f"--block_size or the model size")
+            accum *= 2
     finally:    # DDP splits its graph at its buckets (wrap_model); another micro-batch compiled its batch size dynamic
-        if compile and (env.ddp or cfg.grad_accum != first):
+        if compile and (env.ddp or accum != first):
             torch._dynamo.reset()
-
-
-def _fit(model, run, cfg, env, loss, fusable):
-    accum, first = cfg.grad_accum, cfg.grad_accum
-    while True:
-        micro = cfg.batch_size // (env.world_size * accum)
-        fits = _fits_on_every_rank(run, cfg, env, micro, model, loss)
-        if not fits and cfg.head == "auto" and fusable:
-            cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
-            fits = _fits_on_every_rank(run, cfg, env, micro, model, loss)
-            if fits and env.master:
-                print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing its "
-                      f"logits in backward: --head fused_recompute (one more output-layer product a step)", flush=True)
-            cfg.head = "fused_recompute" if fits else "auto"
-        if fits and accum == first:
-            return
-        if fits:
-            break
-        if micro == 1 or cfg.batch_size % (env.world_size * accum * 2):
-            raise OutOfMemory(f"micro-batch {micro} does not fit in GPU memory ({_gpu_gib(env)}): lower --block_size "
-                              f"or the model size")
-        accum *= 2
+    if accum == first:
+        return
     first_micro = cfg.batch_size // (env.world_size * first)
     if not cfg.auto_accum:
         raise OutOfMemory(f"micro-batch {first_micro} (--batch_size {cfg.batch_size} / {env.world_size} rank(s) / "
@@ -235,22 +224,13 @@ def _fit(model, run, cfg, env, loss, fusable):
     cfg.grad_accum = accum
 
 
-def _fits_on_every_rank(run, cfg, env, micro, model, loss):
-    fits = _probe_fits(run, cfg, env, micro, model, loss)
-    if env.ddp:
-        flag = torch.tensor([float(fits)], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        fits = bool(flag.item())
-    return fits
-
-
 def _gpu_gib(env):
     return f"{torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30:.1f} GiB"
 
 
 def _probe_fits(run, cfg, env, micro, model, loss):
-    """One probe of fit_micro_batch at this micro-batch -> bool: the measured peak, plus the optimizer's moments
-    (not yet allocated in a fresh run), within usable_bytes of the device."""
+    """One probe of fit_micro_batch at this micro-batch -> bool, the same on every rank: the measured peak, plus the
+    optimizer's moments (not yet allocated in a fresh run), within usable_bytes of the device on every rank."""
     later = sum(2 * p.numel() * p.element_size() for p in run.raw_model.parameters()) if not run.optimizer.state else 0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(env.device)
@@ -261,6 +241,10 @@ def _probe_fits(run, cfg, env, micro, model, loss):
     except torch.OutOfMemoryError:
         fits = False
     torch.cuda.empty_cache()
+    if env.ddp:
+        flag = torch.tensor([float(fits)], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
     return fits
 
 

@@ -108,7 +108,6 @@ class RunPlumbing:
         self.extra = extra or (source.extra if source is not None else None)
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
-        self.log = self.stop = self.rule = None
         self.events = events or {}
         self.marks = [("start-up", env.started), ("data", time.time())]   # (phase, when it ended): started_line
 
@@ -131,11 +130,8 @@ class RunPlumbing:
     def place_model(self, run, probe=None, fusable=False):
         """The model as the run trains and evaluates it: with probe (train.py's step on random tokens, probe(model,
         x0, it, gen) -> its mean loss; fusable: an objective the fused head computes), on CUDA, the micro-batch probe
-        first (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model =
-        raw_model in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's
-        presets on CUDA), each kind of step compiled now (probe_steps; the probe's graphs where they are kept), not
-        when the curriculum ends; run.eval_model = raw_model compiled for evaluation, or None. -> whether it
-        compiles."""
+        first (plumbing.memory.fit_micro_batch), then run.model (wrap_model: DDP, torch.compile), each kind of step
+        compiled now (probe_steps), not when the curriculum ends; run.eval_model. -> whether it compiles."""
         cfg, env = self.cfg, self.env
         compile = compiles(cfg.compile, cfg.preset, env.device)
         self.marks.append(("model", time.time()))
@@ -151,11 +147,10 @@ class RunPlumbing:
 
     def start(self, run, config, lines=None):
         """The run starts at step run.it: config.json (config: the run's configs) and `lines` (what the run is, in a
-        few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl (cut back
-        to run.it on a resume) and the trackers. A fine-tuning run adds where it started (its source) to both.
-        Used as `with plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag
-        the loop reads (sync_loss_and_stop) instead of ending the process; the way out closes the bar and trackers
-        and puts the handlers back."""
+        few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl and the
+        trackers (runlog.Log). A fine-tuning run adds where it started (its source) to both. Used as `with
+        plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag the loop
+        reads (sync_loss_and_stop) instead of ending the process."""
         if self.source is not None:
             config = {**config, **self.source.extra()}
             lines = lines or self.source.lines(self.cfg, run.raw_model, self.env)
@@ -166,7 +161,8 @@ class RunPlumbing:
                        what=self.what)
         self.rule = DivergenceRule(self.cfg.diverge_margin, math.log(self.mcfg.vocab_size))
         self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
-        self.loss_sum = self.bad = None
+        self.loss_sum = torch.zeros((), device=self.env.device)
+        self.bad = torch.zeros((), device=self.env.device, dtype=torch.bool)   # a non-finite loss since the start
         return self
 
     def __enter__(self):
@@ -183,17 +179,11 @@ class RunPlumbing:
 
     def sync_loss_and_stop(self, step, loss, lr):
         """After optimizer step `step`, its training loss (a 0-dim tensor) at learning rate lr: summed on the device,
-        no host sync. Every --log_interval steps, before a checkpoint (--ckpt_interval, the last step) and, in one
-        process, at once after a stop signal: the loop's one host sync (plumbing.distributed.agree) gives the sum
-        over the ranks and whether any rank saw a non-finite loss or a stop signal; the divergence rule checks the
-        mean (the first step's loss, of sound weights, starts its history), then it is logged. A diverged loss
-        raises FloatingPointError: no checkpoint of these weights is written. -> whether the run stops (a stop
-        signal on any rank: the loop saves and ends, stopped). After the curriculum's last step (train.py's
-        --curriculum_iters), the log says why the loss jumps there (event)."""
+        no host sync. Every --log_interval steps, before a checkpoint and, in one process, at once after a stop
+        signal: the loop's one host sync (plumbing.distributed.agree), the divergence rule (the first step's loss, of
+        sound weights, starts its history), the log. A diverged loss raises FloatingPointError: no checkpoint of
+        these weights is written. -> whether the run stops (a stop signal on any rank: the loop saves and ends)."""
         cfg, env = self.cfg, self.env
-        if self.loss_sum is None:
-            self.loss_sum = torch.zeros((), device=loss.device)
-            self.bad = torch.zeros((), device=loss.device, dtype=torch.bool)   # a non-finite loss since the start
         self.loss_sum += loss
         self.bad |= ~torch.isfinite(loss)
         self.lr = lr
@@ -245,8 +235,8 @@ class RunPlumbing:
     def finish(self, run, samples):
         """The end of a run that reached --max_iters with its checkpoint saved: the bar closed, the model folder
         out_dir/model exported (rank 0), the samples printed (samples() -> their texts, on rank 0; a stop signal
-        abandons them: exit code 130), the trackers closed, then log.jsonl's last record {"step", "t", "event": "end"}
-        (the end of the run, read from the log) and the finish lines. -> the exit code, 0."""
+        abandons them: exit code 130), the trackers closed, then log.jsonl's last record (Log.end) and the finish
+        lines. -> the exit code, 0."""
         self.log.close()
         folder = None
         if self.env.master:        # a full disk: one line (plumbing.files.writing), the checkpoint kept
