@@ -177,17 +177,13 @@ def cuda_allocator_env(environ):
 
 
 def fit_micro_batch(run, cfg, env, compile=False, loss=None, fusable=False):
-    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training. One forward + backward of
-    each kind of step the run will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP
-    (probe_steps), leaving weights, optimizer and every random state as they were. When the run compiles, one
-    compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the second);
-    its graphs are the run's when the first micro-batch fits in one process, else dropped (torch._dynamo.reset). The
-    verdict is shared by all ranks. If it does not fit, --auto_accum 1 doubles --grad_accum (halving the
-    micro-batch) until it does; --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to
-    set. loss(model, x0, it, gen): the run's step on random tokens x0 at step it (probe_steps). With --head auto and
-    `fusable` (an objective the fused head computes) the fused head keeps its chunk logits for backward where they
-    fit, and recomputes them (--head fused_recompute) where only that fits: tried at each micro-batch before a
-    smaller one. Updates cfg.grad_accum and cfg.head."""
+    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training, by the probe of each kind of
+    step (probe_steps, loss(model, x0, it, gen) its step), its verdict shared by all ranks. When the run compiles,
+    one compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the
+    second); its graphs are the run's when the first micro-batch fits in one process. If it does not fit,
+    --auto_accum 1 doubles --grad_accum until it does; --auto_accum 0 stops with one line naming the flag to set.
+    With --head auto and `fusable` (an objective the fused head computes), --head fused_recompute is tried at each
+    micro-batch before a smaller one. Updates cfg.grad_accum and cfg.head."""
     model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
     accum = first = cfg.grad_accum
     try:
@@ -251,11 +247,9 @@ def _probe_fits(run, cfg, env, micro, model, loss):
 def probe_steps(run, cfg, env, micro, loss, model=None):
     """One forward + backward of each kind of step the run will take (a curriculum step while it lasts, a plain
     step after) through `model` at this micro-batch, on random tokens (loss(model, x0, it, gen) -> the step's mean
-    loss, its draws from gen: the script's step): the probe's (None: run.raw_model, outside DDP: a
-    rank that fails leaves none waiting; compiled when the run compiles, so the peak is the compiled step's), or the
-    run's compiled model before its first step (RunPlumbing.place_model: no compilation when the curriculum ends).
-    Weights, optimizer and torch's random states are left as they were; the gradients as a step leaves them (the
-    probe's: None)."""
+    loss): the probe's (None: run.raw_model, outside DDP: a rank that fails leaves none waiting), or the run's
+    compiled model before its first step (no compilation when the curriculum ends). Weights, optimizer and torch's
+    random states are left as they were; the gradients as a step leaves them (the probe's: None)."""
     its = [run.it] if run.it < cfg.curriculum_iters else []                      # a curriculum step
     if cfg.max_iters > cfg.curriculum_iters:
         its.append(max(run.it, cfg.curriculum_iters))                            # a plain step
