@@ -1,11 +1,8 @@
-"""The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch (the launch
-environment checked, then the script's own checks before anything is made, then this process in its place of a
-torchrun job, out_dir locked for the whole process), the run's state (Run) and RunPlumbing: the model placed for the
-run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the model folder exported
-at the end by the script's export (a full disk: one line, the checkpoint kept), the lines printed before, during (the
-curriculum's end) and after; and the stop signals and the divergence rule that decide when a run stops. The loop saves
-its checkpoints itself (plumbing.checkpoint). Nothing here knows the model or the objective: what a script's run needs
-of them comes in as a value or a callable."""
+"""The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch, the run's state
+(Run) and RunPlumbing: the model placed for the run, config.json, log.jsonl and trackers, the model folder exported
+at the end, the lines printed, and the stop signals and the divergence rule that decide when a run stops. The loop
+saves its checkpoints itself (plumbing.checkpoint). Nothing here knows the model or the objective: what a script's
+run needs of them comes in as a value or a callable."""
 import math
 import os
 import time
@@ -30,12 +27,11 @@ from plumbing.signals import deferred_signals, interruptible, reduced_unless_sto
 # the launch: everything checked before out_dir is locked or made
 
 def launch(cfg, check, work):
-    """A training script's start: the launch environment as a whole (WORLD_SIZE, RANK, MASTER_ADDR, ...:
-    plumbing.distributed.launch_env) and the CPU threads asked for (--threads, OMP_NUM_THREADS) against the cores,
-    then check(launch) -> what the run starts from (the script's flags and sizes, each bad one a line, exit code 2),
-    then work(env, that) in this process's place of a torchrun job (setup_distributed), holding the lock on
-    cfg.out_dir (plumbing.lock: one run per folder), the process group torn down after it. Out of memory -> one line
-    naming the micro-batch and the flag that halves it; the checkpoint on disk is kept. -> work's exit code."""
+    """A training script's start: the launch environment as a whole (plumbing.distributed.launch_env) and the CPU
+    threads asked for against the cores, then check(where) -> what the run starts from (the script's flags and
+    sizes, each bad one a line, exit code 2), then work(env, that) in this process's place of a torchrun job,
+    holding the lock on cfg.out_dir (one run per folder), the process group torn down after it. Out of memory -> one
+    line naming the micro-batch and the flag that halves it. -> work's exit code."""
     where = launch_env()
     if cfg.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
@@ -76,7 +72,7 @@ def launch(cfg, check, work):
 @dataclass
 class Run:
     """The state a training run carries from step to step (and saves in its checkpoint): train.build_run makes it,
-    the step (train.train_step, distill.dcd_step) advances it, RunPlumbing places, saves and restores it."""
+    the step (train.train_step) advances it, plumbing.checkpoint saves and restores it."""
     raw_model: torch.nn.Module           # the DiffusionTransformer itself
     model: torch.nn.Module               # what the step calls: raw_model, or it in DDP and/or compiled (wrap_model)
     optimizer: torch.optim.Optimizer
@@ -90,16 +86,14 @@ class Run:
 
 
 class RunPlumbing:
-    """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig: out_dir,
-    max_iters, the intervals, the trackers, ...); env: where this process runs (plumbing.distributed.Env); mcfg,
-    meta: the model's config and the data's meta, which every checkpoint records; source: the trained model a
-    fine-tuning run starts from (trained.finetune.Source: its weights, and where the run started, which config.json,
-    the start lines and every checkpoint record), or None. what: "training" | "distillation", in the lines it
-    prints; label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a
-    divergence names it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's
-    teacher; default: source's); export(ckpt_path, folder) writes the model folder of a finished run
-    (trained.export.export); events: {step: (name, message)}, a change in what the run does after that step, said
-    on the console and logged (train.py's curriculum end: the loss jumps there)."""
+    """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig); env: where
+    this process runs (plumbing.distributed.Env); mcfg, meta: the model's config and the data's meta, which every
+    checkpoint records; source: the trained model a fine-tuning run starts from (trained.finetune.Source), or None.
+    what: "training" | "distillation", in the lines it prints; label: the objective as the progress bar names it
+    (default cfg.loss); loss_name: the loss as a divergence names it; extra() -> more top-level checkpoint entries
+    (distill.py: its settings and the round's teacher; default: source's); export(ckpt_path, folder) writes the
+    model folder of a finished run; events: {step: (name, message)}, a change in what the run does after that step,
+    said on the console and logged (train.py's curriculum end: the loss jumps there)."""
 
     def __init__(self, cfg, env, mcfg, meta, export, source=None, what="training", label=None, loss_name="loss",
                  extra=None, events=None):

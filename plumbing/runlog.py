@@ -1,8 +1,6 @@
-"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume, and the
-trackers beside it (Log); the lines a run prints before its bar starts, when its curriculum ends and after it ends
-(start_lines, finish_lines, kept, Log.stopped; the events a script passes, e.g. train.py's curriculum end); and the
-one reader of JSONL files the evaluation scripts take as input. What is logged, and when, the training loop's
-plumbing decides (plumbing/run.py)."""
+"""The run log: rank 0's progress bar, out_dir/log.jsonl and the trackers (Log); the lines a run prints before its
+bar starts and after it ends; and the one reader of JSONL files the evaluation scripts take as input. What is
+logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
 import importlib.util
 import json
 import os
@@ -111,9 +109,8 @@ class Log:
         return self
 
     def __exit__(self, *exc):   # an error ends the bar's line, so its one-line message starts a line of its own
-        if self.master:
-            self.pbar.close()
-            self.close_trackers()
+        self.close()
+        self.close_trackers()
 
 
 def metrics_line(metrics):
