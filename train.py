@@ -414,10 +414,10 @@ def loop(run, cfg, plumbing, step, validation, samples, quality=None):
             stopping = plumbing.sync_metrics_and_stop(run.it, *validation)
         if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
             stopping = plumbing.sync_metrics_and_stop(run.it, *quality)
-        if run.it % cfg.ckpt_interval == 0 or last or stopping:    # ckpt.pt: what --resume 1 continues bit for bit
-            checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)
+        if run.it % cfg.ckpt_interval == 0 or last or stopping:
+            checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)   # ckpt.pt: what --resume 1 continues
         if getattr(cfg, "keep_every", 0) and run.it % cfg.keep_every == 0 and env.master:
-            checkpoint.keep_checkpoint(run, cfg, mcfg, meta)         # ckpt_<step>.pt: the weights, for evaluation
+            checkpoint.keep(run, cfg, mcfg, meta)                        # ckpt_<step>.pt: weights to evaluate later
         if stopping:
             return plumbing.log.stopped(plumbing.stop["signal"], run.it)
     return plumbing.finish(run, samples)   # model folder, samples, last lines

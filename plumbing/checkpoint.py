@@ -44,7 +44,7 @@ def checkpoint_state(run, cfg, mcfg, meta, resume=None):
     return state
 
 
-def keep_checkpoint(run, cfg, mcfg, meta):
+def keep(run, cfg, mcfg, meta):
     """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment
     (no optimizer or RNG state: for eval_ppl.py / sample.py, not for --resume), so that any curve over
     training can be recomputed after the run."""

@@ -1,8 +1,6 @@
-"""Where a process runs in a torchrun job, and how the ranks agree: set-up and tear-down (nodes, processes, CPU
-threads), the model each rank trains (wrap_model: DDP, torch.compile), each rank's micro-batches of a global batch
-and its slice of the draws made for it (Env.micro_batches, rank_slice), the one host sync of the training loop
-(agree), any_rank, a decision taken on rank 0 that every rank then shares, and work done once per node
-(on_each_node: data, where nodes share no storage)."""
+"""Where a process runs in a torchrun job (Env: nodes, processes, CPU threads), and how the ranks agree: the model
+each rank trains (wrap_model), each rank's micro-batches and its slice of the draws made for the global batch, the
+one host sync of the training loop (agree), and work done on rank 0 or once per node."""
 import datetime
 import os
 import socket
@@ -54,9 +52,8 @@ class Env:
 
     def micro_batches(self, model, cfg, x0_all, mask_all, draws_all):
         """This rank's part of a global batch, x0_all (B_rank, L) and its mask or None, in cfg.grad_accum micro-batches,
-        each with its slice of every draw made for the global batch (rank_slice: a DDP run equals one process) and
-        the context its backward runs in: DDP all-reduces the gradients on the last micro-batch only (model.no_sync
-        before). Yields (x0, mask, draws, context) on this process's device."""
+        each with its slice of every draw made for the global batch (rank_slice) and the context its backward runs
+        in (DDP all-reduces on the last only). Yields (x0, mask, draws, context) on this process's device."""
         micro = x0_all.shape[0] // cfg.grad_accum
         for m in range(cfg.grad_accum):
             x0 = x0_all[m * micro:(m + 1) * micro].to(self.device, non_blocking=True)
@@ -147,13 +144,10 @@ class LaunchError(UsageError):
 
 def launch_env(environ=None):
     """torchrun's variables (LAUNCH_VARS) -> Env (no device yet), checked as a whole before anything starts: each a
-    whole number
-    (MASTER_PORT in 1-65535, WORLD_SIZE >= 1), none contradicting another (RANK < WORLD_SIZE, LOCAL_RANK <
-    LOCAL_WORLD_SIZE <= WORLD_SIZE, GROUP_RANK < GROUP_WORLD_SIZE), and all that a job of several processes needs
-    (RANK, MASTER_ADDR, MASTER_PORT) present. Without WORLD_SIZE (or with 1) this is one process, whose rank
-    variables, if set, say 0. Otherwise one line naming them -> LaunchError (exit code 2, every rank). Nodes:
-    torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node (torchrun
-    numbers the ranks of one node consecutively)."""
+    whole number, none contradicting another, and all that a job of several processes needs present. Without
+    WORLD_SIZE (or with 1) this is one process, whose rank variables, if set, say 0. Otherwise one line naming them
+    -> LaunchError. Nodes: GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node
+    (torchrun numbers the ranks of one node consecutively)."""
     e = os.environ if environ is None else environ
     given = {k: e[k].strip() for k in LAUNCH_VARS if k in e}
     shown = ", ".join(f"{k}={v}" for k, v in given.items()) or "none set"
