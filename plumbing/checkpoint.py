@@ -45,9 +45,8 @@ def checkpoint_state(run, cfg, mcfg, meta, resume=None):
 
 
 def keep(run, cfg, mcfg, meta):
-    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment
-    (no optimizer or RNG state: for eval_ppl.py / sample.py, not for --resume), so that any curve over
-    training can be recomputed after the run."""
+    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment (for
+    eval_ppl.py / sample.py, not for --resume), so that any curve over training can be recomputed after the run."""
     state = checkpoint_state(run, cfg, mcfg, meta)
     save_atomic(os.path.join(cfg.out_dir, f"ckpt_{run.it}.pt"), lambda tmp: torch.save(state, tmp))
 

@@ -1,9 +1,6 @@
-"""Memory: sizes checked against the machine before anything is allocated (check_model_memory,
-check_training_memory: a lower bound of what a model, its training state and one micro-batch need, against the
-memory there is, naming the flag or config field at fault); and on CUDA the micro-batch probe (before training, one
-forward + backward of each kind of step the run will take shows whether the micro-batch fits; if not, --grad_accum is
-raised or the run stops with the flag to set), the margin it leaves for what torch's allocator does not count, and
-the allocator's settings. check_fits: any other size a script knows at its start (samples' tokens, NELBO draws)."""
+"""Memory: sizes checked against the machine before anything is allocated, naming the flag or config field at
+fault; and on CUDA the micro-batch probe before training (fit_micro_batch), the margin it leaves for what torch's
+allocator does not count, and the allocator's settings."""
 import os
 import resource
 from types import SimpleNamespace

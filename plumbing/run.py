@@ -6,7 +6,7 @@ run needs of them comes in as a value or a callable."""
 import math
 import os
 import time
-from contextlib import ExitStack
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +139,7 @@ class RunPlumbing:
         run.eval_model = torch.compile(run.raw_model) if compile else None
         return compile
 
+    @contextmanager
     def start(self, run, config, lines=None):
         """The run starts at step run.it: config.json (config: the run's configs) and `lines` (what the run is, in a
         few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl and the
@@ -157,16 +158,8 @@ class RunPlumbing:
         self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
         self.loss_sum = torch.zeros((), device=self.env.device)
         self.bad = torch.zeros((), device=self.env.device, dtype=torch.bool)   # a non-finite loss since the start
-        return self
-
-    def __enter__(self):
-        self.exits = ExitStack()
-        self.stop = self.exits.enter_context(stop_signals())
-        self.exits.enter_context(self.log)
-        return self
-
-    def __exit__(self, *exc):
-        return self.exits.__exit__(*exc)
+        with stop_signals() as self.stop, self.log:
+            yield self
 
     # -------------------------------------------------------------------------------------------
     # in the loop
