@@ -31,16 +31,14 @@ def checkpoint_state(run, cfg, mcfg, meta, resume=None):
     (data position, RNG states), as gathered by save -> also the optimizer and those, for --resume 1."""
     ema = None if run.ema is None else {k: e.detach().clone()
                                         for (k, _), e in zip(run.raw_model.named_parameters(), run.ema)}
-    state = {"model": run.raw_model.state_dict(), "ema": ema}
+    state = dict(model=run.raw_model.state_dict(), ema=ema, model_config=asdict(mcfg), train_config=asdict(cfg),
+                 meta=meta, step=run.it, n_ema=run.n_ema)
     if resume is not None:
-        state["optimizer"] = run.optimizer.state_dict()
-    state.update(model_config=asdict(mcfg), train_config=asdict(cfg), meta=meta, step=run.it, n_ema=run.n_ema)
+        state.update(optimizer=run.optimizer.state_dict(), data_state=resume[0], rng=resume[1])
     spec = (meta or {}).get("tokenizer") or ""
     if spec.startswith("sp:") and os.path.isfile(spec[3:]):   # its SentencePiece model: it decodes where data/ is not
         with open(spec[3:], "rb") as f:
             state["tokenizer_model"] = f.read()
-    if resume is not None:
-        state.update(data_state=resume[0], rng=resume[1])
     return state
 
 

@@ -19,7 +19,7 @@ from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
 from plumbing.lock import acquire_folder
 from plumbing.memory import fit_micro_batch, probe_steps
-from plumbing.runlog import Log, finish_lines, kept, start_lines, started_line
+from plumbing.runlog import Log, finish_lines, start_lines, started_line
 from plumbing.signals import deferred_signals, interruptible, reduced_unless_stopped, stop_signals
 
 
@@ -210,10 +210,13 @@ class RunPlumbing:
     def diverged(self, why, step):
         """The error a diverged run ends with (exit code 2), saying what is kept and what to change."""
         why = why.replace(" loss", f" {self.loss_name}", 1)
+        # the last checkpoint is sound: a fault stops the run before a save
+        kept = (f"the last good checkpoint {self.ckpt_path} is kept" if os.path.exists(self.ckpt_path) else
+                "no checkpoint was written")
         if step == 0:             # before any step: the weights the run starts from (train.py --init)
             return FloatingPointError(f"{why} at step 0, before any training: the weights the run starts from are not "
-                                      f"sound (--init {getattr(self.cfg, 'init', '')}); {kept(self.cfg)}")
-        return FloatingPointError(f"{why} by step {step}; {kept(self.cfg)}. Lower --lr (now {self.lr:.2e}) or check "
+                                      f"sound (--init {getattr(self.cfg, 'init', '')}); {kept}")
+        return FloatingPointError(f"{why} by step {step}; {kept}. Lower --lr (now {self.lr:.2e}) or check "
                                   f"the data.")
 
     # -------------------------------------------------------------------------------------------

@@ -210,8 +210,3 @@ def finish_lines(cfg, what, step, ckpt_path, folder):
             + (f"; tensorboard --logdir {shlex.quote(os.path.join(cfg.out_dir, 'tensorboard'))}" if cfg.tensorboard
                else ""))
 
-
-def kept(cfg):
-    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"
