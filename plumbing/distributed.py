@@ -349,8 +349,8 @@ def on_rank0(env, work, *errors):
 def on_each_node(env, work, *errors):
     """work() on the first process of every node (LOCAL_RANK 0), e.g. preparing data into a folder of that node's
     own disk, while the node's other processes wait. -> (the value of this process's node, {node: value}), on
-    every rank. An error of the kinds `errors` on any node is raised on every rank, as the same exception type
-    with the same one line (naming the node when it is not node 0), instead of leaving the others at a barrier."""
+    every rank. An error of the kinds `errors` on any node is raised on every rank as on_rank0's, naming the node
+    when it is not node 0."""
     mine = [None, None]
     if env.local_rank == 0:
         try:

@@ -194,10 +194,9 @@ class RunPlumbing:
         return stopping
 
     def sync_metrics_and_stop(self, step, sums, metrics):
-        """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons
-        (plumbing.signals.reduced_unless_stopped); metrics(the sums added over the ranks) -> the record logged. A
-        diverged validation NELBO raises FloatingPointError: no checkpoint of these weights is written. -> whether
-        the run stops (a stop signal on any rank)."""
+        """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons;
+        metrics(the sums added over the ranks) -> the record logged. A diverged validation NELBO raises
+        FloatingPointError. -> whether the run stops (a stop signal on any rank)."""
         summed = reduced_unless_stopped(self.stop, self.env, sums)
         if summed is not None:
             record = metrics(summed)
