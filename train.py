@@ -265,11 +265,9 @@ def build_run(cfg, mcfg, env, data_dir=None):
     raw_model = build_model(mcfg).to(env.device)
     optimizer, ema = make_optimizer(raw_model, cfg, env.device)
     torch.manual_seed(cfg.seed + env.rank)
-    loader = None
-    if data_dir is not None:
-        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-        loader = BatchLoader(data_dir, "train", micro * cfg.grad_accum, rank=env.rank, world_size=env.world_size,
-                             seed=cfg.seed, device=env.device)
+    loader = None if data_dir is None else BatchLoader(data_dir, "train", cfg.batch_size // env.world_size,
+                                                       rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+                                                       device=env.device)
     return Run(raw_model, raw_model, optimizer, ema, loader,
                gen_shared=torch.Generator(device=env.device).manual_seed(cfg.seed),
                gen_local=torch.Generator(device=env.device).manual_seed(cfg.seed + 7919 * (env.rank + 1)))
