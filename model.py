@@ -141,9 +141,8 @@ def modulate(x, shift, scale):
 
 def compute_dtype(x):
     """The dtype a matrix product of x runs in: the autocast dtype when autocast is on, else x's own."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def norm_modulate(norm, x, shift=None, scale=None):

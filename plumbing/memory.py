@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from plumbing.cli import OutOfMemory, UsageError, autocast_for, resolve_device, resolve_dtype
+from plumbing.cli import OutOfMemory, UsageError, resolve_device
 
 # What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
 # leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
@@ -258,7 +258,7 @@ def probe_steps(run, cfg, env, micro, loss, model=None):
             gen = torch.Generator(device=env.device).manual_seed(0)
             x0 = torch.randint(0, run.raw_model.config.vocab_size, (micro, cfg.block_size), generator=gen,
                                device=env.device)
-            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+            with env.autocast(cfg.dtype):
                 mean = loss(model, x0, it, gen)
             mean.backward()
             del mean
