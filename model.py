@@ -113,21 +113,18 @@ PRESETS["large"] = PRESETS["llama_1028M"]  # the SMDM "1.1B" model
 # positional and time encodings
 
 def rope_cos_sin(positions, head_dim, base=10000.0, dtype=torch.float32):
-    """positions (L,) -> cos, sin (L, head_dim) in rotate-half layout: angle m*theta_i, theta_i = base^(-2i/head_dim)."""
+    """positions (L,) -> cos, sin (L, head_dim), rotate-half layout: angle m*theta_i, theta_i = base^(-2i/head_dim)."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim)
     angles = positions.to(dtype)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x, cos, sin):
-    """x (..., L, head_dim), cos/sin (L, head_dim) -> x with pair (i, i + head_dim/2) rotated by angle m*theta_i (GPT-NeoX)."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    """x (..., L, head_dim), cos/sin (L, head_dim) -> x with pair (i, i + head_dim/2) rotated by angle m*theta_i
+    (GPT-NeoX's rotate-half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 def timestep_embedding(sigma, dim=256, max_period=10000.0):
@@ -144,9 +141,8 @@ def modulate(x, shift, scale):
 
 def compute_dtype(x):
     """The dtype a matrix product of x runs in: the autocast dtype when autocast is on, else x's own."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def norm_modulate(norm, x, shift=None, scale=None):
@@ -275,7 +271,7 @@ class DiffusionTransformer(nn.Module):
     def _init_weights(self):
         config = self.config
         if config.arch == "dit":
-            # Duo: nn.Linear defaults everywhere, E like nn.Linear, adaLN and output zero (identity blocks, uniform output)
+            # Duo: nn.Linear defaults, E like nn.Linear, adaLN and output zero (identity blocks, uniform output)
             nn.init.kaiming_uniform_(self.wte.weight, a=math.sqrt(5))
             zeroed = [self.lm_head] + ([self.adaLN_f] + [b.adaLN for b in self.blocks] if config.time_cond else [])
             for layer in zeroed:
@@ -323,13 +319,13 @@ class DiffusionTransformer(nn.Module):
         # embedding and sigma MLP in full precision, the blocks under the caller's autocast (as in Duo); the
         # curriculum's soft tokens (k rows of E per position: k times a lookup's reads) are summed in the autocast
         # dtype, then the residual stream goes on in full precision
-        device = E.device.type
-        bag_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else E.dtype
-        with torch.autocast(device_type=device, enabled=False):
+        bag_dtype = compute_dtype(E)
+        with torch.autocast(device_type=E.device.type, enabled=False):
             if isinstance(x, tuple):
                 ids, probs = x
                 h = F.embedding_bag(ids.reshape(B * L, -1), E.to(bag_dtype), mode="sum",
-                                    per_sample_weights=probs.reshape(B * L, -1).to(bag_dtype)).view(B, L, -1).to(E.dtype)
+                                    per_sample_weights=probs.reshape(B * L, -1).to(bag_dtype))
+                h = h.view(B, L, -1).to(E.dtype)
             elif x.is_floating_point():
                 if x.shape[-1] != config.vocab_size:
                     raise ValueError(f"soft input has {x.shape[-1]} classes, model vocab_size is {config.vocab_size}")

@@ -27,7 +27,7 @@ from data import BatchLoader, DataError, get_tokenizer
 from kernels.fused_head import HEADS
 from validation import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
 from model import PRESETS, ModelConfig, build_model
-from plumbing.checkpoint import restore
+from plumbing import checkpoint
 from plumbing.flags import check_train_flags
 from plumbing.memory import check_run_fits
 from plumbing.run import Run, RunPlumbing, launch
@@ -265,11 +265,9 @@ def build_run(cfg, mcfg, env, data_dir=None):
     raw_model = build_model(mcfg).to(env.device)
     optimizer, ema = make_optimizer(raw_model, cfg, env.device)
     torch.manual_seed(cfg.seed + env.rank)
-    loader = None
-    if data_dir is not None:
-        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-        loader = BatchLoader(data_dir, "train", micro * cfg.grad_accum, rank=env.rank, world_size=env.world_size,
-                             seed=cfg.seed, device=env.device)
+    loader = None if data_dir is None else BatchLoader(data_dir, "train", cfg.batch_size // env.world_size,
+                                                       rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+                                                       device=env.device)
     return Run(raw_model, raw_model, optimizer, ema, loader,
                gen_shared=torch.Generator(device=env.device).manual_seed(cfg.seed),
                gen_local=torch.Generator(device=env.device).manual_seed(cfg.seed + 7919 * (env.rank + 1)))
@@ -380,7 +378,7 @@ def train(cfg, env, source, given):
         return 0
     run = build_run(cfg, mcfg, env, data_dir)
     if ckpt is not None:                         # the checkpoint's state, to continue bit for bit
-        restore(run, ckpt, env, plumbing.ckpt_path)
+        checkpoint.restore(run, ckpt, env, plumbing.ckpt_path)
     elif source is not None:                     # fine-tuning: SOURCE's weights, the EMA at them
         source.start(run)
     fusable = not diffusion.OBJECTIVES[cfg.loss].full_logits     # an objective the fused head computes
@@ -390,8 +388,9 @@ def train(cfg, env, source, given):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
             if plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env), lambda sums: {
                     **val_metrics(sums, cfg, data_dir), "init": source.described}):
-                plumbing.save(run)               # stopped in it: saved at step 0, where --resume 1 evaluates again
-                return plumbing.stopped(run)
+                # stopped in it: saved at step 0, where --resume 1 evaluates again
+                checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)
+                return plumbing.log.stopped(plumbing.stop["signal"], run.it)
         return loop(run, cfg, plumbing, lambda x0, mask: train_step(run, cfg, env, x0, mask),
                     (lambda: evaluate(run, cfg, data_dir, env), lambda sums: val_metrics(sums, cfg, data_dir)),
                     lambda: print_samples(run, cfg, meta, env),
@@ -404,6 +403,7 @@ def loop(run, cfg, plumbing, step, validation, samples, quality=None):
     step(x0, mask) -> the step's loss; validation and quality: (sums() -> this rank's sums, metrics(summed) -> the
     record) every --eval_interval / --gen_interval steps and at the end; samples() -> the texts printed at the end.
     -> the exit code."""
+    env, mcfg, meta = plumbing.env, plumbing.mcfg, plumbing.meta
     while run.it < cfg.max_iters:
         loss = step(*run.loader.next_batch())
         last = run.it == cfg.max_iters
@@ -413,11 +413,11 @@ def loop(run, cfg, plumbing, step, validation, samples, quality=None):
         if quality and (run.it % cfg.gen_interval == 0 or last) and not stopping:   # Gen PPL, entropy
             stopping = plumbing.sync_metrics_and_stop(run.it, *quality)
         if run.it % cfg.ckpt_interval == 0 or last or stopping:
-            plumbing.save(run)
-        if getattr(cfg, "keep_every", 0) and run.it % cfg.keep_every == 0:
-            plumbing.keep(run)
+            checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)   # ckpt.pt: what --resume 1 continues
+        if getattr(cfg, "keep_every", 0) and run.it % cfg.keep_every == 0 and env.master:
+            checkpoint.keep(run, cfg, mcfg, meta)                        # ckpt_<step>.pt: weights to evaluate later
         if stopping:
-            return plumbing.stopped(run)
+            return plumbing.log.stopped(plumbing.stop["signal"], run.it)
     return plumbing.finish(run, samples)   # model folder, samples, last lines
 
 if __name__ == "__main__":

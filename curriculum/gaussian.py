@@ -58,17 +58,14 @@ def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
     pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
     lo = pos.floor().long().clamp(max=grid.numel() - 2)
     frac = pos - lo
-    out_a = alpha[lo] * (1 - frac) + alpha[lo + 1] * frac
-    out_d = dalpha[lo] * (1 - frac) + dalpha[lo + 1] * frac
-    return out_a.to(gamma.dtype), out_d.to(gamma.dtype)
+    return tuple((v[lo] * (1 - frac) + v[lo + 1] * frac).to(gamma.dtype) for v in (alpha, dalpha))
 
 
 def alpha_range(vocab_size, gamma_min, gamma_max):
     """The discrete alpha_t = T(gamma) the curriculum's inputs span (its table over [min(-5, gamma_min),
     max(-1, gamma_max)], as curriculum_sample reads it) -> (alpha at gamma_max, alpha at gamma_min): floats."""
     gamma = torch.tensor([gamma_max, gamma_min], dtype=torch.float64)
-    lo, hi = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))[0].tolist()
-    return lo, hi
+    return tuple(gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))[0].tolist())
 
 
 def gaussian_latent(x0, gamma, vocab_size, generator=None):

@@ -31,45 +31,40 @@ def checkpoint_state(run, cfg, mcfg, meta, resume=None):
     (data position, RNG states), as gathered by save -> also the optimizer and those, for --resume 1."""
     ema = None if run.ema is None else {k: e.detach().clone()
                                         for (k, _), e in zip(run.raw_model.named_parameters(), run.ema)}
-    state = {"model": run.raw_model.state_dict(), "ema": ema}
+    state = dict(model=run.raw_model.state_dict(), ema=ema, model_config=asdict(mcfg), train_config=asdict(cfg),
+                 meta=meta, step=run.it, n_ema=run.n_ema)
     if resume is not None:
-        state["optimizer"] = run.optimizer.state_dict()
-    state.update(model_config=asdict(mcfg), train_config=asdict(cfg), meta=meta, step=run.it, n_ema=run.n_ema)
+        state.update(optimizer=run.optimizer.state_dict(), data_state=resume[0], rng=resume[1])
     spec = (meta or {}).get("tokenizer") or ""
     if spec.startswith("sp:") and os.path.isfile(spec[3:]):   # its SentencePiece model: it decodes where data/ is not
         with open(spec[3:], "rb") as f:
             state["tokenizer_model"] = f.read()
-    if resume is not None:
-        state.update(data_state=resume[0], rng=resume[1])
     return state
 
 
-def keep_checkpoint(run, cfg, mcfg, meta):
-    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment
-    (no optimizer or RNG state: for eval_ppl.py / sample.py, not for --resume), so that any curve over
-    training can be recomputed after the run."""
+def keep(run, cfg, mcfg, meta):
+    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment (for
+    eval_ppl.py / sample.py, not for --resume), so that any curve over training can be recomputed after the run."""
     state = checkpoint_state(run, cfg, mcfg, meta)
     save_atomic(os.path.join(cfg.out_dir, f"ckpt_{run.it}.pt"), lambda tmp: torch.save(state, tmp))
 
 
 def save(run, cfg, mcfg, meta, env, extra=None):
     """Write out_dir/ckpt.pt atomically: weights, EMA, optimizer, configs, step, and every rank's data
-    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically. extra: more
-    top-level entries (distillation/distill.py records its settings and teacher there), added last."""
+    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically. extra() -> more
+    top-level entries (distillation/distill.py records its settings and teacher there; rank 0), added last."""
     rng = {"torch": torch.get_rng_state(), "gen_shared": run.gen_shared.get_state(),
            "gen_local": run.gen_local.get_state(),
            "cuda": torch.cuda.get_rng_state() if env.device.type == "cuda" else None}
     states = [run.loader.state_dict(), rng]
     if env.ddp:
-        gathered = []
-        for obj in states:
-            out = [None] * env.world_size
+        gathered = [[None] * env.world_size for _ in states]
+        for out, obj in zip(gathered, states):
             dist.all_gather_object(out, obj)
-            gathered.append(out)
         states = gathered
     if not env.master:
         return
-    state = {**checkpoint_state(run, cfg, mcfg, meta, resume=states), **(extra or {})}
+    state = {**checkpoint_state(run, cfg, mcfg, meta, resume=states), **(extra() if extra else {})}
     save_atomic(os.path.join(cfg.out_dir, "ckpt.pt"), lambda tmp: torch.save(state, tmp))
 
 
@@ -78,7 +73,20 @@ def restore(run, ckpt, env, path="ckpt.pt"):
     states). A checkpoint whose state does not fit or load -> ConfigError (one line)."""
     try:
         check_resume_state(run, ckpt, path)
-        _restore(run, ckpt, env)
+        run.raw_model.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+        if run.ema is not None and ckpt.get("ema") is not None:
+            for e, v in zip(run.ema, ckpt["ema"].values()):
+                e.copy_(v)
+        run.it, run.n_ema = ckpt["step"], ckpt.get("n_ema", ckpt["step"])
+        per_rank = lambda v: v[env.rank] if isinstance(v, list) else v
+        run.loader.load_state_dict(per_rank(ckpt["data_state"]))
+        r = per_rank(ckpt["rng"])
+        torch.set_rng_state(r["torch"])
+        if r["cuda"] is not None and env.device.type == "cuda":
+            torch.cuda.set_rng_state(r["cuda"])
+        run.gen_shared.set_state(r["gen_shared"])
+        run.gen_local.set_state(r["gen_local"])
     except UsageError:              # a one-line fault already (the data position: data.DataError)
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
@@ -109,23 +117,6 @@ def check_resume_state(run, ckpt, path):
                 got = list(v.shape) if torch.is_tensor(v) else type(v).__name__
                 raise ConfigError(f"cannot resume from {path}: its optimizer state {i} {k} ({got}) does not fit "
                                   f"parameter {i} ({list(shapes.get(i, ())) if i in shapes else 'none'}); {fix}")
-
-
-def _restore(run, ckpt, env):
-    run.raw_model.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    if run.ema is not None and ckpt.get("ema") is not None:
-        for e, v in zip(run.ema, ckpt["ema"].values()):
-            e.copy_(v)
-    run.it, run.n_ema = ckpt["step"], ckpt.get("n_ema", ckpt["step"])
-    per_rank = lambda v: v[env.rank] if isinstance(v, list) else v
-    run.loader.load_state_dict(per_rank(ckpt["data_state"]))
-    r = per_rank(ckpt["rng"])
-    torch.set_rng_state(r["torch"])
-    if r["cuda"] is not None and env.device.type == "cuda":
-        torch.cuda.set_rng_state(r["cuda"])
-    run.gen_shared.set_state(r["gen_shared"])
-    run.gen_local.set_state(r["gen_local"])
 
 
 def read_checkpoint(path, map_location="cpu", mmap=False):

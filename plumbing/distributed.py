@@ -1,9 +1,10 @@
-"""Where a process runs in a torchrun job, and how the ranks agree: set-up and tear-down (nodes, processes, CPU
-threads), the model each rank trains (wrap_model: DDP, torch.compile), each rank's micro-batches of a global batch
-and its slice of the draws made for it (Env.micro_batches, rank_slice), the one host sync of the training loop
-(agree), any_rank, a decision taken on rank 0 that every rank then shares, and work done once per node
-(on_each_node: data, where nodes share no storage)."""
+"""Where a process runs in a torchrun job (Env: nodes, processes, CPU threads), and how the ranks agree: the model
+each rank trains (wrap_model), each rank's micro-batches and its slice of the draws made for the global batch, the
+one host sync of the training loop (agree), and work done on rank 0 or once per node."""
+import datetime
 import os
+import socket
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -12,16 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plumbing.cli import (OutOfMemory, UsageError, autocast_for, first_line, oom_summary, parse_bool, resolve_device,
-                          resolve_dtype)
-from plumbing.lock import acquire_folder
+from plumbing.cli import UsageError, autocast_for, first_line, parse_bool, resolve_device, resolve_dtype
 from plumbing.memory import cuda_allocator_env
-from plumbing.signals import deferred_signals
 
 
 @dataclass
 class Env:
-    """Where this process runs: device and its place in a torchrun job."""
+    """Where this process runs: device and its place in a torchrun job (launch_env, setup_distributed)."""
     device: torch.device
     ddp: bool = False
     rank: int = 0
@@ -32,6 +30,9 @@ class Env:
     local_world_size: int = 1        # processes on this node
     threads: int = 0                 # torch's CPU threads in this process (0: not set, a CUDA run)
     threads_from: str = ""           # why that many: "--threads", "OMP_NUM_THREADS" or the cores per process
+    master_addr: str = ""            # MASTER_ADDR:MASTER_PORT, rank 0's store, where the ranks join
+    master_port: int = 0
+    restart: int = 0                 # torchrun's TORCHELASTIC_RESTART_COUNT
     started: float = field(default_factory=time.time)   # when this process took its place (the run's start-up ends)
 
     @property
@@ -51,9 +52,8 @@ class Env:
 
     def micro_batches(self, model, cfg, x0_all, mask_all, draws_all):
         """This rank's part of a global batch, x0_all (B_rank, L) and its mask or None, in cfg.grad_accum micro-batches,
-        each with its slice of every draw made for the global batch (rank_slice: a DDP run equals one process) and
-        the context its backward runs in: DDP all-reduces the gradients on the last micro-batch only (model.no_sync
-        before). Yields (x0, mask, draws, context) on this process's device."""
+        each with its slice of every draw made for the global batch (rank_slice) and the context its backward runs
+        in (DDP all-reduces on the last only). Yields (x0, mask, draws, context) on this process's device."""
         micro = x0_all.shape[0] // cfg.grad_accum
         for m in range(cfg.grad_accum):
             x0 = x0_all[m * micro:(m + 1) * micro].to(self.device, non_blocking=True)
@@ -135,20 +135,6 @@ LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 
 
-@dataclass
-class Launch:
-    """This process's place in a job, as its environment says (launch_env)."""
-    world_size: int = 1
-    rank: int = 0
-    local_rank: int = 0
-    local_world_size: int = 1
-    node: int = 0
-    nnodes: int = 1
-    master_addr: str = ""
-    master_port: int = 0
-    restart: int = 0                 # torchrun's TORCHELASTIC_RESTART_COUNT
-
-
 class LaunchError(UsageError):
     """A launch environment that is incomplete or contradictory, or ranks that did not meet (join): every rank
     prints it (exit code 2), since a rank that cannot trust RANK, or that waited for rank 0 in vain, cannot know
@@ -157,11 +143,11 @@ class LaunchError(UsageError):
 
 
 def launch_env(environ=None):
-    """torchrun's variables (LAUNCH_VARS) -> Launch, checked as a whole before anything starts: each a whole number
-    (MASTER_PORT in 1-65535, WORLD_SIZE >= 1), none contradicting another (RANK < WORLD_SIZE, LOCAL_RANK <
-    LOCAL_WORLD_SIZE <= WORLD_SIZE, GROUP_RANK < GROUP_WORLD_SIZE), and all that a job of several processes needs
-    (RANK, MASTER_ADDR, MASTER_PORT) present. Without WORLD_SIZE (or with 1) this is one process, whose rank
-    variables, if set, say 0. Otherwise one line naming them -> LaunchError (exit code 2, every rank)."""
+    """torchrun's variables (LAUNCH_VARS) -> Env (no device yet), checked as a whole before anything starts: each a
+    whole number, none contradicting another, and all that a job of several processes needs present. Without
+    WORLD_SIZE (or with 1) this is one process, whose rank variables, if set, say 0. Otherwise one line naming them
+    -> LaunchError. Nodes: GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node
+    (torchrun numbers the ranks of one node consecutively)."""
     e = os.environ if environ is None else environ
     given = {k: e[k].strip() for k in LAUNCH_VARS if k in e}
     shown = ", ".join(f"{k}={v}" for k, v in given.items()) or "none set"
@@ -196,58 +182,43 @@ def launch_env(environ=None):
     for wrong, why in contradictions:
         if wrong:
             fail(f"contradictory: {why}")
-    return Launch(world, rank, local_rank, local_world, node, nnodes, given.get("MASTER_ADDR", ""),
-                  num.get("MASTER_PORT", 0), num.get("TORCHELASTIC_RESTART_COUNT", 0))
+    ddp = world > 1                      # one process is one node
+    return Env(None, ddp, rank, world, local_rank, node if ddp else 0, nnodes if ddp else 1, local_world,
+               master_addr=given.get("MASTER_ADDR", ""), master_port=num.get("MASTER_PORT", 0),
+               restart=num.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def check_launch(cfg):
-    """A training script's start, before anything else runs: the launch environment (launch_env) and the CPU threads
-    asked for (--threads, OMP_NUM_THREADS) against the cores -> Launch, or one line (exit code 2)."""
-    launch = launch_env()
-    if getattr(cfg, "threads", 0) < 0:
-        raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
-    if getattr(cfg, "threads", 0) > 0:
-        check_threads(cfg.threads, "--threads")
-    omp_threads()
-    if not getattr(cfg, "dist_timeout", 1) > 0:
-        raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
-    return launch
-
-
-def join(launch, timeout, poll=0.2, report=30.0):
+def join(env, timeout, poll=0.2, report=30.0):
     """Every rank of the job meets the others at rank 0's store (MASTER_ADDR:MASTER_PORT; torchrun's agent hosts it
     where it says so) before the process group is made, waiting in short steps in Python, not in one C++ call: a
     stop signal ends the wait at once (exit code 130), each rank says whom it waits for (at once, then every
     `report` seconds), and after `timeout` seconds (--dist_timeout) it stops with one line naming the ranks that
     never came (exit code 2). -> the store, for dist.init_process_group."""
-    import datetime
-    import socket
-    import sys
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    where, start = f"{launch.master_addr}:{launch.master_port}", time.monotonic()
+    where, start = f"{env.master_addr}:{env.master_port}", time.monotonic()
     step = datetime.timedelta(seconds=max(1.0, min(10.0, timeout)))
     said = [start - report]
 
     def waiting(what, missing=None):
         waited = time.monotonic() - start
         if waited > timeout:
-            raise LaunchError(f"rank {launch.rank}: {what} within --dist_timeout {timeout:g} s at {where}: start "
+            raise LaunchError(f"rank {env.rank}: {what} within --dist_timeout {timeout:g} s at {where}: start "
                              f"every rank (torchrun on each node, the same MASTER_ADDR and MASTER_PORT), or raise "
                              f"--dist_timeout")
         if time.monotonic() - said[0] >= report:
-            print(f"rank {launch.rank}: waiting for {missing or what} at {where} ({waited:.0f} s; gives up after "
+            print(f"rank {env.rank}: waiting for {missing or what} at {where} ({waited:.0f} s; gives up after "
                   f"--dist_timeout {timeout:g} s)", file=sys.stderr, flush=True)
             said[0] = time.monotonic()
         time.sleep(poll)
     try:                                 # a host name that does not resolve is MASTER_ADDR's fault, not the port's
-        socket.getaddrinfo(launch.master_addr, launch.master_port)
+        socket.getaddrinfo(env.master_addr, env.master_port)
     except (OSError, UnicodeError) as e:
-        raise LaunchError(f"rank {launch.rank}: MASTER_ADDR={launch.master_addr} does not resolve to an address "
+        raise LaunchError(f"rank {env.rank}: MASTER_ADDR={env.master_addr} does not resolve to an address "
                          f"({getattr(e, 'strerror', None) or e}); set MASTER_ADDR to rank 0's host name or IP address "
                          f"(torchrun --master_addr), the same on every rank") from None
-    if launch.rank == 0 and not agent:
+    if env.rank == 0 and not agent:
         try:
-            store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, True, timeout=step,
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=step,
                                   wait_for_workers=False, multi_tenant=True,
                                   use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
         except (RuntimeError, ValueError) as e:
@@ -256,47 +227,41 @@ def join(launch, timeout, poll=0.2, report=30.0):
     else:
         while True:                      # a plain socket first: the store's own retries log C++ traces
             try:
-                socket.create_connection((launch.master_addr, launch.master_port), timeout=1).close()
+                socket.create_connection((env.master_addr, env.master_port), timeout=1).close()
                 break
             except socket.gaierror as e:
-                raise LaunchError(f"MASTER_ADDR={launch.master_addr} is no address this host resolves ({e}); give "
+                raise LaunchError(f"MASTER_ADDR={env.master_addr} is no address this host resolves ({e}); give "
                                  f"rank 0's host name or IP") from None
             except OSError:
                 waiting("rank 0's store did not answer", "rank 0's store")
-        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, timeout=step)
-    arrivals = dist.PrefixStore(f"sddlm/join/{launch.restart}", store)
-    arrivals.set(f"rank{launch.rank}", "1")
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=step)
+    arrivals = dist.PrefixStore(f"sddlm/join/{env.restart}", store)
+    arrivals.set(f"rank{env.rank}", "1")
     arrivals.add("count", 1)
-    while arrivals.add("count", 0) < launch.world_size:
-        missing = [r for r in range(launch.world_size) if not arrivals.check([f"rank{r}"])] \
+    while arrivals.add("count", 0) < env.world_size:
+        missing = [r for r in range(env.world_size) if not arrivals.check([f"rank{r}"])] \
             if time.monotonic() - said[0] >= report or time.monotonic() - start > timeout else []
         names = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}" + \
             (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        waiting(f"{names} of {launch.world_size} did not join", f"{names} of {launch.world_size} to join")
+        waiting(f"{names} of {env.world_size} did not join", f"{names} of {env.world_size} to join")
     store.set_timeout(dist.default_pg_timeout)
     return dist.PrefixStore("default_pg", store)
 
 
 def setup_distributed(cfg):
-    """torchrun's environment -> Env (the ranks joined, the process group made, CUDA device chosen, CPU threads set by
-    cpu_threads), or a single process. Nodes: torchrun's GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks
-    of LOCAL_WORLD_SIZE per node (torchrun numbers the ranks of one node consecutively)."""
-    launch = launch_env()
-    device = resolve_device(cfg.device)
-    env = Env(device, ddp=launch.world_size > 1, world_size=launch.world_size, local_world_size=launch.world_size)
-    if env.ddp:
-        env.rank, env.local_rank, env.local_world_size = launch.rank, launch.local_rank, launch.local_world_size
-        env.node, env.nnodes = launch.node, launch.nnodes
-    if device.type == "cpu":
-        env.threads, env.threads_from = cpu_threads(getattr(cfg, "threads", 0), env.local_world_size)
+    """torchrun's environment -> Env (launch_env): the ranks joined, the process group made, CUDA device chosen, CPU
+    threads set by cpu_threads; or a single process."""
+    env = launch_env()
+    env.device, env.started = resolve_device(cfg.device), time.time()
+    if env.device.type == "cpu":
+        env.threads, env.threads_from = cpu_threads(cfg.threads, env.local_world_size)
         torch.set_num_threads(env.threads)
-    if device.type == "cuda":           # before the first CUDA allocation: the allocator reads it once
+    if env.device.type == "cuda":           # before the first CUDA allocation: the allocator reads it once
         os.environ.update(cuda_allocator_env(os.environ))
     if env.ddp:
-        store = join(launch, getattr(cfg, "dist_timeout", 600.0))
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=launch.rank,
-                                world_size=launch.world_size)
-    if device.type == "cuda":
+        dist.init_process_group(backend="nccl" if env.device.type == "cuda" else "gloo",
+                                store=join(env, cfg.dist_timeout), rank=env.rank, world_size=env.world_size)
+    if env.device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
         env.device = torch.device("cuda", env.local_rank)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -384,8 +349,8 @@ def on_rank0(env, work, *errors):
 def on_each_node(env, work, *errors):
     """work() on the first process of every node (LOCAL_RANK 0), e.g. preparing data into a folder of that node's
     own disk, while the node's other processes wait. -> (the value of this process's node, {node: value}), on
-    every rank. An error of the kinds `errors` on any node is raised on every rank, as the same exception type
-    with the same one line (naming the node when it is not node 0), instead of leaving the others at a barrier."""
+    every rank. An error of the kinds `errors` on any node is raised on every rank as on_rank0's, naming the node
+    when it is not node 0."""
     mine = [None, None]
     if env.local_rank == 0:
         try:
@@ -401,33 +366,3 @@ def on_each_node(env, work, *errors):
         if error is not None:
             raise error if node == 0 else type(error)(f"node {node}: {error}")
     return firsts[env.node][0], {node: value for node, (value, _) in sorted(firsts.items())}
-
-
-def run_distributed(cfg, work):
-    """work(env) in this process's place of a torchrun job (setup_distributed), holding the lock on cfg.out_dir
-    (plumbing.lock: one run per folder), the process group torn down after it. Out of memory -> one line naming
-    the micro-batch and the flag that halves it; the checkpoint on disk is kept. Shared by train.py and
-    distillation/distill.py."""
-    env = setup_distributed(cfg)
-    held = []
-
-    def lock():
-        with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
-            held.append(acquire_folder(cfg.out_dir))
-    try:
-        # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
-        on_rank0(env, lock, UsageError)
-        return work(env)
-    except torch.OutOfMemoryError as e:
-        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-        fix = (f"set --grad_accum {2 * cfg.grad_accum} (micro-batch {micro // 2})" if micro > 1 and
-               cfg.batch_size % (2 * env.world_size * cfg.grad_accum) == 0 else
-               "lower --batch_size, --block_size or the model size")
-        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
-                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; {fix}; the last checkpoint "
-                          f"in {cfg.out_dir} is kept") from None
-    finally:
-        for lock in held:
-            lock.release()
-        if env.ddp and dist.is_initialized():
-            dist.destroy_process_group()

@@ -1,16 +1,14 @@
-"""Memory: sizes checked against the machine before anything is allocated (check_model_memory,
-check_training_memory: a lower bound of what a model, its training state and one micro-batch need, against the
-memory there is, naming the flag or config field at fault); and on CUDA the micro-batch probe (before training, one
-forward + backward of each kind of step the run will take shows whether the micro-batch fits; if not, --grad_accum is
-raised or the run stops with the flag to set), the margin it leaves for what torch's allocator does not count, and
-the allocator's settings. check_fits: any other size a script knows at its start (samples' tokens, NELBO draws)."""
+"""Memory: sizes checked against the machine before anything is allocated, naming the flag or config field at
+fault; and on CUDA the micro-batch probe before training (fit_micro_batch), the margin it leaves for what torch's
+allocator does not count, and the allocator's settings."""
 import os
 import resource
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from plumbing.cli import OutOfMemory, autocast_for, resolve_device, resolve_dtype
+from plumbing.cli import OutOfMemory, UsageError, resolve_device
 
 # What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
 # leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
@@ -102,28 +100,24 @@ def check_fits(need, device, what, fix):
     """`what` (words naming the values at fault) needs at least `need` bytes on `device`: more than the memory there
     is (available_memory) -> UsageError, one line with both sizes and `fix`. For the sizes a script knows at its
     start that are not a model's: sample.py's tokens, eval_ppl.py's draws."""
-    from plumbing.cli import UsageError
     free, where = available_memory(device)
     if free is not None and need > free:
         raise UsageError(f"{what} need at least {_size(need)}, more than the {_size(max(free, 0))} of {where}; {fix}")
 
 
-def _refuse_if_too_big(need, c, device, name, what, fix, smaller):
-    """need(config, micro) -> bytes; above the memory there is -> UsageError naming the field whose value costs the
-    most (the one whose reset to smaller's value saves the most), as name(field) says it."""
-    from types import SimpleNamespace
-    from plumbing.cli import UsageError
+def _refuse_if_too_big(need, mcfg, micro, device, name, what, fix, smaller):
+    """need(c) -> bytes, c: mcfg's fields and the micro-batch `micro`; above the memory there is -> UsageError naming
+    the field whose value costs the most (the one whose reset to smaller's value saves the most), as name(field)
+    says it."""
+    c = SimpleNamespace(**vars(mcfg), micro=micro)
     total = need(c)
     free, where = available_memory(device)
     if free is None or total <= free:
         return
-    savings = {}
-    for field, small in smaller.items():
-        if getattr(c, field) is not None and getattr(c, field) > small:
-            savings[field] = total - need(SimpleNamespace(**{**vars(c), field: small}))
+    savings = {field: total - need(SimpleNamespace(**{**vars(c), field: small})) for field, small in smaller.items()
+               if getattr(c, field) is not None and getattr(c, field) > small}
     field = max(savings, key=savings.get) if savings else "n_layer"
-    params = model_numel(c)[0]
-    raise UsageError(f"{name(field)} {getattr(c, field)}: {what} needs at least {_size(total)} ({params:,} "
+    raise UsageError(f"{name(field)} {getattr(c, field)}: {what} needs at least {_size(total)} ({model_numel(c)[0]:,} "
                      f"parameters), more than the {_size(max(free, 0))} of {where}; {fix}")
 
 
@@ -135,9 +129,7 @@ def check_model_memory(mcfg, device, name, fix="use a machine with more memory")
     """Before a model is built (sample.py, eval_ppl.py, a model folder or checkpoint read anywhere): its weights and
     RoPE tables (float32) fit in the memory there is, else one line naming the field at fault (name(field) -> how
     the user knows it, e.g. "out/model/config.json: n_layer")."""
-    from types import SimpleNamespace
-    c = SimpleNamespace(**vars(mcfg), micro=0)
-    _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), c, device, name, "the model", fix,
+    _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), mcfg, 0, device, name, "the model", fix,
                        {k: v for k, v in SMALL.items() if k != "micro"})
 
 
@@ -145,9 +137,7 @@ def check_training_memory(mcfg, micro, ema, device, name, fix="lower it"):
     """Before a training run allocates its model: weights, gradients, AdamW's state, the EMA and one micro-batch of
     micro sequences fit in the memory there is (training_bytes, a lower bound), else one line naming the flag at
     fault (name(field) -> e.g. "--n_layer"; field "micro" is the micro-batch)."""
-    from types import SimpleNamespace
-    c = SimpleNamespace(**vars(mcfg), micro=micro)
-    _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), c, device, name,
+    _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), mcfg, micro, device, name,
                        "training (weights, gradients, AdamW's moments, EMA, one micro-batch)", fix, SMALL)
 
 
@@ -184,46 +174,38 @@ def cuda_allocator_env(environ):
 
 
 def fit_micro_batch(run, cfg, env, compile=False, loss=None, fusable=False):
-    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training. One forward + backward of
-    each kind of step the run will take (curriculum and/or plain) at its micro-batch, on random tokens, outside DDP
-    (probe_steps), leaving weights, optimizer and every random state as they were. When the run compiles, one
-    compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the second);
-    its graphs are the run's when the first micro-batch fits in one process, else dropped (torch._dynamo.reset). The
-    verdict is shared by all ranks. If it does not fit, --auto_accum 1 doubles --grad_accum (halving the
-    micro-batch) until it does; --auto_accum 0 stops with one line naming the micro-batch that fits and the flag to
-    set. loss(model, x0, it, gen): the run's step on random tokens x0 at step it (probe_steps). With --head auto and
-    `fusable` (an objective the fused head computes) the fused head keeps its chunk logits for backward where they
-    fit, and recomputes them (--head fused_recompute) where only that fits: tried at each micro-batch before a
-    smaller one. Updates cfg.grad_accum and cfg.head."""
+    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training, by the probe of each kind of
+    step (probe_steps, loss(model, x0, it, gen) its step), its verdict shared by all ranks. When the run compiles,
+    one compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the
+    second); its graphs are the run's when the first micro-batch fits in one process. If it does not fit,
+    --auto_accum 1 doubles --grad_accum until it does; --auto_accum 0 stops with one line naming the flag to set.
+    With --head auto and `fusable` (an objective the fused head computes), --head fused_recompute is tried at each
+    micro-batch before a smaller one. Updates cfg.grad_accum and cfg.head."""
     model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
-    first = cfg.grad_accum
+    accum = first = cfg.grad_accum
     try:
-        _fit(model, run, cfg, env, loss, fusable)
+        while True:
+            micro = cfg.batch_size // (env.world_size * accum)
+            fits = _probe_fits(run, cfg, env, micro, model, loss)
+            if not fits and cfg.head == "auto" and fusable:
+                cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
+                fits = _probe_fits(run, cfg, env, micro, model, loss)
+                if fits and env.master:
+                    print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing "
+                          f"its logits in backward: --head fused_recompute (one more output-layer product a step)",
+                          flush=True)
+                cfg.head = "fused_recompute" if fits else "auto"
+            if fits:
+                break
+            if micro == 1 or cfg.batch_size % (env.world_size * accum * 2):
+                raise OutOfMemory(f"micro-batch {micro} does not fit in GPU memory ({_gpu_gib(env)}): lower "
+                                  f"--block_size or the model size")
+            accum *= 2
     finally:    # DDP splits its graph at its buckets (wrap_model); another micro-batch compiled its batch size dynamic
-        if compile and (env.ddp or cfg.grad_accum != first):
+        if compile and (env.ddp or accum != first):
             torch._dynamo.reset()
-
-
-def _fit(model, run, cfg, env, loss, fusable):
-    accum, first = cfg.grad_accum, cfg.grad_accum
-    while True:
-        micro = cfg.batch_size // (env.world_size * accum)
-        fits = _fits_on_every_rank(run, cfg, env, micro, model, loss)
-        if not fits and cfg.head == "auto" and fusable:
-            cfg.head = "fused_recompute"          # the fused head's kept logits may be what does not fit
-            fits = _fits_on_every_rank(run, cfg, env, micro, model, loss)
-            if fits and env.master:
-                print(f"micro-batch {micro} fits in GPU memory ({_gpu_gib(env)}) with the fused head recomputing its "
-                      f"logits in backward: --head fused_recompute (one more output-layer product a step)", flush=True)
-            cfg.head = "fused_recompute" if fits else "auto"
-        if fits and accum == first:
-            return
-        if fits:
-            break
-        if micro == 1 or cfg.batch_size % (env.world_size * accum * 2):
-            raise OutOfMemory(f"micro-batch {micro} does not fit in GPU memory ({_gpu_gib(env)}): lower --block_size "
-                              f"or the model size")
-        accum *= 2
+    if accum == first:
+        return
     first_micro = cfg.batch_size // (env.world_size * first)
     if not cfg.auto_accum:
         raise OutOfMemory(f"micro-batch {first_micro} (--batch_size {cfg.batch_size} / {env.world_size} rank(s) / "
@@ -235,22 +217,13 @@ def _fit(model, run, cfg, env, loss, fusable):
     cfg.grad_accum = accum
 
 
-def _fits_on_every_rank(run, cfg, env, micro, model, loss):
-    fits = _probe_fits(run, cfg, env, micro, model, loss)
-    if env.ddp:
-        flag = torch.tensor([float(fits)], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        fits = bool(flag.item())
-    return fits
-
-
 def _gpu_gib(env):
     return f"{torch.cuda.get_device_properties(env.device).total_memory / 2 ** 30:.1f} GiB"
 
 
 def _probe_fits(run, cfg, env, micro, model, loss):
-    """One probe of fit_micro_batch at this micro-batch -> bool: the measured peak, plus the optimizer's moments
-    (not yet allocated in a fresh run), within usable_bytes of the device."""
+    """One probe of fit_micro_batch at this micro-batch -> bool, the same on every rank: the measured peak, plus the
+    optimizer's moments (not yet allocated in a fresh run), within usable_bytes of the device on every rank."""
     later = sum(2 * p.numel() * p.element_size() for p in run.raw_model.parameters()) if not run.optimizer.state else 0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(env.device)
@@ -261,17 +234,19 @@ def _probe_fits(run, cfg, env, micro, model, loss):
     except torch.OutOfMemoryError:
         fits = False
     torch.cuda.empty_cache()
+    if env.ddp:
+        flag = torch.tensor([float(fits)], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
     return fits
 
 
 def probe_steps(run, cfg, env, micro, loss, model=None):
     """One forward + backward of each kind of step the run will take (a curriculum step while it lasts, a plain
     step after) through `model` at this micro-batch, on random tokens (loss(model, x0, it, gen) -> the step's mean
-    loss, its draws from gen: the script's step): the probe's (None: run.raw_model, outside DDP: a
-    rank that fails leaves none waiting; compiled when the run compiles, so the peak is the compiled step's), or the
-    run's compiled model before its first step (RunPlumbing.place_model: no compilation when the curriculum ends).
-    Weights, optimizer and torch's random states are left as they were; the gradients as a step leaves them (the
-    probe's: None)."""
+    loss): the probe's (None: run.raw_model, outside DDP: a rank that fails leaves none waiting), or the run's
+    compiled model before its first step (no compilation when the curriculum ends). Weights, optimizer and torch's
+    random states are left as they were; the gradients as a step leaves them (the probe's: None)."""
     its = [run.it] if run.it < cfg.curriculum_iters else []                      # a curriculum step
     if cfg.max_iters > cfg.curriculum_iters:
         its.append(max(run.it, cfg.curriculum_iters))                            # a plain step
@@ -283,7 +258,7 @@ def probe_steps(run, cfg, env, micro, loss, model=None):
             gen = torch.Generator(device=env.device).manual_seed(0)
             x0 = torch.randint(0, run.raw_model.config.vocab_size, (micro, cfg.block_size), generator=gen,
                                device=env.device)
-            with autocast_for(env.device, resolve_dtype(cfg.dtype, env.device)):
+            with env.autocast(cfg.dtype):
                 mean = loss(model, x0, it, gen)
             mean.backward()
             del mean

@@ -1,41 +1,69 @@
-"""The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch (the launch
-environment checked, then the script's own checks before anything is made, then this process in its place of a
-torchrun job, out_dir locked for the whole process), the run's state (Run) and RunPlumbing: the model placed for the
-run (the memory probe, DDP, torch.compile), out_dir's config.json, log.jsonl and trackers, the checkpoints and what
-they record, the model folder exported at the end by the script's export (a full disk: one line, the checkpoint
-kept), the lines printed before, during (the curriculum's end) and after; and the stop signals and the divergence
-rule that decide when a run stops. Each method is named for what the loop does and takes what the loop knows; how
-is here, in the rooms it calls. Nothing here knows the model or the objective: what a script's run needs of them
-comes in as a value or a callable."""
+"""The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch, the run's state
+(Run) and RunPlumbing: the model placed for the run, config.json, log.jsonl and trackers, the model folder exported
+at the end, the lines printed, and the stop signals and the divergence rule that decide when a run stops. The loop
+saves its checkpoints itself (plumbing.checkpoint). Nothing here knows the model or the objective: what a script's
+run needs of them comes in as a value or a callable."""
 import math
 import os
 import time
-from contextlib import ExitStack
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from plumbing.checkpoint import keep_checkpoint, save
-from plumbing.cli import Interrupted
-from plumbing.distributed import agree, any_rank, check_launch, compiles, run_distributed, wrap_model
+from plumbing.cli import Interrupted, OutOfMemory, UsageError, oom_summary
+from plumbing.distributed import (agree, any_rank, check_threads, compiles, launch_env, omp_threads, on_rank0,
+                                  setup_distributed, wrap_model)
 from plumbing.files import write_json, writing
 from plumbing.integrity import DivergenceRule
+from plumbing.lock import acquire_folder
 from plumbing.memory import fit_micro_batch, probe_steps
-from plumbing.runlog import Log, finish_lines, kept, start_lines, started_line
-from plumbing.signals import interruptible, reduced_unless_stopped, stop_signals
+from plumbing.runlog import Log, finish_lines, start_lines, started_line
+from plumbing.signals import deferred_signals, interruptible, reduced_unless_stopped, stop_signals
 
 
 # -----------------------------------------------------------------------------------------------
 # the launch: everything checked before out_dir is locked or made
 
 def launch(cfg, check, work):
-    """A training script's start: the launch environment and the CPU threads as a whole (WORLD_SIZE, RANK,
-    MASTER_ADDR, ..., --threads, OMP_NUM_THREADS: plumbing.distributed.check_launch), then check(launch) -> what the
-    run starts from (the script's flags and sizes, each bad one a line, exit code 2), then work(env, that) in this
-    process's place of a torchrun job, out_dir locked for the whole process (plumbing.distributed.run_distributed).
-    -> work's exit code."""
-    start = check(check_launch(cfg))
-    return run_distributed(cfg, lambda env: work(env, start))
+    """A training script's start: the launch environment as a whole (plumbing.distributed.launch_env) and the CPU
+    threads asked for against the cores, then check(where) -> what the run starts from (the script's flags and
+    sizes, each bad one a line, exit code 2), then work(env, that) in this process's place of a torchrun job,
+    holding the lock on cfg.out_dir (one run per folder), the process group torn down after it. Out of memory -> one
+    line naming the micro-batch and the flag that halves it. -> work's exit code."""
+    where = launch_env()
+    if cfg.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
+    if cfg.threads > 0:
+        check_threads(cfg.threads, "--threads")
+    omp_threads()
+    if not cfg.dist_timeout > 0:
+        raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
+    start = check(where)
+    env = setup_distributed(cfg)
+    held = []
+
+    def lock():
+        with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
+            held.append(acquire_folder(cfg.out_dir))
+    try:
+        # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
+        on_rank0(env, lock, UsageError)
+        return work(env, start)
+    except torch.OutOfMemoryError as e:
+        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
+        fix = (f"set --grad_accum {2 * cfg.grad_accum} (micro-batch {micro // 2})" if micro > 1 and
+               cfg.batch_size % (2 * env.world_size * cfg.grad_accum) == 0 else
+               "lower --batch_size, --block_size or the model size")
+        raise OutOfMemory(f"out of memory at micro-batch {micro} (--batch_size {cfg.batch_size} / {env.world_size} "
+                          f"rank(s) / --grad_accum {cfg.grad_accum}): {oom_summary(e)}; {fix}; the last checkpoint "
+                          f"in {cfg.out_dir} is kept") from None
+    finally:
+        for folder in held:
+            folder.release()
+        if env.ddp and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -44,7 +72,7 @@ def launch(cfg, check, work):
 @dataclass
 class Run:
     """The state a training run carries from step to step (and saves in its checkpoint): train.build_run makes it,
-    the step (train.train_step, distill.dcd_step) advances it, RunPlumbing places, saves and restores it."""
+    the step (train.train_step) advances it, plumbing.checkpoint saves and restores it."""
     raw_model: torch.nn.Module           # the DiffusionTransformer itself
     model: torch.nn.Module               # what the step calls: raw_model, or it in DDP and/or compiled (wrap_model)
     optimizer: torch.optim.Optimizer
@@ -58,16 +86,14 @@ class Run:
 
 
 class RunPlumbing:
-    """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig: out_dir,
-    max_iters, the intervals, the trackers, ...); env: where this process runs (plumbing.distributed.Env); mcfg,
-    meta: the model's config and the data's meta, which every checkpoint records; source: the trained model a
-    fine-tuning run starts from (trained.finetune.Source: its weights, and where the run started, which config.json,
-    the start lines and every checkpoint record), or None. what: "training" | "distillation", in the lines it
-    prints; label: the objective as the progress bar names it (default cfg.loss); loss_name: the loss as a
-    divergence names it; extra() -> more top-level checkpoint entries (distill.py: its settings and the round's
-    teacher; default: source's); export(ckpt_path, folder) writes the model folder of a finished run
-    (trained.export.export); events: {step: (name, message)}, a change in what the run does after that step, said
-    on the console and logged (train.py's curriculum end: the loss jumps there)."""
+    """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig); env: where
+    this process runs (plumbing.distributed.Env); mcfg, meta: the model's config and the data's meta, which every
+    checkpoint records; source: the trained model a fine-tuning run starts from (trained.finetune.Source), or None.
+    what: "training" | "distillation", in the lines it prints; label: the objective as the progress bar names it
+    (default cfg.loss); loss_name: the loss as a divergence names it; extra() -> more top-level checkpoint entries
+    (distill.py: its settings and the round's teacher; default: source's); export(ckpt_path, folder) writes the
+    model folder of a finished run; events: {step: (name, message)}, a change in what the run does after that step,
+    said on the console and logged (train.py's curriculum end: the loss jumps there)."""
 
     def __init__(self, cfg, env, mcfg, meta, export, source=None, what="training", label=None, loss_name="loss",
                  extra=None, events=None):
@@ -76,12 +102,8 @@ class RunPlumbing:
         self.extra = extra or (source.extra if source is not None else None)
         self.ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
         self.model_dir = os.path.join(cfg.out_dir, "model")
-        self.log = self.stop = self.rule = None
         self.events = events or {}
         self.marks = [("start-up", env.started), ("data", time.time())]   # (phase, when it ended): started_line
-
-    def mark(self, phase):
-        self.marks.append((phase, time.time()))
 
     # -------------------------------------------------------------------------------------------
     # before the loop
@@ -102,74 +124,59 @@ class RunPlumbing:
     def place_model(self, run, probe=None, fusable=False):
         """The model as the run trains and evaluates it: with probe (train.py's step on random tokens, probe(model,
         x0, it, gen) -> its mean loss; fusable: an objective the fused head computes), on CUDA, the micro-batch probe
-        first (plumbing.memory.fit_micro_batch: --grad_accum raised until the micro-batch fits), then run.model =
-        raw_model in DDP under torchrun and compiled (plumbing.distributed.wrap_model; --compile auto: the paper's
-        presets on CUDA), each kind of step compiled now (probe_steps; the probe's graphs where they are kept), not
-        when the curriculum ends; run.eval_model = raw_model compiled for evaluation, or None. -> whether it
-        compiles."""
+        first (plumbing.memory.fit_micro_batch), then run.model (wrap_model: DDP, torch.compile), each kind of step
+        compiled now (probe_steps), not when the curriculum ends; run.eval_model. -> whether it compiles."""
         cfg, env = self.cfg, self.env
         compile = compiles(cfg.compile, cfg.preset, env.device)
-        self.mark("model")
+        self.marks.append(("model", time.time()))
         if probe and env.device.type == "cuda":
             fit_micro_batch(run, cfg, env, compile, probe, fusable)
-            self.mark("probe")
+            self.marks.append(("probe", time.time()))
         run.model = wrap_model(run.raw_model, env, compile)      # after the probe: see wrap_model
         if probe and compile:
             probe_steps(run, cfg, env, cfg.batch_size // (env.world_size * cfg.grad_accum), probe, run.model)
-            self.mark("compilation")
+            self.marks.append(("compilation", time.time()))
         run.eval_model = torch.compile(run.raw_model) if compile else None
         return compile
 
+    @contextmanager
     def start(self, run, config, lines=None):
         """The run starts at step run.it: config.json (config: the run's configs) and `lines` (what the run is, in a
-        few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl (cut back
-        to run.it on a resume) and the trackers. A fine-tuning run adds where it started (its source) to both.
-        Used as `with plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag
-        the loop reads (sync_loss_and_stop) instead of ending the process; the way out closes the bar and trackers
-        and puts the handlers back."""
+        few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl and the
+        trackers (runlog.Log). A fine-tuning run adds where it started (its source) to both. Used as `with
+        plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag the loop
+        reads (sync_loss_and_stop) instead of ending the process."""
         if self.source is not None:
             config = {**config, **self.source.extra()}
             lines = lines or self.source.lines(self.cfg, run.raw_model, self.env)
         if self.env.master:
             write_json(os.path.join(self.cfg.out_dir, "config.json"), config)
             print(lines or start_lines(self.cfg, run.raw_model, self.env), flush=True)
-        self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size)
+        self.log = Log(self.cfg, self.env, run.it, config=config, label=self.label, block_size=self.mcfg.block_size,
+                       what=self.what)
         self.rule = DivergenceRule(self.cfg.diverge_margin, math.log(self.mcfg.vocab_size))
         self.first_step, self.logged_step, self.lr = run.it + 1, run.it, None
-        self.loss_sum = self.bad = None
-        return self
-
-    def __enter__(self):
-        self.exits = ExitStack()
-        self.stop = self.exits.enter_context(stop_signals())
-        self.exits.enter_context(self.log)
-        return self
-
-    def __exit__(self, *exc):
-        return self.exits.__exit__(*exc)
+        self.loss_sum = torch.zeros((), device=self.env.device)
+        self.bad = torch.zeros((), device=self.env.device, dtype=torch.bool)   # a non-finite loss since the start
+        with stop_signals() as self.stop, self.log:
+            yield self
 
     # -------------------------------------------------------------------------------------------
     # in the loop
 
     def sync_loss_and_stop(self, step, loss, lr):
         """After optimizer step `step`, its training loss (a 0-dim tensor) at learning rate lr: summed on the device,
-        no host sync. Every --log_interval steps, before a checkpoint (--ckpt_interval, the last step) and, in one
-        process, at once after a stop signal: the loop's one host sync (plumbing.distributed.agree) gives the sum
-        over the ranks and whether any rank saw a non-finite loss or a stop signal; the divergence rule checks the
-        mean (the first step's loss, of sound weights, starts its history), then it is logged. A diverged loss
-        raises FloatingPointError: no checkpoint of these weights is written. -> whether the run stops (a stop
-        signal on any rank: the loop saves and ends, stopped). After the curriculum's last step (train.py's
-        --curriculum_iters), the log says why the loss jumps there (event)."""
+        no host sync. Every --log_interval steps, before a checkpoint and, in one process, at once after a stop
+        signal: the loop's one host sync (plumbing.distributed.agree), the divergence rule (the first step's loss, of
+        sound weights, starts its history), the log. A diverged loss raises FloatingPointError: no checkpoint of
+        these weights is written. -> whether the run stops (a stop signal on any rank: the loop saves and ends)."""
         cfg, env = self.cfg, self.env
-        if self.loss_sum is None:
-            self.loss_sum = torch.zeros((), device=loss.device)
-            self.bad = torch.zeros((), device=loss.device, dtype=torch.bool)   # a non-finite loss since the start
         self.loss_sum += loss
         self.bad |= ~torch.isfinite(loss)
         self.lr = lr
         if step == self.first_step:
             self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
-            self.mark("first step")
+            self.marks.append(("first step", time.time()))
             self.log.say(started_line(self.marks))     # how long the start took, and where it went
         signalled = self.stop["signal"] is not None
         saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
@@ -187,10 +194,9 @@ class RunPlumbing:
         return stopping
 
     def sync_metrics_and_stop(self, step, sums, metrics):
-        """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons
-        (plumbing.signals.reduced_unless_stopped); metrics(the sums added over the ranks) -> the record logged. A
-        diverged validation NELBO raises FloatingPointError: no checkpoint of these weights is written. -> whether
-        the run stops (a stop signal on any rank)."""
+        """An evaluation at `step`: sums() -> this rank's float64 sums, work that a stop signal on any rank abandons;
+        metrics(the sums added over the ranks) -> the record logged. A diverged validation NELBO raises
+        FloatingPointError. -> whether the run stops (a stop signal on any rank)."""
         summed = reduced_unless_stopped(self.stop, self.env, sums)
         if summed is not None:
             record = metrics(summed)
@@ -200,28 +206,16 @@ class RunPlumbing:
                 raise self.diverged(why, step)
         return any_rank(self.env, self.stop["signal"] is not None)
 
-    def save(self, run):
-        """out_dir/ckpt.pt, written atomically (plumbing.checkpoint.save): what resumes the run bit for bit (weights,
-        EMA, optimizer, step, every rank's data position and RNG states), the configs, the data's meta, and extra()."""
-        extra = self.extra() if self.extra is not None and self.env.master else None
-        save(run, self.cfg, self.mcfg, self.meta, self.env, extra=extra)
-
-    def keep(self, run):
-        """out_dir/ckpt_<step>.pt (rank 0): the weights and EMA weights of this step, for evaluation afterwards."""
-        if self.env.master:
-            keep_checkpoint(run, self.cfg, self.mcfg, self.meta)
-
-    def stopped(self, run):
-        """The run stopped by a signal, its checkpoint saved: the bar closed, one line. -> exit code 130."""
-        return self.log.stopped(self.stop["signal"], run.it, self.what, finished=run.it == self.cfg.max_iters)
-
     def diverged(self, why, step):
         """The error a diverged run ends with (exit code 2), saying what is kept and what to change."""
         why = why.replace(" loss", f" {self.loss_name}", 1)
+        # the last checkpoint is sound: a fault stops the run before a save
+        kept = (f"the last good checkpoint {self.ckpt_path} is kept" if os.path.exists(self.ckpt_path) else
+                "no checkpoint was written")
         if step == 0:             # before any step: the weights the run starts from (train.py --init)
             return FloatingPointError(f"{why} at step 0, before any training: the weights the run starts from are not "
-                                      f"sound (--init {getattr(self.cfg, 'init', '')}); {kept(self.cfg)}")
-        return FloatingPointError(f"{why} by step {step}; {kept(self.cfg)}. Lower --lr (now {self.lr:.2e}) or check "
+                                      f"sound (--init {getattr(self.cfg, 'init', '')}); {kept}")
+        return FloatingPointError(f"{why} by step {step}; {kept}. Lower --lr (now {self.lr:.2e}) or check "
                                   f"the data.")
 
     # -------------------------------------------------------------------------------------------
@@ -230,8 +224,8 @@ class RunPlumbing:
     def finish(self, run, samples):
         """The end of a run that reached --max_iters with its checkpoint saved: the bar closed, the model folder
         out_dir/model exported (rank 0), the samples printed (samples() -> their texts, on rank 0; a stop signal
-        abandons them: exit code 130), the trackers closed, then log.jsonl's last record {"step", "t", "event": "end"}
-        (the end of the run, read from the log) and the finish lines. -> the exit code, 0."""
+        abandons them: exit code 130), the trackers closed, then log.jsonl's last record (Log.end) and the finish
+        lines. -> the exit code, 0."""
         self.log.close()
         folder = None
         if self.env.master:        # a full disk: one line (plumbing.files.writing), the checkpoint kept
@@ -242,7 +236,7 @@ class RunPlumbing:
                 if self.env.master and self.cfg.num_samples > 0:
                     self.log.samples(run.it, samples())
         except Interrupted:
-            return self.log.stopped(self.stop["signal"], run.it, self.what, finished=True, after=True)
+            return self.log.stopped(self.stop["signal"], run.it, after=True)
         self.log.close_trackers()
         if self.env.master:                  # last, after the trackers have closed
             self.log.end(run.it)

@@ -1,8 +1,6 @@
-"""The run log: rank 0's progress bar and out_dir/log.jsonl, cut back to the checkpoint's step on resume, and the
-trackers beside it (Log); the lines a run prints before its bar starts, when its curriculum ends and after it ends
-(start_lines, finish_lines, kept, Log.stopped; the events a script passes, e.g. train.py's curriculum end); and the
-one reader of JSONL files the evaluation scripts take as input. What is logged, and when, the training loop's
-plumbing decides (plumbing/run.py)."""
+"""The run log: rank 0's progress bar, out_dir/log.jsonl and the trackers (Log); the lines a run prints before its
+bar starts and after it ends; and the one reader of JSONL files the evaluation scripts take as input. What is
+logged, and when, the training loop's plumbing decides (plumbing/run.py)."""
 import importlib.util
 import json
 import os
@@ -20,10 +18,11 @@ class Log:
     validation metrics, events; every record has "t", the seconds since this process started (plumbing.cli.LAUNCH);
     every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict).
     label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for tokens/s (default
-    cfg.block_size)."""
+    cfg.block_size); what: "training" | "distillation", in the line a stopped run ends with."""
 
-    def __init__(self, cfg, env, step, config=None, label=None, block_size=None):
+    def __init__(self, cfg, env, step, config=None, label=None, block_size=None, what="training"):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
+        self.what, self.max_iters = what, cfg.max_iters
         self.tokens_per_step = cfg.batch_size * (block_size or cfg.block_size)
         self.t_last, self.step_last = time.time(), step
         self.pbar, self.trackers = None, []
@@ -83,15 +82,15 @@ class Log:
             self.pbar.write(f"step {step}: {message}")
             self._write({"step": step, "event": name, "message": message})
 
-    def stopped(self, signum, step, what, finished, after=False):
+    def stopped(self, signum, step, after=False):
         """The bar closed and the run's last line, when a stop signal (signum; None: another rank's) ended it with
         its checkpoint of `step` saved, during the run or, `after`, during the samples at its end. -> exit code 130."""
         path = os.path.join(os.path.dirname(self.path), "ckpt.pt")
         if after:
-            self.close(f"stopped by signal {signum} after {what}; checkpoint of step {step} saved to {path}")
+            self.close(f"stopped by signal {signum} after {self.what}; checkpoint of step {step} saved to {path}")
         else:
             self.close(f"stopped by signal {signum or int(signal.SIGTERM)} at step {step}; checkpoint saved to {path} "
-                       + (f"({what} finished)" if finished else "(continue with --resume 1)"))
+                       + (f"({self.what} finished)" if step == self.max_iters else "(continue with --resume 1)"))
         return 130
 
     def close(self, message=None):
@@ -110,9 +109,8 @@ class Log:
         return self
 
     def __exit__(self, *exc):   # an error ends the bar's line, so its one-line message starts a line of its own
-        if self.master:
-            self.pbar.close()
-            self.close_trackers()
+        self.close()
+        self.close_trackers()
 
 
 def metrics_line(metrics):
@@ -212,8 +210,3 @@ def finish_lines(cfg, what, step, ckpt_path, folder):
             + (f"; tensorboard --logdir {shlex.quote(os.path.join(cfg.out_dir, 'tensorboard'))}" if cfg.tensorboard
                else ""))
 
-
-def kept(cfg):
-    """What a run that stops on a fault leaves: its last checkpoint (sound: faults stop a run before a save)."""
-    path = os.path.join(cfg.out_dir, "ckpt.pt")
-    return f"the last good checkpoint {path} is kept" if os.path.exists(path) else "no checkpoint was written"

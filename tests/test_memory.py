@@ -6,8 +6,8 @@ import torch
 
 from model import ModelConfig, build_model
 from plumbing import cli
-import plumbing.distributed
 import plumbing.memory
+import plumbing.run
 from plumbing.cli import UsageError
 from plumbing.distributed import Env
 import test_train
@@ -129,7 +129,7 @@ def test_torchrun_on_cuda_without_preset_trains_papers_recipe(monkeypatch, capsy
             train.main(argv)
         return seen[-1]
     monkeypatch.setattr(cli, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
-    monkeypatch.setattr(plumbing.distributed, "setup_distributed", lambda cfg: Env(torch.device("cpu")))
+    monkeypatch.setattr(plumbing.run, "setup_distributed", lambda cfg: Env(torch.device("cpu")))
     monkeypatch.setattr(train, "load_gen_judge", started)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
