@@ -1,5 +1,7 @@
 """plumbing/distributed.py: the launch environment checked as a whole before any work; a rank waiting for the
-others says whom it waits for and stops on a signal or its timeout."""
+others says whom it waits for and stops on a signal or its timeout; each rank's slice of the global draws, the
+--compile default, and the DDP and torch.compile wrap after the memory probe (graphs split at DDP's buckets)."""
+import functools
 import os
 import signal
 import socket
@@ -8,9 +10,14 @@ import sys
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import ENV, HERE, case, check_last, run_batches
-from plumbing import distributed
+import train
+from conftest import ENV, HERE, TOY, assert_adam_moments_close, case, check_last, reduction_tol, run_batches
+from model import ModelConfig
+from plumbing import cli, distributed, memory
+from plumbing.distributed import Env, compiles, rank_slice, wrap_model
 
 
 def free_port():
@@ -110,3 +117,116 @@ def test_a_waiting_rank_names_whom_stops_on_signal_or_timeout(tmp_path):
     assert err.strip().splitlines()[-1].startswith(
         "error: rank 0: rank 1 of 2 did not join within --dist_timeout 3 s at 127.0.0.1:"), err
     assert not (tmp_path / "signal").exists() and not (tmp_path / "timeout").exists()
+
+
+def test_rank_slices_reassemble_the_global_time_vector():
+    world, accum, n = 4, 2, 64
+    t = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    parts = [rank_slice(t, r, world, m, accum) for r in range(world) for m in range(accum)]
+    assert all(p.numel() == n // (world * accum) for p in parts)
+    assert torch.equal(torch.cat(parts), t)
+
+
+# -----------------------------------------------------------------------------
+# --compile auto
+
+def test_compile_auto_compiles_only_the_papers_presets_on_cuda():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    papers = ["small", "owt", "lm1b", "medium", "large"] + [p for p in train.TRAIN_PRESETS if p.startswith("llama_")]
+    assert train.TrainConfig().compile == "auto" and train.parse_config([]).compile == "auto"
+    for preset in papers:
+        assert compiles("auto", preset, cuda) is True, preset
+        assert compiles("auto", preset, cpu) is False, preset
+    assert compiles("auto", "tiny", cuda) is False                  # the CPU demo stays eager, on any device
+    for off in ("0", "false", "no", False):                         # --compile 0 wins over the preset
+        assert compiles(off, "small", cuda) is False
+    assert compiles(train.parse_config(["--preset", "small", "--compile", "0"]).compile, "small", cuda) is False
+    assert compiles(train.parse_config(["--compile", "1"]).compile, "tiny", cpu) is True
+    with pytest.raises(cli.UsageError, match=r"^--compile must be auto, 1 or 0, got 'sometimes'$"):
+        train.main(["--compile", "sometimes"])
+
+
+# -----------------------------------------------------------------------------
+# the probe, then DDP, then torch.compile
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank in this process: DDP for real, with no other process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield Env(torch.device("cpu"), ddp=True, world_size=1)
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """torch.compile with a backend that records each graph it is given and runs it as traced (no C++ compiler)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    yield seen
+    torch._dynamo.reset()
+
+
+def cached_graphs(model):
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(type(model).forward.__code__))
+
+
+def probe_on_cpu(monkeypatch, run, cfg, env):
+    """The micro-batch probe at --compile 1 whose CUDA memory query is stood in for (it fits)."""
+    monkeypatch.setattr(memory, "_probe_fits", lambda run_, cfg, env, micro, model, loss:
+                        memory.probe_steps(run_, cfg, env, micro, loss, model) or True)
+    memory.fit_micro_batch(run, cfg, env, compile=True, loss=train.probe_loss(cfg))
+
+
+def test_the_probe_leaves_no_graph_and_ddp_keeps_its_buckets(one_rank_group, graphs, one_thread, monkeypatch):
+    """The memory probe compiles the model outside DDP (its peak is the compiled step's), then drops the graph: the
+    training model, compiled inside DDP afterwards, must not reuse a graph that was never split at DDP's buckets
+    (the old probe left one: the cache held it, and DDP's forward ran it whole). DDP is built with
+    gradient_as_bucket_view, its gradients zeros from the start, so every step accumulates in the buckets."""
+    env = one_rank_group
+    cfg = train.TrainConfig(batch_size=4, block_size=16, ema=0, warmup_iters=0)
+    run = train.build_run(cfg, TOY, env)
+    probe_on_cpu(monkeypatch, run, cfg, env)
+    assert len(graphs) == 1 and cached_graphs(run.raw_model) == 0
+    assert all(p.grad is None for p in run.raw_model.parameters())
+    model = wrap_model(run.raw_model, env, compile=False)
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.gradient_as_bucket_view
+    assert all(p.grad is not None and not p.grad.any() for p in run.raw_model.parameters())
+    assert model.config is run.raw_model.config                     # diffusion.loss_terms reads it through DDP
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_compiled_ddp_splits_at_buckets_and_equals_one_process(one_rank_group, graphs, one_thread, monkeypatch):
+    """TorchDynamo's DDPOptimizer splits the graph compiled inside DDP at the gradient buckets (here 1 MiB each:
+    several graphs for a 1.6M-parameter model), so each bucket's all-reduce overlaps the rest of the backward; with
+    the probe's graph left in the cache no new graph is compiled at all. And the compiled DDP steps equal eager
+    steps of one process: their losses, and their gradients through AdamW's moments at a learning rate that moves
+    no weight (conftest.assert_adam_moments_close)."""
+    env = one_rank_group
+    cfg = train.TrainConfig(batch_size=4, block_size=16, ema=0.9, warmup_iters=0, grad_accum=2, lr=1e-30,
+                            grad_clip=0.0)
+    mcfg = ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=128)
+    one = Env(torch.device("cpu"))
+    run, ref = train.build_run(cfg, mcfg, env), train.build_run(cfg, mcfg, one)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():         # the zero-initialised output and adaLN layers perturbed: every weight has a gradient
+        for p, q in zip(run.raw_model.parameters(), ref.raw_model.parameters()):
+            noise = 0.05 * torch.randn(p.shape, generator=g)
+            p.add_(noise), q.add_(noise)
+    probe_on_cpu(monkeypatch, run, cfg, env)
+    run.model = wrap_model(run.raw_model, env, compile=True)
+    run.model._orig_mod.bucket_bytes_cap = dist._DEFAULT_FIRST_BUCKET_BYTES
+    before = len(graphs)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x0 = torch.randint(0, 64, (4, 16), generator=gen)
+        # a mean of 64 positive token losses, each a 64-term log-sum-exp: float32, relative to the loss itself
+        torch.testing.assert_close(train.train_step(run, cfg, env, x0), train.train_step(ref, cfg, one, x0),
+                                   rtol=reduction_tol(64 + 64 + 13, torch.float32), atol=0)
+    assert len(graphs) - before > 1
+    assert_adam_moments_close(run.optimizer.state_dict(), ref.optimizer.state_dict(), n_terms=4 * 16)

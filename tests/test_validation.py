@@ -1,7 +1,8 @@
 """Evaluation during training does not depend on the world size: one checkpoint's validation NELBO, objective
 and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
 computed here as that rank computes it (Env rank r of W); the all-reduce that follows in a run is their sum.
-The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint."""
+The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint. And
+evaluation runs the compiled model."""
 import json
 import math
 import random
@@ -9,11 +10,12 @@ import random
 import pytest
 import torch
 
-import eval_ppl
+import data
 import metrics
 import validation
 import train
 from data import get_tokenizer, load_meta
+from model import ModelConfig
 from plumbing.distributed import Env
 from conftest import forward_tol
 
@@ -223,3 +225,29 @@ def test_validation_is_eval_ppls_estimator_on_the_same_draws(trained, one_thread
     other = eval_ppl_cli("--rel_se", "0", "--seed", "1")
     assert other["nll"] != same["nll"]
     assert abs(other["nll"] - record["val_nelbo"]) < 4 * math.hypot(other["nll_se"], record["val_nelbo_se"])
+
+
+def test_evaluation_runs_the_compiled_model(prepared, one_thread):
+    """Evaluation calls run.eval_model (train.py sets it to the compiled raw model when the run compiles) with the EMA
+    weights swapped in, and scores what the plain model scores."""
+    cfg = train.TrainConfig(batch_size=8, block_size=16, eval_iters=2, ema=0.5)
+    meta = data.load_meta(prepared)
+    mcfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=16, n_layer=1, n_head=2, n_embd=32)
+    env = Env(torch.device("cpu"))
+    run = train.build_run(cfg, mcfg, env)
+    for e in run.ema:
+        e.add_(0.01)
+    eager = validation.evaluate(run, cfg, prepared, env)
+    calls = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def forward(self, *args, **kwargs):
+            calls.append(self.model.training)
+            return self.model(*args, **kwargs)
+    run.eval_model = Spy(run.raw_model)
+    assert torch.equal(validation.evaluate(run, cfg, prepared, env), eager)
+    assert calls and not any(calls)                                   # eval mode, every call
