@@ -1,6 +1,6 @@
 """Tests for data.py, corpora.py and prepare.py: tokenizers, wrapping / padding layout, deterministic resumable
 batches, errors, detokenizers, corpora of every format, parallel preparation, integrity checks; batches loaded
-onto the run's device."""
+onto the run's device; nodes with other data keys or bytes named in one line."""
 import importlib.util
 import os
 import socket
@@ -881,3 +881,12 @@ def test_the_run_loads_its_batches_onto_its_device(prepared, monkeypatch):
         (a, mask_a), (b, mask_b) = plain.next_batch(), on_gpu.next_batch()
         assert torch.equal(a, b) and mask_a is None and mask_b is None
     assert copies == [(True, True)] * (2 * plain.steps_per_epoch + 1)
+
+
+def test_other_data_keys_or_bytes_are_one_line_naming_both_nodes():
+    same = ("/n0/data/x", "abc", {"train.bin": "1"})
+    data.same_data_on_every_node({0: same, 1: ("/n1/data/x", "abc", {"train.bin": "1"})})   # other paths: fine
+    with pytest.raises(data.DataError, match=r"node 0 has data key abc \(/n0/data/x\), node 1 has def"):
+        data.same_data_on_every_node({1: ("/n1/d", "def", {}), 0: same})
+    with pytest.raises(data.DataError, match="share the data key abc but not their bytes"):
+        data.same_data_on_every_node({0: same, 1: ("/n1/d", "abc", {"train.bin": "2"})})
