@@ -2,10 +2,14 @@
 and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
 computed here as that rank computes it (Env rank r of W); the all-reduce that follows in a run is their sum.
 The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint. And
-evaluation runs the compiled model."""
+evaluation runs the compiled model; sample quality logged during training equals the kept checkpoint's scored
+afterwards, --eval_iters 0 validates the whole split, and DDP splits the samples over the ranks and pools them."""
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,9 +19,14 @@ import metrics
 import validation
 import train
 from data import get_tokenizer, load_meta
+from metrics import entropy, gen_ppl, load_judge
 from model import ModelConfig
 from plumbing.distributed import Env
-from conftest import forward_tol
+from sample import generate
+from trained.checkpoint import load_checkpoint
+from validation import GEN_GROUPS
+from conftest import HERE, forward_tol
+from test_train import TINY, _corpus
 
 # A rank evaluates its sequences in batches of another shape than one process does: float32 forwards summing in
 # other orders, < 900 roundings along a logit's path (2 layers of d = 64, 4d, L = 32, V = 320) of values <= 10:
@@ -251,3 +260,93 @@ def test_evaluation_runs_the_compiled_model(prepared, one_thread):
     run.eval_model = Spy(run.raw_model)
     assert torch.equal(validation.evaluate(run, cfg, prepared, env), eager)
     assert calls and not any(calls)                                   # eval mode, every call
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory):
+    """A tiny corpus, an AR judge trained on it, and one sddlm run with sample quality every 4 steps."""
+    d = tmp_path_factory.mktemp("exp")
+    _corpus(d / "corpus.txt")
+    base = TINY + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data")]
+    assert train.main(base + ["--loss", "ar", "--max_iters", "30", "--out_dir", str(d / "ar")]) == 0
+    gen = ["--gen_interval", "4", "--gen_num_samples", "6", "--gen_steps", "5", "--gen_seed", "3",
+           "--judge", str(d / "ar" / "ckpt.pt"), "--keep_every", "4", "--eval_iters", "0", "--eval_interval", "4"]
+    assert train.main(base + ["--loss", "sddlm", "--max_iters", "8", "--out_dir", str(d / "run")] + gen) == 0
+    return d, base, gen
+
+
+def rows(out_dir, key):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if key in r]
+
+
+GROUPS = [(3 * GEN_GROUPS + k, 1) for k in range(6)]   # --gen_seed 3, 6 samples: groups of one (seed, count)
+
+
+def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
+    """Gen PPL and entropy of a kept checkpoint computed outside the run: load its EMA weights, draw each
+    (seed, count) share with sample.generate, pool, score with metrics.gen_ppl / entropy."""
+    model, ckpt = load_checkpoint(ckpt_path)
+    judge = load_judge(judge_path, "cpu")
+    ids = []
+    for seed, count in seeds_and_counts:
+        g = torch.Generator().manual_seed(seed)
+        ids += generate(model, count, model.config.block_size, model.config.vocab_size, steps, generator=g,
+                        show_progress=False).tolist()
+    return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), entropy(ids), ckpt
+
+
+# The same samples (their token ids must be equal) scored by the same AR judge in the run and here, in batches of
+# other shapes or threads: float32 forwards whose sums differ in order, < 900 roundings along a logit's path (2
+# layers of d = 64, 4d, L = 32, V = 320) of values <= 10: each NLL within 2 * 900 * 10 * 2^-24 = 1.1e-3, and so
+# log Gen PPL (the relative error of Gen PPL); other samples move it by far more.
+JUDGE_REL = 1.1e-3
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_logged_sample_quality_equals_the_checkpoints_afterwards(judged):
+    d, _, _ = judged
+    logged = rows(d / "run", "gen_ppl")
+    assert [r["step"] for r in logged] == [4, 8]
+    for r in logged:
+        assert r["gen_judge"].startswith("ar:") and str(d / "ar" / "ckpt.pt") in r["gen_judge"]
+        assert (r["gen_samples"], r["gen_steps"], r["gen_seed"]) == (6, 5, 3)
+        ppl, ent, ckpt = expected_quality(d / "run" / f"ckpt_{r['step']}.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
+        assert ckpt["step"] == r["step"] and "optimizer" not in ckpt
+        assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=JUDGE_REL)
+        assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)      # from the same token ids: float64 counts
+    assert logged[0]["gen_ppl"] != logged[1]["gen_ppl"]       # the curve moves with the model
+    final = torch.load(d / "run" / "ckpt.pt", weights_only=False)
+    kept = torch.load(d / "run" / "ckpt_8.pt", weights_only=False)
+    for k in final["ema"]:
+        assert torch.equal(final["ema"][k], kept["ema"][k]), k
+
+
+@pytest.mark.slow
+def test_eval_iters_zero_validates_the_whole_split(judged):
+    d, _, _ = judged
+    meta = load_meta(str(d / "data"))
+    val = rows(d / "run", "val_tokens")
+    assert val and all(r["val_tokens"] == meta["val_sequences"] * meta["block_size"] for r in val)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
+    """Two ranks: rank r draws the groups r, r + 2, r + 4 of validation.sample_groups (6 samples: 6 groups of one);
+    the logged Gen PPL is the pooled score of both shares, the samples of one process, and validation of the whole
+    split still counts every token once."""
+    d, base, gen = judged
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *base,
+           "--loss", "sddlm", "--max_iters", "4", "--out_dir", str(tmp_path / "two"), "--device", "cpu", *gen]
+    p = subprocess.run(cmd, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r, = rows(tmp_path / "two", "gen_ppl")
+    ppl, ent, _ = expected_quality(tmp_path / "two" / "ckpt_4.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
+    assert r["gen_samples"] == 6
+    assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=JUDGE_REL)
+    assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)          # the same ids: float64 counts
+    meta = load_meta(str(d / "data"))
+    assert rows(tmp_path / "two", "val_tokens")[-1]["val_tokens"] == meta["val_sequences"] * meta["block_size"]
