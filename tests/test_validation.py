@@ -1,9 +1,10 @@
-"""Evaluation during training does not depend on the world size: one checkpoint's validation NELBO, objective
-and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
+"""validation.py: evaluation during training does not depend on the world size: one checkpoint's validation NELBO,
+objective and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
 computed here as that rank computes it (Env rank r of W); the all-reduce that follows in a run is their sum.
-The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint. And
+The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint. Also:
 evaluation runs the compiled model; sample quality logged during training equals the kept checkpoint's scored
-afterwards, --eval_iters 0 validates the whole split, and DDP splits the samples over the ranks and pools them."""
+afterwards; --eval_iters 0 validates the whole split; DDP splits the samples over the ranks and pools them; the
+end-of-run samples use the run's autocast and nucleus."""
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import validation
 import train
 from data import get_tokenizer, load_meta
 from metrics import entropy, gen_ppl, load_judge
-from model import ModelConfig
+from model import ModelConfig, build_model
 from plumbing.distributed import Env
 from sample import generate
 from trained.checkpoint import load_checkpoint
@@ -350,3 +351,36 @@ def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
     assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)          # the same ids: float64 counts
     meta = load_meta(str(d / "data"))
     assert rows(tmp_path / "two", "val_tokens")[-1]["val_tokens"] == meta["val_sequences"] * meta["block_size"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
+    """validation.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
+    CUDA by default) and --sample_top_p to the sampler, the diffusion one and the AR one; the tiny preset (the CPU
+    demo) prints its samples with top-p 0.8, the paper's presets with the full distribution."""
+    import contextlib
+    import types
+    import validation
+    import train
+    seen = {}
+
+    def fake(sampler):
+        def generate(*args, **kwargs):
+            seen.update(kwargs, sampler=sampler)
+            return torch.zeros(1, 4, dtype=torch.long)
+        return generate
+    monkeypatch.setattr(validation, "generate", fake("diffusion"))
+    monkeypatch.setattr(validation, "generate_ar", fake("ar"))
+    monkeypatch.setattr(validation, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
+    monkeypatch.setattr(validation, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
+    model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
+    for loss in ("sddlm", "ar"):
+        seen.clear()
+        cfg = train.TrainConfig(loss=loss, dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2,
+                                sample_top_p=0.7)
+        validation.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
+                               types.SimpleNamespace(device=torch.device("cpu")))
+        assert seen["dtype"] == torch.bfloat16 and seen["top_p"] == 0.7
+        assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the objective picks the sampler
+    assert train.parse_config([]).sample_top_p == 0.8
+    assert train.parse_config(["--preset", "small"]).sample_top_p == 1.0
