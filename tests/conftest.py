@@ -4,7 +4,8 @@ called in-process installs its stop handlers), and the explicit-matrix oracles o
 in test_losses.py (it travels alone with losses.py) and are shared from here; the rounding bounds every float
 tolerance of the suite is derived from (below); train.py in one process and in two (the DDP tests); CI's
 --skipped_before (below); and the scripts' fault cases (run in child processes, their one error line checked) with
-the small runs they start from (at the end)."""
+the small runs they start from; a toy model's config and a small prepared corpus for the training loop's
+plumbing (at the end)."""
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 
 from plumbing.cli import STOP_SIGNALS
 from test_losses import bayes_posterior, transition_matrix  # noqa: F401  (the oracles, for the tests)
+from model import ModelConfig
 import prepare
 import train
 
@@ -383,3 +385,13 @@ def run_ema(tmp_path_factory):
                               "--max_iters", "2", "--eval_interval", "2"]) == 0
     b.ckpt, b.model = str(b.out / "ckpt.pt"), b.out / "model"
     return b
+
+
+TOY = ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loop")
+    (d / "c.txt").write_text("\n\n".join(f"the cat {i} sees the dog {i % 7} ." * 3 for i in range(300)))
+    return prepare.prepare_dataset(str(d / "c.txt"), "gpt2", str(d / "data"), 16, progress=False, num_proc=1)

@@ -1,5 +1,6 @@
 """Tests for data.py, corpora.py and prepare.py: tokenizers, wrapping / padding layout, deterministic resumable
-batches, errors, detokenizers, corpora of every format, parallel preparation, integrity checks."""
+batches, errors, detokenizers, corpora of every format, parallel preparation, integrity checks; batches loaded
+onto the run's device; nodes with other data keys or bytes named in one line."""
 import importlib.util
 import os
 import socket
@@ -15,8 +16,11 @@ import data
 from data import DataError
 from plumbing import files
 from plumbing.cli import UsageError
+from plumbing.distributed import Env
 from plumbing.flags import check_prepare_flags
 import prepare
+import train
+from conftest import TOY
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TEXTS = ["Hello world", "  leading and trailing spaces  ",
@@ -841,3 +845,48 @@ def test_meta_json_values_and_folder_outputs_are_named(tmp_path):
         files.check_writable(str(tmp_path / "fifo"), "--out_dir", folder=True)
     with pytest.raises(UsageError, match="--out /dev/null is a character device, not a folder"):
         files.check_writable("/dev/null", "--out", folder=True)
+
+
+# -----------------------------------------------------------------------------
+# batches on the run's device
+
+def test_the_run_loads_its_batches_onto_its_device(prepared, monkeypatch):
+    """train.py's loader is built with the run's device: on CUDA data._to_tensors pins each batch and copies it
+    without blocking the host (which runs ahead, loading the next batch while the GPU computes). Stood in for on
+    the CPU: the pinned, non-blocking route gives the same batches, in the same order, as the plain one."""
+    seen = {}
+    monkeypatch.setattr(train, "BatchLoader", lambda *a, **kw: seen.update(kw))
+    env = Env(torch.device("cpu"))
+    train.build_run(train.TrainConfig(batch_size=4, block_size=16), TOY, env, prepared)
+    assert seen["device"] == env.device
+    monkeypatch.undo()
+
+    copies = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and torch.device(args[0]).type == "cuda":       # the copy to the GPU, stood in for
+            copies.append((getattr(self, "is_pinned_stand_in", False), kwargs.get("non_blocking")))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    def pin_memory(self):
+        self.is_pinned_stand_in = True
+        return self
+    plain = data.BatchLoader(prepared, "train", 4, seed=3)
+    on_gpu = data.BatchLoader(prepared, "train", 4, seed=3, device=torch.device("cuda"))
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    for _ in range(2 * plain.steps_per_epoch + 1):                   # over two epoch boundaries
+        (a, mask_a), (b, mask_b) = plain.next_batch(), on_gpu.next_batch()
+        assert torch.equal(a, b) and mask_a is None and mask_b is None
+    assert copies == [(True, True)] * (2 * plain.steps_per_epoch + 1)
+
+
+def test_other_data_keys_or_bytes_are_one_line_naming_both_nodes():
+    same = ("/n0/data/x", "abc", {"train.bin": "1"})
+    data.same_data_on_every_node({0: same, 1: ("/n1/data/x", "abc", {"train.bin": "1"})})   # other paths: fine
+    with pytest.raises(data.DataError, match=r"node 0 has data key abc \(/n0/data/x\), node 1 has def"):
+        data.same_data_on_every_node({1: ("/n1/d", "def", {}), 0: same})
+    with pytest.raises(data.DataError, match="share the data key abc but not their bytes"):
+        data.same_data_on_every_node({0: same, 1: ("/n1/d", "abc", {"train.bin": "2"})})

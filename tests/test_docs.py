@@ -307,7 +307,7 @@ def test_docs_say_what_the_one_process_vs_ddp_tests_check():
     assert not missing, f"the docs name tests that do not exist: {missing}"
     nodes = " ".join(pages["docs/nodes.md"].split())
     assert "equal gradients, to float32 rounding, through AdamW's moments at `--lr 1e-30`" in nodes
-    assert {("test_train.py", "test_two_process_torchrun_matches_one_process"), ("test_world_size.py",
+    assert {("test_train.py", "test_two_process_torchrun_matches_one_process"), ("test_validation.py",
             "test_one_and_two_gloo_processes_give_the_same_validation")} <= named
 
 

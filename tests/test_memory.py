@@ -1,11 +1,15 @@
 """Running out of memory and the launch defaults: every out-of-memory error is one line naming what did not fit and
 the flag to change (exit 2, the last checkpoint kept); train.py fits the micro-batch to the GPU before training;
-a torchrun launch on CUDA without --preset trains the paper's recipe. CPU only: CUDA is stood in for."""
+a torchrun launch on CUDA without --preset trains the paper's recipe; the memory the probe leaves free, and
+expandable segments set before CUDA starts. CPU only: CUDA is stood in for."""
+import os
+
 import pytest
 import torch
 
 from model import ModelConfig, build_model
-from plumbing import cli
+from plumbing import cli, distributed, memory
+import plumbing.distributed
 import plumbing.memory
 import plumbing.run
 from plumbing.cli import UsageError
@@ -208,3 +212,51 @@ def test_compiled_probe_compiles_each_step_twice_at_most(monkeypatch):
         assert graphs() == 2
     finally:
         torch._dynamo.reset()
+
+
+# -----------------------------------------------------------------------------
+# the memory the probe leaves free
+
+def test_the_probe_leaves_room_for_cuda_context_nccl_fragments():
+    """The probe accepts a measured peak up to usable_bytes: the device less 2 GiB (CUDA context, library
+    workspaces, NCCL's buffers: outside torch's allocator) less 8% of it (fragmentation, steps the probe does not
+    take). The old bar, 0.97 of the device, left 2.4 GiB of an 80 GiB H100."""
+    gib = 2 ** 30
+    for total_gib in (16, 24, 40, 80, 141):
+        total = total_gib * gib
+        usable = memory.usable_bytes(total)
+        assert usable == int(total * 0.92) - 2 * gib
+        assert total - usable >= 2 * gib + 0.08 * total - 1
+    assert memory.usable_bytes(80 * gib) / gib == pytest.approx(71.6, rel=1e-9)   # int() drops < 1 byte of 72 GiB
+    assert memory.usable_bytes(80 * gib) < 0.97 * 80 * gib - 5 * gib   # 5 GiB more room than the old bar
+
+
+def test_expandable_segments_set_before_cuda_unless_user_chose(monkeypatch):
+    assert memory.cuda_allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert memory.cuda_allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    assert memory.cuda_allocator_env({"PYTORCH_ALLOC_CONF": ""}) == {}
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    # setup_distributed sets TF32 on CUDA: put it back by hand (monkeypatch cannot undo these properties in pytest 9.2)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    threads = torch.get_num_threads()
+    try:
+        _setup_on_a_stand_in_cuda(monkeypatch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.set_num_threads(threads)
+
+
+def _setup_on_a_stand_in_cuda(monkeypatch):
+    distributed.setup_distributed(train.TrainConfig(device="cpu", threads=1))
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ                 # the CPU: nothing to set
+    at_first_cuda_call = []
+    monkeypatch.setattr(distributed, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: at_first_cuda_call.append(
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    env = distributed.setup_distributed(train.TrainConfig())
+    assert env.device == torch.device("cuda", 0) and at_first_cuda_call == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    distributed.setup_distributed(train.TrainConfig())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"   # the user's own is kept

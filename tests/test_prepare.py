@@ -1,6 +1,8 @@
-"""prepare.py's folders as train.py reads them."""
+"""prepare.py's folders as train.py reads them, and train.py's own preparation (--text_field, --num_proc,
+--verify)."""
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -144,3 +146,45 @@ def test_a_named_pipe_as_the_corpus_is_refused_not_waited_on(tmp_path):
             writer.kill()
             writer.wait()
         assert not (tmp_path / "d").exists()
+
+
+def test_train_prepares_with_text_field_num_proc_and_verify(tmp_path, monkeypatch):
+    """train.py's own preparation: --text_field reads another field of a .jsonl; --num_proc 2 writes the bytes of
+    prepare.py's one-process run; --verify hashes the files again at start and catches an edit that kept the
+    size and the time."""
+    import prepare
+    import train
+    corpus = tmp_path / "corpus.jsonl"
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(["the cat", "a dog", "sees", "likes", "."]) for _ in range(40)) for _ in range(60)]
+    corpus.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    args = ["--dataset", str(corpus), "--text_field", "body", "--tokenizer", "sp_train:300", "--block_size", "32",
+            "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--batch_size", "4", "--max_iters", "1",
+            "--eval_iters", "1", "--num_samples", "0", "--threads", "1", "--device", "cpu"]
+    monkeypatch.chdir(tmp_path)
+    passed, real = [], prepare.prepare_dataset
+    monkeypatch.setattr(prepare, "prepare_dataset", lambda *a, **k: passed.append(k) or real(*a, **k))
+    assert train.main(args + ["--num_proc", "2", "--out_dir", "o1"]) == 0
+    assert (passed[0]["num_proc"], passed[0]["text_field"], passed[0]["verify"]) == (2, "body", False)
+    monkeypatch.setattr(prepare, "prepare_dataset", real)
+    (ours,) = os.listdir(tmp_path / "data")
+    ref = prepare.prepare_dataset(str(corpus), "sp_train:300", str(tmp_path / "ref"), 32, num_proc=1,
+                                  text_field="body", progress=False)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        if name == "meta.json":          # the same record, but for where the folder is and when files were seen
+            meta = lambda folder: {k: v for k, v in json.loads((folder / name).read_text()).items()
+                                   if k not in ("stat", "tokenizer")}
+            assert meta(tmp_path / "data" / ours) == meta(tmp_path / "ref")
+        else:
+            assert (tmp_path / "data" / ours / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    with pytest.raises(data.DataError, match="no text field 'nope'; .*body"):
+        train.main(args + ["--text_field", "nope", "--out_dir", "o2"])
+    train_bin = tmp_path / "data" / ours / "train.bin"
+    st = os.stat(train_bin)
+    raw = bytearray(train_bin.read_bytes())
+    raw[0] ^= 1
+    train_bin.write_bytes(bytes(raw))
+    os.utime(train_bin, ns=(st.st_atime_ns, st.st_mtime_ns))            # same size, same time: O(1) check passes
+    assert train.main(args + ["--out_dir", "o3"]) == 0
+    with pytest.raises(data.DataError, match="does not match the sha256"):
+        train.main(args + ["--verify", "1", "--out_dir", "o4"])

@@ -1,5 +1,6 @@
 """Tests for sample.py: the ancestral sampler against oracles and an exactly solvable toy distribution,
-conditioning (prompt, infilling, unsupervised CFG), nucleus filtering, and the command line."""
+conditioning (prompt, infilling, unsupervised CFG), nucleus filtering, and the command line; the sampling loop
+never waits for the device."""
 
 import json
 import math
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import diffusion
+import sample
 from plumbing.cli import UsageError
 from model import ModelConfig, build_model
 from conftest import bayes_posterior, transition_matrix
@@ -734,3 +736,37 @@ def test_samples_saved_before_a_closed_or_ascii_stdout(tiny_ckpt, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert len(records) == 16 and all(r["text"].startswith("café") for r in records)
     assert p.stdout.decode("ascii").count("caf\\xe9") == 16
+
+
+SYNC_OPS = ("aten.nonzero", "aten._local_scalar_dense", "aten.masked_select", "aten.item", "aten.unique",
+            "aten._unique2", "aten.equal", "aten.is_nonzero")   # ops whose result the host must wait for on a GPU
+
+
+def sync_ops_of(fn):
+    """How many ops that make the host wait for the device (a count, a value read on the host) fn runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += str(func.overloadpacket) in SYNC_OPS
+            return func(*args, **(kwargs or {}))
+
+    with Watch() as watch:
+        fn()
+    return watch.count
+
+
+@pytest.mark.parametrize("psi", [None, sample.Psi(("eta",), (0.4,)), sample.parse_psi("psi", "eta,sigma_constant,eta",
+                                                                                       "1,0.05,1", "loop")])
+def test_the_sampling_loop_never_waits_for_the_device(psi):
+    """sample.generate's steps (the denoiser with CFG and nucleus, then the reverse step, plain or Psi) run no op
+    that makes the host wait for the GPU: the count of such ops does not grow with the steps (the old step counted
+    the tokens that draw from x_theta, one wait per step)."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=40, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)).eval()
+    run = lambda steps: sync_ops_of(lambda: sample.generate(model, 3, 12, 40, steps, prompt_ids=[1, 2], cfg_w=1.1,
+                                                            top_p=0.9, psi=psi, show_progress=False,
+                                                            generator=torch.Generator().manual_seed(0)))
+    assert run(2) == run(7) <= 1

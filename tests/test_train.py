@@ -1,5 +1,6 @@
 """train.py end to end on a tiny synthetic corpus (CPU, offline): every loss learns, resume is exact,
-2-process DDP equals 1 process, bad input fails in one line without losing what was written."""
+2-process DDP equals 1 process, bad input fails in one line without losing what was written; the paper's presets
+(the Appendix table) and their curriculum share, and bad experiment flags refused before any work."""
 import json
 import math
 import os
@@ -16,7 +17,8 @@ import curriculum.gaussian as curriculum
 import diffusion
 import validation
 import losses
-from model import ModelConfig
+from model import PRESETS, DiffusionTransformer, ModelConfig
+from plumbing.cli import ConfigError
 from plumbing.distributed import Env
 from plumbing.run import Run
 import train
@@ -466,3 +468,71 @@ def test_sigterm_in_fine_tunings_first_evaluation_keeps_init(corpus, tmp_path, m
     log = [json.loads(line) for line in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()]
     (first,) = [r for r in log if r.get("step") == 0 and "init" in r]
     assert first["init"].startswith(str(tmp_path / "src" / "ckpt.pt")) and "val_nelbo" in first
+
+
+def test_paper_presets_are_the_appendix_table_and_duo_data():
+    """Appendix Table (training_hyper) for both small-model settings; the LM1B data / curriculum of Duo's scripts."""
+    for name in ("owt", "lm1b"):
+        cfg = train.parse_config(["--preset", name])
+        table = dict(lr=3e-4, lr_schedule="linear", warmup_iters=2500, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                     batch_size=512, max_iters=1_000_000, ema=0.9999)
+        assert {k: getattr(cfg, k) for k in table} == table, name
+        assert cfg.gen_interval > 0 and cfg.judge == "gpt2-large" and cfg.gen_steps == 1000 and cfg.keep_every > 0
+    owt, lm1b = train.parse_config(["--preset", "owt"]), train.parse_config(["--preset", "lm1b", "--max_iters", "7"])
+    assert (owt.dataset, owt.tokenizer, owt.block_size, owt.wrap) == ("openwebtext", "gpt2", 1024, True)
+    assert (owt.gamma_min, owt.gamma_max) == (-3.55, -1.85)
+    assert (lm1b.dataset, lm1b.tokenizer, lm1b.block_size, lm1b.wrap) == ("lm1b", "hf:bert-base-uncased", 128, False)
+    assert (lm1b.gamma_min, lm1b.gamma_max) == (-3.5, -1.75)
+    assert lm1b.max_iters == 7 and lm1b.curriculum_iters == 4       # explicit flags win; the curriculum keeps its half
+    assert train.parse_config(["--preset", "lm1b"]).curriculum_iters == 500_000
+    small = train.parse_config(["--preset", "small"])               # the OWT recipe without the judge
+    assert small.gen_interval == 0 and {k: v for k, v in vars(small).items() if not k.startswith(("gen_", "judge",
+                                        "keep", "preset"))} == {k: v for k, v in vars(owt).items()
+                                                                if not k.startswith(("gen_", "judge", "keep", "preset"))}
+    # Duo's parameter counts (spec section 4): DiT-small at K = 50258 and at K = 30522
+    for name, params in (("owt", 169_627_218), ("lm1b", 139_292_986)):
+        with torch.device("meta"):
+            assert DiffusionTransformer(ModelConfig(**PRESETS[name])).num_params() == params
+
+
+def test_a_presets_curriculum_is_for_diffusion_not_ar(tmp_path):
+    """--preset owt --loss ar (the paper's AR baseline) trains without the preset's curriculum; the diffusion losses
+    keep it; --curriculum_iters given with --loss ar is still refused before any work."""
+    for preset in ("owt", "lm1b", "small"):
+        assert train.parse_config(["--preset", preset, "--loss", "ar"]).curriculum_iters == 0
+        assert train.parse_config(["--preset", preset, "--loss", "sddlm"]).curriculum_iters == 500_000
+    for given in (["--curriculum_iters", "5"], ["--curriculum_iters=5"]):
+        assert train.parse_config(["--loss", "ar"] + given).curriculum_iters == 5
+        with pytest.raises(ConfigError, match="--curriculum_iters applies to diffusion losses"):
+            train.main(TINY + ["--loss", "ar", "--dataset", str(tmp_path / "none.txt"),
+                               "--out_dir", str(tmp_path / "o")] + given)
+
+
+def test_a_presets_curriculum_keeps_its_share_and_on_resume(tmp_path):
+    """The tiny preset's curriculum is half of its run (the paper's 500K of 1M): --max_iters moves it along unless
+    --curriculum_iters is given; a run resumed with a higher --max_iters keeps the curriculum it started with."""
+    tiny = train.parse_config([])
+    assert train.TRAIN_PRESETS["tiny"]["curriculum_share"] == 0.5 and tiny.curriculum_share == 0.5
+    assert (tiny.max_iters, tiny.curriculum_iters) == (900, 450)
+    assert train.parse_config(["--max_iters", str(2 * tiny.max_iters)]).curriculum_iters == 2 * tiny.curriculum_iters
+    assert train.parse_config(["--preset", "small", "--max_iters", "1000"]).curriculum_iters == 500
+    assert train.parse_config(["--max_iters", "60", "--curriculum_iters", "7"]).curriculum_iters == 7
+    assert TINY[-2:] == ["--curriculum_iters", "0"]
+    _corpus(tmp_path / "corpus.txt")
+    base = TINY[:-2] + ["--dataset", str(tmp_path / "corpus.txt"), "--data_dir", str(tmp_path / "data"),
+                        "--out_dir", str(tmp_path / "o"), "--eval_interval", "1000"]
+    config = lambda: json.loads((tmp_path / "o" / "config.json").read_text())["train_config"]
+    assert train.main(base + ["--max_iters", "4"]) == 0
+    assert config()["curriculum_iters"] == 2
+    assert train.main(base + ["--max_iters", "12", "--resume", "1"]) == 0   # the share of 12 steps would be 6
+    assert config()["curriculum_iters"] == 2
+    assert torch.load(tmp_path / "o" / "ckpt.pt", weights_only=False)["train_config"]["curriculum_iters"] == 2
+
+
+@pytest.mark.parametrize("args, words", [(["--keep_every", "-1"], "--keep_every"), (["--eval_iters", "-2"], "--eval_iters"),
+                                         (["--gen_interval", "5", "--gen_num_samples", "0"], "--gen_num_samples"),
+                                         (["--sample_top_p", "0"], r"--sample_top_p must be in \(0, 1\]"),
+                                         (["--sample_top_p", "1.5"], "--sample_top_p")])
+def test_bad_experiment_flags_fail_before_any_work(args, words, tmp_path):
+    with pytest.raises(ConfigError, match=words):
+        train.main(TINY + ["--dataset", str(tmp_path / "none.txt"), "--out_dir", str(tmp_path / "o")] + args)

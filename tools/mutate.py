@@ -165,7 +165,7 @@ MUTATIONS = [
       tests=["tests/test_train.py::test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint"]),
     M(name="preset_curriculum_not_its_share", file="train.py",
       old="cfg.curriculum_iters = round(cfg.curriculum_share * cfg.max_iters)", new="pass",
-      tests=["tests/test_experiments.py::test_a_presets_curriculum_keeps_its_share_and_on_resume"]),
+      tests=["tests/test_train.py::test_a_presets_curriculum_keeps_its_share_and_on_resume"]),
     M(name="resume_of_the_other_scripts_folder", file="plumbing/checkpoint.py",
       old="if writer is None or writer == script:", new="if True:",
       tests=["tests/test_checkpoint.py::test_resume_refuses_the_other_scripts_folder"]),

@@ -1,21 +1,33 @@
-"""Evaluation during training does not depend on the world size: one checkpoint's validation NELBO, objective
-and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
+"""validation.py: evaluation during training does not depend on the world size: one checkpoint's validation NELBO,
+objective and token count, and its Gen PPL and entropy, are the same for 1, 2 and 4 processes. Each rank's part is
 computed here as that rank computes it (Env rank r of W); the all-reduce that follows in a run is their sum.
-The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint."""
+The slow test runs the real thing: torchrun with 2 gloo processes against one process, same checkpoint. Also:
+evaluation runs the compiled model; sample quality logged during training equals the kept checkpoint's scored
+afterwards; --eval_iters 0 validates the whole split; DDP splits the samples over the ranks and pools them; the
+end-of-run samples use the run's autocast and nucleus."""
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import eval_ppl
+import data
 import metrics
 import validation
 import train
 from data import get_tokenizer, load_meta
+from metrics import entropy, gen_ppl, load_judge
+from model import ModelConfig, build_model
 from plumbing.distributed import Env
-from conftest import forward_tol
+from sample import generate
+from trained.checkpoint import load_checkpoint
+from validation import GEN_GROUPS
+from conftest import HERE, forward_tol
+from test_train import TINY, _corpus
 
 # A rank evaluates its sequences in batches of another shape than one process does: float32 forwards summing in
 # other orders, < 900 roundings along a logit's path (2 layers of d = 64, 4d, L = 32, V = 320) of values <= 10:
@@ -223,3 +235,152 @@ def test_validation_is_eval_ppls_estimator_on_the_same_draws(trained, one_thread
     other = eval_ppl_cli("--rel_se", "0", "--seed", "1")
     assert other["nll"] != same["nll"]
     assert abs(other["nll"] - record["val_nelbo"]) < 4 * math.hypot(other["nll_se"], record["val_nelbo_se"])
+
+
+def test_evaluation_runs_the_compiled_model(prepared, one_thread):
+    """Evaluation calls run.eval_model (train.py sets it to the compiled raw model when the run compiles) with the EMA
+    weights swapped in, and scores what the plain model scores."""
+    cfg = train.TrainConfig(batch_size=8, block_size=16, eval_iters=2, ema=0.5)
+    meta = data.load_meta(prepared)
+    mcfg = ModelConfig(vocab_size=meta["vocab_size"], block_size=16, n_layer=1, n_head=2, n_embd=32)
+    env = Env(torch.device("cpu"))
+    run = train.build_run(cfg, mcfg, env)
+    for e in run.ema:
+        e.add_(0.01)
+    eager = validation.evaluate(run, cfg, prepared, env)
+    calls = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def forward(self, *args, **kwargs):
+            calls.append(self.model.training)
+            return self.model(*args, **kwargs)
+    run.eval_model = Spy(run.raw_model)
+    assert torch.equal(validation.evaluate(run, cfg, prepared, env), eager)
+    assert calls and not any(calls)                                   # eval mode, every call
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory):
+    """A tiny corpus, an AR judge trained on it, and one sddlm run with sample quality every 4 steps."""
+    d = tmp_path_factory.mktemp("exp")
+    _corpus(d / "corpus.txt")
+    base = TINY + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data")]
+    assert train.main(base + ["--loss", "ar", "--max_iters", "30", "--out_dir", str(d / "ar")]) == 0
+    gen = ["--gen_interval", "4", "--gen_num_samples", "6", "--gen_steps", "5", "--gen_seed", "3",
+           "--judge", str(d / "ar" / "ckpt.pt"), "--keep_every", "4", "--eval_iters", "0", "--eval_interval", "4"]
+    assert train.main(base + ["--loss", "sddlm", "--max_iters", "8", "--out_dir", str(d / "run")] + gen) == 0
+    return d, base, gen
+
+
+def rows(out_dir, key):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if key in r]
+
+
+GROUPS = [(3 * GEN_GROUPS + k, 1) for k in range(6)]   # --gen_seed 3, 6 samples: groups of one (seed, count)
+
+
+def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
+    """Gen PPL and entropy of a kept checkpoint computed outside the run: load its EMA weights, draw each
+    (seed, count) share with sample.generate, pool, score with metrics.gen_ppl / entropy."""
+    model, ckpt = load_checkpoint(ckpt_path)
+    judge = load_judge(judge_path, "cpu")
+    ids = []
+    for seed, count in seeds_and_counts:
+        g = torch.Generator().manual_seed(seed)
+        ids += generate(model, count, model.config.block_size, model.config.vocab_size, steps, generator=g,
+                        show_progress=False).tolist()
+    return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), entropy(ids), ckpt
+
+
+# The same samples (their token ids must be equal) scored by the same AR judge in the run and here, in batches of
+# other shapes or threads: float32 forwards whose sums differ in order, < 900 roundings along a logit's path (2
+# layers of d = 64, 4d, L = 32, V = 320) of values <= 10: each NLL within 2 * 900 * 10 * 2^-24 = 1.1e-3, and so
+# log Gen PPL (the relative error of Gen PPL); other samples move it by far more.
+JUDGE_REL = 1.1e-3
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_logged_sample_quality_equals_the_checkpoints_afterwards(judged):
+    d, _, _ = judged
+    logged = rows(d / "run", "gen_ppl")
+    assert [r["step"] for r in logged] == [4, 8]
+    for r in logged:
+        assert r["gen_judge"].startswith("ar:") and str(d / "ar" / "ckpt.pt") in r["gen_judge"]
+        assert (r["gen_samples"], r["gen_steps"], r["gen_seed"]) == (6, 5, 3)
+        ppl, ent, ckpt = expected_quality(d / "run" / f"ckpt_{r['step']}.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
+        assert ckpt["step"] == r["step"] and "optimizer" not in ckpt
+        assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=JUDGE_REL)
+        assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)      # from the same token ids: float64 counts
+    assert logged[0]["gen_ppl"] != logged[1]["gen_ppl"]       # the curve moves with the model
+    final = torch.load(d / "run" / "ckpt.pt", weights_only=False)
+    kept = torch.load(d / "run" / "ckpt_8.pt", weights_only=False)
+    for k in final["ema"]:
+        assert torch.equal(final["ema"][k], kept["ema"][k]), k
+
+
+@pytest.mark.slow
+def test_eval_iters_zero_validates_the_whole_split(judged):
+    d, _, _ = judged
+    meta = load_meta(str(d / "data"))
+    val = rows(d / "run", "val_tokens")
+    assert val and all(r["val_tokens"] == meta["val_sequences"] * meta["block_size"] for r in val)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_ddp_splits_the_samples_over_ranks_and_pools_them(judged, tmp_path):
+    """Two ranks: rank r draws the groups r, r + 2, r + 4 of validation.sample_groups (6 samples: 6 groups of one);
+    the logged Gen PPL is the pooled score of both shares, the samples of one process, and validation of the whole
+    split still counts every token once."""
+    d, base, gen = judged
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *base,
+           "--loss", "sddlm", "--max_iters", "4", "--out_dir", str(tmp_path / "two"), "--device", "cpu", *gen]
+    p = subprocess.run(cmd, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r, = rows(tmp_path / "two", "gen_ppl")
+    ppl, ent, _ = expected_quality(tmp_path / "two" / "ckpt_4.pt", str(d / "ar" / "ckpt.pt"), GROUPS, 5)
+    assert r["gen_samples"] == 6
+    assert r["gen_ppl"] == pytest.approx(ppl["gen_ppl"], rel=JUDGE_REL)
+    assert r["gen_entropy"] == pytest.approx(ent, rel=1e-9)          # the same ids: float64 counts
+    meta = load_meta(str(d / "data"))
+    assert rows(tmp_path / "two", "val_tokens")[-1]["val_tokens"] == meta["val_sequences"] * meta["block_size"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
+    """validation.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
+    CUDA by default) and --sample_top_p to the sampler, the diffusion one and the AR one; the tiny preset (the CPU
+    demo) prints its samples with top-p 0.8, the paper's presets with the full distribution."""
+    import contextlib
+    import types
+    import validation
+    import train
+    seen = {}
+
+    def fake(sampler):
+        def generate(*args, **kwargs):
+            seen.update(kwargs, sampler=sampler)
+            return torch.zeros(1, 4, dtype=torch.long)
+        return generate
+    monkeypatch.setattr(validation, "generate", fake("diffusion"))
+    monkeypatch.setattr(validation, "generate_ar", fake("ar"))
+    monkeypatch.setattr(validation, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
+    monkeypatch.setattr(validation, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
+    model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
+    for loss in ("sddlm", "ar"):
+        seen.clear()
+        cfg = train.TrainConfig(loss=loss, dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2,
+                                sample_top_p=0.7)
+        validation.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
+                               types.SimpleNamespace(device=torch.device("cpu")))
+        assert seen["dtype"] == torch.bfloat16 and seen["top_p"] == 0.7
+        assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the objective picks the sampler
+    assert train.parse_config([]).sample_top_p == 0.8
+    assert train.parse_config(["--preset", "small"]).sample_top_p == 1.0

@@ -1,7 +1,6 @@
-"""The fast paths of the curriculum and the sampler against their plain versions (issue 29, item 5): Floyd's
-algorithm drawn at once against Floyd's loop on the same draws, and its law; the curriculum's soft-token embedding
-in the autocast dtype against float32; the sampling step without a host sync; end-of-run samples in the run's
-autocast dtype."""
+"""curriculum/gaussian.py's fast paths against their plain versions (issue 29, item 5): Floyd's algorithm drawn at
+once against Floyd's loop on the same draws, and its law; the curriculum's soft-token embedding in the autocast
+dtype against float32."""
 import itertools
 import math
 
@@ -10,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import curriculum.gaussian as curriculum
-import sample
 from curriculum.gaussian import SoftTokens, _distinct_uniform
 from model import ModelConfig, build_model
 
@@ -95,69 +93,3 @@ def test_soft_embedding_runs_in_autocast_dtype_exact_in_float32():
     # E and the weights rounded to bf16 (2^-8 each: a product within ~2^-7 of itself), summed in float32, the sum rounded
     # to bf16 (2^-8 of it): the weights are probabilities, so the products' sizes sum to <= max |E|
     torch.testing.assert_close(h, exact32, rtol=2 ** -8, atol=(2 ** -7 + 2 ** -14) * float(E.abs().max()))
-
-
-SYNC_OPS = ("aten.nonzero", "aten._local_scalar_dense", "aten.masked_select", "aten.item", "aten.unique",
-            "aten._unique2", "aten.equal", "aten.is_nonzero")   # ops whose result the host must wait for on a GPU
-
-
-def sync_ops_of(fn):
-    """How many ops that make the host wait for the device (a count, a value read on the host) fn runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Watch(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += str(func.overloadpacket) in SYNC_OPS
-            return func(*args, **(kwargs or {}))
-
-    with Watch() as watch:
-        fn()
-    return watch.count
-
-
-@pytest.mark.parametrize("psi", [None, sample.Psi(("eta",), (0.4,)), sample.parse_psi("psi", "eta,sigma_constant,eta",
-                                                                                       "1,0.05,1", "loop")])
-def test_the_sampling_loop_never_waits_for_the_device(psi):
-    """sample.generate's steps (the denoiser with CFG and nucleus, then the reverse step, plain or Psi) run no op
-    that makes the host wait for the GPU: the count of such ops does not grow with the steps (the old step counted
-    the tokens that draw from x_theta, one wait per step)."""
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=40, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)).eval()
-    run = lambda steps: sync_ops_of(lambda: sample.generate(model, 3, 12, 40, steps, prompt_ids=[1, 2], cfg_w=1.1,
-                                                            top_p=0.9, psi=psi, show_progress=False,
-                                                            generator=torch.Generator().manual_seed(0)))
-    assert run(2) == run(7) <= 1
-
-
-def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
-    """validation.print_samples (the samples at the end of train.py's run) hands the run's --dtype (bf16 autocast on
-    CUDA by default) and --sample_top_p to the sampler, the diffusion one and the AR one; the tiny preset (the CPU
-    demo) prints its samples with top-p 0.8, the paper's presets with the full distribution."""
-    import contextlib
-    import types
-    import validation
-    import train
-    seen = {}
-
-    def fake(sampler):
-        def generate(*args, **kwargs):
-            seen.update(kwargs, sampler=sampler)
-            return torch.zeros(1, 4, dtype=torch.long)
-        return generate
-    monkeypatch.setattr(validation, "generate", fake("diffusion"))
-    monkeypatch.setattr(validation, "generate_ar", fake("ar"))
-    monkeypatch.setattr(validation, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
-    monkeypatch.setattr(validation, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
-    model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
-    for loss in ("sddlm", "ar"):
-        seen.clear()
-        cfg = train.TrainConfig(loss=loss, dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2,
-                                sample_top_p=0.7)
-        validation.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
-                               types.SimpleNamespace(device=torch.device("cpu")))
-        assert seen["dtype"] == torch.bfloat16 and seen["top_p"] == 0.7
-        assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the objective picks the sampler
-    assert train.parse_config([]).sample_top_p == 0.8
-    assert train.parse_config(["--preset", "small"]).sample_top_p == 1.0
