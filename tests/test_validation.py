@@ -373,14 +373,15 @@ def test_end_of_run_samples_use_the_runs_autocast_and_nucleus(monkeypatch):
     monkeypatch.setattr(validation, "generate_ar", fake("ar"))
     monkeypatch.setattr(validation, "get_tokenizer", lambda spec: types.SimpleNamespace(decode=lambda ids: "", bos_id=0))
     monkeypatch.setattr(validation, "ema_weights", lambda run: contextlib.nullcontext(run.raw_model))
-    model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8))
     for loss in ("sddlm", "ar"):
         seen.clear()
+        model = build_model(ModelConfig(vocab_size=40, block_size=4, n_layer=1, n_head=2, n_embd=16, cond_dim=8,
+                                        causal=loss == "ar"))
         cfg = train.TrainConfig(loss=loss, dtype="bfloat16", num_samples=1, block_size=4, sample_steps=2,
                                 sample_top_p=0.7)
         validation.print_samples(types.SimpleNamespace(raw_model=model), cfg, {"tokenizer": "x"},
                                types.SimpleNamespace(device=torch.device("cpu")))
         assert seen["dtype"] == torch.bfloat16 and seen["top_p"] == 0.7
-        assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the objective picks the sampler
+        assert seen["sampler"] == ("ar" if loss == "ar" else "diffusion")      # the (causal) model picks the sampler
     assert train.parse_config([]).sample_top_p == 0.8
     assert train.parse_config(["--preset", "small"]).sample_top_p == 1.0
