@@ -12,10 +12,6 @@ Layout of a prepared folder (prepare.py's prepared_dir names it; train.py / eval
 Wrapped (OpenWebText-style, Duo's `wrap=True`): documents are tokenized without specials, joined with EOS,
 and the stream is cut into blocks of L-2 emitted as [BOS] + block + [EOS]; every token is real (mask None).
 Un-wrapped (LM1B-style): each document becomes [BOS] + ids + [EOS], truncated to L (EOS kept) and padded with PAD.
-
-Integrity: prepare.py hashes every file once, right after writing it, and records its size and modification
-time; verify_prepared then checks size and time (O(1), so a start on OpenWebText does not hash 18 GB) and
-hashes a file again only when they differ, or on request (full=True, prepare.py --verify).
 """
 
 import gzip
@@ -424,9 +420,10 @@ def file_stat(path):
 
 def verify_prepared(data_dir, meta, names=None, full=False):
     """Check the files of a prepared folder (all, or `names`) against its meta.json. A file whose size and
-    modification time equal those recorded when it was hashed is trusted without reading it (O(1)); any other
-    (copied, touched, edited, or a folder from before the record) is hashed and compared with its sha256, and a
-    match is recorded so that the next start is O(1) again. full=True hashes every file whatever its stat."""
+    modification time equal those recorded when it was hashed is trusted without reading it (O(1): a start on
+    OpenWebText does not hash its 18 GB); any other (copied, touched, edited, or a folder from before the record)
+    is hashed and compared with its sha256, and a match is recorded so that the next start is O(1) again.
+    full=True (prepare.py --verify) hashes every file whatever its stat."""
     stats, seen = meta.get("stat") or {}, {}
     for name, digest in (meta.get("sha256") or {}).items():
         if names is not None and name not in names:
@@ -506,8 +503,6 @@ def check_tokenizer(meta, tokenizer):
 
 def _open_split(data_dir, split, meta):
     """-> (tokens, mask or None): read-only (N, L) memmaps of a prepared split."""
-    if f"{split}_sequences" not in meta:
-        raise DataError(f"unknown split {split!r} in {data_dir}; expected train or val")
     n, L = meta[f"{split}_sequences"], meta["block_size"]
 
     def open_array(name, dtype):
@@ -563,8 +558,6 @@ class BatchLoader:
         self.meta = load_meta(data_dir)
         self.n = len(_open_split(data_dir, split, self.meta)[0])
         self.global_batch = batch_size * world_size
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world_size {world_size}")
         if self.n < self.global_batch:
             raise DataError(f"{data_dir} {split} has {self.n} sequences, fewer than one global batch of "
                             f"{self.global_batch}")

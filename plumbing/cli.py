@@ -1,10 +1,6 @@
 """
-The command-line plumbing every script shares, so that each script is only its own concern: flags from a dataclass
-(parse_flags; --help from its source comments: field_help), the entry point whose failures are one line and exit
-code 2 and whose stop signals (STOP_SIGNALS) are one line and exit code 130 (run_cli; the training loop's handling
-is plumbing/signals.py), where and in which precision the network runs (resolve_device, resolve_dtype,
-autocast_for). Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer,
-plumbing/checkpoint.py.
+The command-line plumbing every script shares, so that each script is only its own concern: its flags, its entry
+point (a failure or a stop signal is one line), the device and precision the network runs in.
 """
 import argparse
 import dataclasses
@@ -384,12 +380,6 @@ def _ignore_at_shutdown():
         import atexit
         atexit.register(set_stop_handlers, signal.SIG_IGN)
         _AT_SHUTDOWN.append(True)
-
-
-def ignore_stop_signals():
-    """A worker process (prepare.py's tokenizers) leaves stop signals to its parent, which stops the pool; the
-    worker dies with the parent (PR_SET_PDEATHSIG)."""
-    set_stop_handlers(signal.SIG_IGN)
 
 
 def stop_at_once(name):

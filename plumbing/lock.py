@@ -1,9 +1,8 @@
 """One run per folder: a train.py or distillation/distill.py run holds an exclusive lock on its out_dir
 (out_dir/.lock, holding the holder's pid, host and start time) for its whole life, so a second run into the same
 folder stops at once instead of interleaving its log and checkpoints with the first. The OS releases the lock when
-its holder dies (SIGKILL included), so a lock file left by a killed run is recognised and taken over; on a file
-system without flock the recorded pid is probed instead (on the same host). A run that leaves its out_dir empty
-removes it."""
+its holder dies (SIGKILL included), so a lock file left by a killed run is taken over; on a file system without
+flock the recorded pid is probed instead (on the same host)."""
 import json
 import os
 import socket
@@ -84,9 +83,7 @@ def _in_use(out_dir, holder, path):
 
 def acquire_folder(out_dir):
     """Create out_dir if needed and lock it for this run -> FolderLock. Held by another living run -> UsageError
-    (one line naming its pid and host); nothing is created then."""
-    if not out_dir:
-        raise UsageError("--out_dir is empty; name the run's folder")
+    (one line naming its pid and host); nothing is created then. An empty out_dir: check_run_flags refuses it."""
     check_writable(out_dir, "--out_dir", folder=True)
     created, d = [], os.path.abspath(out_dir)
     while not os.path.exists(d):
