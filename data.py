@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from plumbing.cli import UsageError, bar_hidden, first_line
-from plumbing.files import temp_name
+from plumbing.files import save_atomic, temp_name
 
 
 class DataError(UsageError):
@@ -222,14 +222,11 @@ def train_sentencepiece(docs, out_prefix, vocab_size, model_type="bpe"):
     except RuntimeError as e:
         raise DataError(f"SentencePiece training of a {vocab_size}-piece tokenizer failed: "
                         f"{sentencepiece_failure(str(e), vocab_size)}") from None
-    tmp = temp_name(out_prefix + ".model")
-    try:
+
+    def write(tmp):
         with open(tmp, "wb") as f:
             f.write(model.getvalue())
-        os.replace(tmp, out_prefix + ".model")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_atomic(out_prefix + ".model", write)
     return out_prefix + ".model"
 
 

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from functools import cache
 
 LAUNCH = time.time()   # the script's start: its first line imports this module (log.jsonl's "t" counts from here)
 
@@ -198,9 +199,8 @@ def _parser(cls, description, shown=None, epilog=None):
 
 
 def _print_help(cls, description, presets, name, default, named, preset_note, resolve):
-    """--help, with the values a run takes where a flag is not given (parse_flags), then exit 0. name: the run's
-    preset, named by --preset or not; default: the one it takes without --preset. Its last lines: the presets, what
-    the run's preset sets and preset_note(name)."""
+    """--help as parse_flags describes it, then exit 0. name: the run's preset, named by --preset or not; default:
+    the one it takes without --preset."""
     shown, epilog = None, None
     if presets is not None:
         values = lambda preset: {f.name: getattr(_config(cls, presets, preset, {}, resolve), f.name)
@@ -368,24 +368,20 @@ def _exit_at_once(phase):
     return handler
 
 
-_AT_SHUTDOWN = []
-
-
+@cache          # registered once per process
 def _ignore_at_shutdown():
     """Stop signals are ignored by the last exit handler (registered first, atexit runs them in reverse): the
     interpreter's shutdown then puts SIG_DFL back in place of every Python handler before it frees its modules
     (torch's take a while), so a stop signal there would kill the process by the signal (exit 143 for SIGTERM, no
     message). Ignored from there on, the process ends with the exit code its script chose (130 after a stop)."""
-    if not _AT_SHUTDOWN:
-        import atexit
-        atexit.register(set_stop_handlers, signal.SIG_IGN)
-        _AT_SHUTDOWN.append(True)
+    import atexit
+    atexit.register(set_stop_handlers, signal.SIG_IGN)
 
 
 def stop_at_once(name):
     """A script's first call, before its imports (torch alone takes seconds to load): run as a script (name is
-    "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once; nothing
-    has been written yet, so there is nothing to clean up. Imported as a library, it does nothing."""
+    "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once
+    (_exit_at_once). Imported as a library, it does nothing."""
     if name == "__main__":
         _ignore_at_shutdown()
         set_stop_handlers(_exit_at_once("starting"))
@@ -415,8 +411,7 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
     signal (STOP_SIGNALS) raises Interrupted wherever the process is, so each `finally` on the way out runs (a
     preparation's temp folder, out_dir's lock and an out_dir the run left empty are removed), then ends it with one
-    line and exit code 130 (a signal inside a long C++ call, SentencePiece training, takes effect when it returns);
-    once the outcome is decided, a signal ends the process at once (_exit_at_once)."""
+    line and exit code 130 (a signal inside a long C++ call, SentencePiece training, takes effect when it returns)."""
     set_stop_handlers(_raise)
     _ignore_at_shutdown()
     try:

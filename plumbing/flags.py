@@ -1,7 +1,5 @@
-"""What a training script's flags may hold, checked once at start-up, before out_dir is locked or made: every run's
-(train.OptimConfig: train.py's and distillation/distill.py's), the script's own names and ranges as it passes them,
-train.py's, and prepare.py's, which train.py shares. Each bad value is one line naming the flag and the values it
-takes (exit code 2)."""
+"""What a training script's flags may hold, checked once at start-up, before out_dir is locked or made. Each bad
+value is one line naming the flag and the values it takes (exit code 2)."""
 import math
 
 import torch
@@ -56,9 +54,8 @@ def check_run_flags(cfg, world_size, inputs, choices, ranges=()):
 
 
 def check_train_flags(cfg, world_size, choices, ranges):
-    """train.py's flags (train.TrainConfig) at start-up: every run's (check_run_flags, with train.py's choices and
-    ranges: the method's names, eps, dropout, the curriculum's), its data preparation's (check_prepare_flags) and its
-    own -> ConfigError (UsageError) naming the flag and what it accepts. The model's shape and size are
+    """train.py's flags (train.TrainConfig) at start-up: every run's (with train.py's choices and ranges), its data
+    preparation's and its own -> ConfigError naming the flag and what it accepts. The model's shape and size are
     train.check_start's next check."""
     inputs = {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir, "--tokenizer": cfg.tokenizer, "--judge": cfg.judge,
               "--init": cfg.init}
