@@ -199,16 +199,15 @@ def _load_dataset(what, repo, revision=None, **kwargs):
     mirror = os.environ.get("SDDLM_HF_MIRROR")
     path, kwargs = (os.path.join(mirror, repo), kwargs) if mirror else (repo, dict(kwargs, revision=revision))
     # only errors from the clients' loggers: a failed request is logged before it is raised, and becomes our line
-    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
+    levels = {logger: logger.level for logger in map(logging.getLogger, ("huggingface_hub", "datasets"))}
+    for logger in levels:
         logger.setLevel(logging.ERROR)
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
         raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in levels.items():
             logger.setLevel(level)
 
 

@@ -9,7 +9,7 @@ import re
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from functools import cache
 
 LAUNCH = time.time()   # the script's start: its first line imports this module (log.jsonl's "t" counts from here)
@@ -332,10 +332,8 @@ def set_stop_handlers(handler):
     """handler for every stop signal -> the handlers it replaces (only the main thread may set them)."""
     old = {}
     for s in STOP_SIGNALS:
-        try:
+        with suppress(ValueError, OSError):
             old[s] = signal.signal(s, handler)
-        except (ValueError, OSError):
-            pass
     return old
 
 
@@ -355,15 +353,11 @@ def _exit_at_once(phase):
     one line, unless the error line is out already, and exit code 130 at once."""
     def handler(signum, frame):
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         if not _REPORTED and _rank() == "0":
-            try:
+            with suppress(OSError):
                 os.write(2, f"error: interrupted by {signal_name(signum)} while {phase}\n".encode())
-            except OSError:
-                pass
         os._exit(EXIT_CODE)
     return handler
 
@@ -397,11 +391,9 @@ def _out_of_memory_while_starting(kind, e, trace):
         memory = False
     if not memory:
         return sys.__excepthook__(kind, e, trace)
-    try:
+    with suppress(OSError):
         print(f"error: out of memory while starting: {oom_summary(e)}; free memory or raise the limit (ulimit -v)",
               file=sys.stderr, flush=True)
-    except OSError:
-        pass
     os._exit(2)
 
 
@@ -442,12 +434,10 @@ def _fail(message, code=2, any_rank=False):
         from tqdm import tqdm
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
             bar.close()
-        try:
+        with suppress(OSError):        # no terminal left to print to (SIGHUP): the exit code still tells
             _REPORTED.append(message)
             named = rank == "0" or message.startswith(f"rank {rank}: ")      # said once, by the rank it is
             print(f"error: {'' if named else f'rank {rank}: '}{message}", file=sys.stderr)
-        except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
-            pass
     sys.exit(code)
 
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import stat
+from contextlib import suppress
 
 from plumbing.cli import UsageError, first_line, os_error_line
 from plumbing.signals import deferred_signals
@@ -118,10 +119,8 @@ def remove_path(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with suppress(OSError):
             os.remove(path)
-        except OSError:
-            pass
 
 
 def pid_alive(pid):
@@ -353,10 +352,8 @@ def writer_of(path):
 
 def _json_head(f, text, limit=16 << 20):
     """The first record of a JSONL file, or the whole of a JSON file of at most `limit` bytes; None otherwise."""
-    try:
+    with suppress(ValueError):
         return json.loads(text.split("\n", 1)[0])
-    except ValueError:
-        pass
     if os.fstat(f.fileno()).st_size > limit:
         return None
     f.seek(0)

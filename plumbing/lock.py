@@ -9,6 +9,7 @@ import socket
 import stat
 import sys
 import time
+from contextlib import suppress
 
 from plumbing.cli import UsageError
 from plumbing.files import check_writable, kind_of, pid_alive, remove_unfinished
@@ -27,11 +28,9 @@ class FolderLock:
         if self.fd is None:
             return
         remove_unfinished(os.path.dirname(self.path), self.before)     # a run that saved nothing leaves nothing
-        try:
+        with suppress(OSError):
             if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self.fd)
         self.fd = None
         for folder in self.created:            # deepest first: a run that wrote nothing leaves no folder
@@ -109,11 +108,9 @@ def acquire_folder(out_dir):
             if isinstance(pid, int) and pid != os.getpid() and (not same_host or pid_alive(pid)):
                 os.close(fd)
                 raise _in_use(out_dir, holder, path) from None
-        try:
+        with suppress(FileNotFoundError):
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 break                          # else: the file was replaced while we locked it; lock the new one
-        except FileNotFoundError:
-            pass
         os.close(fd)
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                          "command": " ".join([os.path.basename(sys.argv[0] or "python")] + sys.argv[1:])[:300]})
