@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from plumbing.cli import UsageError, bar_hidden, first_line
-from plumbing.files import save_atomic, temp_name
+from plumbing.files import remove_path, save_atomic, temp_name
 
 
 class DataError(UsageError):
@@ -451,8 +451,7 @@ def _record_stat(data_dir, stat):
             json.dump(meta, f, indent=2)
         os.replace(tmp, path)
     except OSError:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        remove_path(tmp)
 
 
 def key_digest(key):

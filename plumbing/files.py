@@ -265,8 +265,7 @@ TEXT_MARK = "<!-- written by sddlm"   # the first line of a text output (markdow
 CARD_MARK = ("<!-- sddlm model card, written by hub/pretrained.py and replaced by the next export into this folder; "
              "delete this line to keep the file as your own -->")
 PNG_SOFTWARE = "sddlm"          # a PNG's tEXt "Software" chunk starts with this (figures/plot.py)
-# what earlier versions wrote without the field, recognised by its keys -> the script that wrote it: a run's
-# config.json, eval_ppl.py's --out, eval_downstream.py's --out, a sample.py / --save_samples record, a log.jsonl record
+# what earlier versions wrote without the field, recognised by its keys -> the script that wrote it
 OUR_KEYS = (({"train_config", "model_config", "meta"}, "train.py"),
             ({"distill_config", "model_config", "meta"}, "distillation/distill.py"),
             ({"metric", "results", "config"}, "eval_ppl.py"),
