@@ -117,8 +117,7 @@ def _unverifiable(data_dir, key):
 
 
 def _ours(data_dir):
-    """The files a preparation wrote into data_dir, as its meta.json names them (meta.json itself, the token files,
-    the tokenizer it trained, every file it lists a sha256 or stat for): all that a new preparation may replace."""
+    """The files a preparation wrote into data_dir, as its meta.json names them: what a new preparation may replace."""
     meta = _raw_meta(data_dir)
     parts = ("",) if meta.get("wrap", True) else ("", "_mask")
     names = {"meta.json", *(f"{split}{part}.bin" for split in ("train", "val") for part in parts)}
