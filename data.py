@@ -463,8 +463,7 @@ def key_digest(key):
 def same_data_on_every_node(identities):
     """identities {node: (data_dir, key_digest of its data_key, its files' sha256)} -> DataError (one line, on
     every rank) unless every node holds the same prepared data: the same data_key and the same bytes, wherever each
-    node keeps its folder. Nodes without shared storage each prepare their own folder, and must agree on its
-    content, not on a path."""
+    node keeps its folder (nodes without shared storage each prepare their own)."""
     (node0, (dir0, key0, sha0)), *others = sorted(identities.items())
     for node, (data_dir, key, sha) in others:
         if key != key0:

@@ -39,8 +39,8 @@ from corpora import HF_CORPORA, corpus_fingerprint, load_corpus, start_method
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, full_data_key, get_tokenizer, key_digest,
                   load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums, verify_prepared,
                   wrap_blocks)
-from plumbing.cli import ConfigError, UsageError, os_error_line, set_stop_handlers
-from plumbing.distributed import on_each_node
+from plumbing.cli import UsageError, os_error_line, set_stop_handlers
+from plumbing.distributed import on_each_node, usable_cores
 from plumbing.flags import check_prepare_flags
 from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs, temp_name
 from plumbing.signals import deferred_signals
@@ -238,7 +238,7 @@ def _in_order(pool, chunks, job, window):
 
 def default_num_proc():
     """The cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(usable_cores())
 
 
 def worker_count(num_proc):
@@ -477,17 +477,14 @@ def prepare_for_run(cfg, env, given):
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
             # the default folder too (an explicit --data_dir is checked with the other inputs at start)
-            try:
-                refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--data_dir": data_dir})
-            except UsageError as e:
-                raise ConfigError(str(e)) from None
+            refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--data_dir": data_dir})
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
                             num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify, key=key)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
         meta = load_meta(data_dir)      # what this node tells the others: same_data_on_every_node
         return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
-    (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
+    (data_dir, _, _), nodes = on_each_node(env, work, UsageError)      # DataError and ConfigError are UsageErrors
     same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
 

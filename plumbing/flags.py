@@ -16,10 +16,9 @@ OPTIM_RANGES = [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True), ("bet
 
 
 def check_run_flags(cfg, world_size, inputs, choices, ranges=()):
-    """A training run's flags (train.OptimConfig's fields and the script's own): no output of the run over one of
-    its inputs ({flag: path}), each name among its `choices` ({field: the names it takes}, lr_schedule's added),
-    each number in its range (OPTIM_RANGES and the script's `ranges`), sizes and intervals >= 1, the batch split
-    over world_size ranks -> ConfigError naming the flag and what it accepts."""
+    """A training run's flags (train.OptimConfig's fields and the script's own) -> ConfigError naming the flag and
+    what it accepts. inputs: {flag: path}, which no output may overwrite; choices: {field: the names it takes};
+    ranges: the script's (field, low, high, low included), beside OPTIM_RANGES."""
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, inputs)
     require_trackers(cfg)
     if not cfg.out_dir.strip():
