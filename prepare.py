@@ -298,7 +298,8 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
 
 
 # -----------------------------------------------------------------------------
-# Preparation: one folder, built aside and renamed into place under a lock
+# Preparation: one folder, built aside and renamed into place under a lock: concurrent runs are safe, and a failed
+# one leaves nothing behind
 
 @contextmanager
 def _exclusive(lock_path, what):

@@ -390,12 +390,10 @@ def _torch_checkpoint(f):
 
 def check_output(path, flag, append=None, script=None):
     """The one rule every writer follows, before any work: an output path is new (its folder writable, made if
-    need be), or a regular file this project wrote (writer_of), which is replaced; script: the writer, when only
-    its own earlier outputs may be replaced (eval_ppl.py's --out never replaces a checkpoint, a run's config.json or
-    sample.py's samples). A user's file, a folder, a symbolic link, a device, a named pipe or a socket is refused ->
-    UsageError naming `flag` and the fix. Devices are never written through: the results go to stdout anyway.
-    append=(keys, writer): the file is appended to, so an existing one must hold `writer`'s records
-    (check_appendable)."""
+    need be), or a regular file this project wrote (writer_of), which is replaced; anything else (a user's file, a
+    folder, a link, a device, a pipe) -> UsageError naming `flag` and the fix. script: the writer, when only its own
+    earlier outputs may be replaced (eval_ppl.py's --out never replaces a checkpoint, a run's config.json or
+    sample.py's samples). append=(keys, writer): appended to, so an existing file must hold `writer`'s records."""
     check_writable(path, flag)
     refuse_special(path, flag)
     if append is not None:
