@@ -3,9 +3,6 @@ The corpora sddlm reads, as documents (prepare.py tokenizes them): Duo's named c
 on the hub, and local files and folders (LOCAL_FORMATS), each split read lazily as Docs.
 
     train, val = load_corpus("pydoc")     # or a local corpus, a name in HF_CORPORA, "hf:REPO[:CONFIG][@REVISION]"
-
-SDDLM_HF_MIRROR=/folder reads a hub REPO from /folder/REPO (a downloaded snapshot) instead. corpus_fingerprint: the
-corpus's part of prepare.py's data key.
 """
 import collections
 import hashlib
@@ -169,9 +166,8 @@ def _hf_texts(ds, field, name):
 
 def start_method():
     """How prepare.py's tokenizing workers start: fork on Linux, where they start at once with the tokenizer
-    already loaded and inherit a loaded hub split, whose rows they read themselves (_row_units). They run only
-    the tokenizer (no torch, CUDA or NCCL), so the threads a torchrun rank 0 holds do not matter to them. spawn
-    elsewhere."""
+    already loaded and inherit a loaded hub split (_row_units). They run only the tokenizer (no torch, CUDA or
+    NCCL), so the threads a torchrun rank 0 holds do not matter to them. spawn elsewhere."""
     return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
@@ -194,8 +190,8 @@ def _dataset_rows(key, field, start, stop):
 
 
 def _load_dataset(what, repo, revision=None, **kwargs):
-    """datasets.load_dataset of `repo` at `revision` from the hub, or from the local mirror named by
-    SDDLM_HF_MIRROR; its failure -> one DataError line."""
+    """datasets.load_dataset of `repo` at `revision` from the hub, or with SDDLM_HF_MIRROR=/folder from
+    /folder/REPO (a downloaded snapshot); its failure -> one DataError line."""
     try:
         import datasets
     except ImportError:
@@ -203,16 +199,15 @@ def _load_dataset(what, repo, revision=None, **kwargs):
     mirror = os.environ.get("SDDLM_HF_MIRROR")
     path, kwargs = (os.path.join(mirror, repo), kwargs) if mirror else (repo, dict(kwargs, revision=revision))
     # only errors from the clients' loggers: a failed request is logged before it is raised, and becomes our line
-    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
+    levels = {logger: logger.level for logger in map(logging.getLogger, ("huggingface_hub", "datasets"))}
+    for logger in levels:
         logger.setLevel(logging.ERROR)
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:   # no network, a missing repository, a changed hub layout: one line, not a traceback
         raise DataError(f"could not load {what} from {path} ({type(e).__name__}: {first_line(e)}); {OFFLINE}") from None
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in levels.items():
             logger.setLevel(level)
 
 
@@ -291,8 +286,7 @@ _TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cann
 
 
 def _paragraphs(path, block=1 << 20):
-    """The paragraphs of a text file, exactly re.split(r"\\n\\s*\\n", text) on the whole text with each stripped
-    of newlines, the empty ones dropped, and "\\n\\n" after each (_paragraph_pieces, each split)."""
+    """The paragraphs of a text file, read a piece at a time, exactly as _split_paragraphs splits the whole text."""
     for piece, _ in _paragraph_pieces(path, block):
         yield from _split_paragraphs(piece)
 
@@ -411,8 +405,8 @@ def _records(path, field):
 
 
 def _file_docs(path, field, in_folder):
-    """The documents of one local file: a .txt alone is split into paragraphs, a .txt in a folder is one
-    document; records give one document each."""
+    """The documents of one local file: a .txt alone is split into paragraphs on blank lines, a .txt in a folder is
+    one document; records give one document each."""
     if path.endswith(_TEXT):
         if not in_folder:
             return _paragraphs(path)
@@ -496,10 +490,9 @@ def _length_batches(docs, text_bytes, size=4096):
 
 def load_corpus(name, val_fraction=0.05, text_field="text"):
     """-> (train Docs, val Docs). name: "pydoc" (built-in: Python's help topics), a local corpus (LOCAL_FORMATS:
-    a lone .txt is split into paragraphs on blank lines, a .txt in a folder is one document, records are one
-    document each, in path order; the val split is the trailing documents holding ~val_fraction of the
-    characters), a name in HF_CORPORA, or "hf:REPO[:CONFIG][@REVISION]". A local corpus is read once here (its
-    text checked, its split found) and again, streaming, when the Docs are iterated."""
+    its documents as _file_docs gives them, in path order; the val split: _tail_split's), a name in HF_CORPORA, or
+    "hf:REPO[:CONFIG][@REVISION]". A local corpus is read once here (its text checked, its split found) and again,
+    streaming, when the Docs are iterated."""
     if name in HF_CORPORA or name.startswith("hf:"):
         return (load_hf_split(name, "train", text_field, val_fraction),
                 load_hf_split(name, "val", text_field, val_fraction))

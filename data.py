@@ -12,10 +12,6 @@ Layout of a prepared folder (prepare.py's prepared_dir names it; train.py / eval
 Wrapped (OpenWebText-style, Duo's `wrap=True`): documents are tokenized without specials, joined with EOS,
 and the stream is cut into blocks of L-2 emitted as [BOS] + block + [EOS]; every token is real (mask None).
 Un-wrapped (LM1B-style): each document becomes [BOS] + ids + [EOS], truncated to L (EOS kept) and padded with PAD.
-
-Integrity: prepare.py hashes every file once, right after writing it, and records its size and modification
-time; verify_prepared then checks size and time (O(1), so a start on OpenWebText does not hash 18 GB) and
-hashes a file again only when they differ, or on request (full=True, prepare.py --verify).
 """
 
 import gzip
@@ -36,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from plumbing.cli import UsageError, bar_hidden, first_line
-from plumbing.files import temp_name
+from plumbing.files import remove_path, save_atomic, temp_name
 
 
 class DataError(UsageError):
@@ -226,14 +222,11 @@ def train_sentencepiece(docs, out_prefix, vocab_size, model_type="bpe"):
     except RuntimeError as e:
         raise DataError(f"SentencePiece training of a {vocab_size}-piece tokenizer failed: "
                         f"{sentencepiece_failure(str(e), vocab_size)}") from None
-    tmp = temp_name(out_prefix + ".model")
-    try:
+
+    def write(tmp):
         with open(tmp, "wb") as f:
             f.write(model.getvalue())
-        os.replace(tmp, out_prefix + ".model")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_atomic(out_prefix + ".model", write)
     return out_prefix + ".model"
 
 
@@ -424,9 +417,10 @@ def file_stat(path):
 
 def verify_prepared(data_dir, meta, names=None, full=False):
     """Check the files of a prepared folder (all, or `names`) against its meta.json. A file whose size and
-    modification time equal those recorded when it was hashed is trusted without reading it (O(1)); any other
-    (copied, touched, edited, or a folder from before the record) is hashed and compared with its sha256, and a
-    match is recorded so that the next start is O(1) again. full=True hashes every file whatever its stat."""
+    modification time equal those recorded when it was hashed is trusted without reading it (O(1): a start on
+    OpenWebText does not hash its 18 GB); any other (copied, touched, edited, or a folder from before the record)
+    is hashed and compared with its sha256, and a match is recorded so that the next start is O(1) again.
+    full=True (prepare.py --verify) hashes every file whatever its stat."""
     stats, seen = meta.get("stat") or {}, {}
     for name, digest in (meta.get("sha256") or {}).items():
         if names is not None and name not in names:
@@ -457,8 +451,7 @@ def _record_stat(data_dir, stat):
             json.dump(meta, f, indent=2)
         os.replace(tmp, path)
     except OSError:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        remove_path(tmp)
 
 
 def key_digest(key):
@@ -470,8 +463,7 @@ def key_digest(key):
 def same_data_on_every_node(identities):
     """identities {node: (data_dir, key_digest of its data_key, its files' sha256)} -> DataError (one line, on
     every rank) unless every node holds the same prepared data: the same data_key and the same bytes, wherever each
-    node keeps its folder. Nodes without shared storage each prepare their own folder, and must agree on its
-    content, not on a path."""
+    node keeps its folder (nodes without shared storage each prepare their own)."""
     (node0, (dir0, key0, sha0)), *others = sorted(identities.items())
     for node, (data_dir, key, sha) in others:
         if key != key0:
@@ -506,8 +498,6 @@ def check_tokenizer(meta, tokenizer):
 
 def _open_split(data_dir, split, meta):
     """-> (tokens, mask or None): read-only (N, L) memmaps of a prepared split."""
-    if f"{split}_sequences" not in meta:
-        raise DataError(f"unknown split {split!r} in {data_dir}; expected train or val")
     n, L = meta[f"{split}_sequences"], meta["block_size"]
 
     def open_array(name, dtype):
@@ -563,8 +553,6 @@ class BatchLoader:
         self.meta = load_meta(data_dir)
         self.n = len(_open_split(data_dir, split, self.meta)[0])
         self.global_batch = batch_size * world_size
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world_size {world_size}")
         if self.n < self.global_batch:
             raise DataError(f"{data_dir} {split} has {self.n} sequences, fewer than one global batch of "
                             f"{self.global_batch}")

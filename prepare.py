@@ -6,17 +6,12 @@ Prepare a corpus for sddlm once: documents -> token memmaps that training reads 
     python prepare.py --dataset my_corpus.jsonl --text_field body --tokenizer gpt2 --num_proc 16
 
 train.py runs the same preparation itself when the folder is missing; running it beforehand (once, with every
-core of the node) keeps it out of a multi-GPU job. Where prepared data lives (prepared_dir):
-    data/<dataset name>-<tokenizer>-<block_size>[-padded]-<key>     unless --data_dir names another folder
-where <key> is a digest of everything that determines the tokens (data_key): the corpus content, the tokenizer
-content, L, wrap, EOS insertion, the validation share. An edited corpus gets a new folder, never stale tokens.
+core of the node) keeps it out of a multi-GPU job. The default folder's name ends in a digest of everything that
+determines the tokens (data_key), so an edited corpus gets a new folder, never stale tokens.
 
-The corpora and how they are read (Duo's table, hub sets, local files, detokenizers): corpora.py. Documents are
-read streaming, tokenized by --num_proc worker processes in chunks of ~1 MB (or work units that the workers read
-themselves: Docs.units) and written in order, so the bytes written do not depend on --num_proc and memory does not
-grow with the corpus. The folder is built aside and renamed into place under a lock (prepare_dataset): a killed
-preparation leaves only a temp folder that the next run deletes. Every file is hashed once after writing
-(data.verify_prepared).
+The corpora and how they are read: corpora.py. Documents are read streaming, tokenized by --num_proc worker
+processes and written in order, so the bytes written do not depend on --num_proc and memory does not grow with the
+corpus.
 """
 
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
@@ -44,8 +39,8 @@ from corpora import HF_CORPORA, corpus_fingerprint, load_corpus, start_method
 from data import (PROBE, DataError, DiskFullError, file_sha256, file_stat, full_data_key, get_tokenizer, key_digest,
                   load_meta, same_data_on_every_node, train_sentencepiece, unlisted_checksums, verify_prepared,
                   wrap_blocks)
-from plumbing.cli import ConfigError, UsageError, ignore_stop_signals, os_error_line
-from plumbing.distributed import on_each_node
+from plumbing.cli import UsageError, os_error_line, set_stop_handlers
+from plumbing.distributed import on_each_node, usable_cores
 from plumbing.flags import check_prepare_flags
 from plumbing.files import check_writable, kind_of, refuse_overwrite, remove_stale_temps, run_outputs, temp_name
 from plumbing.signals import deferred_signals
@@ -122,8 +117,7 @@ def _unverifiable(data_dir, key):
 
 
 def _ours(data_dir):
-    """The files a preparation wrote into data_dir, as its meta.json names them (meta.json itself, the token files,
-    the tokenizer it trained, every file it lists a sha256 or stat for): all that a new preparation may replace."""
+    """The files a preparation wrote into data_dir, as its meta.json names them: what a new preparation may replace."""
     meta = _raw_meta(data_dir)
     parts = ("",) if meta.get("wrap", True) else ("", "_mask")
     names = {"meta.json", *(f"{split}{part}.bin" for split in ("train", "val") for part in parts)}
@@ -182,7 +176,7 @@ _WORKER = {}    # the tokenizer of this worker process (set once by _init_worker
 
 
 def _init_worker(tokenizer_spec):
-    ignore_stop_signals()                   # the parent stops the pool and removes the temp folder
+    set_stop_handlers(signal.SIG_IGN)       # the parent stops the pool and removes the temp folder
     if sys.platform.startswith("linux"):    # a killed preparation takes its workers with it (PR_SET_PDEATHSIG)
         with suppress(OSError, AttributeError):
             import ctypes
@@ -244,7 +238,7 @@ def _in_order(pool, chunks, job, window):
 
 def default_num_proc():
     """The cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(usable_cores())
 
 
 def worker_count(num_proc):
@@ -259,8 +253,7 @@ def worker_count(num_proc):
 
 def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype, progress, pool=None, num_proc=1):
     """Tokenize docs and stream rows of length L = block_size to out_dir/{split}.bin (and {split}_mask.bin when
-    un-wrapped) -> (counts, {file name: sha256}). out_dir is the private temp folder of one preparation, so the
-    files are written in place."""
+    un-wrapped), written in place (out_dir: a preparation's private temp folder) -> (counts, {file name: sha256})."""
     names = [f"{split}.bin"] + ([] if wrap else [f"{split}_mask.bin"])
     digests = {name: hashlib.sha256() for name in names}
     counts = collections.Counter(documents=0, tokens=0, sequences=0, dropped_tokens=0)   # tokens: without specials
@@ -305,7 +298,8 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
 
 
 # -----------------------------------------------------------------------------
-# Preparation: one folder, built aside and renamed into place under a lock
+# Preparation: one folder, built aside and renamed into place under a lock: concurrent runs are safe, and a failed
+# one leaves nothing behind
 
 @contextmanager
 def _exclusive(lock_path, what):
@@ -339,12 +333,9 @@ def _exclusive(lock_path, what):
 def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, insert_eos=True,
                     val_fraction=0.05, progress=True, num_proc=None, text_field="text", verify=False, key=None):
     """Tokenize `dataset` once into out_dir/{train,val}.bin + meta.json and return out_dir. tokenizer_spec as in
-    get_tokenizer, or "sp_train:N": train a SentencePiece model of vocab N on the train split into
-    out_dir/tokenizer.model. num_proc: tokenizing processes (None: the usable cores; at most them); the bytes do
-    not depend on it. An out_dir prepared from the same data_key is reused (its files checked by size and time, or
-    hashed when verify); a different one -> DataError (key: the data_key asked for, if not the arguments'). Safe to
-    run concurrently: the folder is built in a temp folder beside it and renamed into place when complete; a failed
-    preparation leaves nothing behind."""
+    get_tokenizer, or "sp_train:N": a SentencePiece model of vocab N trained on the train split (tokenizer.model).
+    num_proc: as worker_count. An out_dir prepared from the same data_key is reused (its files checked by size and
+    time, or hashed when verify); a different one -> DataError (key: the data_key asked for, if not the arguments')."""
     if block_size < 3:
         raise DataError(f"block_size must be >= 3 (BOS + tokens + EOS), got {block_size}")
     key = key or data_key(dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction, text_field)  # early
@@ -404,7 +395,6 @@ def prepare_dataset(dataset, tokenizer_spec, out_dir, block_size, wrap=True, ins
 
 def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, insert_eos, val_fraction,
                   progress, num_proc=1, text_field="text"):
-    """The preparation itself, into the private (empty) folder tmp, renamed to out_dir afterwards."""
     sp_vocab = tokenizer_spec.removeprefix("sp_train:") if tokenizer_spec.startswith("sp_train:") else None
     tok = None if sp_vocab else get_tokenizer(tokenizer_spec)
     train_docs, val_docs = load_corpus(dataset, val_fraction, text_field)
@@ -472,10 +462,8 @@ def _prepare_into(tmp, out_dir, key, dataset, tokenizer_spec, block_size, wrap, 
 
 def prepare_for_run(cfg, env, given):
     """train.py's data (cfg: its dataset, tokenizer, block_size, wrap, data_dir, text_field, num_proc, verify;
-    env: its ranks; given: the flags on its command line). Tokenize the corpus once per node (its first process) into
-    token memmaps in that node's data folder, or find them there -> (absolute data_dir, meta). A prepared --data_dir
-    is used as it is, whatever prepare.py flags made it (adopt_prepared). Nodes need no shared storage: they agree on
-    the data's content (data.same_data_on_every_node), not on a path; any node's error is every rank's same one line."""
+    env: its ranks; given: the flags on its command line) -> (absolute data_dir, meta), prepared in each node's folder
+    or found there (a prepared --data_dir: adopt_prepared). Any node's error is every rank's same one line."""
     old = adopt_prepared(cfg, given)          # every rank: cfg takes the folder's settings
 
     def work():
@@ -490,17 +478,14 @@ def prepare_for_run(cfg, env, given):
             data_dir = os.path.abspath(cfg.data_dir or prepared_dir(cfg.dataset, cfg.tokenizer, cfg.block_size,
                                                                     cfg.wrap, text_field=cfg.text_field))
             # the default folder too (an explicit --data_dir is checked with the other inputs at start)
-            try:
-                refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--data_dir": data_dir})
-            except UsageError as e:
-                raise ConfigError(str(e)) from None
+            refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, {"--data_dir": data_dir})
             prepare_dataset(cfg.dataset, cfg.tokenizer, data_dir, block_size=cfg.block_size, wrap=cfg.wrap,
                             num_proc=cfg.num_proc or None, text_field=cfg.text_field, verify=cfg.verify, key=key)
         except OSError as e:
             raise DataError(os_error_line(e)) from None
         meta = load_meta(data_dir)      # what this node tells the others: same_data_on_every_node
         return data_dir, key_digest(meta.get("data_key")), meta.get("sha256") or {}
-    (data_dir, _, _), nodes = on_each_node(env, work, DataError, ConfigError)
+    (data_dir, _, _), nodes = on_each_node(env, work, UsageError)      # DataError and ConfigError are UsageErrors
     same_data_on_every_node(nodes)
     return data_dir, load_meta(data_dir)
 

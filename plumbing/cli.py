@@ -1,10 +1,6 @@
 """
-The command-line plumbing every script shares, so that each script is only its own concern: flags from a dataclass
-(parse_flags; --help from its source comments: field_help), the entry point whose failures are one line and exit
-code 2 and whose stop signals (STOP_SIGNALS) are one line and exit code 130 (run_cli; the training loop's handling
-is plumbing/signals.py), where and in which precision the network runs (resolve_device, resolve_dtype,
-autocast_for). Output that is never half-written is plumbing/files.py; a checkpoint and its tokenizer,
-plumbing/checkpoint.py.
+The command-line plumbing every script shares, so that each script is only its own concern: its flags, its entry
+point (a failure or a stop signal is one line), the device and precision the network runs in.
 """
 import argparse
 import dataclasses
@@ -13,7 +9,8 @@ import re
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
+from functools import cache
 
 LAUNCH = time.time()   # the script's start: its first line imports this module (log.jsonl's "t" counts from here)
 
@@ -202,9 +199,8 @@ def _parser(cls, description, shown=None, epilog=None):
 
 
 def _print_help(cls, description, presets, name, default, named, preset_note, resolve):
-    """--help, with the values a run takes where a flag is not given (parse_flags), then exit 0. name: the run's
-    preset, named by --preset or not; default: the one it takes without --preset. Its last lines: the presets, what
-    the run's preset sets and preset_note(name)."""
+    """--help as parse_flags describes it, then exit 0. name: the run's preset, named by --preset or not; default:
+    the one it takes without --preset."""
     shown, epilog = None, None
     if presets is not None:
         values = lambda preset: {f.name: getattr(_config(cls, presets, preset, {}, resolve), f.name)
@@ -336,10 +332,8 @@ def set_stop_handlers(handler):
     """handler for every stop signal -> the handlers it replaces (only the main thread may set them)."""
     old = {}
     for s in STOP_SIGNALS:
-        try:
+        with suppress(ValueError, OSError):
             old[s] = signal.signal(s, handler)
-        except (ValueError, OSError):
-            pass
     return old
 
 
@@ -359,43 +353,29 @@ def _exit_at_once(phase):
     one line, unless the error line is out already, and exit code 130 at once."""
     def handler(signum, frame):
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         if not _REPORTED and _rank() == "0":
-            try:
+            with suppress(OSError):
                 os.write(2, f"error: interrupted by {signal_name(signum)} while {phase}\n".encode())
-            except OSError:
-                pass
         os._exit(EXIT_CODE)
     return handler
 
 
-_AT_SHUTDOWN = []
-
-
+@cache          # registered once per process
 def _ignore_at_shutdown():
     """Stop signals are ignored by the last exit handler (registered first, atexit runs them in reverse): the
     interpreter's shutdown then puts SIG_DFL back in place of every Python handler before it frees its modules
     (torch's take a while), so a stop signal there would kill the process by the signal (exit 143 for SIGTERM, no
     message). Ignored from there on, the process ends with the exit code its script chose (130 after a stop)."""
-    if not _AT_SHUTDOWN:
-        import atexit
-        atexit.register(set_stop_handlers, signal.SIG_IGN)
-        _AT_SHUTDOWN.append(True)
-
-
-def ignore_stop_signals():
-    """A worker process (prepare.py's tokenizers) leaves stop signals to its parent, which stops the pool; the
-    worker dies with the parent (PR_SET_PDEATHSIG)."""
-    set_stop_handlers(signal.SIG_IGN)
+    import atexit
+    atexit.register(set_stop_handlers, signal.SIG_IGN)
 
 
 def stop_at_once(name):
     """A script's first call, before its imports (torch alone takes seconds to load): run as a script (name is
-    "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once; nothing
-    has been written yet, so there is nothing to clean up. Imported as a library, it does nothing."""
+    "__main__"), a stop signal from here until run_cli takes over prints one line and exits 130 at once
+    (_exit_at_once). Imported as a library, it does nothing."""
     if name == "__main__":
         _ignore_at_shutdown()
         set_stop_handlers(_exit_at_once("starting"))
@@ -411,11 +391,9 @@ def _out_of_memory_while_starting(kind, e, trace):
         memory = False
     if not memory:
         return sys.__excepthook__(kind, e, trace)
-    try:
+    with suppress(OSError):
         print(f"error: out of memory while starting: {oom_summary(e)}; free memory or raise the limit (ulimit -v)",
               file=sys.stderr, flush=True)
-    except OSError:
-        pass
     os._exit(2)
 
 
@@ -425,8 +403,7 @@ def run_cli(main, *errors, oom_hint="lower --batch_size"):
     change) or an OS error on a file becomes one line on stderr and exit code 2, never a traceback. Every stop
     signal (STOP_SIGNALS) raises Interrupted wherever the process is, so each `finally` on the way out runs (a
     preparation's temp folder, out_dir's lock and an out_dir the run left empty are removed), then ends it with one
-    line and exit code 130 (a signal inside a long C++ call, SentencePiece training, takes effect when it returns);
-    once the outcome is decided, a signal ends the process at once (_exit_at_once)."""
+    line and exit code 130 (a signal inside a long C++ call, SentencePiece training, takes effect when it returns)."""
     set_stop_handlers(_raise)
     _ignore_at_shutdown()
     try:
@@ -457,12 +434,10 @@ def _fail(message, code=2, any_rank=False):
         from tqdm import tqdm
         for bar in list(getattr(tqdm, "_instances", ())):    # end an open progress bar's line first
             bar.close()
-        try:
+        with suppress(OSError):        # no terminal left to print to (SIGHUP): the exit code still tells
             _REPORTED.append(message)
             named = rank == "0" or message.startswith(f"rank {rank}: ")      # said once, by the rank it is
             print(f"error: {'' if named else f'rank {rank}: '}{message}", file=sys.stderr)
-        except OSError:         # no terminal left to print to (SIGHUP): the exit code still tells
-            pass
     sys.exit(code)
 
 

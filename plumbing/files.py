@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import stat
+from contextlib import suppress
 
 from plumbing.cli import UsageError, first_line, os_error_line
 from plumbing.signals import deferred_signals
@@ -118,10 +119,8 @@ def remove_path(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with suppress(OSError):
             os.remove(path)
-        except OSError:
-            pass
 
 
 def pid_alive(pid):
@@ -266,8 +265,7 @@ TEXT_MARK = "<!-- written by sddlm"   # the first line of a text output (markdow
 CARD_MARK = ("<!-- sddlm model card, written by hub/pretrained.py and replaced by the next export into this folder; "
              "delete this line to keep the file as your own -->")
 PNG_SOFTWARE = "sddlm"          # a PNG's tEXt "Software" chunk starts with this (figures/plot.py)
-# what earlier versions wrote without the field, recognised by its keys -> the script that wrote it: a run's
-# config.json, eval_ppl.py's --out, eval_downstream.py's --out, a sample.py / --save_samples record, a log.jsonl record
+# what earlier versions wrote without the field, recognised by its keys -> the script that wrote it
 OUR_KEYS = (({"train_config", "model_config", "meta"}, "train.py"),
             ({"distill_config", "model_config", "meta"}, "distillation/distill.py"),
             ({"metric", "results", "config"}, "eval_ppl.py"),
@@ -353,10 +351,8 @@ def writer_of(path):
 
 def _json_head(f, text, limit=16 << 20):
     """The first record of a JSONL file, or the whole of a JSON file of at most `limit` bytes; None otherwise."""
-    try:
+    with suppress(ValueError):
         return json.loads(text.split("\n", 1)[0])
-    except ValueError:
-        pass
     if os.fstat(f.fileno()).st_size > limit:
         return None
     f.seek(0)
@@ -394,12 +390,10 @@ def _torch_checkpoint(f):
 
 def check_output(path, flag, append=None, script=None):
     """The one rule every writer follows, before any work: an output path is new (its folder writable, made if
-    need be), or a regular file this project wrote (writer_of), which is replaced; script: the writer, when only
-    its own earlier outputs may be replaced (eval_ppl.py's --out never replaces a checkpoint, a run's config.json or
-    sample.py's samples). A user's file, a folder, a symbolic link, a device, a named pipe or a socket is refused ->
-    UsageError naming `flag` and the fix. Devices are never written through: the results go to stdout anyway.
-    append=(keys, writer): the file is appended to, so an existing one must hold `writer`'s records
-    (check_appendable)."""
+    need be), or a regular file this project wrote (writer_of), which is replaced; anything else (a user's file, a
+    folder, a link, a device, a pipe) -> UsageError naming `flag` and the fix. script: the writer, when only its own
+    earlier outputs may be replaced (eval_ppl.py's --out never replaces a checkpoint, a run's config.json or
+    sample.py's samples). append=(keys, writer): appended to, so an existing file must hold `writer`'s records."""
     check_writable(path, flag)
     refuse_special(path, flag)
     if append is not None:

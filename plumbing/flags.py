@@ -1,7 +1,5 @@
-"""What a training script's flags may hold, checked once at start-up, before out_dir is locked or made: every run's
-(train.OptimConfig: train.py's and distillation/distill.py's), the script's own names and ranges as it passes them,
-train.py's, and prepare.py's, which train.py shares. Each bad value is one line naming the flag and the values it
-takes (exit code 2)."""
+"""What a training script's flags may hold, checked once at start-up, before out_dir is locked or made. Each bad
+value is one line naming the flag and the values it takes (exit code 2)."""
 import math
 
 import torch
@@ -18,10 +16,9 @@ OPTIM_RANGES = [("lr", 0, math.inf, False), ("min_lr", 0, math.inf, True), ("bet
 
 
 def check_run_flags(cfg, world_size, inputs, choices, ranges=()):
-    """A training run's flags (train.OptimConfig's fields and the script's own): no output of the run over one of
-    its inputs ({flag: path}), each name among its `choices` ({field: the names it takes}, lr_schedule's added),
-    each number in its range (OPTIM_RANGES and the script's `ranges`), sizes and intervals >= 1, the batch split
-    over world_size ranks -> ConfigError naming the flag and what it accepts."""
+    """A training run's flags (train.OptimConfig's fields and the script's own) -> ConfigError naming the flag and
+    what it accepts. inputs: {flag: path}, which no output may overwrite; choices: {field: the names it takes};
+    ranges: the script's (field, low, high, low included), beside OPTIM_RANGES."""
     refuse_overwrite({"--out_dir": run_outputs(cfg.out_dir)}, inputs)
     require_trackers(cfg)
     if not cfg.out_dir.strip():
@@ -56,9 +53,8 @@ def check_run_flags(cfg, world_size, inputs, choices, ranges=()):
 
 
 def check_train_flags(cfg, world_size, choices, ranges):
-    """train.py's flags (train.TrainConfig) at start-up: every run's (check_run_flags, with train.py's choices and
-    ranges: the method's names, eps, dropout, the curriculum's), its data preparation's (check_prepare_flags) and its
-    own -> ConfigError (UsageError) naming the flag and what it accepts. The model's shape and size are
+    """train.py's flags (train.TrainConfig) at start-up: every run's (with train.py's choices and ranges), its data
+    preparation's and its own -> ConfigError naming the flag and what it accepts. The model's shape and size are
     train.check_start's next check."""
     inputs = {"--dataset": cfg.dataset, "--data_dir": cfg.data_dir, "--tokenizer": cfg.tokenizer, "--judge": cfg.judge,
               "--init": cfg.init}

@@ -5,7 +5,6 @@ counts as diverged. Each failure is one line naming the field or file and the fi
 own config live beside it (trained/checkpoint.py)."""
 import hashlib
 import math
-import os
 import statistics
 from collections import deque
 from dataclasses import fields
@@ -13,6 +12,7 @@ from dataclasses import fields
 import torch
 
 from plumbing.cli import ConfigError, UsageError
+from plumbing.distributed import usable_cores
 
 # -----------------------------------------------------------------------------------------------
 # checkpoint fields
@@ -165,8 +165,7 @@ def check_zip(f, path):
             return start + info.compress_size <= len(view) and \
                 zlib.crc32(view[start:start + info.compress_size]) == info.CRC
         infos = archive.infolist()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        with ThreadPoolExecutor(max(1, min(8, cores))) as pool:
+        with ThreadPoolExecutor(min(8, len(usable_cores()))) as pool:
             verdicts = list(pool.map(sound, infos))
     for info, ok in zip(infos, verdicts):
         if not ok:

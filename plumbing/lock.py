@@ -1,15 +1,15 @@
 """One run per folder: a train.py or distillation/distill.py run holds an exclusive lock on its out_dir
 (out_dir/.lock, holding the holder's pid, host and start time) for its whole life, so a second run into the same
 folder stops at once instead of interleaving its log and checkpoints with the first. The OS releases the lock when
-its holder dies (SIGKILL included), so a lock file left by a killed run is recognised and taken over; on a file
-system without flock the recorded pid is probed instead (on the same host). A run that leaves its out_dir empty
-removes it."""
+its holder dies (SIGKILL included), so a lock file left by a killed run is taken over; on a file system without
+flock the recorded pid is probed instead (on the same host)."""
 import json
 import os
 import socket
 import stat
 import sys
 import time
+from contextlib import suppress
 
 from plumbing.cli import UsageError
 from plumbing.files import check_writable, kind_of, pid_alive, remove_unfinished
@@ -28,11 +28,9 @@ class FolderLock:
         if self.fd is None:
             return
         remove_unfinished(os.path.dirname(self.path), self.before)     # a run that saved nothing leaves nothing
-        try:
+        with suppress(OSError):
             if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self.fd)
         self.fd = None
         for folder in self.created:            # deepest first: a run that wrote nothing leaves no folder
@@ -84,9 +82,7 @@ def _in_use(out_dir, holder, path):
 
 def acquire_folder(out_dir):
     """Create out_dir if needed and lock it for this run -> FolderLock. Held by another living run -> UsageError
-    (one line naming its pid and host); nothing is created then."""
-    if not out_dir:
-        raise UsageError("--out_dir is empty; name the run's folder")
+    (one line naming its pid and host); nothing is created then. An empty out_dir: check_run_flags refuses it."""
     check_writable(out_dir, "--out_dir", folder=True)
     created, d = [], os.path.abspath(out_dir)
     while not os.path.exists(d):
@@ -112,11 +108,9 @@ def acquire_folder(out_dir):
             if isinstance(pid, int) and pid != os.getpid() and (not same_host or pid_alive(pid)):
                 os.close(fd)
                 raise _in_use(out_dir, holder, path) from None
-        try:
+        with suppress(FileNotFoundError):
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 break                          # else: the file was replaced while we locked it; lock the new one
-        except FileNotFoundError:
-            pass
         os.close(fd)
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                          "command": " ".join([os.path.basename(sys.argv[0] or "python")] + sys.argv[1:])[:300]})

@@ -1,9 +1,7 @@
-"""Stop signals: every signal a terminal, a job scheduler (Slurm's preemption: SIGTERM, or SIGUSR1 / SIGUSR2 with
---signal) or the OS (SIGXCPU: a CPU-time limit) sends to end a job. At start-up (cli.run_cli) each
-raises Interrupted wherever the process is, so the way out removes temp folders and locks and the script ends
-with one line and exit code 130. The training loop (stop_signals) turns them into a flag instead: the run saves
-at the next step and exits 130. Evaluation and sampling are abandoned at once (interruptible), and a swap of
-weights is never interrupted half-way (deferred_signals)."""
+"""What the training loop and evaluation do with stop signals: every signal a terminal, a job scheduler (Slurm's
+preemption: SIGTERM, or SIGUSR1 / SIGUSR2 with --signal) or the OS (SIGXCPU: a CPU-time limit) sends to end a job.
+Which signals those are, and what a script does with them outside the loop (one line, exit code 130), is
+plumbing/cli.py's: the ground floor every script starts from."""
 import signal
 import threading
 from contextlib import contextmanager
@@ -11,8 +9,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-# the process-wide part (which signals stop a job, the handlers a script starts with) is plumbing/cli.py's, the ground
-# floor every script starts from; this file adds what the training loop and evaluation do with them
 from plumbing.cli import Interrupted, set_stop_handlers
 
 
