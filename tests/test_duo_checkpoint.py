@@ -185,13 +185,15 @@ def test_sample_and_eval_scripts_accept_a_duo_checkpoint(tmp_path):
                                        "dependent functionality. " * 40)
     spec = f"duo:{tmp_path / 'duo.ckpt'}"
     p = subprocess.run([sys.executable, "eval_ppl.py", "--ckpt", spec, "--metric", "zeroshot", "--dataset",
-                        str(tmp_path / "text.txt"), "--seq_len", "32", "--out", str(tmp_path / "z.json")],
+                        str(tmp_path / "text.txt"), "--seq_len", "32", "--rel_se", "0",
+                        "--out", str(tmp_path / "z.json")],     # --rel_se 0: 2 rounds (the loading is what's tested)
                        cwd=HERE, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads((tmp_path / "z.json").read_text())
     assert result["ckpt"] == spec and result["results"][0]["tokens"] > 0 and result["results"][0]["ppl"] > 1
     p = subprocess.run([sys.executable, "sample.py", "--ckpt", spec, "--num_samples", "2", "--steps", "3",
-                        "--seq_len", "16", "--out", str(tmp_path / "samples.jsonl")], cwd=HERE, capture_output=True, text=True, timeout=300)
+                        "--seq_len", "16", "--out", str(tmp_path / "samples.jsonl")],
+                       cwd=HERE, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(len(r["ids"]) == 16 and max(r["ids"]) < 50258 for r in rows)
