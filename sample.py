@@ -18,14 +18,10 @@ weighs in the likelihood of the position's own noisy token; the sampler is exact
 x_theta^l = p(x0^l | x_t^{-l}), the posterior given the other positions (the NELBO's minimiser), not
 p(x0^l | x_t) (test_sample.py checks both on a solvable toy distribution).
 
-Psi sampler (--sampler psi; Duo, Chapter II: Psi-samplers): each step draws x_s from kappa_t q(x_s | x_t, x_theta)
-(the predictor above) + (1 - kappa_t) [a_s q(x0 | x_t, x_theta) + (1 - a_s)/K] (the corrector: the posterior to
-level 0 renoised to s), the same three-part mixture with other weights (diffusion.psi_weights). kappa_t is eta
-(--psi_kappa eta) or comes from a ReMDM renoising rate sigma_t (max_capped | max_rescale | sigma_constant), per
-phase (one, or high, middle and low phases taking --psi_fracs of the steps); --psi_profile loop holds the time at
---psi_loop_t for the middle phase. kappa = 1 is the ancestral sampler; the final step is always kappa = 1.
---psi_rescale duo and --psi_grid duo rerun Duo's published Psi scripts step for step (its code's max_rescale cap
-and its grid; see psi_plan), ours stays the default.
+The Psi sampler (--sampler psi; Duo, Chapter II) draws each step from kappa_t times that posterior plus
+(1 - kappa_t) times the posterior to level 0 renoised to s (psi_plan, diffusion.psi_weights); kappa = 1 is the
+ancestral sampler. Past the block (--seq_len > block_size) the sampler runs in semi-autoregressive windows
+(generate_long). Both, and every flag's use: docs/sampling.md.
 
 Options, all acting on x_theta before the posterior:
   top_p      nucleus filtering of x_theta, renormalised. Never of the posterior: its argmax/nucleus gives
@@ -34,17 +30,9 @@ Options, all acting on x_theta before the posterior:
              clean, not noisy, and are reset after every step, so they are context the model conditions on.
   cfg_w      unsupervised classifier-free guidance (paper, CFG section): the unconditional branch is the same
              x_t with every fixed position replaced by a token drawn uniformly from the vocabulary (one draw
-             per sample, for the whole run); both branches go through ONE forward, concatenated on the batch,
-             and p~ is proportional to p_c^(1+w) / p_u^w, i.e. softmax((1+w) log p_c - w log p_u).
+             per sample, for the whole run; null_tokens, guided_logits).
 
-Past the block (--seq_len > block_size; generate_long): semi-autoregressive windows, as MDLM's and Duo's semi_ar
-samplers. Each sampler call is one whole block: the last block_size - stride tokens so far held fixed as its prompt
-(the mechanism above), --stride new tokens drawn after them by the chosen sampler with all its options; the first
-call fills the first block after the prompt. --stride 0 is half a block (check_stride says why); seq_len <=
-block_size is the one-block sampler itself. The AR baseline slides its context window one token at a time.
-
-Writes one JSON line per sample (text, ids, settings) appended to --out (by default samples.jsonl beside the
-checkpoint or model folder sampled: out/ckpt.pt and out/model -> out/samples.jsonl), and prints the texts.
+Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
 """
 
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
@@ -443,10 +431,8 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 # longer than the context: semi-autoregressive windows (MDLM's and Duo's semi_ar sampler)
 
 def check_stride(stride, block_size):
-    """--stride -> the stride in [1, block_size]; 0 is half a block: every token drawn after the first block then
-    sees at least block_size / 2 held tokens before it, at twice one block's sampler cost per token (block_size /
-    stride sampler calls of a block per block_size new tokens); BD3-LM's semi-AR MDLM baseline also advances 512
-    tokens of its 1024. Raises UsageError naming the flag."""
+    """--stride -> the stride in [1, block_size]; 0 is half a block (docs/sampling.md says why). Raises UsageError
+    naming the flag."""
     if not 0 <= stride <= block_size:
         raise UsageError(f"--stride must be in [1, {block_size}] (the model's block_size; 0 = half of it), "
                          f"got {stride}")
@@ -472,14 +458,11 @@ def long_windows(prompt_len, seq_len, block_size, stride):
 @torch.no_grad()
 def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=None, stride=0, prompt_ids=None,
                   cfg_w=0.0, cfg_seed=None, generator=None, device=None, show_progress=True, **sampler):
-    """generate to any seq_len -> (B, seq_len) int64. seq_len <= block_size (default model.config.block_size):
-    generate itself, the same call. Longer: semi-autoregressive windows (long_windows), each one call of generate
-    on a whole block with the tokens it holds as prompt_ids (clamped clean at every step, as any prompt), so the
-    chosen sampler (ancestral or Psi, nucleus, final step: `sampler`, generate's other keywords) draws each
-    stretch of `stride` tokens (0 = half a block) given the block_size - stride before it. prompt_ids (P,) or
-    (B, P), any P < seq_len. One generator runs through the windows, so a seed gives the same text. CFG (cfg_w):
-    each window that holds tokens is guided against random tokens in their place (null_tokens of the same
-    cfg_seed in every window); a first window without a prompt holds nothing and is drawn unguided."""
+    """generate to any seq_len -> (B, seq_len) int64: generate itself when seq_len <= block_size (default
+    model.config.block_size), else one call of generate per long_windows window, the tokens it holds as
+    prompt_ids, `sampler` generate's other keywords. prompt_ids (P,) or (B, P), any P < seq_len. One generator
+    runs through the windows. CFG (cfg_w): each window that holds tokens is guided against null_tokens of the same
+    cfg_seed in their place; a first window without a prompt holds nothing and is drawn unguided."""
     block_size = block_size or model.config.block_size
     device = torch.device(device) if device is not None else device_of(model)
     check_sample_size(num_samples, seq_len, device)
