@@ -62,18 +62,6 @@ from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overw
 # -----------------------------------------------------------------------------------------------
 # the denoiser's distribution x_theta
 
-def nucleus(probs, top_p):
-    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised (Holtzman et al.).
-    probs (..., V) -> (..., V); top_p >= 1 returns probs unchanged; the most likely token is always kept."""
-    if top_p >= 1:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p            # mass of the strictly more likely tokens
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return kept / kept.sum(-1, keepdim=True)
-
-
 def null_tokens(shape, vocab_size, seed, device=None):
     """The paper's unconditional prompt: tokens drawn uniformly from the vocabulary from their own generator
     (seeded with `seed`), so turning CFG on or off never changes any other random number. -> (shape) int64."""
@@ -82,8 +70,8 @@ def null_tokens(shape, vocab_size, seed, device=None):
 
 
 def nucleus_logits(logits, top_p, chunk_elems=1 << 24):
-    """nucleus on logits: -inf outside the smallest set of most likely tokens whose mass reaches top_p (tokens
-    tied with the least likely kept one are kept too), so softmax of the result is nucleus(softmax(logits)).
+    """Nucleus filtering (Holtzman et al.) on logits: -inf outside the smallest set of most likely tokens whose
+    mass reaches top_p (tokens tied with the least likely kept one are kept too; the most likely always).
     Sorted chunk_elems at a time, in float32 (float64 logits stay float64). (..., V) -> (..., V) float32;
     top_p >= 1 returns logits unchanged."""
     if top_p >= 1:
@@ -330,8 +318,7 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
              final_step="ancestral", prompt_ids=None, fixed_mask=None, fixed_ids=None, cfg_w=0.0, cfg_seed=None,
              top_p=1.0, psi=None, generator=None, device=None, dtype=None, show_progress=True):
     """Ancestral sampling of num_samples sequences of length seq_len with `steps` reverse steps -> (B, L) int64;
-    with psi (a Psi, from parse_psi) the Psi sampler: its time grid (time_grid) and each step drawn from
-    kappa_t predictor + (1 - kappa_t) corrector (diffusion.psi_weights); the final step is always kappa = 1.
+    with psi (a Psi, from parse_psi) the Psi sampler (psi_plan).
 
     model(x (B, L) int64, sigma (B,)) -> logits (B, L, V) with V = vocab_size; alpha_schedule a key of
     diffusion.SCHEDULES; generator a torch.Generator on `device` (default: the model's device) for the prior
@@ -385,8 +372,7 @@ def check_sample_size(num_samples, seq_len, device=None, names=("num_samples", "
     as names says them: the flags, or the API's keywords), and their tokens within the memory there is: at least
     24 bytes a token (the int64 samples, their copy while a window is appended, a list's slot once returned), so a
     length past the machine is refused at the start in one line, not after hours of windows or by the kernel's
-    out-of-memory killer (which kills without a word). Every sampler of any length calls it (generate_long,
-    generate_ar); sample.py and SDDLM.generate first, with their own names."""
+    out-of-memory killer (which kills without a word)."""
     from plumbing.memory import check_fits
     for value, name in zip((num_samples, seq_len), names):
         whole(value, name, 1)
@@ -422,7 +408,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
                   leave=False):
         with autocast_for(device, dtype):
             logits = model(x if block_size is None else x[:, -block_size:])[:, -1]
-        probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)
+        probs = torch.softmax(nucleus_logits(logits.double(), top_p), dim=-1)
         x = torch.cat([x, sample_categorical(probs, generator)[:, None]], dim=1)
     return x
 

@@ -170,15 +170,12 @@ def allocated_bytes(device):
 
 class Rows:
     """Runs the benchmark's measurements (a table's row, one cell of it, a whole table) so that each starts from
-    the memory the one before it started from. After each, what it allocated is released -- activations, autograd
-    graphs, optimizer temporaries, an out-of-memory error with its traceback and the frames and tensors those hold
-    (dropped outside the except clause, reference cycles collected) -- and allocated_bytes() is checked to be back
-    where it was: `left` {what: bytes} records what is not (CPU: not checked). A measurement that runs out of
-    memory gives None (it reads 'n/a (out of memory)'; `out_of_memory` {what: why}) and the rest still run.
+    the memory the one before it started from: after each, allocated_bytes() is checked to be back where it was
+    (`left` {what: bytes} records what is not; CPU: not checked). A measurement that runs out of memory gives None
+    (it reads 'n/a (out of memory)'; `out_of_memory` {what: why}) and the rest still run.
     lasting: what the measurement builds is meant to stay (a model; the AdamW moments of a first step): not checked.
-    end_of_table: the caches go too -- compiled graphs, the curriculum's alpha tables, the allocator's cached blocks
-    (not between a table's steps: handing blocks back to the device and taking them again would be timed in the
-    next step)."""
+    end_of_table: the caches go too (not between a table's steps: handing the allocator's blocks back to the device
+    and taking them again would be timed in the next step)."""
 
     def __init__(self, device, total=None):
         self.device, self.out_of_memory, self.left = device, {}, {}
@@ -498,10 +495,8 @@ def device_name(device):
 
 
 def run(cfg, show=lambda out, table: None):
-    """The whole benchmark -> one JSON-able dict. Each table -- the training rows, the sampler, the fused head --
-    runs through one Rows from the same memory (on CUDA: memory_allocated back to its baseline after each), a
-    progress bar over its measurements; show(out, table) as each table ("losses", "sampler", "head", "long")
-    finishes."""
+    """The whole benchmark -> one JSON-able dict, each table measured through one Rows; show(out, table) as each
+    table ("losses", "sampler", "head", "long") finishes."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         os.environ.update(cuda_allocator_env(os.environ))      # train.py's allocator, before the first allocation
