@@ -534,8 +534,8 @@ def parse_prompt(cfg, tok, vocab_size):
 
 
 def samples_path(out, ckpt):
-    """--out as given, or for "auto" samples.jsonl beside what --ckpt names: in the folder that holds the checkpoint
-    file or the model folder (duo:PATH: beside PATH); a hub name has no folder here: the current one."""
+    """--out as given, or for "auto" samples.jsonl beside what --ckpt names (SampleConfig.out; duo:PATH: beside
+    PATH)."""
     if out != "auto":
         return out
     path = ckpt.removeprefix("duo:")

@@ -114,12 +114,10 @@ def argmax_at_t1(model, ctx_ids, cont_ids, *, cfg_w=0.0, seed=0, autocast=None):
 
 def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancestral", top_p=1.0, cfg_w=0.0, seed=0,
                           schedule="loglinear", dtype=None, psi=None, stride=0):
-    """n_tokens ids sampled after the fixed clean context by sample.generate (ancestral steps, or Psi steps with
-    psi (a sample.Psi), on the time grid of `schedule`, then `final_step`; nucleus top_p on x_theta; unsupervised
-    CFG against a random-token context) -> list of n_tokens ids. Fewer than block_size: one block, the context
-    cut from the left to fit it; more: sample.generate_long's windows of `stride` new tokens after the whole
-    context. The generator is seeded with `seed` for every call, so a request's result does not depend on the
-    others."""
+    """n_tokens ids sampled after the fixed clean context by sample.generate_long (the keywords are its, schedule
+    its alpha_schedule) -> list of n_tokens ids. Fewer than block_size: one block, the context cut from the left
+    to fit it; more: windows of `stride` new tokens after the whole context. The generator is seeded with `seed`
+    for every call, so a request's result does not depend on the others."""
     device = device_of(model)
     long = n_tokens >= model.config.block_size
     x0, n_ctx = (torch.tensor([list(ctx_ids)], dtype=torch.long, device=device), len(ctx_ids)) if long else \
