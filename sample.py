@@ -8,9 +8,8 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
 draws x_s ~ q(x_s | x_t, x_theta): the posterior of Eq. (reverse) (diffusion.posterior_weights) with the
-denoiser's prediction x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (drawn
-from its three-part mixture, float64 per-token weights, Gumbel-max on the logits, no host sync inside the loop:
-diffusion.ancestral_step_from_logits).
+denoiser's prediction x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0
+(diffusion.ancestral_step_from_logits draws it exactly; no host sync inside the loop).
 A final step at t_end removes the remaining noise: "ancestral" (one more posterior step to alpha_s = 1),
 "greedy" (argmax x_theta) or "none". NFE = N + 1 (N with "none").
 Eq. (reverse) with x0 := x_theta is the Bayes posterior of x_s under the prior x0 ~ x_theta, which already

@@ -6,12 +6,11 @@ Benchmark train.py's training step for every objective, and the ancestral sample
     python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1
                                                                    # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
-    python bench/bench.py --repeats 5 --warmup 2 --sample_steps 16 --head_chunks 8 --long_blocks 4 --batch_size 8
-                          # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
     python bench/bench.py --losses sddlm_v1 --profile 1            # where a step, the sampler spend their time
 
-The method (train.py's own step, interleaved rounds, medians), every column and table: docs/testing.md.
+The method (train.py's own step, interleaved rounds, medians), every column and table, the flags that give
+RESULTS.md's earlier tables: docs/testing.md.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):

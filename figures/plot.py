@@ -6,12 +6,8 @@ The paper's figures and the rows of its main table, from train.py run folders, e
     python figures/plot.py --evals evals/sddlm-genppl.json,evals/duo-genppl.json --table table.md
     python figures/plot.py --bench bench.json                       # bench/bench.py --json 1 > bench.json
 
-The PNGs go beside the data (--out_dir, default: the run folder's plots/, the runs' common parent's plots/ for
-several, else beside the first --evals or --bench file), never by default into the repository's figures/. A file
-that exists already is replaced only with --overwrite 1, and only when figures/plot.py wrote it (otherwise one error
-line, and nothing is written).
-
-The figures (each the paper's figure it redraws) and the tables: docs/training.md, "Figures".
+The figures (each the paper's figure it redraws), the tables, where the PNGs go and when one is replaced:
+docs/training.md, "Figures".
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
