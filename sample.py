@@ -322,9 +322,8 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
     model(x (B, L) int64, sigma (B,)) -> logits (B, L, V) with V = vocab_size; alpha_schedule a key of
     diffusion.SCHEDULES; generator a torch.Generator on `device` (default: the model's device) for the prior
     and the Gumbel noise; dtype an autocast dtype for the network (None / float32: no autocast).
-    The null prompt of CFG comes from its own generator seeded with cfg_seed (default: the seed of
-    `generator`, or torch.initial_seed(), plus 1), so the sampling noise, and with it every sample, is
-    identical whether CFG is on or off; cfg_w = 0 skips the unconditional branch."""
+    CFG's null prompt: null_tokens seeded with cfg_seed (default: the seed of `generator`, or torch.initial_seed(),
+    plus 1); cfg_w = 0 skips the unconditional branch."""
     check_sampler(steps, final_step, top_p, t_end, alpha_schedule, cfg_w)
     if final_step == "auto":
         raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")

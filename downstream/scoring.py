@@ -67,9 +67,8 @@ def guided_log_probs(model, xt, sigma, n_ctx, cfg_w=0.0, null_ctx=None, autocast
 
 @torch.no_grad()
 def conditional_nelbo(model, ctx_ids, cont_ids, *, mc_draws=128, batch_size=16, cfg_w=0.0, seed=0, autocast=None):
-    """Monte Carlo NELBO of the continuation given the clean context, one value per draw: (mc_draws,) float64,
-    draw j = sum over continuation positions of usdm_nelbo_loss at t_j (stratified in [1e-3, 1]).
-    log p(cont | ctx) >= -mean. All randomness is drawn up front from generators seeded with `seed`, so the
+    """The Monte Carlo NELBO of the module docstring, one value per draw j: (mc_draws,) float64, log p(cont | ctx)
+    >= -mean. All randomness is drawn up front from generators seeded with `seed`, so the
     result does not depend on batch_size (draws per forward; 2 x batch_size rows with CFG)."""
     device = device_of(model)
     V = model.config.vocab_size
