@@ -424,13 +424,10 @@ def check_stride(stride, block_size):
 
 
 def long_windows(prompt_len, seq_len, block_size, stride):
-    """The sampler calls of semi-autoregressive generation past the block (seq_len > block_size) -> [(held, new)].
-    Each call samples one whole block, held + new = block_size tokens: the last `held` tokens so far (the
-    prompt's, then the samples') held fixed as its prompt, and `new` tokens drawn after them. While the text is
-    shorter than a block the call fills the block (the first: the prompt and block_size - prompt_len new tokens);
-    afterwards each draws min(stride, what is left) given the block_size - new tokens before it, so every
-    window holds at least block_size - stride (the last, shorter one more). A prompt longer than a block gives
-    only its last block_size - new tokens to the first window."""
+    """The sampler calls of semi-autoregressive generation past the block (seq_len > block_size) -> [(held, new)],
+    each one whole block, held + new = block_size: the last `held` tokens so far (the prompt's, then the samples')
+    held fixed as its prompt, `new` drawn after them. While the text is shorter than a block the call fills the
+    block; afterwards each draws min(stride, what is left), so every window holds at least block_size - stride."""
     windows, n = [], prompt_len
     while n < seq_len:
         new = block_size - n if n < block_size else min(stride, seq_len - n)
