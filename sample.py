@@ -8,9 +8,8 @@ Sample text from a trained uniform-state diffusion LM (or from the autoregressiv
 Ancestral sampling (paper Eq. reverse; Duo spec section 6.1). Start from x_1 ~ Uniform(V)^L. On Duo's time
 grid ts = linspace(1, t_end, N + 1), step i goes from t = ts[i] to s = ts[i + 1] (dt = (1 - t_end) / N) and
 draws x_s ~ q(x_s | x_t, x_theta): the posterior of Eq. (reverse) (diffusion.posterior_weights) with the
-denoiser's prediction x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0 (drawn
-from its three-part mixture, float64 per-token weights, Gumbel-max on the logits, no host sync inside the loop:
-diffusion.ancestral_step_from_logits).
+denoiser's prediction x_theta = softmax(f(x_t, sigma_t)), sigma_t = -log alpha_t, in place of the clean x0
+(diffusion.ancestral_step_from_logits draws it exactly; no host sync inside the loop).
 A final step at t_end removes the remaining noise: "ancestral" (one more posterior step to alpha_s = 1),
 "greedy" (argmax x_theta) or "none". NFE = N + 1 (N with "none").
 Eq. (reverse) with x0 := x_theta is the Bayes posterior of x_s under the prior x0 ~ x_theta, which already
@@ -18,14 +17,10 @@ weighs in the likelihood of the position's own noisy token; the sampler is exact
 x_theta^l = p(x0^l | x_t^{-l}), the posterior given the other positions (the NELBO's minimiser), not
 p(x0^l | x_t) (test_sample.py checks both on a solvable toy distribution).
 
-Psi sampler (--sampler psi; Duo, Chapter II: Psi-samplers): each step draws x_s from kappa_t q(x_s | x_t, x_theta)
-(the predictor above) + (1 - kappa_t) [a_s q(x0 | x_t, x_theta) + (1 - a_s)/K] (the corrector: the posterior to
-level 0 renoised to s), the same three-part mixture with other weights (diffusion.psi_weights). kappa_t is eta
-(--psi_kappa eta) or comes from a ReMDM renoising rate sigma_t (max_capped | max_rescale | sigma_constant), per
-phase (one, or high, middle and low phases taking --psi_fracs of the steps); --psi_profile loop holds the time at
---psi_loop_t for the middle phase. kappa = 1 is the ancestral sampler; the final step is always kappa = 1.
---psi_rescale duo and --psi_grid duo rerun Duo's published Psi scripts step for step (its code's max_rescale cap
-and its grid; see psi_plan), ours stays the default.
+The Psi sampler (--sampler psi; Duo, Chapter II) draws each step from kappa_t times that posterior plus
+(1 - kappa_t) times the posterior to level 0 renoised to s (psi_plan, diffusion.psi_weights); kappa = 1 is the
+ancestral sampler. Past the block (--seq_len > block_size) the sampler runs in semi-autoregressive windows
+(generate_long). Both, and every flag's use: docs/sampling.md.
 
 Options, all acting on x_theta before the posterior:
   top_p      nucleus filtering of x_theta, renormalised. Never of the posterior: its argmax/nucleus gives
@@ -34,17 +29,9 @@ Options, all acting on x_theta before the posterior:
              clean, not noisy, and are reset after every step, so they are context the model conditions on.
   cfg_w      unsupervised classifier-free guidance (paper, CFG section): the unconditional branch is the same
              x_t with every fixed position replaced by a token drawn uniformly from the vocabulary (one draw
-             per sample, for the whole run); both branches go through ONE forward, concatenated on the batch,
-             and p~ is proportional to p_c^(1+w) / p_u^w, i.e. softmax((1+w) log p_c - w log p_u).
+             per sample, for the whole run; null_tokens, guided_logits).
 
-Past the block (--seq_len > block_size; generate_long): semi-autoregressive windows, as MDLM's and Duo's semi_ar
-samplers. Each sampler call is one whole block: the last block_size - stride tokens so far held fixed as its prompt
-(the mechanism above), --stride new tokens drawn after them by the chosen sampler with all its options; the first
-call fills the first block after the prompt. --stride 0 is half a block (check_stride says why); seq_len <=
-block_size is the one-block sampler itself. The AR baseline slides its context window one token at a time.
-
-Writes one JSON line per sample (text, ids, settings) appended to --out (by default samples.jsonl beside the
-checkpoint or model folder sampled: out/ckpt.pt and out/model -> out/samples.jsonl), and prints the texts.
+Writes one JSON line per sample (text, ids, settings) appended to --out, and prints the texts.
 """
 
 from plumbing import cli  # first: a stop signal while the imports below load is one line, exit 130
@@ -74,18 +61,6 @@ from plumbing.files import WRITTEN_BY, append_jsonl, check_outputs, refuse_overw
 # -----------------------------------------------------------------------------------------------
 # the denoiser's distribution x_theta
 
-def nucleus(probs, top_p):
-    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised (Holtzman et al.).
-    probs (..., V) -> (..., V); top_p >= 1 returns probs unchanged; the most likely token is always kept."""
-    if top_p >= 1:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p            # mass of the strictly more likely tokens
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return kept / kept.sum(-1, keepdim=True)
-
-
 def null_tokens(shape, vocab_size, seed, device=None):
     """The paper's unconditional prompt: tokens drawn uniformly from the vocabulary from their own generator
     (seeded with `seed`), so turning CFG on or off never changes any other random number. -> (shape) int64."""
@@ -94,8 +69,8 @@ def null_tokens(shape, vocab_size, seed, device=None):
 
 
 def nucleus_logits(logits, top_p, chunk_elems=1 << 24):
-    """nucleus on logits: -inf outside the smallest set of most likely tokens whose mass reaches top_p (tokens
-    tied with the least likely kept one are kept too), so softmax of the result is nucleus(softmax(logits)).
+    """Nucleus filtering (Holtzman et al.) on logits: -inf outside the smallest set of most likely tokens whose
+    mass reaches top_p (tokens tied with the least likely kept one are kept too; the most likely always).
     Sorted chunk_elems at a time, in float32 (float64 logits stay float64). (..., V) -> (..., V) float32;
     top_p >= 1 returns logits unchanged."""
     if top_p >= 1:
@@ -342,15 +317,13 @@ def generate(model, num_samples, seq_len, vocab_size, steps, *, alpha_schedule="
              final_step="ancestral", prompt_ids=None, fixed_mask=None, fixed_ids=None, cfg_w=0.0, cfg_seed=None,
              top_p=1.0, psi=None, generator=None, device=None, dtype=None, show_progress=True):
     """Ancestral sampling of num_samples sequences of length seq_len with `steps` reverse steps -> (B, L) int64;
-    with psi (a Psi, from parse_psi) the Psi sampler: its time grid (time_grid) and each step drawn from
-    kappa_t predictor + (1 - kappa_t) corrector (diffusion.psi_weights); the final step is always kappa = 1.
+    with psi (a Psi, from parse_psi) the Psi sampler (psi_plan).
 
     model(x (B, L) int64, sigma (B,)) -> logits (B, L, V) with V = vocab_size; alpha_schedule a key of
     diffusion.SCHEDULES; generator a torch.Generator on `device` (default: the model's device) for the prior
     and the Gumbel noise; dtype an autocast dtype for the network (None / float32: no autocast).
-    The null prompt of CFG comes from its own generator seeded with cfg_seed (default: the seed of
-    `generator`, or torch.initial_seed(), plus 1), so the sampling noise, and with it every sample, is
-    identical whether CFG is on or off; cfg_w = 0 skips the unconditional branch."""
+    CFG's null prompt: null_tokens seeded with cfg_seed (default: the seed of `generator`, or torch.initial_seed(),
+    plus 1); cfg_w = 0 skips the unconditional branch."""
     check_sampler(steps, final_step, top_p, t_end, alpha_schedule, cfg_w)
     if final_step == "auto":
         raise ValueError("generate needs a concrete final_step: resolve 'auto' with default_final_step(ckpt)")
@@ -397,8 +370,7 @@ def check_sample_size(num_samples, seq_len, device=None, names=("num_samples", "
     as names says them: the flags, or the API's keywords), and their tokens within the memory there is: at least
     24 bytes a token (the int64 samples, their copy while a window is appended, a list's slot once returned), so a
     length past the machine is refused at the start in one line, not after hours of windows or by the kernel's
-    out-of-memory killer (which kills without a word). Every sampler of any length calls it (generate_long,
-    generate_ar); sample.py and SDDLM.generate first, with their own names."""
+    out-of-memory killer (which kills without a word)."""
     from plumbing.memory import check_fits
     for value, name in zip((num_samples, seq_len), names):
         whole(value, name, 1)
@@ -434,7 +406,7 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
                   leave=False):
         with autocast_for(device, dtype):
             logits = model(x if block_size is None else x[:, -block_size:])[:, -1]
-        probs = nucleus(torch.softmax(logits.double(), dim=-1), top_p)
+        probs = torch.softmax(nucleus_logits(logits.double(), top_p), dim=-1)
         x = torch.cat([x, sample_categorical(probs, generator)[:, None]], dim=1)
     return x
 
@@ -443,10 +415,8 @@ def generate_ar(model, num_samples, seq_len, *, bos_id=None, prompt_ids=None, to
 # longer than the context: semi-autoregressive windows (MDLM's and Duo's semi_ar sampler)
 
 def check_stride(stride, block_size):
-    """--stride -> the stride in [1, block_size]; 0 is half a block: every token drawn after the first block then
-    sees at least block_size / 2 held tokens before it, at twice one block's sampler cost per token (block_size /
-    stride sampler calls of a block per block_size new tokens); BD3-LM's semi-AR MDLM baseline also advances 512
-    tokens of its 1024. Raises UsageError naming the flag."""
+    """--stride -> the stride in [1, block_size]; 0 is half a block (docs/sampling.md says why). Raises UsageError
+    naming the flag."""
     if not 0 <= stride <= block_size:
         raise UsageError(f"--stride must be in [1, {block_size}] (the model's block_size; 0 = half of it), "
                          f"got {stride}")
@@ -454,13 +424,10 @@ def check_stride(stride, block_size):
 
 
 def long_windows(prompt_len, seq_len, block_size, stride):
-    """The sampler calls of semi-autoregressive generation past the block (seq_len > block_size) -> [(held, new)].
-    Each call samples one whole block, held + new = block_size tokens: the last `held` tokens so far (the
-    prompt's, then the samples') held fixed as its prompt, and `new` tokens drawn after them. While the text is
-    shorter than a block the call fills the block (the first: the prompt and block_size - prompt_len new tokens);
-    afterwards each draws min(stride, what is left) given the block_size - new tokens before it, so every
-    window holds at least block_size - stride (the last, shorter one more). A prompt longer than a block gives
-    only its last block_size - new tokens to the first window."""
+    """The sampler calls of semi-autoregressive generation past the block (seq_len > block_size) -> [(held, new)],
+    each one whole block, held + new = block_size: the last `held` tokens so far (the prompt's, then the samples')
+    held fixed as its prompt, `new` drawn after them. While the text is shorter than a block the call fills the
+    block; afterwards each draws min(stride, what is left), so every window holds at least block_size - stride."""
     windows, n = [], prompt_len
     while n < seq_len:
         new = block_size - n if n < block_size else min(stride, seq_len - n)
@@ -472,14 +439,11 @@ def long_windows(prompt_len, seq_len, block_size, stride):
 @torch.no_grad()
 def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=None, stride=0, prompt_ids=None,
                   cfg_w=0.0, cfg_seed=None, generator=None, device=None, show_progress=True, **sampler):
-    """generate to any seq_len -> (B, seq_len) int64. seq_len <= block_size (default model.config.block_size):
-    generate itself, the same call. Longer: semi-autoregressive windows (long_windows), each one call of generate
-    on a whole block with the tokens it holds as prompt_ids (clamped clean at every step, as any prompt), so the
-    chosen sampler (ancestral or Psi, nucleus, final step: `sampler`, generate's other keywords) draws each
-    stretch of `stride` tokens (0 = half a block) given the block_size - stride before it. prompt_ids (P,) or
-    (B, P), any P < seq_len. One generator runs through the windows, so a seed gives the same text. CFG (cfg_w):
-    each window that holds tokens is guided against random tokens in their place (null_tokens of the same
-    cfg_seed in every window); a first window without a prompt holds nothing and is drawn unguided."""
+    """generate to any seq_len -> (B, seq_len) int64: generate itself when seq_len <= block_size (default
+    model.config.block_size), else one call of generate per long_windows window, the tokens it holds as
+    prompt_ids, `sampler` generate's other keywords. prompt_ids (P,) or (B, P), any P < seq_len. One generator
+    runs through the windows. CFG (cfg_w): each window that holds tokens is guided against null_tokens of the same
+    cfg_seed in their place; a first window without a prompt holds nothing and is drawn unguided."""
     block_size = block_size or model.config.block_size
     device = torch.device(device) if device is not None else device_of(model)
     check_sample_size(num_samples, seq_len, device)
@@ -565,8 +529,8 @@ def parse_prompt(cfg, tok, vocab_size):
 
 
 def samples_path(out, ckpt):
-    """--out as given, or for "auto" samples.jsonl beside what --ckpt names: in the folder that holds the checkpoint
-    file or the model folder (duo:PATH: beside PATH); a hub name has no folder here: the current one."""
+    """--out as given, or for "auto" samples.jsonl beside what --ckpt names (SampleConfig.out; duo:PATH: beside
+    PATH)."""
     if out != "auto":
         return out
     path = ckpt.removeprefix("duo:")

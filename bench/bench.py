@@ -6,12 +6,11 @@ Benchmark train.py's training step for every objective, and the ancestral sample
     python bench/bench.py --preset small --block_size 1024 --batch_size 32 --device cuda --compile 1
                                                                    # paper Fig. (time)
     python bench/bench.py --json 1                                 # one JSON object instead of markdown
-    python bench/bench.py --repeats 5 --warmup 2 --sample_steps 16 --head_chunks 8 --long_blocks 4 --batch_size 8
-                          # the defaults before 2026-11-28 (RESULTS.md's earlier tables; 2-core CPU: ~4 min)
     python bench/bench.py --head fused_recompute                   # the steps with the fused head recomputing logits
     python bench/bench.py --losses sddlm_v1 --profile 1            # where a step, the sampler spend their time
 
-The method (train.py's own step, interleaved rounds, medians), every column and table: docs/testing.md.
+The method (train.py's own step, interleaved rounds, medians), every column and table, the flags that give
+RESULTS.md's earlier tables: docs/testing.md.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -170,15 +169,12 @@ def allocated_bytes(device):
 
 class Rows:
     """Runs the benchmark's measurements (a table's row, one cell of it, a whole table) so that each starts from
-    the memory the one before it started from. After each, what it allocated is released -- activations, autograd
-    graphs, optimizer temporaries, an out-of-memory error with its traceback and the frames and tensors those hold
-    (dropped outside the except clause, reference cycles collected) -- and allocated_bytes() is checked to be back
-    where it was: `left` {what: bytes} records what is not (CPU: not checked). A measurement that runs out of
-    memory gives None (it reads 'n/a (out of memory)'; `out_of_memory` {what: why}) and the rest still run.
+    the memory the one before it started from: after each, allocated_bytes() is checked to be back where it was
+    (`left` {what: bytes} records what is not; CPU: not checked). A measurement that runs out of memory gives None
+    (it reads 'n/a (out of memory)'; `out_of_memory` {what: why}) and the rest still run.
     lasting: what the measurement builds is meant to stay (a model; the AdamW moments of a first step): not checked.
-    end_of_table: the caches go too -- compiled graphs, the curriculum's alpha tables, the allocator's cached blocks
-    (not between a table's steps: handing blocks back to the device and taking them again would be timed in the
-    next step)."""
+    end_of_table: the caches go too (not between a table's steps: handing the allocator's blocks back to the device
+    and taking them again would be timed in the next step)."""
 
     def __init__(self, device, total=None):
         self.device, self.out_of_memory, self.left = device, {}, {}
@@ -498,10 +494,8 @@ def device_name(device):
 
 
 def run(cfg, show=lambda out, table: None):
-    """The whole benchmark -> one JSON-able dict. Each table -- the training rows, the sampler, the fused head --
-    runs through one Rows from the same memory (on CUDA: memory_allocated back to its baseline after each), a
-    progress bar over its measurements; show(out, table) as each table ("losses", "sampler", "head", "long")
-    finishes."""
+    """The whole benchmark -> one JSON-able dict, each table measured through one Rows; show(out, table) as each
+    table ("losses", "sampler", "head", "long") finishes."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         os.environ.update(cuda_allocator_env(os.environ))      # train.py's allocator, before the first allocation

@@ -11,11 +11,9 @@ metric's definition is in DEFINITIONS below, written beside every result.
 
 JSONL files for the built-in runner: one object a line, either multiple choice
   {"context": str, "choices": [str, ...], "gold": int}   or LAMBADA-style   {"text": str}.
-The lm-eval model "sddlm" (lm-eval 0.4.x, optional) is downstream/lm_eval_adapter.py's, registered by importing
-downstream/lm_eval_sddlm.py; `python -m downstream.lm_eval_sddlm --model sddlm --model_args ckpt=... --tasks ...`
-is the harness's own command line. Through lm-eval each task's result is written to --out as soon as it is known;
-a task that fails (a dataset that cannot be reached, ...) is reported and the others still run; the exit code is
-2 when any failed.
+Through lm-eval (lm-eval 0.4.x, optional; its model "sddlm": downstream/lm_eval_sddlm.py) each task's result is
+written to --out as soon as it is known; a task that fails (a dataset that cannot be reached, ...) is reported and
+the others still run; the exit code is 2 when any failed.
 """
 
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)

@@ -24,8 +24,7 @@ LM_EVAL = "lm-eval==0.4.13"   # the version the adapter is tested with (CI insta
 @functools.cache
 def lm_eval_model_class():
     """The lm-eval model class (needs lm-eval): _Harness on lm-eval's LM, built once. eval_downstream's CLI passes
-    instances to lm-eval; `import lm_eval_sddlm` registers the class as "sddlm", after which
-    lm_eval.simple_evaluate(model="sddlm", model_args="ckpt=out/ckpt.pt,mc_draws=128,cfg_w=1.1", tasks=[...]) works."""
+    instances to lm-eval; downstream/lm_eval_sddlm.py registers the class as "sddlm"."""
     from lm_eval.api.model import LM
     return type("SDDLMHarness", (_Harness, LM), {"__doc__": _Harness.__doc__, "__module__": __name__})
 

@@ -74,12 +74,6 @@ importlib.import_module("lm_eval.models")
 SDDLMHarness = register_model("sddlm")(adapter.lm_eval_model_class())
 
 
-def model_help():
-    """What --help adds after the harness's own: the sddlm model's arguments and request types (this docstring's
-    part from --model_args on)."""
-    return "\nsddlm model (--model sddlm):\n\n" + __doc__[__doc__.index("--model_args"):].strip() + "\n"
-
-
 def main():
     """The harness's command line (sys.argv as given) with "sddlm" registered; lm-eval's own failures (a dataset
     that cannot be reached, ...) become one line. --help (-h): the harness's help, then the sddlm model's."""
@@ -90,8 +84,8 @@ def main():
     try:
         cli_evaluate()
     except SystemExit as e:
-        if asks_help and e.code in (0, None):
-            print(model_help())
+        if asks_help and e.code in (0, None):     # then the sddlm model's: this docstring from --model_args on
+            print("\nsddlm model (--model sddlm):\n\n" + __doc__[__doc__.index("--model_args"):].strip() + "\n")
             return 0
         raise
     except (UsageError, DataError, torch.OutOfMemoryError):    # ours, reported by run_cli

@@ -6,12 +6,8 @@ The paper's figures and the rows of its main table, from train.py run folders, e
     python figures/plot.py --evals evals/sddlm-genppl.json,evals/duo-genppl.json --table table.md
     python figures/plot.py --bench bench.json                       # bench/bench.py --json 1 > bench.json
 
-The PNGs go beside the data (--out_dir, default: the run folder's plots/, the runs' common parent's plots/ for
-several, else beside the first --evals or --bench file), never by default into the repository's figures/. A file
-that exists already is replaced only with --overwrite 1, and only when figures/plot.py wrote it (otherwise one error
-line, and nothing is written).
-
-The figures (each the paper's figure it redraws) and the tables: docs/training.md, "Figures".
+The figures (each the paper's figure it redraws), the tables, where the PNGs go and when one is replaced:
+docs/training.md, "Figures".
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -281,13 +277,6 @@ def figure_names(curves, gen, bench):
     return [name for name, wanted in drawn.items() if wanted]
 
 
-def _band(ax, band, style, lo, hi):
-    """The 95% interval of a curve's points as a shaded band in the curve's colour (points without one: none)."""
-    if band:
-        ax.fill_between([b[0] for b in band], [b[lo] for b in band], [b[hi] for b in band], color=style["color"],
-                        alpha=0.18, lw=0)
-
-
 def _mark_curriculum_end(ax, curves):
     """A vertical line after the last curriculum step of the runs that had one, named in the legend: the training
     loss jumps there because the task changes (train.curriculum_end_note)."""
@@ -334,8 +323,10 @@ def plot_training(curves, cfg):
             label = c["label"] + (" (exact PPL)" if key == "val" and c["label"] == "ar" else "")
             ax.plot([p[0] for p in c[key]], [p[index] for p in c[key]], label=label,
                     **(style if band else {**style, "ms": 0}))
-            if band:
-                _band(ax, c[key + "_band"], style, *band)
+            if band and c[key + "_band"]:         # the 95% intervals, shaded in the curve's colour
+                points, (lo, hi) = c[key + "_band"], band
+                ax.fill_between([b[0] for b in points], [b[lo] for b in points], [b[hi] for b in points],
+                                color=style["color"], alpha=0.18, lw=0)
         _mark_curriculum_end(ax, drawn)
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel)

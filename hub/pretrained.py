@@ -1,15 +1,6 @@
 """
 Model folders: a trained model as the Hugging Face ecosystem shares one, and the three-line Python API.
 
-    out/model/
-      model.safetensors   the weights only (EMA by default): reading them runs no code, unlike a pickle
-      config.json         "model_type": "sddlm" and the model's fields on top (the hub's flat form), the objective, the
-                          noise schedule, the default final step, the tokenizer (spec, sha256, special ids), the step,
-                          the validation NELBO the run measured, the training config, the weights' sha256 (checked
-                          by every reader)
-      tokenizer.model     the SentencePiece model, when the tokenizer is a local file (gpt2 and hf:NAME are not)
-      README.md           the model card: the hub's metadata header, then what the model is and how to load it
-
     from hub.pretrained import SDDLM
     lm = SDDLM.from_pretrained("out/model")       # a model folder, a train.py/distill.py checkpoint, a hub name
     print(lm.generate(2)[0], lm.score(["The os module provides"]))
@@ -18,17 +9,8 @@ train.py and distillation/distill.py write out_dir/model at the end of a run; an
 
     python hub/pretrained.py --ckpt out/ckpt.pt --out out/model        # --weights raw: the live weights, not the EMA
 
-and every script's --ckpt reads a folder as it reads a checkpoint (trained.checkpoint.load_model). push_to_hub uploads a
-folder (huggingface_hub, an optional package imported only there). The writing is trained/export.py's, beside the
-reading (trained/folder.py): it never deletes what the project did not write: into an existing model folder it
-replaces only its own files (weights, config, tokenizer, its own model card); a folder holding anything else is
-refused; a README.md of the user's is kept (no card is written then).
-
-Why not huggingface_hub's PyTorchModelHubMixin: it would make huggingface_hub a dependency of the model class, and its
-from_pretrained loads with strict=False (missing weights pass silently) and falls back to pytorch_model.bin (a
-pickle) when a repository has no safetensors; it knows neither the tokenizer file and its sha256 check nor
-train.py's checkpoints. This file keeps those guarantees and follows the mixin's conventions (model.safetensors,
-config.json, a README.md card with library_name and tags, a user's README.md never overwritten).
+What a folder holds, how an export treats an existing folder, why not huggingface_hub's PyTorchModelHubMixin:
+docs/model_folders.md. The writing is trained/export.py's, the reading trained/folder.py's.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):

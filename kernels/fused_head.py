@@ -2,10 +2,7 @@
 The output layer fused with the loss: the formulas of losses.py computed from the last hidden state and the output
 matrix in chunks of rows, never holding the (B, L, V) logits or a float32 tensor of that size. Training uses it by
 default on CUDA (train.py --head auto), where the logits of a micro-batch (64 x 1024 x 50K) would take gigabytes.
-
-  Head                  the output layer in place of logits: losses.py's SDDLM losses and ar_loss take it as they
-                        take logits (it has .shape, row slicing and .log_probs)
-  usdm_nelbo_loss_lean  losses.usdm_nelbo_loss in chunks of rows, on logits or a Head
+losses.py's SDDLM losses and ar_loss take a Head as they take logits (it has .shape, row slicing and .log_probs).
 
 Each chunk's logits are either kept for backward (Head.keep_logits: three matrix products in all, forward and the
 two of backward) or recomputed there (four products, the memory of one chunk); train.py's memory probe

@@ -65,11 +65,10 @@ def gumbel_argmax(logits, generator=None, chunk_elems=1 << 25, block_lse=None, r
     over the block), so P(v) = exp(lse_c - lse) exp(logits[v] - lse_c) = softmax(logits)[v]. Given the block
     log-sum-exps (block_logsumexp: the sampler has them from its one pass), a row costs O(K / block + block)
     random numbers and reads one block of logits, not O(K).
-    Precision: G is gumbel_noise (float32 from 48-bit uniforms: G reaches 33, float64 noise 37, a float32
-    uniform only 16.6) added to float32 block log-sum-exps and logits. A block (a token) whose log-mass trails
-    the best it competes with by more than ~36 is never drawn: such blocks and tokens carry at most K e^-36
-    < 1e-11 of the law at K = 50258, far below what sampling resolves; the sums round at float32's relative
-    6e-8, the precision the logits themselves carry.
+    Precision: G is gumbel_noise (up to 33) added to float32 block log-sum-exps and logits. A block (a token)
+    whose log-mass trails the best it competes with by more than ~36 is never drawn: such blocks and tokens carry
+    at most K e^-36 < 1e-11 of the law at K = 50258, far below what sampling resolves; the sums round at
+    float32's relative 6e-8, the precision the logits themselves carry.
     logits (n, K), -inf allowed; block_lse (n, ceil(K / block)) or None (computed, chunk_elems logits a pass);
     rows: optional (m,) row indices to draw for (only those rows' blocks are read) -> ids (n,) or (m,)."""
     K, block = logits.shape[-1], GUMBEL_BLOCK

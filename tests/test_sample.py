@@ -19,8 +19,8 @@ from plumbing.cli import UsageError
 from model import ModelConfig, build_model
 from conftest import bayes_posterior, transition_matrix
 from laws import denoiser_probs, reverse_posterior
-from sample import (Psi, generate, generate_ar, kappa_from_sigma, nucleus, nucleus_logits, parse_psi,
-                    psi_kappa, remdm_sigma, time_grid)
+from sample import (Psi, generate, generate_ar, kappa_from_sigma, nucleus_logits, parse_psi, psi_kappa,
+                    remdm_sigma, time_grid)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = dict(vocab_size=11, block_size=12, n_layer=1, n_head=2, n_embd=16, cond_dim=8)
@@ -509,6 +509,19 @@ def test_cfg_without_a_prompt_is_an_error():
 
 # -----------------------------------------------------------------------------------------------
 # nucleus filtering on x_theta
+
+def nucleus(probs, top_p):
+    """The reference sample.nucleus_logits is checked against, on probabilities: keep the smallest set of most
+    likely tokens whose mass reaches top_p, renormalised. probs (..., V) -> (..., V); top_p >= 1 returns probs
+    unchanged; the most likely token is always kept."""
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p            # mass of the strictly more likely tokens
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
+
 
 def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]], dtype=torch.float64)
