@@ -196,6 +196,8 @@ class Scorer:
     def loglikelihood(self, pairs, cfg_w=0.0, greedy_check="argmax", desc="loglikelihood"):
         """[(context, continuation)] -> [(log-likelihood bound, is_greedy)], is_greedy by protocol (b) 'argmax'
         or (a) 'generate'. An empty continuation has log-likelihood 0."""
+        if greedy_check not in GREEDY_CHECKS:          # a direct caller's typo is refused, never read as 'generate'
+            raise EvalError(f"greedy_check must be one of {', '.join(GREEDY_CHECKS)}, got {greedy_check!r}")
         out = []
         for (ctx, cont), (_, text) in self._encoded(pairs, desc):
             if not cont:
