@@ -731,3 +731,10 @@ def test_eval_downstream_takes_a_model_folder(run_ar, tmp_path):
         assert json.loads((tmp_path / "r.json").read_text())["results"][0]["n"] == 1
         os.remove(tmp_path / "r.json")
         os.remove(tmp_path / "r.md")
+
+
+def test_scorer_refuses_an_unknown_greedy_check():
+    """A direct caller's misspelt protocol is one error naming both, never read as protocol (a) 'generate'."""
+    scorer = scoring.Scorer(StubDenoiser(), CharTokenizer(), seed=0, progress=False)
+    with pytest.raises(scoring.EvalError, match="greedy_check must be one of argmax, generate, got 'argmx'"):
+        scorer.loglikelihood([("xy", "ab")], greedy_check="argmx")
