@@ -1,12 +1,14 @@
 """Tests for losses.py, which travel with it: copy the two files alone, `python -m pytest test_losses.py`.
 Every loss is checked against an independent route: brute-force float64 formulas written from the paper with
 explicit loops, hand-derived gradients, central finite differences, Monte Carlo with a stated tolerance, and (for
-the Duo NELBO) the discrete-time ELBO built from explicit transition matrices."""
+the Duo NELBO) the discrete-time ELBO built from explicit transition matrices; on bf16 logits, against float64
+logits holding the same rounded values."""
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from losses import (EPS, ar_loss, log_probs, naive_denoising_loss, sddlm_loss, sddlm_v1_loss,
                     sddlm_v2_loss, usdm_nelbo_loss)
@@ -588,3 +590,106 @@ def test_discrete_elbo_converges_to_usdm_nelbo_like_one_over_T():
     # (~c'/T: +-25% at T = 64, +-12% at 256), and gap_1024 ~ gap_64 / 16 (measured 1.6e-5 of the integral)
     assert abs(gaps[1024]) < 1e-4 * integral
     assert 3.0 < gaps[64] / gaps[256] < 5.0 and 3.5 < gaps[256] / gaps[1024] < 4.5
+
+# -----------------------------------------------------------------------------
+# the objectives on bf16 logits against float64 logits holding the same rounded values
+
+BF16_U = 2.0 ** -8      # unit roundoff of bf16 (8 significant bits): one rounding errs by at most this, relatively
+
+
+def lse_tol(V):
+    """A float32 log-sum-exp of V values: the sum of exp(z - max) (each <= (1 + |z - max|) U32 off, |z - max| <= 12
+    where a term is not negligible) errs by <= (V + 13) U32 relative in any order, so its log by that absolutely;
+    the final max + log adds one rounding of |lse| (the caller's rtol)."""
+    return (V + 13) * U32
+
+
+def loss_case(V=1000, B=2, L=48, seed=5):
+    """bf16 logits (B, L, V), x0, xt corrupted at alpha_t 0.3 / 0.8, negatives, and an upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(B, L, V, generator=g)).bfloat16()
+    x0 = torch.randint(0, V, (B, L), generator=g)
+    alpha_t = torch.tensor([[0.3], [0.8]])
+    keep = torch.rand(B, L, generator=g) < alpha_t                     # Eq. (discrete_marginal): kept, else uniform
+    xt = torch.where(keep, x0, torch.randint(0, V, (B, L), generator=g))
+    neg = torch.randint(0, V, (B, L), generator=g)
+    upstream = torch.randn(B, L, generator=g)
+    return logits, x0, xt, neg, alpha_t, upstream
+
+
+LOSS_CALLS = {
+    "naive": lambda z, x0, xt, neg, a: naive_denoising_loss(z, x0),
+    "sddlm": lambda z, x0, xt, neg, a: sddlm_loss(z, x0, xt),
+    "sddlm_v1": lambda z, x0, xt, neg, a: sddlm_v1_loss(z, x0, xt, neg=neg),
+    "sddlm_v2": lambda z, x0, xt, neg, a: sddlm_v2_loss(z, x0, xt),
+    "duo": lambda z, x0, xt, neg, a: usdm_nelbo_loss(z, x0, xt, a, -(1 - 1e-3)),
+    "ar": lambda z, x0, xt, neg, a: F.pad(ar_loss(z, x0), (0, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSS_CALLS))
+def test_every_loss_on_bf16_logits_matches_float64(name):
+    logits, x0, xt, neg, alpha_t, upstream = loss_case()
+    bf = logits.clone().requires_grad_(True)
+    f64 = logits.double().requires_grad_(True)
+    call = LOSS_CALLS[name]
+    low, ref = call(bf, x0, xt, neg, alpha_t), call(f64, x0, xt, neg, alpha_t.double())
+    assert low.dtype == torch.float32
+    # the inputs are exact in both; only float32 accumulation separates the values: log p = z - lse within
+    # lse_tol(V) + 2 U32 |lse| (|lse| <= 40), V1 / V2 subtract two such; the NELBO within its rounding of the
+    # sizes of its terms (test_losses.usdm_sizes), ~3V + 10 roundings
+    if name == "duo":
+        tol = 2 * (3 * 1000 + 10) * U32 * usdm_sizes(f64.detach(), x0, xt, alpha_t.double(), -(1 - 1e-3))
+        assert ((low.double() - ref.detach()).abs() <= tol).all()
+    else:
+        torch.testing.assert_close(low.double(), ref.detach(), rtol=0, atol=2 * (lse_tol(1000) + 80 * U32))
+    g_low, = torch.autograd.grad((low * upstream).sum(), bf)
+    g_ref, = torch.autograd.grad((ref * upstream.double()).sum(), f64)
+    # d loss / d logit_v = w (p_v - [v = target]) (a difference of two such terms for V1/V2): autograd adds
+    # the bf16-rounded parts (w p_v from the log-sum-exp, -w from each gather) in bf16, <= 4 roundings of
+    # numbers <= |w|; the NELBO is float32 throughout and rounded once at the end
+    bound = BF16_U * (g_ref.abs().max().item() if name == "duo" else 4 * upstream.abs().max().item())
+    torch.testing.assert_close(g_low.double(), g_ref, rtol=0, atol=bound)
+
+
+def confident_case(V=512, B=4, L=32):
+    """Logits whose target token has probability 0.9 to 0.99: the regime of a model that is learning."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(B, L, V, generator=g)
+    x0 = torch.randint(0, V, (B, L), generator=g)
+    logits.scatter_(-1, x0[..., None], 9.0 + 2 * torch.rand(B, L, 1, generator=g))
+    return logits.bfloat16(), x0
+
+
+def target_grad_error(grad, ref, x0):
+    at = lambda t: t.gather(-1, x0[..., None]).squeeze(-1).double()
+    return ((at(grad) - at(ref)).abs() / at(ref).abs()).max().item()
+
+
+def test_sddlm_target_logit_gradient_is_rounded_once_in_bf16():
+    """At p(x0) ~ 0.9-0.99 (a model that is learning) the target entry p - 1 of the gradient is formed in float32
+    and rounded once to bf16; a gather plus a separate log-sum-exp would round it twice (~13% error at p = 0.9)."""
+    logits, x0 = confident_case()
+    p = torch.softmax(logits.double(), -1)
+    assert 0.9 < p.gather(-1, x0[..., None]).min() and p.gather(-1, x0[..., None]).max() < 0.995
+    bf = logits.clone().requires_grad_(True)
+    g, = torch.autograd.grad(naive_denoising_loss(bf, x0).sum(), bf)
+    ref = p - F.one_hot(x0, logits.shape[-1]).double()
+    # float32 p (V = 512: <= (V + 13) U32 = 3.1e-5 relative) minus 1 magnifies by p / (1 - p) <= 200 (6.3e-3),
+    # then one bf16 rounding (3.9e-3): <= 1.02e-2 < 4 BF16_U = 1.6e-2; a second rounding would err by ~13%
+    assert target_grad_error(g, ref, x0) <= 4 * BF16_U
+
+
+@pytest.mark.parametrize("name", ["naive", "sddlm", "sddlm_v1", "sddlm_v2", "ar"])
+def test_sddlm_family_keeps_no_float32_vocab_tensor_for_backward(name):
+    logits, x0, xt, neg, alpha_t, _ = loss_case()
+    big = []
+
+    def pack(t):
+        if t.dtype != torch.bfloat16 and t.numel() >= logits[0].numel():
+            big.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        LOSS_CALLS[name](logits.clone().requires_grad_(True), x0, xt, neg, alpha_t)
+    assert big == []

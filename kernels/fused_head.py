@@ -7,7 +7,7 @@ losses.py's SDDLM losses and ar_loss take a Head as they take logits (it has .sh
 Each chunk's logits are either kept for backward (Head.keep_logits: three matrix products in all, forward and the
 two of backward) or recomputed there (four products, the memory of one chunk); train.py's memory probe
 (plumbing/memory.py) keeps them unless they do not fit. On CUDA each chunk's pass over the vocabulary is one
-compiled kernel (_fused). The numbers are those of losses.py (tests/test_fused_head.py, tests/test_fastpaths.py).
+compiled kernel (_fused). The numbers are those of losses.py (tests/test_fused_head.py).
 """
 import dataclasses
 from typing import Optional

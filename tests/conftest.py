@@ -21,7 +21,7 @@ import torch
 
 from plumbing.cli import STOP_SIGNALS
 from test_losses import bayes_posterior, transition_matrix  # noqa: F401  (the oracles, for the tests)
-from model import ModelConfig
+from model import ModelConfig, build_model
 import prepare
 import train
 
@@ -133,7 +133,9 @@ def pytest_sessionfinish(session):
 # test_losses.py travels alone with losses.py (no pytest.ini there to register a marker): its float32 / bf16 tests
 # are marked numerics here
 LOSSES_NUMERICS = ("test_bf16_logits_are_scored_in_float32_in_chunks_of_rows",
-                   "test_sddlm_v1_unbounded_below_without_eps_bounded_with_it", "test_usdm_nelbo_is_nonnegative")
+                   "test_sddlm_v1_unbounded_below_without_eps_bounded_with_it", "test_usdm_nelbo_is_nonnegative",
+                   "test_every_loss_on_bf16_logits_matches_float64",
+                   "test_sddlm_target_logit_gradient_is_rounded_once_in_bf16")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -395,3 +397,37 @@ def prepared(tmp_path_factory):
     d = tmp_path_factory.mktemp("loop")
     (d / "c.txt").write_text("\n\n".join(f"the cat {i} sees the dog {i % 7} ." * 3 for i in range(300)))
     return prepare.prepare_dataset(str(d / "c.txt"), "gpt2", str(d / "data"), 16, progress=False, num_proc=1)
+
+# -----------------------------------------------------------------------------
+# a small model from train.py's config path, for the fast paths' tests (test_train, test_curriculum, test_sample,
+# test_bench), and whether torch.compile can run here
+
+SMALL = dict(preset="tiny", block_size=16, batch_size=4, n_layer=2, n_head=2, n_embd=32)
+
+
+def compiler_missing():
+    """Why torch.compile cannot run its CPU backend here (a skip reason), or None."""
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported on this platform"
+    if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        return "no C++ compiler for TorchInductor's CPU backend"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":     # its generated C++ uses at::vec, undeclared there
+        return "TorchInductor's C++ does not build under ATEN_CPU_CAPABILITY=default (torch 2.13)"
+    return None
+
+
+def small_model(loss="sddlm", vocab_size=61, seed=0, perturb=0.05, **overrides):
+    """A 2-layer DiT (or its causal twin for 'ar') from train.py's config path, with the zero-initialised
+    output and adaLN layers perturbed so that every parameter gets a gradient."""
+    tcfg = train.TrainConfig(**{**SMALL, "loss": loss, **overrides})
+    torch.manual_seed(seed)
+    model = build_model(train.model_config_for(tcfg, vocab_size))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(perturb * torch.randn_like(p))
+    return model, tcfg
+
+
+def grads(model):
+    """Every parameter's gradient, flattened into one vector."""
+    return torch.cat([p.grad.flatten() for p in model.parameters()])

@@ -3,6 +3,8 @@ stands for (values, and the gradients of hidden, W and b), in float64 and bf16, 
 sequences and for kept and recomputed logits; kept logits save one output-layer product of four (FLOPs counted by
 torch's counter); W's gradient is summed over chunks in float32; the memory probe picks keep or recompute."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,10 +17,10 @@ from plumbing.cli import ConfigError
 from plumbing.distributed import Env
 from plumbing.flags import check_train_flags
 import train
-from kernels import fused_head
+from kernels import fused_head, gumbel
 from kernels.fused_head import Head
-from conftest import unit_roundoff
-from test_losses import usdm_sizes
+from conftest import compiler_missing, unit_roundoff
+from test_losses import loss_case, lse_tol, usdm_sizes
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
 
@@ -234,3 +236,176 @@ def test_the_probe_leaves_the_head_as_given_or_without_a_head(loss, head, monkey
     cfg = train.TrainConfig(batch_size=128, loss=loss, head=head)
     fit(cfg, env)
     assert (cfg.head, cfg.grad_accum, asked) == (head, 2, [(64, head), (32, head)])
+
+
+# -----------------------------------------------------------------------------
+# the output layer fused with the loss (Head) against logits computed in full, and its compiled kernels
+
+def head_case(dtype, V=61, V_pad=64, B=2, L=24, d=16, seed=9):
+    """A Head (hidden, W, b) with padding rows, tokens, and the plain logits F.linear(h, W, b)[..., :V]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, L, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V_pad, d, generator=g, dtype=torch.float64) / 2).to(dtype).requires_grad_(True)
+    bias = torch.randn(V_pad, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    x0, xt, neg = (torch.randint(0, V, (B, L), generator=g) for _ in range(3))
+    return hidden, weight, bias, x0, xt, neg, torch.randn(B, L, generator=g)
+
+
+HEAD_LOSSES = {
+    "naive": lambda z, x0, xt, neg: losses.naive_denoising_loss(z, x0),
+    "sddlm": lambda z, x0, xt, neg: losses.sddlm_loss(z, x0, xt),
+    "sddlm_v1": lambda z, x0, xt, neg: losses.sddlm_v1_loss(z, x0, xt, neg=neg),
+    "sddlm_v2": lambda z, x0, xt, neg: losses.sddlm_v2_loss(z, x0, xt),
+    "ar": lambda z, x0, xt, neg: F.pad(losses.ar_loss(z, x0), (0, 1)),
+    "duo_lean": lambda z, x0, xt, neg: fused_head.usdm_nelbo_loss_lean(z, x0, xt, torch.tensor([[0.3], [0.8]]), -0.999,
+                                                                   chunk_elems=7 * 64),
+}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", list(HEAD_LOSSES))
+def test_loss_on_a_head_equals_the_loss_on_its_logits(name, dtype):
+    """Given the output layer and its input (with padding columns; duo_lean in row chunks of 7), each loss
+    returns the values and gradients (hidden, W, b) of the same loss on the logits F.linear(h, W, b)[..., :V].
+    float64: to rounding. bf16: the chunk logits are the same bf16 numbers, so values agree to float32 rounding;
+    the gradients of W and b are summed over chunks in float32 (the plain route rounds once at the end), within
+    a few bf16 roundings."""
+    hidden, weight, bias, x0, xt, neg, upstream = head_case(dtype)
+    call = HEAD_LOSSES[name]
+    ref = call(F.linear(hidden, weight, bias)[..., :61], x0, xt, neg)
+    got = call(fused_head.Head(hidden, weight, bias, 61), x0, xt, neg)
+    g_ref = torch.autograd.grad((ref * upstream).sum(), (hidden, weight, bias))
+    g_got = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
+    # values: float64, the logits' d = 16 products in other blocks and a V-term sum (< 100 roundings of values
+    # <= 45): <= 2 * 100 * 45 * U64 = 1e-12; bf16, the same bf16 logits and float32 sums: as the test above, for
+    # V = 61; duo_lean: 2 (3V + 10) u of the sizes of its terms (usdm_sizes)
+    u = U64 if dtype == torch.float64 else U32
+    if name == "duo_lean":
+        logits = F.linear(hidden, weight, bias)[..., :61].detach().double()
+        tol = 2 * (3 * 61 + 10) * u * usdm_sizes(logits, x0, xt, torch.tensor([[0.3], [0.8]]), -0.999)
+        assert ((got.double() - ref.double()).abs() <= tol).all()
+    else:
+        torch.testing.assert_close(got.double(), ref.double(), rtol=0,
+                                   atol=1e-12 if dtype == torch.float64 else 2 * (lse_tol(61) + 80 * U32))
+    for a, b, what in zip(g_got, g_ref, ("hidden", "W", "b")):
+        assert a.dtype == b.dtype
+        # float64: sums over <= B L = 48 rows and V_pad = 64 columns: reduction_tol(112) of the largest entry's
+        # size (1e-13 here) is far below 1e-12. bf16: the logits' gradient is rounded to bf16 (<= 4 roundings, as
+        # in the test above) and W's and b's sums over rows are rounded once at the end of float32 sums in both
+        # routes, <= 2 more each side: 8 BF16_U of the largest entry
+        bound = 1e-12 if dtype == torch.float64 else 8 * BF16_U * b.abs().max().item()
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=bound, msg=what)
+    assert g_got[1][61:].abs().max() == 0 and g_got[2][61:].abs().max() == 0     # padding: no gradient
+
+
+def test_head_log_probs_in_row_chunks_equal_one_chunk():
+    hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.float64)
+    head = fused_head.Head(hidden, weight, bias, 61)
+    one = head.log_probs(x0, neg)
+    many = dataclasses.replace(head, chunk_elems=5 * 64).log_probs(x0, neg)   # 5 rows a chunk: 10 chunks, ragged last
+    # float64, the same per-row ops; only the matmuls' blocking may differ: d = 16 products and a 61-term sum,
+    # < 80 roundings of values <= 12 (|h| |W| and |log p| here): <= 2 * 80 * 12 * U64 = 2.1e-13
+    for a, b in zip(one, many):
+        torch.testing.assert_close(a, b, rtol=0, atol=4e-13)
+    g_one = torch.autograd.grad((one[0] * upstream + one[1]).sum(), (hidden, weight, bias))
+    g_many = torch.autograd.grad((many[0] * upstream + many[1]).sum(), (hidden, weight, bias))
+    for a, b in zip(g_one, g_many):       # W and b: sums over the 48 rows in 10 chunks, terms <= 10: 1e-13
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["log_probs", "duo_lean"])
+def test_losses_on_a_head_keep_no_vocab_tensor_for_backward(name):
+    """The point of the Head: with the logits in several chunks and keep_logits off nothing of (B, L, V) size is
+    kept for backward (only hidden, W, b and per-row values); with keep_logits on, or logits that fit in one
+    chunk, exactly the chunks' logits are kept, in the Head's dtype (no float32 copy)."""
+    hidden, weight, bias, x0, xt, neg, _ = head_case(torch.bfloat16, V=2000, V_pad=2048, L=64)
+    call = {"log_probs": lambda head: head.log_probs(x0, neg),
+            "duo_lean": lambda head: fused_head.usdm_nelbo_loss_lean(head, x0, xt, 0.3, -0.999,
+                                                                     chunk_elems=head.chunk_elems)}[name]
+    for chunk, keep, kept in ((20 * 2048, False, []), (20 * 2048, True, [(20, 2048)] * 6 + [(8, 2048)]),
+                              (1 << 27, False, [(128, 2048)])):
+        saved = []
+
+        def pack(t):
+            if t.dim() == 2 and t.shape[-1] == 2048:
+                saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call(fused_head.Head(hidden, weight, bias, 2000, keep_logits=keep, chunk_elems=chunk))
+        assert saved == [(torch.bfloat16, s) for s in kept], (chunk, keep)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lean_nelbo_equals_the_plain_nelbo_on_logits(dtype):
+    """usdm_nelbo_loss_lean = usdm_nelbo_loss in row chunks (3 rows, ragged last): values and the logits' gradient
+    to float32 rounding (float64: exactly the same arithmetic per row), for per-sequence and scalar alphas."""
+    logits, x0, xt, neg, alpha_t, upstream = loss_case(V=300)
+    logits = logits.to(dtype).requires_grad_(True)
+    for a, da in ((alpha_t, torch.tensor([[-0.999], [-0.5]])), (0.42, -1.0)):
+        ref = losses.usdm_nelbo_loss(logits, x0, xt, a, da)
+        lean = fused_head.usdm_nelbo_loss_lean(logits, x0, xt, a, da, chunk_elems=3 * 300)
+        assert lean.dtype == ref.dtype
+        # the same formula per row, in row chunks: each route errs from the exact value by <= 2 (3V + 10) u of the
+        # sizes of its terms (usdm_sizes), in float32 for bf16 logits
+        u = U64 if dtype == torch.float64 else U32
+        tol = 2 * (3 * 300 + 10) * u * usdm_sizes(logits.detach().double(), x0, xt, a, da)
+        assert ((lean.double() - ref.double()).abs() <= tol).all()
+        g_ref, = torch.autograd.grad((ref * upstream).sum(), logits)
+        g_lean, = torch.autograd.grad((lean * upstream).sum(), logits)
+        # gradients (each entry w (dloss/dz), ~3V + 10 roundings relative to the largest entry's size); bf16: each
+        # route rounds its float32 entry once, so they differ by <= 1 bf16 ulp = 2 BF16_U of the entry
+        u = 2 * BF16_U if dtype == torch.bfloat16 else 2 * (3 * 300 + 10) * u
+        torch.testing.assert_close(g_lean.double(), g_ref.double(), rtol=0, atol=u * g_ref.abs().max().item())
+
+
+def test_lean_nelbo_keeps_only_the_logits_for_backward():
+    logits, x0, xt, neg, alpha_t, _ = loss_case(V=2000, L=64)
+    logits.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fused_head.usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, -0.999)
+    big = [t for t in saved if t.numel() >= logits.shape[0] * logits.shape[1] * 100]
+    assert len(big) == 1 and big[0].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
+    """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (fused_head._fused); here the
+    same compilation runs on the CPU (TorchInductor's C++ backend) and must give the eager numbers: values and
+    gradients of the SDDLM losses and the lean NELBO on bf16 logits and on a bf16 Head, and the sampler's
+    log-sum-exps of blocks of the vocabulary."""
+    hidden, weight, bias, x0, xt, neg, upstream = head_case(torch.bfloat16)
+    logits = F.linear(hidden, weight, bias)[..., :61].detach().requires_grad_(True)
+
+    def run():
+        out = {}
+        for name, z in (("logits", logits), ("head", fused_head.Head(hidden, weight, bias, 61))):
+            loss = losses.sddlm_v1_loss(z, x0, xt, neg=neg, eps=0.01)
+            out[name] = (loss, *torch.autograd.grad((loss * upstream).sum(), (logits,) if name == "logits" else
+                                                    (hidden, weight, bias)))
+            nelbo = fused_head.usdm_nelbo_loss_lean(z, x0, xt, 0.3, -0.999, chunk_elems=7 * 64)
+            out[name + " nelbo"] = (nelbo, *torch.autograd.grad((nelbo * upstream).sum(), (
+                logits,) if name == "logits" else (hidden, weight, bias)))
+        out["block lse"] = (gumbel.block_logsumexp(logits.detach(), 16, chunk_elems=7 * 61),)
+        return out
+
+    eager = run()
+    nelbo_sizes = usdm_sizes(logits.detach().double(), x0, xt, torch.tensor(0.3), -0.999).max().item()
+    compiled = {}
+    monkeypatch.setattr(fused_head, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
+    got = run()
+    assert len(compiled) == 4
+    for key in eager:
+        for a, b in zip(got[key], eager[key]):
+            # Inductor sums in its own order: float32 values within 2 (V + 13 + 80) U32 (V = 61; the NELBO: 2 (3V
+            # + 10) U32 of its terms' sizes); a bf16 output is one rounding of such a float32: <= 1 ulp (2 BF16_U)
+            # apart wherever the two float32 values straddle a rounding boundary
+            f32 = 2 * (3 * 61 + 10) * U32 * nelbo_sizes if "nelbo" in key else 2 * (lse_tol(61) + 80 * U32)
+            tol = dict(rtol=2 * BF16_U, atol=f32) if a.dtype == torch.bfloat16 else dict(rtol=0, atol=f32)
+            torch.testing.assert_close(a.double(), b.double(), **tol, msg=key)

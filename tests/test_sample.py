@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import diffusion
+from kernels import gumbel
 import sample
 from plumbing.cli import UsageError
 from model import ModelConfig, build_model
-from conftest import bayes_posterior, transition_matrix
+from conftest import bayes_posterior, small_model, transition_matrix
 from laws import denoiser_probs, reverse_posterior
 from sample import (Psi, generate, generate_ar, kappa_from_sigma, nucleus_logits, parse_psi, psi_kappa,
                     remdm_sigma, time_grid)
@@ -783,3 +784,34 @@ def test_the_sampling_loop_never_waits_for_the_device(psi):
                                                             top_p=0.9, psi=psi, show_progress=False,
                                                             generator=torch.Generator().manual_seed(0)))
     assert run(2) == run(7) <= 1
+
+
+# -----------------------------------------------------------------------------
+# the sampler holds no float64 tensor over the vocabulary, also with CFG and top-p
+
+def test_sampler_builds_no_float64_vocab_tensor_with_cfg_top_p(monkeypatch):
+    """Every tensor any op of sample.generate returns is watched: float64 appears only for per-token values,
+    never (B, L, V) nor (B, L, blocks of V); with CFG and nucleus filtering too."""
+    monkeypatch.setattr(gumbel, "GUMBEL_BLOCK", 8)        # V = 61 in 8 blocks
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sample import generate
+
+    class Watch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    model, _ = small_model("sddlm", vocab_size=61)
+    B, L = 3, 16
+    for kw in (dict(), dict(cfg_w=1.5, prompt_ids=[1, 2, 3], top_p=0.9)):
+        with Watch() as watch:
+            x = generate(model, B, L, 61, 4, generator=torch.Generator().manual_seed(0), show_progress=False, **kw)
+        assert x.shape == (B, L) and x.max() < 61
+        assert 0 < watch.largest <= 2 * B * L, kw       # per-token scalars (the CFG batch is 2B)

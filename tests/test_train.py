@@ -1,6 +1,7 @@
 """train.py end to end on a tiny synthetic corpus (CPU, offline): every loss learns, resume is exact,
 2-process DDP equals 1 process, bad input fails in one line without losing what was written; the paper's presets
 (the Appendix table) and their curriculum share, and bad experiment flags refused before any work."""
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import curriculum.gaussian as curriculum
@@ -22,7 +24,9 @@ from plumbing.cli import ConfigError
 from plumbing.distributed import Env
 from plumbing.run import Run
 import train
-from conftest import assert_adam_moments_close, reduction_tol, train_in_one_and_two_processes, unit_roundoff
+from diffusion import loss_terms, token_mean
+from conftest import (assert_adam_moments_close, compiler_missing, grads, reduction_tol, small_model,
+                      train_in_one_and_two_processes, unit_roundoff)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
@@ -536,3 +540,129 @@ def test_a_presets_curriculum_keeps_its_share_and_on_resume(tmp_path):
 def test_bad_experiment_flags_fail_before_any_work(args, words, tmp_path):
     with pytest.raises(ConfigError, match=words):
         train.main(TINY + ["--dataset", str(tmp_path / "none.txt"), "--out_dir", str(tmp_path / "o")] + args)
+
+
+# -----------------------------------------------------------------------------
+# the training step's fast paths against the plain ones: the Head route, bf16 autocast, torch.compile, seeds
+
+@pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", ["sddlm_v1", "ar", "duo_lean"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_training_loss_on_the_head_equals_the_loss_on_the_logits(name, autocast):
+    """--head fused gives the objectives a Head (kept or recomputed logits); the loss and every parameter
+    gradient equal the same objective on the model's logits, --head plain (float64, or bf16 autocast within bf16
+    rounding)."""
+    model, tcfg = small_model(name, vocab_size=61, vocab_multiple=16)
+    model = model if autocast else model.double()
+    x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
+    t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
+    out = {}
+    for route in ("fused", "fused_recompute", "plain"):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            per_token, output = loss_terms(model, dataclasses.replace(tcfg, head=route), x0, t, 0,
+                                           torch.Generator().manual_seed(3))
+            loss = token_mean(per_token, None)
+        assert isinstance(output, torch.Tensor) == (route == "plain")
+        loss.backward()
+        out[route] = (loss.detach().double(), grads(model).double())
+    l_l, g_l = out["plain"]
+    for route in ("fused", "fused_recompute"):
+        l_h, g_h = out[route]
+        if autocast:
+            # the same bf16 logits; the loss is float32 sums of V = 64 terms: 2 (V + 13 + 80) U32 = 1.9e-5 relative
+            assert abs(l_h - l_l) < 1e-4 * abs(l_l)
+            # the logits' gradient and W's are rounded to bf16 at different points (per chunk / once): <= 4
+            # roundings per entry, then bf16 matmuls backward through the blocks (inputs rounded again): in norm
+            # <= ~5 BF16_U = 2e-2 (measured 3e-4)
+            assert (g_h - g_l).norm() < 2e-2 * g_l.norm()
+        else:
+            # float64: the loss a sum of 64 token terms and V-term sums (< 200 roundings of values <= 10): 4e-13;
+            # each gradient entry sums <= 64 token terms through 2 blocks (< 1000 roundings of the terms' sizes,
+            # <= the loss's 10): <= 2 * 1000 * 10 * U64 = 2.2e-12, inside atol 1e-11
+            torch.testing.assert_close(l_h, l_l, rtol=0, atol=1e-12)
+            torch.testing.assert_close(g_h, g_l, rtol=0, atol=1e-11)
+
+
+@pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
+@pytest.mark.numerics
+def test_bf16_autocast_training_gradients_are_close_to_float32():
+    model, tcfg = small_model("sddlm_v1")
+    x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
+    t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
+    out = {}
+    for name, ctx in (("f32", torch.autocast("cpu", enabled=False)), ("bf16", torch.autocast("cpu", torch.bfloat16))):
+        model.zero_grad()
+        with ctx:
+            loss = token_mean(loss_terms(model, tcfg, x0, t, 0, torch.Generator().manual_seed(3))[0], None)
+        loss.backward()
+        out[name] = (loss.item(), grads(model))
+    (l32, g32), (l16, g16) = out["f32"], out["bf16"]
+    # autocast rounds each matmul's inputs and output to bf16 (3 BF16_U per matmul, ~10 matmuls on a token's path):
+    # a token's loss moves by ~sqrt(30) BF16_U = 2e-2 relative, independently across the 64 tokens: the mean
+    # by ~3e-3 (measured 2.5e-3), 1e-2 = 4 of those; a gradient entry, a sum over tokens of such products, by
+    # <= ~sqrt(2 x 30) BF16_U = 3e-2 in norm, 5e-2 (measured 5e-3); cosine > 0.998 is a relative error < 6.3e-2
+    assert abs(l16 - l32) < 1e-2 * abs(l32)
+    assert (g16 - g32).norm() < 5e-2 * g32.norm()
+    assert F.cosine_similarity(g16, g32, dim=0) > 0.998
+
+
+@pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's import
+@pytest.mark.parametrize("name,curriculum", [("sddlm_v1", 0), ("duo", 0), ("sddlm", 10)])
+def test_compile_matches_eager_logits_and_training_gradients(name, curriculum):
+    """The compiled model (the Head output, the full logits for 'duo', the curriculum's top-k input) gives the
+    eager logits, losses and gradients; under bf16 autocast too."""
+    model, tcfg = small_model(name, n_layer=1, vocab_size=61, vocab_multiple=16, curriculum_iters=curriculum,
+                              head="fused")
+    compiled = torch.compile(model)
+    x0 = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(1))
+    t = diffusion.sample_t(4, torch.Generator().manual_seed(2))
+    for autocast in (False, True):
+        out = {}
+        for kind, m in (("eager", model), ("compiled", compiled)):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, output = loss_terms(m, tcfg, x0, t, 0, torch.Generator().manual_seed(3))
+            token_mean(loss, None).backward()
+            logits = output if isinstance(output, torch.Tensor) else F.linear(output.hidden, output.weight,
+                                                                              output.bias)[..., :61]
+            out[kind] = (logits.detach().float(), loss.detach(), grads(model))
+        # eager vs Inductor's fused float32 kernels (sums reordered: d = 32, V = 64, B L = 64 terms, < 200
+        # roundings of values <= 10 in a loss or logit): <= 2 * 200 * 10 * U32 ~ 2.4e-4 worst case, 1e-5 holds the
+        # measured; bf16 autocast: the same matmuls round inputs and outputs to bf16 in either order (a few
+        # BF16_U = 1.2e-2 relative, on values <= 2 in size)
+        tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["compiled"][0], out["eager"][0], **tol)
+        torch.testing.assert_close(out["compiled"][1], out["eager"][1], **tol)
+        gap = (out["compiled"][2] - out["eager"][2]).norm() / out["eager"][2].norm()
+        assert gap < (2e-2 if autocast else 1e-5), gap
+
+
+@pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
+@pytest.mark.parametrize("name", list(diffusion.OBJECTIVES))
+def test_training_step_is_finite_and_identical_for_same_seeds(name):
+    """train.train_step (the step train.py and bench/bench.py run): only its explicit generators may matter."""
+    runs = []
+    for global_seed in (100, 200):  # dropout is 0, so the global seed must change nothing
+        model, tcfg = small_model(name, perturb=0.0)
+        gen = torch.Generator().manual_seed(7)
+        run = Run(model, model, *train.make_optimizer(model, tcfg, torch.device("cpu")), loader=None,
+                        gen_shared=gen, gen_local=gen)
+        torch.manual_seed(global_seed)
+        step_losses = []
+        for it in range(2):
+            x0 = torch.randint(0, 61, (4, 16), generator=gen)
+            step_losses.append(train.train_step(run, tcfg, Env(torch.device("cpu")), x0))
+        ema = run.ema
+        runs.append((torch.stack(step_losses), [p.detach().clone() for p in model.parameters()], ema))
+    (losses_a, params_a, ema_a), (losses_b, params_b, ema_b) = runs
+    assert torch.isfinite(losses_a).all()
+    # bit for bit: the same process, shapes and thread count (one_thread), deterministic CPU kernels
+    assert torch.equal(losses_a, losses_b)
+    assert all(torch.equal(a, b) for a, b in zip(params_a + ema_a, params_b + ema_b))
+    assert any(not torch.equal(a, e) for a, e in zip(params_a, ema_a))  # the step did move the weights

@@ -99,7 +99,7 @@ MUTATIONS = [
       old="return torch.log_softmax(z, dim=-1).gather(-1, tokens)",
       new="return (logits.gather(-1, tokens).to(z.dtype) - torch.logsumexp(z, dim=-1, keepdim=True))",
       tests=["test_losses.py::test_bf16_logits_are_scored_in_float32_in_chunks_of_rows",
-             "tests/test_fastpaths.py::test_sddlm_target_logit_gradient_is_rounded_once_in_bf16"]),
+             "test_losses.py::test_sddlm_target_logit_gradient_is_rounded_once_in_bf16"]),
     # --- the fused head: kept logits, W's gradient summed in float32 -----------------------------------------------
     M(name="fused_head_never_keeps_its_logits", file="kernels/fused_head.py",
       old="keep = (keep or len(chunks) == 1) and", new="keep = (len(chunks) == 1) and",
@@ -186,7 +186,7 @@ MUTATIONS = [
     M(name="bench_rows_never_collect_cycles", file="bench/bench.py",
       old="            gc.collect()        # reference cycles", new="            pass                # reference cycles",
       tests=["tests/test_bench.py::test_rows_free_what_a_measurement_left_naming_what_stays",
-             "tests/test_fastpaths.py::test_bench_prints_n_a_for_what_does_not_fit"]),
+             "tests/test_bench.py::test_bench_prints_n_a_for_what_does_not_fit"]),
     M(name="bench_tables_keep_the_alpha_tables", file="bench/bench.py",
       old="            curriculum.clear_alpha_tables()\n", new="",
       tests=["tests/test_bench.py::test_rows_free_what_a_measurement_left_naming_what_stays"]),
