@@ -2,26 +2,11 @@
 prints, what training logs (validation.py) and what SDDLM.score returns.
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log-linear schedule, EMA weights: an
-          upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
-          sequence gets its own draws (seeded by --seed, its index and the round; the same as training's validation
-          at the defaults): rounds of --mc_draws times stratified over [t_min, 1], at least --rounds of them, more
-          until the PPL's relative standard error is --rel_se (default 2%) on 30+ degrees of freedom or --max_rounds
-          is reached; the SE comes from the rounds' spread, the 95% interval from Student's t (nelbo_ppl). Two
-          checkpoints scored with one seed see the same draws. The AR baseline gets its exact PPL instead,
-          exp(token-mean of ar_loss).
-genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sample with the judge's tokenizer
-          (no BOS added), truncate to the sample length L, score it in one forward of the judge (a sample longer
-          than the judge's context: sliding windows, each token scored once given up to the judge's context
-          before it, judge_windows); the first token is never scored; every non-EOS token is scored, EOS only at
-          its first occurrence (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored,
-          later EOS are not); Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples, its
-          standard error over the samples (a ratio estimator, delta method).
-          Judges: a Hugging Face causal LM (gpt2-large, needs transformers) or an AR checkpoint of this repo
-          (train.py --loss ar), offline; with the sampler's own tokenizer the ids are scored as they are (no
-          retokenization). The judge's name is part of every result. --seq_len past the model's block_size
-          draws samples in semi-autoregressive windows (sample.generate_long; the AR baseline slides its context).
-entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2), with the
-          standard error of that mean.
+          upper bound on the true PPL, by Monte Carlo (nelbo_ppl, the estimator below); the AR baseline gets its
+          exact PPL instead, exp(token-mean of ar_loss).
+genppl    generative perplexity under a judge LM (spec 7.1; gen_ppl): a Hugging Face causal LM (gpt2-large) or an AR
+          checkpoint of this repo, offline (load_judge). The judge's name is part of every result.
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2; entropy).
 
 Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 with EOS and scores the first pad
 of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
@@ -315,11 +300,12 @@ def ratio_moments(n, m):
 def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True, stride=None,
             per_sample=False):
     """Generative perplexity of samples under judge (Duo spec 7.1).
-    samples: list of str (retokenized with judge.encode), or id lists / an int64 tensor (N, L) already in the
-    judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L); one of up to
+    samples: list of str (retokenized with judge.encode, no BOS added), or id lists / an int64 tensor (N, L)
+    already in the judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L); one of up to
     judge.context tokens is one window (Duo's scoring), a longer one is scored over judge_windows advancing by
     `stride` (default half the judge's context), so each token is scored once with up to the judge's context
-    before it. The first token is never scored; the others when they are not EOS or are the sample's first EOS.
+    before it. The first token is never scored; the others when they are not EOS or are the sample's first EOS
+    (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored, later EOS are not).
     The samples are the draws: the standard error is ratio_summary's over them. -> dict(gen_ppl, gen_ppl_se,
     gen_ppl_lo, gen_ppl_hi (95% interval), nll, nll_se, tokens, samples, judge, retokenized; per_sample: also
     sample_nll, sample_tokens, each sample's sums)."""
