@@ -1,18 +1,16 @@
-"""A trained model's checkpoint read as the method needs it: its fields typed and its model config one this model.py
-builds, a resume's checkpoint against the run (model, objective, batch, tokenizer, data), and a model with its
-tokenizer loaded for sampling and evaluation (a ckpt.pt, a model folder or Duo's release). The run's state itself
+"""A trained model's checkpoint read as the method needs it: for a resume, checked against the run; for sampling and
+evaluation, a model with its tokenizer (from a ckpt.pt, a model folder or Duo's release). The run's state itself
 (saved atomically, restored bit for bit) is plumbing/checkpoint.py's."""
 import os
 from dataclasses import asdict
 
 from data import DataError, check_tokenizer, full_data_key, get_tokenizer, not_a_file
-from model import ModelConfig, build_model
+from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS, load_resume_checkpoint, read_checkpoint, refuse_other_script, weight_set
 from plumbing.cli import ConfigError, UsageError, first_line
-from plumbing.integrity import check_config_matches, check_state_fits, check_tokenizer_identity, check_weights
-from plumbing.memory import check_model_memory
+from plumbing.integrity import check_config_matches, check_tokenizer_identity, check_weights
 from trained.duo import load_duo_checkpoint
-from trained.fields import check_checkpoint_fields
+from trained.fields import built_model, check_checkpoint_fields
 from trained.folder import check_target, load_folder
 
 
@@ -143,18 +141,13 @@ def load_checkpoint(path, device="cpu", use_ema=True):
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
     check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
     # both weight sets, the one not used too: a damaged file is refused whole
-    sets = [name for name in ("model", "ema") if ckpt.get(name) is not None]
-    for name in sets:          # floating-point and finite
-        check_weights(weight_set(ckpt, name), path, name, ConfigError)
-    state = weight_set(ckpt, "ema" if use_ema and "ema" in sets else "model")
+    sets = {name: weight_set(ckpt, name) for name in ("model", "ema") if ckpt.get(name) is not None}
+    for name, state in sets.items():          # floating-point and finite
+        check_weights(state, path, name, ConfigError)
+    use = "ema" if use_ema and "ema" in sets else "model"
     mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
-    check_config_matches(mcfg, state, path, "model_config.")     # as many blocks, as wide an embedding
-    check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
-    model = build_model(mcfg)
-    for name in sets:          # names and shapes: it loads
-        check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
-    model.load_state_dict(state)
-    return model.to(device).eval(), ckpt
+    check_config_matches(mcfg, sets[use], path, "model_config.")     # as many blocks, as wide an embedding
+    return built_model(mcfg, device, f"{path}: model_config.", path, sets, use), ckpt
 
 
 def load_model(path, device, use_ema=True):

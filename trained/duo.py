@@ -8,11 +8,9 @@ from dataclasses import asdict
 
 import torch
 
-from model import build_model
 from plumbing.cli import first_line
-from plumbing.integrity import check_state_fits, check_weights, check_zip
-from trained.fields import checked_model_config
-from plumbing.memory import check_model_memory
+from plumbing.integrity import check_weights, check_zip
+from trained.fields import built_model, checked_model_config
 
 
 DUO_KEYS = [   # (Duo's name after its "backbone." prefix, ours): regular expressions, in order
@@ -129,12 +127,9 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)
     fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)
     mcfg = checked_model_config(fields, f"duo:{spec}", "")
-    check_model_memory(mcfg, device, lambda field: f"duo:{spec}: {field}")
-    model = build_model(mcfg)
-    check_state_fits(model.state_dict(), ours, f"duo:{spec}", "", fix="use another checkpoint")    # so it loads
-    model.load_state_dict(ours)
+    model = built_model(mcfg, device, f"duo:{spec}: ", f"duo:{spec}", {"": ours}, "")
     tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)
     ckpt = {"model_config": asdict(model.config), "meta": {"tokenizer": tokenizer} if tokenizer else {},
             "train_config": {"noise_schedule": "loglinear", "loss": "ar" if fields["causal"] else "duo"},
             "step": raw.get("global_step"), "source": f"duo:{spec}", "used_ema": ema is not None}
-    return model.to(device).eval(), ckpt
+    return model, ckpt

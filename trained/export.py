@@ -1,8 +1,6 @@
 """Writing a model folder (model.safetensors + config.json + the tokenizer's file + the README.md model card), the
-other side of trained/folder.py, which reads one: export (any checkpoint -> a folder: hub/pretrained.py's command,
-and the model folder at the end of a train.py or distillation/distill.py run, plumbing.run.RunPlumbing), save_folder
-(the write itself: nothing the project did not write is replaced, the folder appears whole or not at all),
-folder_config (config.json's content) and model_card (README.md, with the validation the run measured)."""
+other side of trained/folder.py, which reads one: hub/pretrained.py's export, and the model folder at the end of a
+train.py or distillation/distill.py run (plumbing.run.RunPlumbing)."""
 import hashlib
 import json
 import os

@@ -9,12 +9,11 @@ import sys
 import diffusion
 from data import not_a_file
 from diffusion import FINAL_STEPS
-from model import ModelConfig, build_model
+from model import ModelConfig
 from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, check_writable, kind_of
-from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, is_int, sha256_file
-from plumbing.memory import check_model_memory
-from trained.fields import check_train_config_values, checked_model_config
+from plumbing.integrity import check_config_matches, check_weights, expect, is_int, sha256_file
+from trained.fields import built_model, check_train_config_values, checked_model_config
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -169,10 +168,7 @@ def load_folder(folder, device="cpu", use_ema=True):
         raise ValueError(f"{path}: weights do not load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     check_weights(weights, path, "weights", fix=FOLDER_FIX)
     check_config_matches(mcfg, weights, config_path, "", weights=f"the weights ({WEIGHTS})", fix=FOLDER_FIX)
-    check_model_memory(mcfg, device, lambda field: f"{config_path}: {field}")
-    model = build_model(mcfg)
-    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)     # names and shapes: it loads
-    model.load_state_dict(weights)
+    model = built_model(mcfg, device, f"{config_path}: ", path, {"": weights}, "", FOLDER_FIX)
     state = model.state_dict()
     ckpt = {"model_config": dataclasses.asdict(mcfg),
             "train_config": {**(config.get("train_config") or {}), "loss": config.get("objective"),
@@ -182,4 +178,4 @@ def load_folder(folder, device="cpu", use_ema=True):
             "step": config.get("step"), "model": state, "ema": state if config.get("weights") == "ema" else None,
             "final_step": config.get("final_step"), "source": folder, "format": config.get("format"),
             **{k: config[k] for k in ("validation", "distilled_from", "finetuned_from") if config.get(k)}}
-    return model.to(device).eval(), ckpt
+    return model, ckpt
