@@ -16,16 +16,13 @@ removed). Loss = KL(x_theta(z_t, sigma_t) || x_teacher(z_s, sigma_s)) per token 
 token mean. The teacher is a frozen copy of the student, refreshed at the start of every round (round_iters
 steps), so each round distils two steps of size dt into one, and dt doubles from round to round.
 
-Differences from Duo's code, all deliberate: the teacher runs in eval mode (Duo's inherits train mode, so its
-targets carry dropout noise); the teacher is saved in the checkpoint, so a resume mid-round keeps the round's
-teacher (Duo rebuilds it from the current student); the pair is drawn from the three numbers the two argmaxes
-depend on (see draw_pair_noise: same distribution as Duo's dense (B, L, K) Gaussian, O(B L) memory); the KL is
-one fused float32 pass over the vocabulary that never materialises (B, L, K) float32 tensors.
+Differences from Duo's code, all deliberate: the teacher runs in eval mode (make_teacher) and is saved in the
+checkpoint, so a resume mid-round keeps the round's teacher (Duo rebuilds it from the current student); the pair is
+drawn from three numbers per token (draw_pair_noise); the KL is one fused float32 pass (_KLFromLogits).
 
-Checkpoints have train.py's format (train_config is the base model's, so sample.py and eval_ppl.py load them
-unchanged) plus distill_config, distilled_from and the teacher's weights. Everything else is train.py's:
-flags from one dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights
-for evaluation and sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
+Checkpoints have train.py's format plus checkpoint_extra's fields. Everything else is train.py's: flags from one
+dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights for evaluation and
+sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
