@@ -75,11 +75,9 @@ def check_resume_data(cfg, key):
 
 
 def read_resume(cfg, script):
-    """out_dir's checkpoint for `script` (train.py, distillation/distill.py) to resume, or None for a fresh run
-    (plumbing.checkpoint.load_resume_checkpoint), with the checks that need the model: out_dir/model, which the run's
-    end exports, holds a model folder of ours or nothing (a user's folder there is refused now, not after the
-    training), the checkpoint's fields and model config are the ones its writer gave them (check_checkpoint_fields),
-    its writer was `script`, and its step is within --max_iters."""
+    """out_dir's checkpoint for `script` (train.py, distillation/distill.py) to resume, or None for a fresh run, with
+    the checks that need the model. out_dir/model, which the run's end exports, must hold a model folder of ours or
+    nothing: a user's folder there is refused now, not after the training."""
     if cfg.resume:
         check_target(os.path.join(cfg.out_dir, "model"), f"--out_dir {cfg.out_dir}: its model folder",
                      "move them elsewhere, then resume")
@@ -93,10 +91,8 @@ def read_resume(cfg, script):
 
 
 def open_out_dir(cfg, mcfg, meta=None):
-    """train.py's checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
-    mixes its log with an earlier run's; a resume must have RESUME_KEYS, match the saved model, objective, batch,
-    tokenizer (by content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run
-    changes nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the
+    """train.py's checkpoint to resume (read_resume), checked against the run's model, objective, batch, tokenizer
+    (by content) and data (meta: this run's prepared data). A refused run changes nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the
     steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
     ckpt = read_resume(cfg, "train.py")
     if ckpt is None:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import torch
 
 from plumbing.cli import first_line
-from plumbing.integrity import check_weights, check_zip
+from plumbing.integrity import check_weights, check_zip, expect, is_int
 from trained.fields import built_model, checked_model_config
 
 
@@ -99,9 +99,8 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
                 raise ValueError(f"{config_path} is not valid JSON ({e}); restore Duo's config.json") from None
             for key in ("n_heads", "model_length"):     # the two fields read here, checked as flags are
                 value = extra.get(key) if isinstance(extra, dict) else None
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                    raise ValueError(f"{config_path}: its field {key} holds {value!r}, not an int >= 1; restore "
-                                     f"Duo's config.json")
+                expect(value is None or is_int(value) and value >= 1, config_path, key, value, "an int >= 1",
+                       ValueError, "restore Duo's config.json")
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
         if not files:
             raise ValueError(f"duo:{spec}: no model.safetensors or pytorch_model.bin in {path}")

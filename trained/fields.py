@@ -16,10 +16,8 @@ TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str"
 
 
 def check_checkpoint_fields(ckpt, path, error=ConfigError):
-    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes: model (and
-    ema, teacher) dicts of tensors, model_config a dict whose known fields have ModelConfig's types, train_config a
-    dict (the fields readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the
-    tokenizer a string), step and n_ema ints >= 0. Otherwise `error` (a UsageError: one line naming the field)."""
+    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes, its
+    model_config one this model.py builds. Otherwise `error` (a UsageError: one line naming the field)."""
     expect(isinstance(ckpt, dict), path, "(the whole file)", ckpt, "a dict", error)
     if "model" in ckpt:
         check_tensors(ckpt["model"], path, "model", error)

@@ -154,10 +154,8 @@ def resumed_source(out_dir):
 # the run's flags against SOURCE
 
 def start_from(cfg, given):
-    """train.py's start-up with --init (or a resumed fine-tuning run): SOURCE read (load_source; resumed_source),
-    the flags given that contradict it refused (check_flags), the data flags it sets taken where not given
-    (FROM_SOURCE), and a tokenizer given on the command line checked against SOURCE's before any data is prepared.
-    given: the flags on the command line. -> the Source, or None for a run from random weights."""
+    """train.py's start-up with --init (or a resumed fine-tuning run), before any data is prepared. given: the flags
+    on the command line. -> the Source, or None for a run from random weights."""
     source = load_source(cfg.init, cfg.init_ema) if cfg.init else resumed_source(cfg.out_dir) if cfg.resume else None
     if source is None:
         return None

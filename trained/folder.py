@@ -131,12 +131,9 @@ def check_config(config, path):
 
 
 def load_folder(folder, device="cpu", use_ema=True):
-    """A model folder -> (model in eval mode, a checkpoint-like dict: model_config, train_config (objective and
-    noise schedule), meta (the tokenizer, as the folder's own file), step, ema) as model.load_checkpoint returns,
-    so every script treats a folder as a checkpoint. Everything is checked before the model is built: config.json
-    field by field (check_config), the weights' bytes against the sha256 the export recorded, their dtypes,
-    finiteness and shapes against the config, and the model's size against the memory there is. Raises ValueError
-    (one line) for a broken folder."""
+    """A model folder -> (model in eval mode, a checkpoint dict as trained.checkpoint.load_checkpoint returns), so
+    every script treats a folder as a checkpoint. Everything is checked before the model is built; a broken folder
+    -> ValueError (one line)."""
     from safetensors.torch import load_file
     config = read_config(folder)
     config_path = os.path.join(folder, CONFIG)
