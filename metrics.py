@@ -165,15 +165,13 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
               max_rounds=32, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_sequences=None):
     """Token-mean NELBO over all batches, its perplexity and their standard errors (Duo spec 3.3; the estimator
     above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
-    (B, L) bool or None (False = padding); sequences are numbered in that order. Each sequence gets `rounds`
-    (>= 2) rounds of mc_draws stratified (t, x_t) draws (sequence_nelbo); while the PPL's relative standard error is
-    above rel_se (> 0), or judged on fewer than NU_MIN degrees of freedom, and fewer than max_rounds are done, more
-    rounds follow, as many as the estimated error says (each a pass over the batches: a function re-reads them). A
-    causal model (model.config.causal, the AR baseline) is scored exactly with losses.ar_loss instead (one pass, no
-    draws, standard error 0). vocab_size: unused, the model's. n_sequences: the progress bar's total (it counts
-    sequences, a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95%
-    interval), rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds),
-    rounds, seed)."""
+    (B, L) bool or None (False = padding); sequences are numbered in that order. Past `rounds` (>= 2), more rounds
+    follow while rel_se (> 0) is not reached on NU_MIN degrees of freedom, up to max_rounds. A causal model
+    (model.config.causal, the AR baseline) is scored exactly with losses.ar_loss instead (one pass, no draws,
+    standard error 0). vocab_size: unused, the model's. n_sequences: the progress bar's total (it counts sequences,
+    a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95% interval),
+    rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds,
+    seed)."""
     if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
         raise ValueError(f"need mc_draws >= 1, 2 <= rounds <= max_rounds and rel_se >= 0; got {mc_draws}, {rounds}, "
                          f"{max_rounds}, {rel_se}")

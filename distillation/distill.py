@@ -253,10 +253,8 @@ def base_of(cfg, init_ckpt, record, env):
 
 def open_out_dir(cfg):
     """The checkpoint to resume and what a resumed run needs to know of the model it distils, from its own checkpoint
-    (--init is not needed, and may be gone by then): the base model's configs and where it came from; (None, None)
-    for a fresh run. The checkpoint is trained.checkpoint.read_resume's, a distillation/distill.py checkpoint with
-    the same DCD settings, of the model an --init given names (other than the default, which a resume leaves as it
-    is: another one would be ignored without a word). A refused run changes nothing in out_dir."""
+    (--init is not needed, and may be gone by then); (None, None) for a fresh run. An --init given other than the
+    default must name the model it distils: another one would be ignored without a word."""
     ckpt = read_resume(cfg, "distillation/distill.py")
     if ckpt is None:
         return None, None
