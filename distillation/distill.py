@@ -235,11 +235,10 @@ def load_init(cfg):
 
 
 def base_of(cfg, init_ckpt, record, env):
-    """The model config of the checkpoint distilled (valid: load_model or read_resume built it), checked to fit env's
-    memory, and its prepared data folder (--data_dir, else the one recorded in --init), its meta (files verified)
-    and its tokenizer, checked against K and against the tokenizer `record` (the checkpoint distilled or resumed)
-    was trained with. -> (mcfg, data_dir, meta)."""
-    mcfg = ModelConfig(**init_ckpt["model_config"])
+    """The model config of the checkpoint distilled, checked to fit env's memory, and its prepared data folder
+    (--data_dir, else the one recorded in --init), checked against the tokenizer `record` (the checkpoint distilled
+    or resumed) was trained with. -> (mcfg, data_dir, meta)."""
+    mcfg = ModelConfig(**init_ckpt["model_config"])        # valid: load_model or read_resume built it
     check_run_fits(cfg, mcfg, env, model_from=f"--init {cfg.init}: model_config.")   # before any allocation
     data_dir = cfg.data_dir or (init_ckpt.get("train_config") or {}).get("data_dir")
     if not data_dir:

@@ -16,13 +16,11 @@ from trained.folder import check_target, load_folder
 
 def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True, fix=None):
     """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
-    (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
-    given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
-    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text; fix: what
-    its message tells the user to do).
-    need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
-    check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
-    line naming the folder and the fix)."""
+    (an edited vocab_size is caught here), and, given the checkpoint (path: its name) the data is read for, that
+    tokenizer is the checkpoint's by content (a tokenizer of the same size with other pieces gives ids of other
+    text; fix: what its message tells the user to do). need_tokenizer=False: a tokenizer that cannot be loaded here
+    (a package or the network missing) skips the first check, and the recorded hashes decide. -> the tokenizer
+    (None when skipped)."""
     record = (ckpt or {}).get("meta") or {}
     ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
     fix = fix or (f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its "
@@ -91,9 +89,10 @@ def read_resume(cfg, script):
 
 
 def open_out_dir(cfg, mcfg, meta=None):
-    """train.py's checkpoint to resume (read_resume), checked against the run's model, objective, batch, tokenizer
-    (by content) and data (meta: this run's prepared data). A refused run changes nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the
-    steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
+    """train.py's checkpoint to resume (read_resume), checked against the run's model, objective, batch, tokenizer (by
+    content) and data (meta: this run's prepared data). A refused run changes nothing in out_dir. A resumed run
+    whose curriculum came from its share (--curriculum_share) keeps the steps its checkpoint recorded: it continues
+    as it started, whatever --max_iters is now."""
     ckpt = read_resume(cfg, "train.py")
     if ckpt is None:
         return None
@@ -163,10 +162,9 @@ def load_model(path, device, use_ema=True):
 
 
 def load_tokenizer(ckpt, path=None):
-    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"]), from the SentencePiece model's bytes the
-    checkpoint carries where it has them), or None with the reason. One that loads but is not the tokenizer the
-    checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the file; path: the checkpoint's,
-    for that message."""
+    """The checkpoint's tokenizer (from the SentencePiece model's bytes the checkpoint carries where it has them), or
+    None with the reason. One that loads but is not the one the checkpoint was trained with -> UsageError naming
+    path."""
     spec = (ckpt.get("meta") or {}).get("tokenizer")
     if spec is None:
         return None, "the checkpoint has no meta['tokenizer']"

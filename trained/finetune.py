@@ -53,8 +53,7 @@ class Source:
     def model_config_for(self, cfg, data_dir, meta):
         """The run's ModelConfig: SOURCE's model at this run's --block_size and --dropout, its output layer padded to
         --vocab_multiple where given (else SOURCE's padding); once the prepared data (data_dir, meta) are checked
-        to be tokenized by SOURCE's tokenizer, as every reader of a prepared folder checks it
-        (trained.checkpoint.check_data_tokenizer; on a resume trained.checkpoint.open_out_dir does)."""
+        to be tokenized by SOURCE's tokenizer (on a resume trained.checkpoint.open_out_dir does)."""
         if self.weights is not None:
             fix = "give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)"
             check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label,
