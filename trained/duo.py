@@ -72,10 +72,8 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     spec: a Lightning .ckpt (dict with "state_dict" of backbone.* keys, and "ema"), a .safetensors / .bin / .pt
     state dict, a folder holding one (with Duo's Hugging Face config.json), or a Hugging Face hub name
     (s-sahoo/duo, s-sahoo/duo-distilled; needs huggingface_hub and the network). Not in the tensors and so set
-    here: n_head (default config.json's n_heads, else d / 64, Duo's head size), block_size (config.json's
-    model_length, else 128 for K = 30522 (LM1B), else 1024), the tokenizer (K = 50258: "gpt2", this repo's GPT-2
-    BPE + [PAD] with Duo's ids; K = 30522: "hf:bert-base-uncased") and the log-linear schedule Duo trains with.
-    Only load trusted files (.ckpt and .pt unpickle)."""
+    here: n_head, block_size (the arguments, else Duo's config.json, else Duo's defaults), the tokenizer (by the
+    vocabulary size) and the log-linear schedule Duo trains with. Only load trusted files (.ckpt and .pt unpickle)."""
     path, extra = spec, {}
     if not os.path.exists(path) and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1):
         raise ValueError(f"duo:{spec}: no such file or folder (a hub name is duo:USER/NAME)")  # a path, not a name
@@ -123,11 +121,11 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     ours, fields = duo_state_dict(state, ema)
     check_weights(ours, path, "weights", fix="use another copy of the checkpoint")   # floating-point and finite
     d, K = fields["n_embd"], fields["vocab_size"]
-    fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)
-    fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)
+    fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)         # Duo's head size: 64
+    fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)   # LM1B: 128
     mcfg = checked_model_config(fields, f"duo:{spec}", "")
     model = built_model(mcfg, device, f"duo:{spec}: ", f"duo:{spec}", {"": ours}, "")
-    tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)
+    tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)    # gpt2: our GPT-2 BPE + [PAD], Duo's ids
     ckpt = {"model_config": asdict(model.config), "meta": {"tokenizer": tokenizer} if tokenizer else {},
             "train_config": {"noise_schedule": "loglinear", "loss": "ar" if fields["causal"] else "duo"},
             "step": raw.get("global_step"), "source": f"duo:{spec}", "used_ema": ema is not None}

@@ -1,6 +1,5 @@
-"""A run that starts from a trained model (train.py --init SOURCE: fine-tuning). SOURCE is read by the one loader
-of every script's --ckpt (trained.checkpoint.load_model: a train.py or distill.py checkpoint, a model folder,
-duo:PATH or duo:HUB_NAME); the run takes its architecture, its tokenizer and its block size, refuses the flags that
+"""A run that starts from a trained model (train.py --init SOURCE: fine-tuning). SOURCE is read as every script's
+--ckpt (read_init); the run takes its architecture, its tokenizer and its block size, refuses the flags that
 contradict them, starts from its weights (the EMA at the same weights) and records where it started. The
 optimizer, the schedule, the step count and the EMA are the run's own, fresh. A fine-tuning run resumed with
 --resume 1 (without --init) reads the same from its own checkpoint, which records them.
