@@ -1,7 +1,6 @@
 """What a training run logs of its model (train.py, distillation/distill.py): the objective and the NELBO on the
-validation split with the EMA weights (the same draws for any world size and at every evaluation: metrics.py's
-estimator at eval_ppl.py's defaults), the quality of samples during training (Gen PPL under a judge, entropy; the
-same samples for any number of GPUs), and the samples printed at the end of a run."""
+validation split with the EMA weights, the quality of samples during training (Gen PPL under a judge, entropy),
+each the same for any number of GPUs, and the samples printed at the end of a run."""
 import torch
 
 import diffusion
@@ -125,9 +124,7 @@ def val_metrics(sums, cfg, data_dir):
 def load_gen_judge(cfg, env):
     """The judge of sample_quality, or None when --gen_interval is 0. Loaded on every rank before the data are
     prepared, so a missing judge fails at once (metrics.load_judge never substitutes another)."""
-    if not cfg.gen_interval:
-        return None
-    return load_judge(cfg.judge, env.device)
+    return load_judge(cfg.judge, env.device) if cfg.gen_interval else None
 
 
 GEN_GROUPS = 8   # sample_quality draws its samples in this many groups, each from its own generator

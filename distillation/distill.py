@@ -306,10 +306,8 @@ def evaluate(run, teacher, cfg, data_dir, env):
     current teacher at the current round's dt (its pair noise from draw_pair_noise), and of the NELBO. -> this
     rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (train.loop)."""
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
-
-    def per_token_loss(model, x0, mask, t, noise):
-        return dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask
-    return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_pair_noise)
+    return validation_sums(run, cfg, data_dir, env, lambda model, x0, mask, t, noise: (
+        dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask), draw_pair_noise)
 
 
 def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):
