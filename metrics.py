@@ -37,12 +37,9 @@ from trained.folder import is_model_folder
 #
 # The NELBO of a sequence is an integral over t of an expectation over x_t; one (t, x_t) draw estimates it without
 # bias but with a large variance: a token corrupted at small t weighs ~1/t, a rare, heavy event. So each sequence
-# gets its own draws, from a generator of its own (sequence_draws): `rounds` independent rounds of `draws` times
-# stratified over [t_min, 1], the strata narrower near t_min (where the draws vary most), and a fresh x_t per time.
-# Each round is an unbiased estimate; their mean is the estimate, their spread its standard error (nelbo_summary).
-# The draws depend on (seed, the sequence's index in its split, the round) only: the same for any batch size, world
-# size or device, the same at every evaluation of a training run, and the same for two checkpoints evaluated with
-# one seed, so that their difference is far more precise than either number (common random numbers).
+# gets rounds of stratified draws from a generator of its own (sequence_draws), seeded by (seed, its index in its
+# split, the round) only; the rounds' spread is the standard error (nelbo_summary). Why, and what it buys (the same
+# draws for any batch or world size, and for two checkpoints): docs/sampling.md, "Precision".
 
 EVAL_SEED = 0       # the validation of train.py and distill.py: its seed, its stratified times per round, its rounds
 VAL_DRAWS = 8       # per sequence; eval_ppl.py's defaults (--seed, --mc_draws, --rounds), so that its first rounds
