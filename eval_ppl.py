@@ -10,11 +10,9 @@ Likelihood and sample-quality metrics for sddlm checkpoints (Duo spec sections 3
 
 nelbo     the validation NELBO's PPL over the whole split, EMA weights: an upper bound on the true PPL, with its
           standard error and 95% interval (metrics.nelbo_ppl; the AR baseline: its exact PPL).
-zeroshot  the same estimator on a text the model never saw (a local .txt, or a named set via data.py's
-          loaders and detokenizers), wrapped as Duo's zero-shot runs do (spec 7.4, data.insert_valid_eos=False;
-          paper Appendix: no EOS between segments): documents are concatenated WITHOUT an EOS between them,
-          cut into pieces of L - 2 tokens, and each block is [BOS] + piece + [EOS] (Duo's wrap); the final
-          remainder is dropped. The paper uses L = 1024, its models' length: L is at most the model's block_size.
+zeroshot  the same estimator on a text the model never saw (a local .txt, or a named set: zero_shot_documents),
+          wrapped as Duo's zero-shot runs do (spec 7.4; paper Appendix: no EOS between segments; zero_shot_blocks)
+          into blocks of L tokens; the paper uses L = 1024, its models' length: L is at most the model's block_size.
 genppl    generative perplexity of samples under a judge LM, with its standard error (metrics.gen_ppl); --seq_len
           past the model's block_size draws samples in semi-autoregressive windows (sample.generate_long).
 entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (metrics.entropy).
@@ -54,8 +52,9 @@ ZERO_SHOT_SETS = ("wikitext103", "wikitext2", "ptb", "lambada", "ag_news", "arxi
 # zero-shot text: documents -> wrapped blocks
 
 def zero_shot_blocks(token_lists, seq_len, bos_id, eos_id):
-    """Duo's zero-shot wrap WITHOUT an EOS between documents: the documents' ids concatenated, then
-    data.wrap_blocks ([BOS] + piece of seq_len - 2 + [EOS]; the remainder dropped). -> (N, seq_len) int64."""
+    """Duo's zero-shot wrap WITHOUT an EOS between documents (its data.insert_valid_eos=False): the documents' ids
+    concatenated, then data.wrap_blocks ([BOS] + piece of seq_len - 2 + [EOS]; the remainder dropped).
+    -> (N, seq_len) int64."""
     stream = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64)
     return torch.from_numpy(wrap_blocks(stream, seq_len, bos_id, eos_id)[0])
 

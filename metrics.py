@@ -2,26 +2,11 @@
 prints, what training logs (validation.py) and what SDDLM.score returns.
 
 nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log-linear schedule, EMA weights: an
-          upper bound on the true PPL, estimated by Monte Carlo with its standard error and 95% interval. Each
-          sequence gets its own draws (seeded by --seed, its index and the round; the same as training's validation
-          at the defaults): rounds of --mc_draws times stratified over [t_min, 1], at least --rounds of them, more
-          until the PPL's relative standard error is --rel_se (default 2%) on 30+ degrees of freedom or --max_rounds
-          is reached; the SE comes from the rounds' spread, the 95% interval from Student's t (nelbo_ppl). Two
-          checkpoints scored with one seed see the same draws. The AR baseline gets its exact PPL instead,
-          exp(token-mean of ar_loss).
-genppl    generative perplexity under a judge LM (spec 7.1): retokenize each sample with the judge's tokenizer
-          (no BOS added), truncate to the sample length L, score it in one forward of the judge (a sample longer
-          than the judge's context: sliding windows, each token scored once given up to the judge's context
-          before it, judge_windows); the first token is never scored; every non-EOS token is scored, EOS only at
-          its first occurrence (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored,
-          later EOS are not); Gen PPL = exp(sum NLL / number of scored tokens) pooled over all samples, its
-          standard error over the samples (a ratio estimator, delta method).
-          Judges: a Hugging Face causal LM (gpt2-large, needs transformers) or an AR checkpoint of this repo
-          (train.py --loss ar), offline; with the sampler's own tokenizer the ids are scored as they are (no
-          retokenization). The judge's name is part of every result. --seq_len past the model's block_size
-          draws samples in semi-autoregressive windows (sample.generate_long; the AR baseline slides its context).
-entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2), with the
-          standard error of that mean.
+          upper bound on the true PPL, by Monte Carlo (nelbo_ppl, the estimator below); the AR baseline gets its
+          exact PPL instead, exp(token-mean of ar_loss).
+genppl    generative perplexity under a judge LM (spec 7.1; gen_ppl): a Hugging Face causal LM (gpt2-large) or an AR
+          checkpoint of this repo, offline (load_judge). The judge's name is part of every result.
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2; entropy).
 
 Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 with EOS and scores the first pad
 of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
@@ -52,12 +37,9 @@ from trained.folder import is_model_folder
 #
 # The NELBO of a sequence is an integral over t of an expectation over x_t; one (t, x_t) draw estimates it without
 # bias but with a large variance: a token corrupted at small t weighs ~1/t, a rare, heavy event. So each sequence
-# gets its own draws, from a generator of its own (sequence_draws): `rounds` independent rounds of `draws` times
-# stratified over [t_min, 1], the strata narrower near t_min (where the draws vary most), and a fresh x_t per time.
-# Each round is an unbiased estimate; their mean is the estimate, their spread its standard error (nelbo_summary).
-# The draws depend on (seed, the sequence's index in its split, the round) only: the same for any batch size, world
-# size or device, the same at every evaluation of a training run, and the same for two checkpoints evaluated with
-# one seed, so that their difference is far more precise than either number (common random numbers).
+# gets rounds of stratified draws from a generator of its own (sequence_draws), seeded by (seed, its index in its
+# split, the round) only; the rounds' spread is the standard error (nelbo_summary). Why, and what it buys (the same
+# draws for any batch or world size, and for two checkpoints): docs/sampling.md, "Precision".
 
 EVAL_SEED = 0       # the validation of train.py and distill.py: its seed, its stratified times per round, its rounds
 VAL_DRAWS = 8       # per sequence; eval_ppl.py's defaults (--seed, --mc_draws, --rounds), so that its first rounds
@@ -180,15 +162,13 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
               max_rounds=32, device=None, t_min=diffusion.T_MIN, dtype=None, show_progress=True, n_sequences=None):
     """Token-mean NELBO over all batches, its perplexity and their standard errors (Duo spec 3.3; the estimator
     above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
-    (B, L) bool or None (False = padding); sequences are numbered in that order. Each sequence gets `rounds`
-    (>= 2) rounds of mc_draws stratified (t, x_t) draws (sequence_nelbo); while the PPL's relative standard error is
-    above rel_se (> 0), or judged on fewer than NU_MIN degrees of freedom, and fewer than max_rounds are done, more
-    rounds follow, as many as the estimated error says (each a pass over the batches: a function re-reads them). A
-    causal model (model.config.causal, the AR baseline) is scored exactly with losses.ar_loss instead (one pass, no
-    draws, standard error 0). vocab_size: unused, the model's. n_sequences: the progress bar's total (it counts
-    sequences, a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95%
-    interval), rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds),
-    rounds, seed)."""
+    (B, L) bool or None (False = padding); sequences are numbered in that order. Past `rounds` (>= 2), more rounds
+    follow while rel_se (> 0) is not reached on NU_MIN degrees of freedom, up to max_rounds. A causal model
+    (model.config.causal, the AR baseline) is scored exactly with losses.ar_loss instead (one pass, no draws,
+    standard error 0). vocab_size: unused, the model's. n_sequences: the progress bar's total (it counts sequences,
+    a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95% interval),
+    rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds,
+    seed)."""
     if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
         raise ValueError(f"need mc_draws >= 1, 2 <= rounds <= max_rounds and rel_se >= 0; got {mc_draws}, {rounds}, "
                          f"{max_rounds}, {rel_se}")
@@ -315,11 +295,12 @@ def ratio_moments(n, m):
 def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_progress=True, stride=None,
             per_sample=False):
     """Generative perplexity of samples under judge (Duo spec 7.1).
-    samples: list of str (retokenized with judge.encode), or id lists / an int64 tensor (N, L) already in the
-    judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L); one of up to
+    samples: list of str (retokenized with judge.encode, no BOS added), or id lists / an int64 tensor (N, L)
+    already in the judge's vocabulary. Each sequence is truncated to max_length (Duo: the model length L); one of up to
     judge.context tokens is one window (Duo's scoring), a longer one is scored over judge_windows advancing by
     `stride` (default half the judge's context), so each token is scored once with up to the judge's context
-    before it. The first token is never scored; the others when they are not EOS or are the sample's first EOS.
+    before it. The first token is never scored; the others when they are not EOS or are the sample's first EOS
+    (Duo's mask `(cumsum(is_eos) == 1) | ~is_eos`: text after an EOS is still scored, later EOS are not).
     The samples are the draws: the standard error is ratio_summary's over them. -> dict(gen_ppl, gen_ppl_se,
     gen_ppl_lo, gen_ppl_hi (95% interval), nll, nll_se, tokens, samples, judge, retokenized; per_sample: also
     sample_nll, sample_tokens, each sample's sums)."""

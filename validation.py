@@ -1,7 +1,6 @@
 """What a training run logs of its model (train.py, distillation/distill.py): the objective and the NELBO on the
-validation split with the EMA weights (the same draws for any world size and at every evaluation: metrics.py's
-estimator at eval_ppl.py's defaults), the quality of samples during training (Gen PPL under a judge, entropy; the
-same samples for any number of GPUs), and the samples printed at the end of a run."""
+validation split with the EMA weights, the quality of samples during training (Gen PPL under a judge, entropy),
+each the same for any number of GPUs, and the samples printed at the end of a run."""
 import torch
 
 import diffusion
@@ -52,12 +51,9 @@ VAL_SUMS = 8        # validation_sums' length: round_sums of the objective, then
 def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
     """The EMA weights on the first eval_iters global validation batches of batch_size sequences (0: the whole
     split), each shared out over the ranks (data.eval_pieces): a run's own loss, per_token_loss(model, x0, mask,
-    t, draws) -> (per-token loss, token weights or None), and the NELBO by nelbo_ppl's estimator (sequence_nelbo:
-    VAL_ROUNDS rounds of VAL_DRAWS stratified draws, seed EVAL_SEED; the exact NLL for a causal model). Every draw
-    belongs to its sequence (its index in the split), not to a rank or a batch: the objective's VAL_ROUNDS rounds
-    each take t ~ U[t_min, 1] and draw(1, L, K, generator, "cpu") -> its noise, from the sequence's generator of
-    that round (draw_seed with rounds -1, -2, never the NELBO's). So the validation set and its draws are the same
-    for any world size and at every evaluation, and the NELBO is eval_ppl.py's at its defaults (its first rounds).
+    t, draws) -> (per-token loss, token weights or None), and the NELBO (sequence_nelbo at eval_ppl.py's defaults;
+    the exact NLL for a causal model). As the NELBO's, the objective's draws belong to the sequence, not to a rank
+    or a batch: its rounds draw from draw_seed's rounds -1, -2, never the NELBO's.
     -> this rank's float64 sums (VAL_SUMS,), for the caller to add over ranks (validation_record)."""
     micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
     autocast = autocast_for(env.device, resolve_dtype(cfg.dtype, env.device))
@@ -128,9 +124,7 @@ def val_metrics(sums, cfg, data_dir):
 def load_gen_judge(cfg, env):
     """The judge of sample_quality, or None when --gen_interval is 0. Loaded on every rank before the data are
     prepared, so a missing judge fails at once (metrics.load_judge never substitutes another)."""
-    if not cfg.gen_interval:
-        return None
-    return load_judge(cfg.judge, env.device)
+    return load_judge(cfg.judge, env.device) if cfg.gen_interval else None
 
 
 GEN_GROUPS = 8   # sample_quality draws its samples in this many groups, each from its own generator
@@ -150,12 +144,9 @@ def sample_groups(num_samples, rank, world_size):
 def sample_quality(run, cfg, env, judge, tok):
     """Gen PPL and entropy of gen_num_samples samples from the EMA weights (paper Figs. ppl_curve_lm1b and
     entropy_curve_lm1b): the ancestral sampler with gen_steps steps and an ancestral final step (the AR baseline:
-    its own sampler). The samples come in groups (sample_groups), group k drawn in one sampler call from a
-    generator seeded gen_seed * GEN_GROUPS + k: the same samples for any world size, and the same draws at every
-    call, so a curve follows the model and not the sampling noise; each rank scores its groups with the judge
-    (score_samples). -> this rank's float64 sums (GEN_SUMS,): ratio_moments of the samples' NLL over
-    their scored tokens, then (sum, sum of squares) of their entropies; added over ranks (gen_metrics), they pool
-    all samples exactly as one process would, standard errors included."""
+    its own sampler). Group k of sample_groups comes from a generator seeded gen_seed * GEN_GROUPS + k, so a curve
+    follows the model and not the sampling noise. -> this rank's float64 sums (GEN_SUMS,): ratio_moments of the
+    samples' NLL over their scored tokens, then (sum, sum of squares) of their entropies, which add over ranks."""
     groups = sample_groups(cfg.gen_num_samples, env.rank, env.world_size)
     if not groups:                   # more ranks than groups: this one draws none
         return torch.zeros(GEN_SUMS, dtype=torch.float64)
@@ -194,10 +185,8 @@ def gen_metrics(sums, cfg, judge):
 
 def print_samples(run, cfg, meta, env, schedule=None, final_step=None):
     """The end of a run (train.py, distillation/distill.py): a few samples from the EMA weights (the live ones with
-    --ema 0), so a newcomer sees text: cfg.num_samples of the model's block_size tokens, the ancestral sampler with
-    cfg.sample_steps steps (the AR baseline: its own sampler) under the noise schedule (default: cfg.noise_schedule)
-    and with the final step (default: sample.generate's, ancestral; distill.py: the one --final_step auto picks),
-    nucleus cfg.sample_top_p, the run's --dtype. -> the texts."""
+    --ema 0), so a newcomer sees text. schedule: default cfg.noise_schedule; final_step: default ancestral
+    (distill.py: the one --final_step auto picks). -> the texts."""
     tok = get_tokenizer(meta["tokenizer"])
     gen = torch.Generator(device=env.device).manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, env.device)       # the network in the run's autocast dtype (bf16 on CUDA)

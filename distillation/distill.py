@@ -16,16 +16,13 @@ removed). Loss = KL(x_theta(z_t, sigma_t) || x_teacher(z_s, sigma_s)) per token 
 token mean. The teacher is a frozen copy of the student, refreshed at the start of every round (round_iters
 steps), so each round distils two steps of size dt into one, and dt doubles from round to round.
 
-Differences from Duo's code, all deliberate: the teacher runs in eval mode (Duo's inherits train mode, so its
-targets carry dropout noise); the teacher is saved in the checkpoint, so a resume mid-round keeps the round's
-teacher (Duo rebuilds it from the current student); the pair is drawn from the three numbers the two argmaxes
-depend on (see draw_pair_noise: same distribution as Duo's dense (B, L, K) Gaussian, O(B L) memory); the KL is
-one fused float32 pass over the vocabulary that never materialises (B, L, K) float32 tensors.
+Differences from Duo's code, all deliberate: the teacher runs in eval mode (make_teacher) and is saved in the
+checkpoint, so a resume mid-round keeps the round's teacher (Duo rebuilds it from the current student); the pair is
+drawn from three numbers per token (draw_pair_noise); the KL is one fused float32 pass (_KLFromLogits).
 
-Checkpoints have train.py's format (train_config is the base model's, so sample.py and eval_ppl.py load them
-unchanged) plus distill_config, distilled_from and the teacher's weights. Everything else is train.py's:
-flags from one dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights
-for evaluation and sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
+Checkpoints have train.py's format plus checkpoint_extra's fields. Everything else is train.py's: flags from one
+dataclass, DDP via torchrun (noise drawn for the global batch and sliced per rank), EMA weights for evaluation and
+sampling, atomic checkpoints, Ctrl-C saves, --resume 1 continues bit-identically.
 """
 import os, sys  # noqa: E401  (run as a file, python FOLDER/SCRIPT.py: the repository root goes on the path)
 if __package__ in (None, ""):
@@ -238,11 +235,10 @@ def load_init(cfg):
 
 
 def base_of(cfg, init_ckpt, record, env):
-    """The model config of the checkpoint distilled (valid: load_model or read_resume built it), checked to fit env's
-    memory, and its prepared data folder (--data_dir, else the one recorded in --init), its meta (files verified)
-    and its tokenizer, checked against K and against the tokenizer `record` (the checkpoint distilled or resumed)
-    was trained with. -> (mcfg, data_dir, meta)."""
-    mcfg = ModelConfig(**init_ckpt["model_config"])
+    """The model config of the checkpoint distilled, checked to fit env's memory, and its prepared data folder
+    (--data_dir, else the one recorded in --init), checked against the tokenizer `record` (the checkpoint distilled
+    or resumed) was trained with. -> (mcfg, data_dir, meta)."""
+    mcfg = ModelConfig(**init_ckpt["model_config"])        # valid: load_model or read_resume built it
     check_run_fits(cfg, mcfg, env, model_from=f"--init {cfg.init}: model_config.")   # before any allocation
     data_dir = cfg.data_dir or (init_ckpt.get("train_config") or {}).get("data_dir")
     if not data_dir:
@@ -256,10 +252,8 @@ def base_of(cfg, init_ckpt, record, env):
 
 def open_out_dir(cfg):
     """The checkpoint to resume and what a resumed run needs to know of the model it distils, from its own checkpoint
-    (--init is not needed, and may be gone by then): the base model's configs and where it came from; (None, None)
-    for a fresh run. The checkpoint is trained.checkpoint.read_resume's, a distillation/distill.py checkpoint with
-    the same DCD settings, of the model an --init given names (other than the default, which a resume leaves as it
-    is: another one would be ignored without a word). A refused run changes nothing in out_dir."""
+    (--init is not needed, and may be gone by then); (None, None) for a fresh run. An --init given other than the
+    default must name the model it distils: another one would be ignored without a word."""
     ckpt = read_resume(cfg, "distillation/distill.py")
     if ckpt is None:
         return None, None
@@ -312,10 +306,8 @@ def evaluate(run, teacher, cfg, data_dir, env):
     current teacher at the current round's dt (its pair noise from draw_pair_noise), and of the NELBO. -> this
     rank's float64 sums (DCD loss, its tokens, NELBO, its tokens), added over ranks by the caller (train.loop)."""
     it = max(run.it - 1, 0)           # the step just taken: its round's dt and teacher
-
-    def per_token_loss(model, x0, mask, t, noise):
-        return dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask
-    return validation_sums(run, cfg, data_dir, env, per_token_loss, draw_pair_noise)
+    return validation_sums(run, cfg, data_dir, env, lambda model, x0, mask, t, noise: (
+        dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask), draw_pair_noise)
 
 
 def checkpoint_extra(cfg, init_ckpt, data_dir, teacher):

@@ -1,30 +1,26 @@
-"""A trained model's checkpoint read as the method needs it: its fields typed and its model config one this model.py
-builds, a resume's checkpoint against the run (model, objective, batch, tokenizer, data), and a model with its
-tokenizer loaded for sampling and evaluation (a ckpt.pt, a model folder or Duo's release). The run's state itself
+"""A trained model's checkpoint read as the method needs it: for a resume, checked against the run; for sampling and
+evaluation, a model with its tokenizer (from a ckpt.pt, a model folder or Duo's release). The run's state itself
 (saved atomically, restored bit for bit) is plumbing/checkpoint.py's."""
 import os
 from dataclasses import asdict
 
 from data import DataError, check_tokenizer, full_data_key, get_tokenizer, not_a_file
-from model import ModelConfig, build_model
+from model import ModelConfig
 from plumbing.checkpoint import RESUME_KEYS, load_resume_checkpoint, read_checkpoint, refuse_other_script, weight_set
 from plumbing.cli import ConfigError, UsageError, first_line
-from plumbing.integrity import check_config_matches, check_state_fits, check_tokenizer_identity, check_weights
-from plumbing.memory import check_model_memory
+from plumbing.integrity import check_config_matches, check_tokenizer_identity, check_weights
 from trained.duo import load_duo_checkpoint
-from trained.fields import check_checkpoint_fields
+from trained.fields import built_model, check_checkpoint_fields
 from trained.folder import check_target, load_folder
 
 
 def check_data_tokenizer(data_dir, meta, ckpt=None, path=None, need_tokenizer=True, fix=None):
     """Every reader of a prepared folder, before it trusts its ids: its meta.json agrees with the tokenizer it names
-    (vocabulary size, special ids, the probe text's ids, content hash: an edited vocab_size is caught here), and,
-    given the checkpoint (path: its name) the data is read for, that tokenizer is the checkpoint's by content
-    (check_tokenizer_identity; a tokenizer of the same size with other pieces gives ids of other text; fix: what
-    its message tells the user to do).
-    need_tokenizer=False: a tokenizer that cannot be loaded here (a package or the network missing) skips the first
-    check, and the recorded hashes decide. -> the tokenizer (None when skipped); else UsageError / DataError (one
-    line naming the folder and the fix)."""
+    (an edited vocab_size is caught here), and, given the checkpoint (path: its name) the data is read for, that
+    tokenizer is the checkpoint's by content (a tokenizer of the same size with other pieces gives ids of other
+    text; fix: what its message tells the user to do). need_tokenizer=False: a tokenizer that cannot be loaded here
+    (a package or the network missing) skips the first check, and the recorded hashes decide. -> the tokenizer
+    (None when skipped)."""
     record = (ckpt or {}).get("meta") or {}
     ours, theirs = meta.get("tokenizer_sha256"), record.get("tokenizer_sha256")
     fix = fix or (f"give the --data_dir {path} was trained on (its config.json names it), or prepare one with its "
@@ -77,11 +73,9 @@ def check_resume_data(cfg, key):
 
 
 def read_resume(cfg, script):
-    """out_dir's checkpoint for `script` (train.py, distillation/distill.py) to resume, or None for a fresh run
-    (plumbing.checkpoint.load_resume_checkpoint), with the checks that need the model: out_dir/model, which the run's
-    end exports, holds a model folder of ours or nothing (a user's folder there is refused now, not after the
-    training), the checkpoint's fields and model config are the ones its writer gave them (check_checkpoint_fields),
-    its writer was `script`, and its step is within --max_iters."""
+    """out_dir's checkpoint for `script` (train.py, distillation/distill.py) to resume, or None for a fresh run, with
+    the checks that need the model. out_dir/model, which the run's end exports, must hold a model folder of ours or
+    nothing: a user's folder there is refused now, not after the training."""
     if cfg.resume:
         check_target(os.path.join(cfg.out_dir, "model"), f"--out_dir {cfg.out_dir}: its model folder",
                      "move them elsewhere, then resume")
@@ -95,11 +89,10 @@ def read_resume(cfg, script):
 
 
 def open_out_dir(cfg, mcfg, meta=None):
-    """train.py's checkpoint to resume (None for a fresh run). A fresh run never overwrites an existing checkpoint nor
-    mixes its log with an earlier run's; a resume must have RESUME_KEYS, match the saved model, objective, batch,
-    tokenizer (by content) and data (meta: this run's prepared data), and reach beyond the saved step. A refused run
-    changes nothing in out_dir. A resumed run whose curriculum came from its share (--curriculum_share) keeps the
-    steps its checkpoint recorded: it continues as it started, whatever --max_iters is now."""
+    """train.py's checkpoint to resume (read_resume), checked against the run's model, objective, batch, tokenizer (by
+    content) and data (meta: this run's prepared data). A refused run changes nothing in out_dir. A resumed run
+    whose curriculum came from its share (--curriculum_share) keeps the steps its checkpoint recorded: it continues
+    as it started, whatever --max_iters is now."""
     ckpt = read_resume(cfg, "train.py")
     if ckpt is None:
         return None
@@ -143,18 +136,13 @@ def load_checkpoint(path, device="cpu", use_ema=True):
         raise ValueError(f"{path} is not an sddlm checkpoint (needs the keys 'model' and 'model_config')")
     check_checkpoint_fields(ckpt, path)          # the model_config too, as its flags would be
     # both weight sets, the one not used too: a damaged file is refused whole
-    sets = [name for name in ("model", "ema") if ckpt.get(name) is not None]
-    for name in sets:          # floating-point and finite
-        check_weights(weight_set(ckpt, name), path, name, ConfigError)
-    state = weight_set(ckpt, "ema" if use_ema and "ema" in sets else "model")
+    sets = {name: weight_set(ckpt, name) for name in ("model", "ema") if ckpt.get(name) is not None}
+    for name, state in sets.items():          # floating-point and finite
+        check_weights(state, path, name, ConfigError)
+    use = "ema" if use_ema and "ema" in sets else "model"
     mcfg = ModelConfig(**ckpt["model_config"])          # valid: check_checkpoint_fields built it once
-    check_config_matches(mcfg, state, path, "model_config.")     # as many blocks, as wide an embedding
-    check_model_memory(mcfg, device, lambda field: f"{path}: model_config.{field}")
-    model = build_model(mcfg)
-    for name in sets:          # names and shapes: it loads
-        check_state_fits(model.state_dict(), weight_set(ckpt, name), path, name)
-    model.load_state_dict(state)
-    return model.to(device).eval(), ckpt
+    check_config_matches(mcfg, sets[use], path, "model_config.")     # as many blocks, as wide an embedding
+    return built_model(mcfg, device, f"{path}: model_config.", path, sets, use), ckpt
 
 
 def load_model(path, device, use_ema=True):
@@ -174,10 +162,9 @@ def load_model(path, device, use_ema=True):
 
 
 def load_tokenizer(ckpt, path=None):
-    """The checkpoint's tokenizer (data.get_tokenizer(meta["tokenizer"]), from the SentencePiece model's bytes the
-    checkpoint carries where it has them), or None with the reason. One that loads but is not the tokenizer the
-    checkpoint was trained with (check_tokenizer_identity) -> UsageError naming the file; path: the checkpoint's,
-    for that message."""
+    """The checkpoint's tokenizer (from the SentencePiece model's bytes the checkpoint carries where it has them), or
+    None with the reason. One that loads but is not the one the checkpoint was trained with -> UsageError naming
+    path."""
     spec = (ckpt.get("meta") or {}).get("tokenizer")
     if spec is None:
         return None, "the checkpoint has no meta['tokenizer']"

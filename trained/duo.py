@@ -8,11 +8,9 @@ from dataclasses import asdict
 
 import torch
 
-from model import build_model
 from plumbing.cli import first_line
-from plumbing.integrity import check_state_fits, check_weights, check_zip
-from trained.fields import checked_model_config
-from plumbing.memory import check_model_memory
+from plumbing.integrity import check_weights, check_zip, expect, is_int
+from trained.fields import built_model, checked_model_config
 
 
 DUO_KEYS = [   # (Duo's name after its "backbone." prefix, ours): regular expressions, in order
@@ -74,10 +72,8 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     spec: a Lightning .ckpt (dict with "state_dict" of backbone.* keys, and "ema"), a .safetensors / .bin / .pt
     state dict, a folder holding one (with Duo's Hugging Face config.json), or a Hugging Face hub name
     (s-sahoo/duo, s-sahoo/duo-distilled; needs huggingface_hub and the network). Not in the tensors and so set
-    here: n_head (default config.json's n_heads, else d / 64, Duo's head size), block_size (config.json's
-    model_length, else 128 for K = 30522 (LM1B), else 1024), the tokenizer (K = 50258: "gpt2", this repo's GPT-2
-    BPE + [PAD] with Duo's ids; K = 30522: "hf:bert-base-uncased") and the log-linear schedule Duo trains with.
-    Only load trusted files (.ckpt and .pt unpickle)."""
+    here: n_head, block_size (the arguments, else Duo's config.json, else Duo's defaults), the tokenizer (by the
+    vocabulary size) and the log-linear schedule Duo trains with. Only load trusted files (.ckpt and .pt unpickle)."""
     path, extra = spec, {}
     if not os.path.exists(path) and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1):
         raise ValueError(f"duo:{spec}: no such file or folder (a hub name is duo:USER/NAME)")  # a path, not a name
@@ -101,9 +97,8 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
                 raise ValueError(f"{config_path} is not valid JSON ({e}); restore Duo's config.json") from None
             for key in ("n_heads", "model_length"):     # the two fields read here, checked as flags are
                 value = extra.get(key) if isinstance(extra, dict) else None
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                    raise ValueError(f"{config_path}: its field {key} holds {value!r}, not an int >= 1; restore "
-                                     f"Duo's config.json")
+                expect(value is None or is_int(value) and value >= 1, config_path, key, value, "an int >= 1",
+                       ValueError, "restore Duo's config.json")
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
         if not files:
             raise ValueError(f"duo:{spec}: no model.safetensors or pytorch_model.bin in {path}")
@@ -126,15 +121,12 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
     ours, fields = duo_state_dict(state, ema)
     check_weights(ours, path, "weights", fix="use another copy of the checkpoint")   # floating-point and finite
     d, K = fields["n_embd"], fields["vocab_size"]
-    fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)
-    fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)
+    fields["n_head"] = n_head or extra.get("n_heads") or max(1, d // 64)         # Duo's head size: 64
+    fields["block_size"] = block_size or extra.get("model_length") or (128 if K == 30522 else 1024)   # LM1B: 128
     mcfg = checked_model_config(fields, f"duo:{spec}", "")
-    check_model_memory(mcfg, device, lambda field: f"duo:{spec}: {field}")
-    model = build_model(mcfg)
-    check_state_fits(model.state_dict(), ours, f"duo:{spec}", "", fix="use another checkpoint")    # so it loads
-    model.load_state_dict(ours)
-    tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)
+    model = built_model(mcfg, device, f"duo:{spec}: ", f"duo:{spec}", {"": ours}, "")
+    tokenizer = {50258: "gpt2", 30522: "hf:bert-base-uncased"}.get(K)    # gpt2: our GPT-2 BPE + [PAD], Duo's ids
     ckpt = {"model_config": asdict(model.config), "meta": {"tokenizer": tokenizer} if tokenizer else {},
             "train_config": {"noise_schedule": "loglinear", "loss": "ar" if fields["causal"] else "duo"},
             "step": raw.get("global_step"), "source": f"duo:{spec}", "used_ema": ema is not None}
-    return model.to(device).eval(), ckpt
+    return model, ckpt

@@ -1,8 +1,6 @@
 """Writing a model folder (model.safetensors + config.json + the tokenizer's file + the README.md model card), the
-other side of trained/folder.py, which reads one: export (any checkpoint -> a folder: hub/pretrained.py's command,
-and the model folder at the end of a train.py or distillation/distill.py run, plumbing.run.RunPlumbing), save_folder
-(the write itself: nothing the project did not write is replaced, the folder appears whole or not at all),
-folder_config (config.json's content) and model_card (README.md, with the validation the run measured)."""
+other side of trained/folder.py, which reads one: hub/pretrained.py's export, and the model folder at the end of a
+train.py or distillation/distill.py run (plumbing.run.RunPlumbing)."""
 import hashlib
 import json
 import os
@@ -170,14 +168,11 @@ BIBTEX = """@article{zhu2025simple,
 
 
 def save_folder(folder, state, config, name=None, proto=None):
-    """Write a model folder: state (name -> tensor) as model.safetensors, config as config.json, the model card
-    README.md, and the tokenizer's file when its spec is a local SentencePiece model (checked against the recorded
-    sha256, so a folder never ships another tokenizer than the one its ids came from). Nothing the project did not
-    write is touched: a new or empty folder is built beside the target and renamed into place (it appears whole or
-    not at all); over an earlier model folder only our files are replaced, config.json last (check_target refuses
-    a folder holding anything else); a README.md of the user's is kept and no card is written (said on stderr).
-    name: how the card's loading lines name the model (default: the folder as given). proto: the SentencePiece
-    model's bytes a checkpoint carries, written in place of the spec's file."""
+    """Write a model folder: state (name -> tensor), config, the model card, and the tokenizer's file when its spec
+    is a local SentencePiece model (so a folder never ships another tokenizer than the one its ids came from).
+    Nothing the project did not write is touched, and the folder appears whole or not at all. name: how the card's
+    loading lines name the model (default: the folder as given). proto: the SentencePiece model's bytes a checkpoint
+    carries, written in place of the spec's file."""
     from safetensors.torch import save_file
     config = json.loads(json.dumps(config))          # a copy; JSON types only
     tok = config["tokenizer"]

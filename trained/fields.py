@@ -4,9 +4,11 @@ objective, schedule and sizes ones the readers know. Each failure is one line na
 from dataclasses import fields
 
 import diffusion
-from model import ModelConfig
+from model import ModelConfig, build_model
 from plumbing.cli import ConfigError
-from plumbing.integrity import CHECKPOINT_FIX, check_dataclass_fields, check_tensors, expect, fits, is_int
+from plumbing.integrity import (CHECKPOINT_FIX, check_dataclass_fields, check_state_fits, check_tensors, expect, fits,
+                                is_int)
+from plumbing.memory import check_model_memory
 
 # the train_config fields that readers of a checkpoint use (resume checks, samplers, distillation/distill.py)
 TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str", "dataset": "str", "data_dir": "str",
@@ -14,10 +16,8 @@ TRAIN_CONFIG_TYPES = {"loss": "str", "noise_schedule": "str", "tokenizer": "str"
 
 
 def check_checkpoint_fields(ckpt, path, error=ConfigError):
-    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes: model (and
-    ema, teacher) dicts of tensors, model_config a dict whose known fields have ModelConfig's types, train_config a
-    dict (the fields readers use, TRAIN_CONFIG_TYPES, typed), meta a dict (vocab_size and the special ids ints, the
-    tokenizer a string), step and n_ema ints >= 0. Otherwise `error` (a UsageError: one line naming the field)."""
+    """A checkpoint dict (train.py / distillation/distill.py) has its fields in the types save() writes, its
+    model_config one this model.py builds. Otherwise `error` (a UsageError: one line naming the field)."""
     expect(isinstance(ckpt, dict), path, "(the whole file)", ckpt, "a dict", error)
     if "model" in ckpt:
         check_tensors(ckpt["model"], path, "model", error)
@@ -81,3 +81,15 @@ def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECK
     for k, (ok, wanted) in checks.items():
         if config.get(k) is not None:
             expect(ok(config[k]), path, prefix + k, config[k], wanted, error, fix)
+
+
+def built_model(mcfg, device, where, path, sets, use, fix="use another checkpoint"):
+    """The loaders' last step (a checkpoint, a model folder, Duo's): a model of mcfg once it fits the memory there is
+    (where: how messages name the config, before the field) and every weight set of the file (sets: {name: state})
+    has its names and shapes, with sets[use] loaded -> the model in eval mode on device."""
+    check_model_memory(mcfg, device, lambda field: f"{where}{field}")
+    model = build_model(mcfg)
+    for name, state in sets.items():
+        check_state_fits(model.state_dict(), state, path, name, fix)
+    model.load_state_dict(sets[use])
+    return model.to(device).eval()

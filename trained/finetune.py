@@ -1,6 +1,5 @@
-"""A run that starts from a trained model (train.py --init SOURCE: fine-tuning). SOURCE is read by the one loader
-of every script's --ckpt (trained.checkpoint.load_model: a train.py or distill.py checkpoint, a model folder,
-duo:PATH or duo:HUB_NAME); the run takes its architecture, its tokenizer and its block size, refuses the flags that
+"""A run that starts from a trained model (train.py --init SOURCE: fine-tuning). SOURCE is read as every script's
+--ckpt (read_init); the run takes its architecture, its tokenizer and its block size, refuses the flags that
 contradict them, starts from its weights (the EMA at the same weights) and records where it started. The
 optimizer, the schedule, the step count and the EMA are the run's own, fresh. A fine-tuning run resumed with
 --resume 1 (without --init) reads the same from its own checkpoint, which records them.
@@ -53,8 +52,7 @@ class Source:
     def model_config_for(self, cfg, data_dir, meta):
         """The run's ModelConfig: SOURCE's model at this run's --block_size and --dropout, its output layer padded to
         --vocab_multiple where given (else SOURCE's padding); once the prepared data (data_dir, meta) are checked
-        to be tokenized by SOURCE's tokenizer, as every reader of a prepared folder checks it
-        (trained.checkpoint.check_data_tokenizer; on a resume trained.checkpoint.open_out_dir does)."""
+        to be tokenized by SOURCE's tokenizer (on a resume trained.checkpoint.open_out_dir does)."""
         if self.weights is not None:
             fix = "give a --data_dir prepared with it, or leave --data_dir out (train.py prepares one)"
             check_data_tokenizer(data_dir, meta, {"meta": self.meta, "model_config": self.model_config}, self.label,
@@ -154,10 +152,8 @@ def resumed_source(out_dir):
 # the run's flags against SOURCE
 
 def start_from(cfg, given):
-    """train.py's start-up with --init (or a resumed fine-tuning run): SOURCE read (load_source; resumed_source),
-    the flags given that contradict it refused (check_flags), the data flags it sets taken where not given
-    (FROM_SOURCE), and a tokenizer given on the command line checked against SOURCE's before any data is prepared.
-    given: the flags on the command line. -> the Source, or None for a run from random weights."""
+    """train.py's start-up with --init (or a resumed fine-tuning run), before any data is prepared. given: the flags
+    on the command line. -> the Source, or None for a run from random weights."""
     source = load_source(cfg.init, cfg.init_ema) if cfg.init else resumed_source(cfg.out_dir) if cfg.resume else None
     if source is None:
         return None

@@ -9,12 +9,11 @@ import sys
 import diffusion
 from data import not_a_file
 from diffusion import FINAL_STEPS
-from model import ModelConfig, build_model
+from model import ModelConfig
 from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, check_writable, kind_of
-from plumbing.integrity import check_config_matches, check_state_fits, check_weights, expect, is_int, sha256_file
-from plumbing.memory import check_model_memory
-from trained.fields import check_train_config_values, checked_model_config
+from plumbing.integrity import check_config_matches, check_weights, expect, is_int, sha256_file
+from trained.fields import built_model, check_train_config_values, checked_model_config
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -132,12 +131,9 @@ def check_config(config, path):
 
 
 def load_folder(folder, device="cpu", use_ema=True):
-    """A model folder -> (model in eval mode, a checkpoint-like dict: model_config, train_config (objective and
-    noise schedule), meta (the tokenizer, as the folder's own file), step, ema) as model.load_checkpoint returns,
-    so every script treats a folder as a checkpoint. Everything is checked before the model is built: config.json
-    field by field (check_config), the weights' bytes against the sha256 the export recorded, their dtypes,
-    finiteness and shapes against the config, and the model's size against the memory there is. Raises ValueError
-    (one line) for a broken folder."""
+    """A model folder -> (model in eval mode, a checkpoint dict as trained.checkpoint.load_checkpoint returns), so
+    every script treats a folder as a checkpoint. Everything is checked before the model is built; a broken folder
+    -> ValueError (one line)."""
     from safetensors.torch import load_file
     config = read_config(folder)
     config_path = os.path.join(folder, CONFIG)
@@ -169,10 +165,7 @@ def load_folder(folder, device="cpu", use_ema=True):
         raise ValueError(f"{path}: weights do not load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     check_weights(weights, path, "weights", fix=FOLDER_FIX)
     check_config_matches(mcfg, weights, config_path, "", weights=f"the weights ({WEIGHTS})", fix=FOLDER_FIX)
-    check_model_memory(mcfg, device, lambda field: f"{config_path}: {field}")
-    model = build_model(mcfg)
-    check_state_fits(model.state_dict(), weights, path, "", fix=FOLDER_FIX)     # names and shapes: it loads
-    model.load_state_dict(weights)
+    model = built_model(mcfg, device, f"{config_path}: ", path, {"": weights}, "", FOLDER_FIX)
     state = model.state_dict()
     ckpt = {"model_config": dataclasses.asdict(mcfg),
             "train_config": {**(config.get("train_config") or {}), "loss": config.get("objective"),
@@ -182,4 +175,4 @@ def load_folder(folder, device="cpu", use_ema=True):
             "step": config.get("step"), "model": state, "ema": state if config.get("weights") == "ema" else None,
             "final_step": config.get("final_step"), "source": folder, "format": config.get("format"),
             **{k: config[k] for k in ("validation", "distilled_from", "finetuned_from") if config.get(k)}}
-    return model.to(device).eval(), ckpt
+    return model, ckpt
