@@ -96,10 +96,10 @@ def check_threads(threads, source):
                          f"{cores} usable cores of this machine; give at most {cores}, or leave it unset (the default)")
 
 
-def omp_threads(environ=None):
+def omp_threads():
     """OMP_NUM_THREADS as a number of threads (its first item: OpenMP also takes a list per nesting level), or 0 when
     unset or empty; a value that is no positive whole number, or above the usable cores -> UsageError."""
-    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
     if not value:
         return 0
     first = value.split(",")[0].strip()
@@ -110,13 +110,13 @@ def omp_threads(environ=None):
 
 
 def cpu_threads(threads, local_world_size):
-    """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins; else OMP_NUM_THREADS when set
-    (by the user, or by torchrun, which sets 1 for several processes per node); else the usable cores that are
-    idle at start (rounded, all of them where unknown), shared evenly by this node's processes, at least one
-    each. A thread beyond the free cores only waits: on this 2-core machine with other work running, two threads
-    made the tiny demo several times slower than one, and idle they made it faster (RESULTS.md, CPU threads)."""
+    """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins (checked by plumbing.run.launch);
+    else OMP_NUM_THREADS when set (by the user, or by torchrun, which sets 1 for several processes per node); else
+    the usable cores that are idle at start (rounded, all of them where unknown), shared evenly by this node's
+    processes, at least one each. A thread beyond the free cores only waits: on this 2-core machine with other work
+    running, two threads made the tiny demo several times slower than one, and idle they made it faster
+    (RESULTS.md, CPU threads)."""
     if threads > 0:
-        check_threads(threads, "--threads")
         return threads, "--threads"
     omp = omp_threads()
     if omp:
@@ -330,15 +330,18 @@ def agree(env, loss_sum, bad, stopping):
     return loss_sum.item(), bool(bad), bool(stopping)
 
 
+def _attempt(work, errors):
+    """[work(), None], or [None, the error] when it raises one of `errors`."""
+    try:
+        return [work(), None]
+    except errors as e:
+        return [None, e]
+
+
 def on_rank0(env, work, *errors):
     """work() -> value on rank 0, broadcast to every rank. An error of the kinds `errors` on rank 0 is raised on
     every rank, as the same exception type with the same one line, instead of leaving the others at a barrier."""
-    box = [None, None]
-    if env.master:
-        try:
-            box[0] = work()
-        except errors as e:
-            box[1] = e
+    box = _attempt(work, errors) if env.master else [None, None]
     if env.ddp:
         dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
@@ -351,12 +354,7 @@ def on_each_node(env, work, *errors):
     own disk, while the node's other processes wait. -> (the value of this process's node, {node: value}), on
     every rank. An error of the kinds `errors` on any node is raised on every rank as on_rank0's, naming the node
     when it is not node 0."""
-    mine = [None, None]
-    if env.local_rank == 0:
-        try:
-            mine[0] = work()
-        except errors as e:
-            mine[1] = e
+    mine = _attempt(work, errors) if env.local_rank == 0 else [None, None]
     every = [(env.node, env.local_rank, *mine)]
     if env.ddp:
         every = [None] * env.world_size
