@@ -229,10 +229,7 @@ def join(env, timeout, poll=0.2, report=30.0):
             try:
                 socket.create_connection((env.master_addr, env.master_port), timeout=1).close()
                 break
-            except socket.gaierror as e:
-                raise LaunchError(f"MASTER_ADDR={env.master_addr} is no address this host resolves ({e}); give "
-                                 f"rank 0's host name or IP") from None
-            except OSError:
+            except OSError:                # MASTER_ADDR resolves (checked above): rank 0's store is not up yet
                 waiting("rank 0's store did not answer", "rank 0's store")
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=step)
     arrivals = dist.PrefixStore(f"sddlm/join/{env.restart}", store)

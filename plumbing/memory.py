@@ -3,6 +3,7 @@ fault; and on CUDA the micro-batch probe before training (fit_micro_batch), the 
 allocator does not count, and the allocator's settings."""
 import os
 import resource
+from contextlib import suppress
 from types import SimpleNamespace
 
 import torch
@@ -62,13 +63,11 @@ def available_memory(device):
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, f"GPU memory ({props.name})"
     found = []
-    try:
+    with suppress(OSError, KeyError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             info = {row.split(":")[0]: int(row.split()[1]) * 1024 for row in f if row.split()[1:2]}
         found.append((info["MemAvailable"], "available RAM"))
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    try:
+    with suppress(OSError, StopIteration, ValueError, IndexError):
         with open("/proc/self/cgroup") as f:
             group = next(row.strip().split(":", 2)[2] for row in f if row.startswith("0::"))
         base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
@@ -76,16 +75,12 @@ def available_memory(device):
             limit = f.read().strip()
             if limit != "max":
                 found.append((int(limit) - int(g.read()), "memory left under its cgroup's limit"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        try:
+        with suppress(OSError, StopIteration, ValueError):
             with open("/proc/self/status") as f:
                 size = next(int(row.split()[1]) * 1024 for row in f if row.startswith("VmSize:"))
             found.append((soft - size, "address space left under ulimit -v"))
-        except (OSError, StopIteration, ValueError):
-            pass
     return min(found) if found else (None, "")
 
 
@@ -174,14 +169,13 @@ def cuda_allocator_env(environ):
 
 
 def fit_micro_batch(run, cfg, env, compile=False, loss=None, fusable=False):
-    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training, by the probe of each kind of
-    step (probe_steps, loss(model, x0, it, gen) its step), its verdict shared by all ranks. When the run compiles,
-    one compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the
-    second); its graphs are the run's when the first micro-batch fits in one process. If it does not fit,
-    --auto_accum 1 doubles --grad_accum until it does; --auto_accum 0 stops with one line naming the flag to set.
+    """CUDA: make sure the micro-batch fits before training, by the probe of each kind of step (probe_steps,
+    loss(model, x0, it, gen) its step), its verdict shared by all ranks; compiled, one probe serves every micro-batch
+    tried (docs/training.md, "The step"). If it does not fit, --auto_accum 1 doubles --grad_accum until it does;
+    --auto_accum 0 stops with one line naming the flag to set.
     With --head auto and `fusable` (an objective the fused head computes), --head fused_recompute is tried at each
     micro-batch before a smaller one. Updates cfg.grad_accum and cfg.head."""
-    model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
+    model = torch.compile(run.raw_model) if compile else None
     accum = first = cfg.grad_accum
     try:
         while True:
