@@ -216,16 +216,13 @@ def ema_weights(run):
                 tmp = p.detach().clone()
                 p.data.copy_(e)
                 e.copy_(tmp)
-    swapped = False
+    with deferred_signals():
+        swap()
     try:
-        with deferred_signals():
-            swap()
-            swapped = True
         yield run.raw_model
     finally:
-        if swapped:
-            with deferred_signals():
-                swap()
+        with deferred_signals():
+            swap()
 
 
 def weight_set(ckpt, name):

@@ -110,12 +110,9 @@ def omp_threads():
 
 
 def cpu_threads(threads, local_world_size):
-    """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins (checked by plumbing.run.launch);
-    else OMP_NUM_THREADS when set (by the user, or by torchrun, which sets 1 for several processes per node); else
-    the usable cores that are idle at start (rounded, all of them where unknown), shared evenly by this node's
-    processes, at least one each. A thread beyond the free cores only waits: on this 2-core machine with other work
-    running, two threads made the tiny demo several times slower than one, and idle they made it faster
-    (RESULTS.md, CPU threads)."""
+    """torch's thread count for a CPU process -> (count, why): --threads N > 0 (checked by plumbing.run.launch), else
+    OMP_NUM_THREADS, else the usable cores idle at start (rounded, all of them where unknown) shared by this node's
+    processes, at least one each. Why not all the cores: docs/nodes.md, "CPU threads"."""
     if threads > 0:
         return threads, "--threads"
     omp = omp_threads()
@@ -143,11 +140,10 @@ class LaunchError(UsageError):
 
 
 def launch_env(environ=None):
-    """torchrun's variables (LAUNCH_VARS) -> Env (no device yet), checked as a whole before anything starts: each a
-    whole number, none contradicting another, and all that a job of several processes needs present. Without
-    WORLD_SIZE (or with 1) this is one process, whose rank variables, if set, say 0. Otherwise one line naming them
-    -> LaunchError. Nodes: GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node
-    (torchrun numbers the ranks of one node consecutively)."""
+    """torchrun's variables (LAUNCH_VARS) -> Env (no device yet), checked as a whole before anything starts
+    (docs/reliability.md, "Distributed launch"), else one line naming them -> LaunchError. Nodes: GROUP_RANK /
+    GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node (torchrun numbers the ranks of one
+    node consecutively)."""
     e = os.environ if environ is None else environ
     given = {k: e[k].strip() for k in LAUNCH_VARS if k in e}
     shown = ", ".join(f"{k}={v}" for k, v in given.items()) or "none set"
@@ -189,11 +185,9 @@ def launch_env(environ=None):
 
 
 def join(env, timeout, poll=0.2, report=30.0):
-    """Every rank of the job meets the others at rank 0's store (MASTER_ADDR:MASTER_PORT; torchrun's agent hosts it
-    where it says so) before the process group is made, waiting in short steps in Python, not in one C++ call: a
-    stop signal ends the wait at once (exit code 130), each rank says whom it waits for (at once, then every
-    `report` seconds), and after `timeout` seconds (--dist_timeout) it stops with one line naming the ranks that
-    never came (exit code 2). -> the store, for dist.init_process_group."""
+    """Every rank of the job meets the others at rank 0's store before the process group is made, in short waits in
+    Python that a stop signal ends, saying whom it waits for every `report` seconds and giving up after `timeout`
+    (--dist_timeout; docs/reliability.md, "Distributed launch"). -> the store, for dist.init_process_group."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     where, start = f"{env.master_addr}:{env.master_port}", time.monotonic()
     step = datetime.timedelta(seconds=max(1.0, min(10.0, timeout)))
