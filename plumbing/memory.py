@@ -45,11 +45,9 @@ def model_numel(c):
 
 
 def training_bytes(c, micro, ema):
-    """A lower bound of the bytes training config c takes before its first step ends: float32 weights, gradients and
-    AdamW's two moments (16 bytes a parameter), the EMA copy (4 more), the RoPE tables, and one micro-batch's
-    activations, of which backward keeps at least each block's input (micro x block_size x n_embd values of 2
-    bytes or more per block). The true peak is higher (attention, MLP, the output layer): a run this refuses cannot
-    fit."""
+    """A lower bound of the bytes training config c takes before its first step ends: 16 bytes a parameter (float32
+    weights, gradients, AdamW's two moments), 4 more with the EMA, the RoPE tables, and each block's input kept for
+    backward (2 bytes a value or more). The true peak is higher: a run this refuses cannot fit."""
     params, buffers = model_numel(c)
     return params * (16 + 4 * bool(ema)) + 4 * buffers + 2 * micro * c.block_size * c.n_embd * c.n_layer
 
@@ -102,8 +100,7 @@ def check_fits(need, device, what, fix):
 
 def _refuse_if_too_big(need, mcfg, micro, device, name, what, fix, smaller):
     """need(c) -> bytes, c: mcfg's fields and the micro-batch `micro`; above the memory there is -> UsageError naming
-    the field whose value costs the most (the one whose reset to smaller's value saves the most), as name(field)
-    says it."""
+    the field whose reset to smaller's value saves the most."""
     c = SimpleNamespace(**vars(mcfg), micro=micro)
     total = need(c)
     free, where = available_memory(device)
@@ -121,17 +118,15 @@ SMALL = dict(n_layer=4, n_embd=128, mlp_hidden=512, cond_dim=64, vocab_size=2048
 
 
 def check_model_memory(mcfg, device, name, fix="use a machine with more memory"):
-    """Before a model is built (sample.py, eval_ppl.py, a model folder or checkpoint read anywhere): its weights and
-    RoPE tables (float32) fit in the memory there is, else one line naming the field at fault (name(field) -> how
-    the user knows it, e.g. "out/model/config.json: n_layer")."""
+    """Before a model is built (a model folder or checkpoint read anywhere): its float32 weights and RoPE tables fit
+    in the memory there is, else one line naming the field at fault (name(field): "out/model/config.json: n_layer")."""
     _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), mcfg, 0, device, name, "the model", fix,
                        {k: v for k, v in SMALL.items() if k != "micro"})
 
 
 def check_training_memory(mcfg, micro, ema, device, name, fix="lower it"):
-    """Before a training run allocates its model: weights, gradients, AdamW's state, the EMA and one micro-batch of
-    micro sequences fit in the memory there is (training_bytes, a lower bound), else one line naming the flag at
-    fault (name(field) -> e.g. "--n_layer"; field "micro" is the micro-batch)."""
+    """Before a training run allocates its model: training_bytes for a micro-batch of `micro` sequences fits in the
+    memory there is, else one line naming the flag at fault (name(field) -> "--n_layer"; "micro": the micro-batch)."""
     _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), mcfg, micro, device, name,
                        "training (weights, gradients, AdamW's moments, EMA, one micro-batch)", fix, SMALL)
 
