@@ -69,9 +69,8 @@ def alpha_range(vocab_size, gamma_min, gamma_max):
 
 
 def gaussian_latent(x0, gamma, vocab_size, generator=None):
-    """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K), alpha~ = sqrt(sigmoid(-gamma)), sigma~ = sqrt(sigmoid(gamma)).
-    x0 (B, L); gamma (B, 1) -> w (B, L, K) float32. This is Duo's exact (and memory-hungry) method: a
-    (B, L, K) float32 tensor (6.6 GB at B=32, L=1024, K=50258)."""
+    """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K): Duo's exact (and memory-hungry) method, 6.6 GB at B=32,
+    L=1024, K=50258. x0 (B, L); gamma (B, 1) -> w (B, L, K) float32."""
     g = gamma.float().unsqueeze(-1)
     w = torch.randn(*x0.shape, vocab_size, generator=generator, device=x0.device) * torch.sqrt(torch.sigmoid(g))
     return w.scatter_add_(-1, x0.unsqueeze(-1), torch.sqrt(torch.sigmoid(-g)).expand(*x0.shape, 1))
@@ -167,9 +166,8 @@ def top_k_latent(x0, gamma, vocab_size, k=CURRICULUM_TOP_K, generator=None):
 
 
 def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULUM_TOP_K):
-    """The curriculum's latent xt = argmax w and soft input softmax(w / tau) of the Gaussian latent w
-    (gaussian_latent), kept on the top_k largest coordinates of w per position (SoftTokens), which top_k_latent
-    draws exactly in O(top_k) per position: no (B, L, K) tensor and no O(K) work.
+    """The curriculum's latent xt = argmax w and soft input softmax(w / tau), kept on the top_k largest coordinates
+    of w per position (SoftTokens from top_k_latent: no (B, L, K) tensor and no O(K) work).
     Exactness: xt and the kept coordinates are exact in law; the soft input (softmax over the kept coordinates,
     in float64, rounded to float32) equals the dense softmax(w / tau) to float32 rounding whenever the
     (top_k+1)-th largest coordinate is more than tau (log K + 24 log 2) below the largest (every weight beyond
@@ -186,9 +184,8 @@ def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULU
 
 
 def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
-    """One curriculum corruption: gamma_t = gamma_min + t (gamma_max - gamma_min), the Gaussian latent,
-    the hard latent xt = argmax w (used by the loss), the soft network input softmax(w / tau) (curriculum_input:
-    SoftTokens, or the dense (B, L, K) tensor at high tau), and the discrete alpha_t = T(gamma_t),
+    """One curriculum corruption at gamma_t = gamma_min + t (gamma_max - gamma_min): the hard latent xt (used by the
+    loss) and the soft network input (curriculum_input), and the discrete alpha_t = T(gamma_t),
     d alpha_t / dt = (gamma_max - gamma_min) dT/dgamma.
     x0 (B, L), t (B,) -> xt (B, L), soft input, alpha_t (B, 1), dalpha_t (B, 1)."""
     gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)
