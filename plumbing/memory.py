@@ -7,9 +7,9 @@ from contextlib import suppress
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from plumbing.cli import OutOfMemory, UsageError, resolve_device
+from plumbing.distributed import any_rank
 
 # What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
 # leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
@@ -223,11 +223,7 @@ def _probe_fits(run, cfg, env, micro, model, loss):
     except torch.OutOfMemoryError:
         fits = False
     torch.cuda.empty_cache()
-    if env.ddp:
-        flag = torch.tensor([float(fits)], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        fits = bool(flag.item())
-    return fits
+    return not any_rank(env, not fits)
 
 
 def probe_steps(run, cfg, env, micro, loss, model=None):
