@@ -105,13 +105,10 @@ TOP_K_MAX_TAU = 2e-3        # above this temperature curriculum_input keeps the 
 
 
 def _distinct_uniform(n, k, rows, generator=None, device=None):
-    """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (a
-    uniform k-subset: for j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) in a uniformly random
-    order (argsort of iid uniform keys), all k draws at once. t_i is taken exactly when it equals an earlier t
-    (that value is in the set, as t or as its j) or the j of an earlier i' whose t was taken; each t_i equals at
-    most one j, so "taken" runs along a chain of earlier indices, resolved by ceil(log2 k) rounds of pointer
-    jumping. O(k log k) per row (a sort finds the repeated t's), no O(n) work and no loop over k.
-    -> (rows, k) int64."""
+    """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (for
+    j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) with all k draws at once, "taken" resolved by pointer
+    jumping (docs/training.md, "The curriculum's top-k latent"), in a uniformly random order. O(k log k) per row
+    (a sort finds the repeated t's), no O(n) work and no loop over k. -> (rows, k) int64."""
     j = torch.arange(n - k, n, device=device)
     t = torch.randint(0, 1 << 62, (rows, k), generator=generator, device=device) % (j + 1)   # U{0..j} (bias < n / 2^62)
     sorted_t, at = t.sort(dim=-1, stable=True)                        # equal values in drawing order

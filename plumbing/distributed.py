@@ -273,13 +273,10 @@ def compiles(flag, preset, device):
 
 
 def wrap_model(raw_model, env, compile):
-    """The model the training step calls: raw_model in DDP under torchrun, then compiled. DDP keeps the gradients
-    as views of its all-reduce buckets (gradient_as_bucket_view: no second copy of them); they start as zeros, so
-    every step, the first after a resume too, accumulates into the buckets alike (train.optimizer_step zeroes them
-    in place). Compiling the DDP module, after the memory probe (which leaves no compiled graph behind:
-    plumbing.memory.probe_steps), lets TorchDynamo split the graph at DDP's buckets, so each bucket's all-reduce
-    overlaps the rest of the backward pass; a graph compiled outside DDP first would be reused whole, every
-    all-reduce waiting for the end of the backward."""
+    """The model the training step calls: raw_model in DDP under torchrun, then compiled, after the memory probe, so
+    that each gradient bucket's all-reduce overlaps the backward pass (docs/training.md, "The step"). DDP keeps the
+    gradients as views of its buckets (gradient_as_bucket_view: no second copy); they start as zeros, so every step,
+    the first after a resume too, accumulates into the buckets alike (train.optimizer_step zeroes them in place)."""
     model = raw_model
     if env.ddp:
         for p in raw_model.parameters():
