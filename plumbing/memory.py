@@ -11,13 +11,8 @@ import torch
 from plumbing.cli import OutOfMemory, UsageError, resolve_device
 from plumbing.distributed import any_rank
 
-# What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
-# leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
-# H100), cuBLAS / cuDNN workspaces, NCCL's communication buffers (~1 GiB at 8 ranks) -- and a share of the device
-# for the caching allocator's fragmentation (reserved but unusable blocks, a few % of a long run's memory; less with
-# expandable segments) and for the steps that differ from the probe's (another length of the last evaluation batch,
-# the samples at the end). The probe used to accept up to 0.97 of the device: 2.4 GiB of an 80 GiB H100, less than
-# the context plus NCCL alone, so a compiled 1.1B run could pass it and then run out of memory.
+# What a micro-batch's measured peak does not show, and what the probe therefore leaves free (why these sizes:
+# docs/training.md, "The step")
 OUTSIDE_ALLOCATOR = 2 * 2 ** 30       # bytes: CUDA context, library workspaces, NCCL buffers
 FRAGMENTATION = 0.08                  # share of the device: fragmentation and the steps the probe does not take
 
