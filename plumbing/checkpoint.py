@@ -117,11 +117,10 @@ def check_resume_state(run, ckpt, path):
 
 
 def read_checkpoint(path, map_location="cpu", mmap=False):
-    """torch.load with weights_only=True, quietly, of bytes that are the ones written: every member of the zip
-    is checked against its CRC-32 first (integrity.check_zip; torch.load checks none), in the same open file.
-    A damaged file, or one that is no checkpoint (random bytes can look like a pickle of an unknown protocol,
-    which torch warns about) -> ValueError with a short reason, for the caller's one line. mmap=True: a peek at
-    the fields (no weights read, no check)."""
+    """torch.load with weights_only=True, quietly, of a zip whose members are checked against their CRC-32 first, in
+    the same open file (integrity.check_zip; torch.load checks none). A damaged file, or one that is no checkpoint
+    (random bytes can look like a pickle of an unknown protocol, which torch warns about) -> ValueError with a short
+    reason, for the caller's one line. mmap=True: a peek at the fields (no weights read, no check)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

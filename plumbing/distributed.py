@@ -86,9 +86,8 @@ def idle_cores(cores, seconds=0.1):
 
 
 def check_threads(threads, source):
-    """A number of CPU threads asked for (source: "--threads" or "OMP_NUM_THREADS=") within this process's usable
-    cores: a thread beyond them only waits, and a million of them crash torch's thread pool (a segmentation fault)
-    -> UsageError naming the source."""
+    """A number of CPU threads asked for (source: "--threads" or "OMP_NUM_THREADS=") beyond this process's usable
+    cores (a million crash torch's thread pool: a segmentation fault) -> UsageError naming the source."""
     cores = len(usable_cores())
     if threads > cores:
         raise UsageError(f"{source}{' ' if source.startswith('--') else ''}{threads} asks for more threads than the "

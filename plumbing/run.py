@@ -85,11 +85,10 @@ class RunPlumbing:
     """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig); env: where
     this process runs (plumbing.distributed.Env); mcfg, meta: the model's config and the data's meta, which every
     checkpoint records; source: the trained model a fine-tuning run starts from (trained.finetune.Source), or None.
-    what: "training" | "distillation", in the lines it prints; label: the objective as the progress bar names it
-    (default cfg.loss); loss_name: the loss as a divergence names it; extra() -> more top-level checkpoint entries
-    (distill.py: its settings and the round's teacher; default: source's); export(ckpt_path, folder) writes the
-    model folder of a finished run; events: {step: (name, message)}, a change in what the run does after that step,
-    said on the console and logged (train.py's curriculum end: the loss jumps there)."""
+    what, label: as runlog.Log takes them; loss_name: the loss as a divergence names it; extra() -> more top-level
+    checkpoint entries (distill.py: its settings and the round's teacher; default: source's); export(ckpt_path,
+    folder) writes the model folder of a finished run; events: {step: (name, message)} for Log.event after that
+    step (train.py's curriculum end: the loss jumps there)."""
 
     def __init__(self, cfg, env, mcfg, meta, export, source=None, what="training", label=None, loss_name="loss",
                  extra=None, events=None):
@@ -160,9 +159,8 @@ class RunPlumbing:
     def sync_loss_and_stop(self, step, loss, lr):
         """After optimizer step `step`, its training loss (a 0-dim tensor) at learning rate lr: summed on the device.
         Every --log_interval steps, before a checkpoint and, in one process, at once after a stop signal: the loop's
-        one host sync (agree), the divergence rule (the first step's loss, of sound weights, starts its history), the
-        log. A diverged loss raises FloatingPointError: no checkpoint of these weights is written. -> whether the run
-        stops (a stop signal on any rank: the loop saves and ends)."""
+        one host sync (agree), the divergence rule (docs/reliability.md) and the log; a diverged loss raises
+        FloatingPointError. -> whether the run stops (a stop signal on any rank: the loop saves and ends)."""
         cfg, env = self.cfg, self.env
         self.loss_sum += loss
         self.bad |= ~torch.isfinite(loss)
