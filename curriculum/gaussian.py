@@ -1,13 +1,11 @@
-"""
-Duo's Gaussian-guided curriculum (Duo spec section 2): Duo's training trick for the first curriculum_iters steps
+"""Duo's Gaussian-guided curriculum (Duo spec section 2): Duo's training trick for the first curriculum_iters steps
 (--curriculum_iters), which diffusion.corrupt uses in place of Eq. (discrete_marginal) while it lasts.
 
 A Gaussian latent w = alpha~ e_x0 + sigma~ eps over the K one-hot coordinates, with
 alpha~^2 = sigmoid(-gamma), sigma~^2 = sigmoid(gamma), has argmax distributed exactly as the uniform-state
 marginal with alpha = T(gamma) (the "diffusion transformation operator"), a 1-D integral (alpha_table).
 The network's input is the tempered softmax of w (soft_input), kept on its top-k coordinates (top_k_latent).
-Shapes: x0, xt (B, L) int64; gamma (B, 1); soft inputs (B, L, K), or SoftTokens (B, L, k).
-"""
+Shapes: x0, xt (B, L) int64; gamma (B, 1); soft inputs (B, L, K), or SoftTokens (B, L, k)."""
 import functools
 import math
 from typing import NamedTuple
