@@ -1,13 +1,11 @@
-"""
-Duo's Gaussian-guided curriculum (Duo spec section 2): Duo's training trick for the first curriculum_iters steps
+"""Duo's Gaussian-guided curriculum (Duo spec section 2): Duo's training trick for the first curriculum_iters steps
 (--curriculum_iters), which diffusion.corrupt uses in place of Eq. (discrete_marginal) while it lasts.
 
 A Gaussian latent w = alpha~ e_x0 + sigma~ eps over the K one-hot coordinates, with
 alpha~^2 = sigmoid(-gamma), sigma~^2 = sigmoid(gamma), has argmax distributed exactly as the uniform-state
 marginal with alpha = T(gamma) (the "diffusion transformation operator"), a 1-D integral (alpha_table).
 The network's input is the tempered softmax of w (soft_input), kept on its top-k coordinates (top_k_latent).
-Shapes: x0, xt (B, L) int64; gamma (B, 1); soft inputs (B, L, K), or SoftTokens (B, L, k).
-"""
+Shapes: x0, xt (B, L) int64; gamma (B, 1); soft inputs (B, L, K), or SoftTokens (B, L, k)."""
 import functools
 import math
 from typing import NamedTuple
@@ -69,9 +67,8 @@ def alpha_range(vocab_size, gamma_min, gamma_max):
 
 
 def gaussian_latent(x0, gamma, vocab_size, generator=None):
-    """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K), alpha~ = sqrt(sigmoid(-gamma)), sigma~ = sqrt(sigmoid(gamma)).
-    x0 (B, L); gamma (B, 1) -> w (B, L, K) float32. This is Duo's exact (and memory-hungry) method: a
-    (B, L, K) float32 tensor (6.6 GB at B=32, L=1024, K=50258)."""
+    """w = alpha~ e_x0 + sigma~ eps, eps ~ N(0, I_K): Duo's exact (and memory-hungry) method, 6.6 GB at B=32,
+    L=1024, K=50258. x0 (B, L); gamma (B, 1) -> w (B, L, K) float32."""
     g = gamma.float().unsqueeze(-1)
     w = torch.randn(*x0.shape, vocab_size, generator=generator, device=x0.device) * torch.sqrt(torch.sigmoid(g))
     return w.scatter_add_(-1, x0.unsqueeze(-1), torch.sqrt(torch.sigmoid(-g)).expand(*x0.shape, 1))
@@ -106,13 +103,10 @@ TOP_K_MAX_TAU = 2e-3        # above this temperature curriculum_input keeps the 
 
 
 def _distinct_uniform(n, k, rows, generator=None, device=None):
-    """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (a
-    uniform k-subset: for j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) in a uniformly random
-    order (argsort of iid uniform keys), all k draws at once. t_i is taken exactly when it equals an earlier t
-    (that value is in the set, as t or as its j) or the j of an earlier i' whose t was taken; each t_i equals at
-    most one j, so "taken" runs along a chain of earlier indices, resolved by ceil(log2 k) rounds of pointer
-    jumping. O(k log k) per row (a sort finds the repeated t's), no O(n) work and no loop over k.
-    -> (rows, k) int64."""
+    """k distinct integers of [0, n) per row, as a uniformly random ordered k-tuple: Floyd's algorithm (for
+    j = n-k..n-1 take t ~ U{0..j}, or j if t is already taken) with all k draws at once, "taken" resolved by pointer
+    jumping (docs/training.md, "The curriculum's top-k latent"), in a uniformly random order. O(k log k) per row
+    (a sort finds the repeated t's), no O(n) work and no loop over k. -> (rows, k) int64."""
     j = torch.arange(n - k, n, device=device)
     t = torch.randint(0, 1 << 62, (rows, k), generator=generator, device=device) % (j + 1)   # U{0..j} (bias < n / 2^62)
     sorted_t, at = t.sort(dim=-1, stable=True)                        # equal values in drawing order
@@ -130,24 +124,12 @@ def _distinct_uniform(n, k, rows, generator=None, device=None):
 
 def top_k_latent(x0, gamma, vocab_size, k=CURRICULUM_TOP_K, generator=None):
     """The k largest coordinates of the curriculum's Gaussian latent w = alpha~ e_x0 + sigma~ eps (gaussian_latent),
-    drawn exactly in law in O(k) per position, without the other K - k coordinates:
-
-    1. The n = K - 1 coordinates other than x0 are iid N(0, sigma~^2). With U_i = 1 - Phi(w_i / sigma~) (iid
-       U(0, 1), decreasing in w_i), their k largest values are those of the k smallest U. The smallest of n
-       uniforms has P(U_(1) > u) = (1 - u)^n, so -log(1 - U_(1)) ~ Exp(1) / n; given U_(1), the other n - 1 are
-       iid uniform on (U_(1), 1), i.e. 1 - U = (1 - U_(1)) (1 - U') with U' ~ U(0, 1) (Renyi). By induction
-           S_j = -log(1 - U_(j)) = sum_{i <= j} E_i / (n - i + 1),   E_i iid Exp(1),
-           U_(j) = -expm1(-S_j),   w_(j) = sigma~ Phi^-1(1 - U_(j)) = -sigma~ ndtri(U_(j)),
-       in float64 and through the small tail probability U_(j) (no 1 - U cancellation: the top values keep
-       full precision however far in the tail).
-    2. The n coordinates are exchangeable and the ranks of iid continuous variables are a uniform permutation
-       independent of their sorted values, so the tokens carrying w_(1) > ... > w_(k) are a uniformly random
-       ordered k-tuple of distinct tokens of the other K - 1 (_distinct_uniform), independent of the values.
-    3. x0's own coordinate w_x0 = alpha~ + sigma~ eps_0 is independent of both. Every coordinate below w_(k)
-       is below k others, so the k largest of all K are the k largest of {w_x0, w_(1..k)}: w_x0 is among them
-       exactly when it exceeds w_(k) (and then w_(k) drops out), and argmax w = x0 exactly when w_x0 > w_(1).
-    Given these k coordinates the remaining K - k are independent, each with its own law (N(0, sigma~^2), or
-    N(alpha~, sigma~^2) at x0) truncated below the k-th value: what a test completes w with.
+    drawn exactly in law in O(k) per position, without the other K - k coordinates (the proof: docs/training.md,
+    "The curriculum's top-k latent"): the k largest of the n = K - 1 others by Renyi's representation,
+        S_j = sum_{i <= j} E_i / (n - i + 1),  E_i iid Exp(1),   w_(j) = -sigma~ ndtri(-expm1(-S_j)),
+    in float64 through the small tail probability (no 1 - U cancellation), carried by a uniformly random ordered
+    k-tuple of distinct other tokens (_distinct_uniform); x0's own w_x0 = alpha~ + sigma~ eps_0 is among the k
+    largest exactly when it exceeds w_(k).
     x0 (B, L); gamma (B, 1); 1 <= k < K -> (values (B, L, k) float64, descending; ids (B, L, k) int64)."""
     B, L = x0.shape
     n, N, dev = vocab_size - 1, x0.numel(), x0.device
@@ -167,15 +149,11 @@ def top_k_latent(x0, gamma, vocab_size, k=CURRICULUM_TOP_K, generator=None):
 
 
 def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULUM_TOP_K):
-    """The curriculum's latent xt = argmax w and soft input softmax(w / tau) of the Gaussian latent w
-    (gaussian_latent), kept on the top_k largest coordinates of w per position (SoftTokens), which top_k_latent
-    draws exactly in O(top_k) per position: no (B, L, K) tensor and no O(K) work.
-    Exactness: xt and the kept coordinates are exact in law; the soft input (softmax over the kept coordinates,
-    in float64, rounded to float32) equals the dense softmax(w / tau) to float32 rounding whenever the
-    (top_k+1)-th largest coordinate is more than tau (log K + 24 log 2) below the largest (every weight beyond
-    it is then under 2^-24 of the total). The gaps between the top order statistics of K Gaussians of scale
-    sigma~ <= 1 are ~ sigma~ / sqrt(2 log K), so at tau <= TOP_K_MAX_TAU and top_k = 32 that fails with
-    probability < 1e-20 per position; above TOP_K_MAX_TAU (or K <= top_k) this draws the dense (B, L, K) w and
+    """The curriculum's latent xt = argmax w and soft input softmax(w / tau), kept on the top_k largest coordinates
+    of w per position (SoftTokens from top_k_latent: no (B, L, K) tensor and no O(K) work).
+    xt and the kept coordinates are exact in law; the soft input equals the dense softmax(w / tau) to float32
+    rounding but with probability < 1e-20 per position at tau <= TOP_K_MAX_TAU and top_k = 32 (docs/training.md,
+    "The curriculum's top-k latent"); above TOP_K_MAX_TAU (or K <= top_k) this draws the dense (B, L, K) w and
     returns the dense soft input.
     x0 (B, L); gamma (B, 1) -> xt (B, L), SoftTokens (or the (B, L, K) float32 soft input)."""
     if tau > TOP_K_MAX_TAU or vocab_size <= top_k:
@@ -186,9 +164,8 @@ def curriculum_input(x0, gamma, vocab_size, tau, generator=None, top_k=CURRICULU
 
 
 def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=None):
-    """One curriculum corruption: gamma_t = gamma_min + t (gamma_max - gamma_min), the Gaussian latent,
-    the hard latent xt = argmax w (used by the loss), the soft network input softmax(w / tau) (curriculum_input:
-    SoftTokens, or the dense (B, L, K) tensor at high tau), and the discrete alpha_t = T(gamma_t),
+    """One curriculum corruption at gamma_t = gamma_min + t (gamma_max - gamma_min): the hard latent xt (used by the
+    loss) and the soft network input (curriculum_input), and the discrete alpha_t = T(gamma_t),
     d alpha_t / dt = (gamma_max - gamma_min) dT/dgamma.
     x0 (B, L), t (B,) -> xt (B, L), soft input, alpha_t (B, 1), dalpha_t (B, 1)."""
     gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)

@@ -1,8 +1,6 @@
-"""Checkpoints: the one state dict a run saves (ckpt.pt to resume, ckpt_<step>.pt to evaluate), writing and
-restoring it, and the checks before a resume that need no model (what needs one: trained/checkpoint.py).
-A checkpoint is a dict: model, ema, optimizer, model_config, train_config, meta, step, n_ema, data_state, rng
-(the last two per rank), plus a script's own entries (distillation/distill.py: distill_config, distilled_from,
-teacher)."""
+"""Checkpoints: the one state dict a run saves (ckpt.pt to resume, ckpt_<step>.pt to evaluate; its keys:
+CHECKPOINT_KEYS), writing and restoring it, and the checks before a resume that need no model (what needs one:
+trained/checkpoint.py)."""
 import os
 import pickle
 import warnings
@@ -43,16 +41,15 @@ def checkpoint_state(run, cfg, mcfg, meta, resume=None):
 
 
 def keep(run, cfg, mcfg, meta):
-    """out_dir/ckpt_<step>.pt, written atomically: the weights, EMA weights, configs and step of this moment (for
-    eval_ppl.py / sample.py, not for --resume), so that any curve over training can be recomputed after the run."""
+    """out_dir/ckpt_<step>.pt, written atomically: checkpoint_state without the resume's part (for eval_ppl.py /
+    sample.py), so that any curve over training can be recomputed after the run."""
     state = checkpoint_state(run, cfg, mcfg, meta)
     save_atomic(os.path.join(cfg.out_dir, f"ckpt_{run.it}.pt"), lambda tmp: torch.save(state, tmp))
 
 
 def save(run, cfg, mcfg, meta, env, extra=None):
-    """Write out_dir/ckpt.pt atomically: weights, EMA, optimizer, configs, step, and every rank's data
-    position and RNG states (gathered to rank 0), so --resume 1 continues bit-identically. extra() -> more
-    top-level entries (distillation/distill.py records its settings and teacher there; rank 0), added last."""
+    """Write out_dir/ckpt.pt atomically: checkpoint_state with every rank's data position and RNG states (gathered
+    to rank 0), so --resume 1 continues bit-identically; extra() -> more top-level entries (rank 0), added last."""
     rng = {"torch": torch.get_rng_state(), "gen_shared": run.gen_shared.get_state(),
            "gen_local": run.gen_local.get_state(),
            "cuda": torch.cuda.get_rng_state() if env.device.type == "cuda" else None}
@@ -120,11 +117,10 @@ def check_resume_state(run, ckpt, path):
 
 
 def read_checkpoint(path, map_location="cpu", mmap=False):
-    """torch.load with weights_only=True, quietly, of bytes that are the ones written: every member of the zip
-    is checked against its CRC-32 first (integrity.check_zip; torch.load checks none), in the same open file.
-    A damaged file, or one that is no checkpoint (random bytes can look like a pickle of an unknown protocol,
-    which torch warns about) -> ValueError with a short reason, for the caller's one line. mmap=True: a peek at
-    the fields (no weights read, no check)."""
+    """torch.load with weights_only=True, quietly, of a zip whose members are checked against their CRC-32 first, in
+    the same open file (integrity.check_zip; torch.load checks none). A damaged file, or one that is no checkpoint
+    (random bytes can look like a pickle of an unknown protocol, which torch warns about) -> ValueError with a short
+    reason, for the caller's one line. mmap=True: a peek at the fields (no weights read, no check)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -146,19 +142,19 @@ def read_checkpoint(path, map_location="cpu", mmap=False):
 
 def load_resume_checkpoint(cfg, check=None):
     """What train.py and distillation/distill.py share at start: out_dir writable and cleared of a killed save's temp
-    file; a fresh run (cfg.resume false) refused where a checkpoint or an earlier run's log.jsonl exists -> None;
-    a resume -> the checkpoint out_dir/ckpt.pt as read by torch.load (one line if missing or unreadable), check(ckpt,
-    path) first (the model's own checks: trained.checkpoint.read_resume), then its weights finite."""
+    file; a fresh run (cfg.resume false) refused where an earlier run's files exist -> None; a resume -> the
+    checkpoint out_dir/ckpt.pt (read_checkpoint), check(ckpt, path) first (trained.checkpoint.read_resume), then
+    its weights finite."""
     check_writable(cfg.out_dir, "--out_dir", folder=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     path = os.path.join(cfg.out_dir, "ckpt.pt")
-    remove_stale_temps(path)              # a save killed half-way (SIGKILL) leaves its temp file
+    remove_stale_temps(path)
     if not cfg.resume:
         if os.path.isfile(path) and written_by_us(path):       # (a user's ckpt.pt: refused below, as theirs)
             raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
         log = os.path.join(cfg.out_dir, "log.jsonl")
         if os.path.isfile(log) and written_by_us(log):
-            raise ConfigError(f"{os.path.join(cfg.out_dir, 'log.jsonl')} holds the log of an earlier run that left no "
+            raise ConfigError(f"{log} holds the log of an earlier run that left no "
                               f"checkpoint; delete it or choose another --out_dir")
         theirs = sorted(set(os.listdir(cfg.out_dir)) & set(run_output_names(cfg.out_dir)) - {LOCK})
         if theirs:      # a fresh run would write over them: a user's file, or what another run left
@@ -219,16 +215,13 @@ def ema_weights(run):
                 tmp = p.detach().clone()
                 p.data.copy_(e)
                 e.copy_(tmp)
-    swapped = False
+    with deferred_signals():
+        swap()
     try:
-        with deferred_signals():
-            swap()
-            swapped = True
         yield run.raw_model
     finally:
-        if swapped:
-            with deferred_signals():
-                swap()
+        with deferred_signals():
+            swap()
 
 
 def weight_set(ckpt, name):

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plumbing.cli import UsageError, autocast_for, first_line, parse_bool, resolve_device, resolve_dtype
-from plumbing.memory import cuda_allocator_env
 
 
 @dataclass
@@ -87,19 +86,18 @@ def idle_cores(cores, seconds=0.1):
 
 
 def check_threads(threads, source):
-    """A number of CPU threads asked for (source: "--threads" or "OMP_NUM_THREADS=") within this process's usable
-    cores: a thread beyond them only waits, and a million of them crash torch's thread pool (a segmentation fault)
-    -> UsageError naming the source."""
+    """A number of CPU threads asked for (source: "--threads" or "OMP_NUM_THREADS=") beyond this process's usable
+    cores (a million crash torch's thread pool: a segmentation fault) -> UsageError naming the source."""
     cores = len(usable_cores())
     if threads > cores:
         raise UsageError(f"{source}{' ' if source.startswith('--') else ''}{threads} asks for more threads than the "
                          f"{cores} usable cores of this machine; give at most {cores}, or leave it unset (the default)")
 
 
-def omp_threads(environ=None):
+def omp_threads():
     """OMP_NUM_THREADS as a number of threads (its first item: OpenMP also takes a list per nesting level), or 0 when
     unset or empty; a value that is no positive whole number, or above the usable cores -> UsageError."""
-    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
     if not value:
         return 0
     first = value.split(",")[0].strip()
@@ -110,13 +108,10 @@ def omp_threads(environ=None):
 
 
 def cpu_threads(threads, local_world_size):
-    """torch's thread count for a CPU process -> (count, why). --threads N > 0 wins; else OMP_NUM_THREADS when set
-    (by the user, or by torchrun, which sets 1 for several processes per node); else the usable cores that are
-    idle at start (rounded, all of them where unknown), shared evenly by this node's processes, at least one
-    each. A thread beyond the free cores only waits: on this 2-core machine with other work running, two threads
-    made the tiny demo several times slower than one, and idle they made it faster (RESULTS.md, CPU threads)."""
+    """torch's thread count for a CPU process -> (count, why): --threads N > 0 (checked by plumbing.run.launch), else
+    OMP_NUM_THREADS, else the usable cores idle at start (rounded, all of them where unknown) shared by this node's
+    processes, at least one each. Why not all the cores: docs/nodes.md, "CPU threads"."""
     if threads > 0:
-        check_threads(threads, "--threads")
         return threads, "--threads"
     omp = omp_threads()
     if omp:
@@ -143,11 +138,10 @@ class LaunchError(UsageError):
 
 
 def launch_env(environ=None):
-    """torchrun's variables (LAUNCH_VARS) -> Env (no device yet), checked as a whole before anything starts: each a
-    whole number, none contradicting another, and all that a job of several processes needs present. Without
-    WORLD_SIZE (or with 1) this is one process, whose rank variables, if set, say 0. Otherwise one line naming them
-    -> LaunchError. Nodes: GROUP_RANK / GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node
-    (torchrun numbers the ranks of one node consecutively)."""
+    """torchrun's variables (LAUNCH_VARS) -> Env (no device yet), checked as a whole before anything starts
+    (docs/reliability.md, "Distributed launch"), else one line naming them -> LaunchError. Nodes: GROUP_RANK /
+    GROUP_WORLD_SIZE, else ranks counted in blocks of LOCAL_WORLD_SIZE per node (torchrun numbers the ranks of one
+    node consecutively)."""
     e = os.environ if environ is None else environ
     given = {k: e[k].strip() for k in LAUNCH_VARS if k in e}
     shown = ", ".join(f"{k}={v}" for k, v in given.items()) or "none set"
@@ -189,11 +183,9 @@ def launch_env(environ=None):
 
 
 def join(env, timeout, poll=0.2, report=30.0):
-    """Every rank of the job meets the others at rank 0's store (MASTER_ADDR:MASTER_PORT; torchrun's agent hosts it
-    where it says so) before the process group is made, waiting in short steps in Python, not in one C++ call: a
-    stop signal ends the wait at once (exit code 130), each rank says whom it waits for (at once, then every
-    `report` seconds), and after `timeout` seconds (--dist_timeout) it stops with one line naming the ranks that
-    never came (exit code 2). -> the store, for dist.init_process_group."""
+    """Every rank of the job meets the others at rank 0's store before the process group is made, in short waits in
+    Python that a stop signal ends, saying whom it waits for every `report` seconds and giving up after `timeout`
+    (--dist_timeout; docs/reliability.md, "Distributed launch"). -> the store, for dist.init_process_group."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     where, start = f"{env.master_addr}:{env.master_port}", time.monotonic()
     step = datetime.timedelta(seconds=max(1.0, min(10.0, timeout)))
@@ -229,10 +221,7 @@ def join(env, timeout, poll=0.2, report=30.0):
             try:
                 socket.create_connection((env.master_addr, env.master_port), timeout=1).close()
                 break
-            except socket.gaierror as e:
-                raise LaunchError(f"MASTER_ADDR={env.master_addr} is no address this host resolves ({e}); give "
-                                 f"rank 0's host name or IP") from None
-            except OSError:
+            except OSError:                # MASTER_ADDR resolves (checked above): rank 0's store is not up yet
                 waiting("rank 0's store did not answer", "rank 0's store")
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=step)
     arrivals = dist.PrefixStore(f"sddlm/join/{env.restart}", store)
@@ -257,6 +246,7 @@ def setup_distributed(cfg):
         env.threads, env.threads_from = cpu_threads(cfg.threads, env.local_world_size)
         torch.set_num_threads(env.threads)
     if env.device.type == "cuda":           # before the first CUDA allocation: the allocator reads it once
+        from plumbing.memory import cuda_allocator_env    # (plumbing.memory imports this module)
         os.environ.update(cuda_allocator_env(os.environ))
     if env.ddp:
         dist.init_process_group(backend="nccl" if env.device.type == "cuda" else "gloo",
@@ -282,13 +272,10 @@ def compiles(flag, preset, device):
 
 
 def wrap_model(raw_model, env, compile):
-    """The model the training step calls: raw_model in DDP under torchrun, then compiled. DDP keeps the gradients
-    as views of its all-reduce buckets (gradient_as_bucket_view: no second copy of them); they start as zeros, so
-    every step, the first after a resume too, accumulates into the buckets alike (train.optimizer_step zeroes them
-    in place). Compiling the DDP module, after the memory probe (which leaves no compiled graph behind:
-    plumbing.memory.probe_steps), lets TorchDynamo split the graph at DDP's buckets, so each bucket's all-reduce
-    overlaps the rest of the backward pass; a graph compiled outside DDP first would be reused whole, every
-    all-reduce waiting for the end of the backward."""
+    """The model the training step calls: raw_model in DDP under torchrun, then compiled, after the memory probe, so
+    that each gradient bucket's all-reduce overlaps the backward pass (docs/training.md, "The step"). DDP keeps the
+    gradients as views of its buckets (gradient_as_bucket_view: no second copy); they start as zeros, so every step,
+    the first after a resume too, accumulates into the buckets alike (train.optimizer_step zeroes them in place)."""
     model = raw_model
     if env.ddp:
         for p in raw_model.parameters():
@@ -330,15 +317,18 @@ def agree(env, loss_sum, bad, stopping):
     return loss_sum.item(), bool(bad), bool(stopping)
 
 
+def _attempt(work, errors):
+    """[work(), None], or [None, the error] when it raises one of `errors`."""
+    try:
+        return [work(), None]
+    except errors as e:
+        return [None, e]
+
+
 def on_rank0(env, work, *errors):
     """work() -> value on rank 0, broadcast to every rank. An error of the kinds `errors` on rank 0 is raised on
     every rank, as the same exception type with the same one line, instead of leaving the others at a barrier."""
-    box = [None, None]
-    if env.master:
-        try:
-            box[0] = work()
-        except errors as e:
-            box[1] = e
+    box = _attempt(work, errors) if env.master else [None, None]
     if env.ddp:
         dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
@@ -351,12 +341,7 @@ def on_each_node(env, work, *errors):
     own disk, while the node's other processes wait. -> (the value of this process's node, {node: value}), on
     every rank. An error of the kinds `errors` on any node is raised on every rank as on_rank0's, naming the node
     when it is not node 0."""
-    mine = [None, None]
-    if env.local_rank == 0:
-        try:
-            mine[0] = work()
-        except errors as e:
-            mine[1] = e
+    mine = _attempt(work, errors) if env.local_rank == 0 else [None, None]
     every = [(env.node, env.local_rank, *mine)]
     if env.ddp:
         every = [None] * env.world_size

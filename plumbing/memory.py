@@ -3,20 +3,16 @@ fault; and on CUDA the micro-batch probe before training (fit_micro_batch), the 
 allocator does not count, and the allocator's settings."""
 import os
 import resource
+from contextlib import suppress
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from plumbing.cli import OutOfMemory, UsageError, resolve_device
+from plumbing.distributed import any_rank
 
-# What a micro-batch's measured peak (torch.cuda.max_memory_allocated) does not show, and what the probe therefore
-# leaves free: a fixed part, outside torch's allocator -- the CUDA context and its kernels' modules (~0.5 GiB on an
-# H100), cuBLAS / cuDNN workspaces, NCCL's communication buffers (~1 GiB at 8 ranks) -- and a share of the device
-# for the caching allocator's fragmentation (reserved but unusable blocks, a few % of a long run's memory; less with
-# expandable segments) and for the steps that differ from the probe's (another length of the last evaluation batch,
-# the samples at the end). The probe used to accept up to 0.97 of the device: 2.4 GiB of an 80 GiB H100, less than
-# the context plus NCCL alone, so a compiled 1.1B run could pass it and then run out of memory.
+# What a micro-batch's measured peak does not show, and what the probe therefore leaves free (why these sizes:
+# docs/training.md, "The step")
 OUTSIDE_ALLOCATOR = 2 * 2 ** 30       # bytes: CUDA context, library workspaces, NCCL buffers
 FRAGMENTATION = 0.08                  # share of the device: fragmentation and the steps the probe does not take
 
@@ -44,11 +40,9 @@ def model_numel(c):
 
 
 def training_bytes(c, micro, ema):
-    """A lower bound of the bytes training config c takes before its first step ends: float32 weights, gradients and
-    AdamW's two moments (16 bytes a parameter), the EMA copy (4 more), the RoPE tables, and one micro-batch's
-    activations, of which backward keeps at least each block's input (micro x block_size x n_embd values of 2
-    bytes or more per block). The true peak is higher (attention, MLP, the output layer): a run this refuses cannot
-    fit."""
+    """A lower bound of the bytes training config c takes before its first step ends: 16 bytes a parameter (float32
+    weights, gradients, AdamW's two moments), 4 more with the EMA, the RoPE tables, and each block's input kept for
+    backward (2 bytes a value or more). The true peak is higher: a run this refuses cannot fit."""
     params, buffers = model_numel(c)
     return params * (16 + 4 * bool(ema)) + 4 * buffers + 2 * micro * c.block_size * c.n_embd * c.n_layer
 
@@ -62,13 +56,11 @@ def available_memory(device):
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, f"GPU memory ({props.name})"
     found = []
-    try:
+    with suppress(OSError, KeyError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             info = {row.split(":")[0]: int(row.split()[1]) * 1024 for row in f if row.split()[1:2]}
         found.append((info["MemAvailable"], "available RAM"))
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    try:
+    with suppress(OSError, StopIteration, ValueError, IndexError):
         with open("/proc/self/cgroup") as f:
             group = next(row.strip().split(":", 2)[2] for row in f if row.startswith("0::"))
         base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
@@ -76,16 +68,12 @@ def available_memory(device):
             limit = f.read().strip()
             if limit != "max":
                 found.append((int(limit) - int(g.read()), "memory left under its cgroup's limit"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        try:
+        with suppress(OSError, StopIteration, ValueError):
             with open("/proc/self/status") as f:
                 size = next(int(row.split()[1]) * 1024 for row in f if row.startswith("VmSize:"))
             found.append((soft - size, "address space left under ulimit -v"))
-        except (OSError, StopIteration, ValueError):
-            pass
     return min(found) if found else (None, "")
 
 
@@ -107,8 +95,7 @@ def check_fits(need, device, what, fix):
 
 def _refuse_if_too_big(need, mcfg, micro, device, name, what, fix, smaller):
     """need(c) -> bytes, c: mcfg's fields and the micro-batch `micro`; above the memory there is -> UsageError naming
-    the field whose value costs the most (the one whose reset to smaller's value saves the most), as name(field)
-    says it."""
+    the field whose reset to smaller's value saves the most."""
     c = SimpleNamespace(**vars(mcfg), micro=micro)
     total = need(c)
     free, where = available_memory(device)
@@ -126,17 +113,15 @@ SMALL = dict(n_layer=4, n_embd=128, mlp_hidden=512, cond_dim=64, vocab_size=2048
 
 
 def check_model_memory(mcfg, device, name, fix="use a machine with more memory"):
-    """Before a model is built (sample.py, eval_ppl.py, a model folder or checkpoint read anywhere): its weights and
-    RoPE tables (float32) fit in the memory there is, else one line naming the field at fault (name(field) -> how
-    the user knows it, e.g. "out/model/config.json: n_layer")."""
+    """Before a model is built (a model folder or checkpoint read anywhere): its float32 weights and RoPE tables fit
+    in the memory there is, else one line naming the field at fault (name(field): "out/model/config.json: n_layer")."""
     _refuse_if_too_big(lambda c: 4 * sum(model_numel(c)), mcfg, 0, device, name, "the model", fix,
                        {k: v for k, v in SMALL.items() if k != "micro"})
 
 
 def check_training_memory(mcfg, micro, ema, device, name, fix="lower it"):
-    """Before a training run allocates its model: weights, gradients, AdamW's state, the EMA and one micro-batch of
-    micro sequences fit in the memory there is (training_bytes, a lower bound), else one line naming the flag at
-    fault (name(field) -> e.g. "--n_layer"; field "micro" is the micro-batch)."""
+    """Before a training run allocates its model: training_bytes for a micro-batch of `micro` sequences fits in the
+    memory there is, else one line naming the flag at fault (name(field) -> "--n_layer"; "micro": the micro-batch)."""
     _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), mcfg, micro, device, name,
                        "training (weights, gradients, AdamW's moments, EMA, one micro-batch)", fix, SMALL)
 
@@ -174,14 +159,13 @@ def cuda_allocator_env(environ):
 
 
 def fit_micro_batch(run, cfg, env, compile=False, loss=None, fusable=False):
-    """CUDA (RunPlumbing.place_model): make sure the micro-batch fits before training, by the probe of each kind of
-    step (probe_steps, loss(model, x0, it, gen) its step), its verdict shared by all ranks. When the run compiles,
-    one compiled probe serves every micro-batch tried (torch recompiles once, with a dynamic batch size, at the
-    second); its graphs are the run's when the first micro-batch fits in one process. If it does not fit,
-    --auto_accum 1 doubles --grad_accum until it does; --auto_accum 0 stops with one line naming the flag to set.
+    """CUDA: make sure the micro-batch fits before training, by the probe of each kind of step (probe_steps,
+    loss(model, x0, it, gen) its step), its verdict shared by all ranks; compiled, one probe serves every micro-batch
+    tried (docs/training.md, "The step"). If it does not fit, --auto_accum 1 doubles --grad_accum until it does;
+    --auto_accum 0 stops with one line naming the flag to set.
     With --head auto and `fusable` (an objective the fused head computes), --head fused_recompute is tried at each
     micro-batch before a smaller one. Updates cfg.grad_accum and cfg.head."""
-    model = torch.compile(run.raw_model) if compile else None    # one compiled probe for every try
+    model = torch.compile(run.raw_model) if compile else None
     accum = first = cfg.grad_accum
     try:
         while True:
@@ -234,11 +218,7 @@ def _probe_fits(run, cfg, env, micro, model, loss):
     except torch.OutOfMemoryError:
         fits = False
     torch.cuda.empty_cache()
-    if env.ddp:
-        flag = torch.tensor([float(fits)], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        fits = bool(flag.item())
-    return fits
+    return not any_rank(env, not fits)
 
 
 def probe_steps(run, cfg, env, micro, loss, model=None):

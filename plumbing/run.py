@@ -1,8 +1,6 @@
-"""The run's plumbing, for the two training loops (train.py, distillation/distill.py): the launch, the run's state
-(Run) and RunPlumbing: the model placed for the run, config.json, log.jsonl and trackers, the model folder exported
-at the end, the lines printed, and the stop signals and the divergence rule that decide when a run stops. The loop
-saves its checkpoints itself (plumbing.checkpoint). Nothing here knows the model or the objective: what a script's
-run needs of them comes in as a value or a callable."""
+"""The run's plumbing for the two training loops (train.py, distillation/distill.py): the launch, the run's state
+(Run) and everything around the loop but the step and the checkpoints (RunPlumbing). Nothing here knows the model or
+the objective: what a script's run needs of them comes in as a value or a callable."""
 import math
 import os
 import time
@@ -27,11 +25,10 @@ from plumbing.signals import deferred_signals, interruptible, reduced_unless_sto
 # the launch: everything checked before out_dir is locked or made
 
 def launch(cfg, check, work):
-    """A training script's start: the launch environment as a whole (plumbing.distributed.launch_env) and the CPU
-    threads asked for against the cores, then check(where) -> what the run starts from (the script's flags and
-    sizes, each bad one a line, exit code 2), then work(env, that) in this process's place of a torchrun job,
-    holding the lock on cfg.out_dir (one run per folder), the process group torn down after it. Out of memory -> one
-    line naming the micro-batch and the flag that halves it. -> work's exit code."""
+    """A training script's start: the launch environment and the CPU threads checked, then check(where) -> what the
+    run starts from (each bad flag a line, exit code 2), then work(env, that) holding the lock on cfg.out_dir (one
+    run per folder), the process group torn down after it. Out of memory -> one line naming the micro-batch and the
+    flag that halves it. -> work's exit code."""
     where = launch_env()
     if cfg.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
@@ -48,7 +45,6 @@ def launch(cfg, check, work):
         with deferred_signals():      # a signal now must not leave a lock (or a new empty out_dir) unrecorded
             held.append(acquire_folder(cfg.out_dir))
     try:
-        # one run per out_dir: rank 0 locks it, and every rank fails alike when another run holds it
         on_rank0(env, lock, UsageError)
         return work(env, start)
     except torch.OutOfMemoryError as e:
@@ -89,11 +85,10 @@ class RunPlumbing:
     """One training run's plumbing. cfg: the script's config (train.TrainConfig, distill.DistillConfig); env: where
     this process runs (plumbing.distributed.Env); mcfg, meta: the model's config and the data's meta, which every
     checkpoint records; source: the trained model a fine-tuning run starts from (trained.finetune.Source), or None.
-    what: "training" | "distillation", in the lines it prints; label: the objective as the progress bar names it
-    (default cfg.loss); loss_name: the loss as a divergence names it; extra() -> more top-level checkpoint entries
-    (distill.py: its settings and the round's teacher; default: source's); export(ckpt_path, folder) writes the
-    model folder of a finished run; events: {step: (name, message)}, a change in what the run does after that step,
-    said on the console and logged (train.py's curriculum end: the loss jumps there)."""
+    what, label: as runlog.Log takes them; loss_name: the loss as a divergence names it; extra() -> more top-level
+    checkpoint entries (distill.py: its settings and the round's teacher; default: source's); export(ckpt_path,
+    folder) writes the model folder of a finished run; events: {step: (name, message)} for Log.event after that
+    step (train.py's curriculum end: the loss jumps there)."""
 
     def __init__(self, cfg, env, mcfg, meta, export, source=None, what="training", label=None, loss_name="loss",
                  extra=None, events=None):
@@ -122,10 +117,9 @@ class RunPlumbing:
         return True
 
     def place_model(self, run, probe=None, fusable=False):
-        """The model as the run trains and evaluates it: with probe (train.py's step on random tokens, probe(model,
-        x0, it, gen) -> its mean loss; fusable: an objective the fused head computes), on CUDA, the micro-batch probe
-        first (plumbing.memory.fit_micro_batch), then run.model (wrap_model: DDP, torch.compile), each kind of step
-        compiled now (probe_steps), not when the curriculum ends; run.eval_model. -> whether it compiles."""
+        """run.model and run.eval_model as the run trains and evaluates: with probe (train.py's step on random
+        tokens, as fit_micro_batch takes it) on CUDA the micro-batch probe first, then each kind of step compiled now
+        (probe_steps), not when the curriculum ends. -> whether it compiles."""
         cfg, env = self.cfg, self.env
         compile = compiles(cfg.compile, cfg.preset, env.device)
         self.marks.append(("model", time.time()))
@@ -141,11 +135,9 @@ class RunPlumbing:
 
     @contextmanager
     def start(self, run, config, lines=None):
-        """The run starts at step run.it: config.json (config: the run's configs) and `lines` (what the run is, in a
-        few lines; default: train.py's, runlog.start_lines) from rank 0, then the progress bar, log.jsonl and the
-        trackers (runlog.Log). A fine-tuning run adds where it started (its source) to both. Used as `with
-        plumbing.start(...):` around the loop: inside, a stop signal (SIGINT, SIGTERM, ...) sets a flag the loop
-        reads (sync_loss_and_stop) instead of ending the process."""
+        """`with plumbing.start(...):` around the loop, from step run.it: config.json (config: the run's configs) and
+        `lines` (default: runlog.start_lines) from rank 0, a fine-tuning run's source added to both, then the log
+        (runlog.Log); inside, a stop signal sets a flag that sync_loss_and_stop reads instead of ending the process."""
         if self.source is not None:
             config = {**config, **self.source.extra()}
             lines = lines or self.source.lines(self.cfg, run.raw_model, self.env)
@@ -165,11 +157,10 @@ class RunPlumbing:
     # in the loop
 
     def sync_loss_and_stop(self, step, loss, lr):
-        """After optimizer step `step`, its training loss (a 0-dim tensor) at learning rate lr: summed on the device,
-        no host sync. Every --log_interval steps, before a checkpoint and, in one process, at once after a stop
-        signal: the loop's one host sync (plumbing.distributed.agree), the divergence rule (the first step's loss, of
-        sound weights, starts its history), the log. A diverged loss raises FloatingPointError: no checkpoint of
-        these weights is written. -> whether the run stops (a stop signal on any rank: the loop saves and ends)."""
+        """After optimizer step `step`, its training loss (a 0-dim tensor) at learning rate lr: summed on the device.
+        Every --log_interval steps, before a checkpoint and, in one process, at once after a stop signal: the loop's
+        one host sync (agree), the divergence rule (docs/reliability.md) and the log; a diverged loss raises
+        FloatingPointError. -> whether the run stops (a stop signal on any rank: the loop saves and ends)."""
         cfg, env = self.cfg, self.env
         self.loss_sum += loss
         self.bad |= ~torch.isfinite(loss)
@@ -177,7 +168,7 @@ class RunPlumbing:
         if step == self.first_step:
             self.rule.start(agree(env, loss.detach().clone(), self.bad, False)[0])
             self.marks.append(("first step", time.time()))
-            self.log.say(started_line(self.marks))     # how long the start took, and where it went
+            self.log.say(started_line(self.marks))
         signalled = self.stop["signal"] is not None
         saves = step % cfg.ckpt_interval == 0 or step == cfg.max_iters
         stopping = False
@@ -222,10 +213,9 @@ class RunPlumbing:
     # after the loop
 
     def finish(self, run, samples):
-        """The end of a run that reached --max_iters with its checkpoint saved: the bar closed, the model folder
-        out_dir/model exported (rank 0), the samples printed (samples() -> their texts, on rank 0; a stop signal
-        abandons them: exit code 130), the trackers closed, then log.jsonl's last record (Log.end) and the finish
-        lines. -> the exit code, 0."""
+        """The end of a run that reached --max_iters with its checkpoint saved: the model folder exported, the
+        samples (samples() -> their texts, rank 0; a stop signal abandons them: exit code 130), log.jsonl's last
+        record and the finish lines. -> the exit code, 0."""
         self.log.close()
         folder = None
         if self.env.master:        # a full disk: one line (plumbing.files.writing), the checkpoint kept

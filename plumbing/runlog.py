@@ -14,11 +14,10 @@ from plumbing.tracking import open_trackers
 
 
 class Log:
-    """Rank 0's progress bar and out_dir/log.jsonl from `step` on: training loss and tokens/s at log steps,
-    validation metrics, events; every record has "t", the seconds since this process started (plumbing.cli.LAUNCH);
-    every record also goes to the trackers cfg asks for (--wandb, --tensorboard; config: the run's config dict).
-    label: the objective the bar names (default cfg.loss); block_size: tokens per sequence, for tokens/s (default
-    cfg.block_size); what: "training" | "distillation", in the line a stopped run ends with."""
+    """Rank 0's progress bar, out_dir/log.jsonl from `step` on and the trackers cfg asks for (config: the run's config
+    dict); what they hold: docs/training.md, "What a run writes and logs". label: the objective the bar names (default
+    cfg.loss); block_size: tokens per sequence, for tokens/s (default cfg.block_size); what: "training" |
+    "distillation", in the line a stopped run ends with."""
 
     def __init__(self, cfg, env, step, config=None, label=None, block_size=None, what="training"):
         self.path, self.master = os.path.join(cfg.out_dir, "log.jsonl"), env.master
@@ -34,7 +33,7 @@ class Log:
             self.trackers = open_trackers(cfg, step, config or {})
 
     def _write(self, record):
-        record = {"step": record["step"], "t": round(time.time() - LAUNCH, 3), **record}   # seconds since launch
+        record = {"step": record["step"], "t": round(time.time() - LAUNCH, 3), **record}
         append_jsonl(self.path, [record])
         for tracker in self.trackers:
             tracker.log(record)

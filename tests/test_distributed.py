@@ -24,8 +24,8 @@ from conftest import ENV, HERE, TOY, assert_adam_moments_close, case, check_last
 from model import ModelConfig
 from plumbing import cli, distributed, memory
 from plumbing.cli import UsageError
-from plumbing.distributed import (Env, compiles, cpu_threads, idle_cores, on_each_node, rank_slice, usable_cores,
-                                  wrap_model)
+from plumbing.distributed import (Env, check_threads, compiles, cpu_threads, idle_cores, on_each_node, rank_slice,
+                                  usable_cores, wrap_model)
 
 
 def free_port():
@@ -339,12 +339,13 @@ def test_threads_flag_then_omp_num_threads_then_idle_cores(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(5, 1) == (5, "--threads")
     assert cpu_threads(0, 1) == (3, "OMP_NUM_THREADS")
-    for threads, omp, words in [(9, "3", "--threads 9 asks for more threads than the 8 usable cores"),
-                                (0, "9", "OMP_NUM_THREADS=9 asks for more threads than the 8 usable cores"),
-                                (0, "abc", "OMP_NUM_THREADS='abc' is not a number of threads")]:
+    with pytest.raises(UsageError, match="--threads 9 asks for more threads than the 8 usable cores"):
+        check_threads(9, "--threads")           # plumbing.run.launch's check: cpu_threads takes --threads as given
+    for omp, words in [("9", "OMP_NUM_THREADS=9 asks for more threads than the 8 usable cores"),
+                       ("abc", "OMP_NUM_THREADS='abc' is not a number of threads")]:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
         with pytest.raises(UsageError, match=words):
-            cpu_threads(threads, 1)
+            cpu_threads(0, 1)
     monkeypatch.delenv("OMP_NUM_THREADS")
     for idle, local, threads in [(8.0, 1, 8), (7.6, 2, 4), (2.4, 1, 2), (0.2, 1, 1), (0.0, 4, 1), (None, 2, 4),
                                  (None, 16, 1)]:
