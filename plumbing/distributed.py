@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from plumbing.cli import UsageError, autocast_for, first_line, parse_bool, resolve_device, resolve_dtype
+from plumbing.memory import cuda_allocator_env
 
 
 @dataclass
@@ -246,7 +247,6 @@ def setup_distributed(cfg):
         env.threads, env.threads_from = cpu_threads(cfg.threads, env.local_world_size)
         torch.set_num_threads(env.threads)
     if env.device.type == "cuda":           # before the first CUDA allocation: the allocator reads it once
-        from plumbing.memory import cuda_allocator_env    # (plumbing.memory imports this module)
         os.environ.update(cuda_allocator_env(os.environ))
     if env.ddp:
         dist.init_process_group(backend="nccl" if env.device.type == "cuda" else "gloo",

@@ -7,9 +7,9 @@ from contextlib import suppress
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from plumbing.cli import OutOfMemory, UsageError, resolve_device
-from plumbing.distributed import any_rank
 
 # What a micro-batch's measured peak does not show, and what the probe therefore leaves free (why these sizes:
 # docs/training.md, "The step")
@@ -218,7 +218,11 @@ def _probe_fits(run, cfg, env, micro, model, loss):
     except torch.OutOfMemoryError:
         fits = False
     torch.cuda.empty_cache()
-    return not any_rank(env, not fits)
+    if env.ddp:
+        flag = torch.tensor([float(fits)], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item())
+    return fits
 
 
 def probe_steps(run, cfg, env, micro, loss, model=None):
