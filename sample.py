@@ -473,7 +473,8 @@ def generate_long(model, num_samples, seq_len, vocab_size, steps, *, block_size=
 @dataclass
 class SampleConfig:
     # model
-    ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, a model folder, or duo:PATH (Duo's release)
+    ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, a model folder, or duo:PATH
+                                     # (Duo's release)
     use_ema: bool = True             # sample from the EMA weights (the live ones when the checkpoint has no EMA)
     # sampler
     num_samples: int = 4             # sequences to draw

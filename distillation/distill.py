@@ -2,10 +2,10 @@
 Discrete Consistency Distillation (DCD, Duo spec section 8) of a diffusion checkpoint of this repo, for
 few-step generation. Works for every objective (sddlm, sddlm_v1, sddlm_v2, duo, naive).
 
-    python distillation/distill.py --init out-duo/ckpt.pt --out_dir out-duo-dcd          # tiny schedule, CPU, minutes
-    torchrun --nproc_per_node=8 distillation/distill.py --preset small --init ckpt.pt --out_dir dcd   # Duo's distil_owt.sh
-    python distillation/distill.py --out_dir out-duo-dcd --resume 1                      # continue a stopped run exactly
-    python sample.py --ckpt out-duo-dcd/ckpt.pt --steps 8                   # few-step samples
+    python distillation/distill.py --init out-duo/ckpt.pt --out_dir out-duo-dcd      # tiny schedule, CPU, minutes
+    torchrun --nproc_per_node=8 distillation/distill.py --preset small --init ckpt.pt --out_dir dcd  # distil_owt.sh
+    python distillation/distill.py --out_dir out-duo-dcd --resume 1                  # continue a stopped run exactly
+    python sample.py --ckpt out-duo-dcd/ckpt.pt --steps 8                            # few-step samples
 
 One step: x0 ~ data, t stratified in [1e-3, 1], dt = 2^round / T, t <- min(t + dt, 1), s = t - dt; the two
 times become Gaussian log-SNRs gamma = gamma_min + t (gamma_max - gamma_min) and discrete levels

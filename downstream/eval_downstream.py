@@ -2,8 +2,9 @@
 Downstream evaluation of large models (paper Tables: 1.1B models, zero-shot ARC-e, BoolQ, HellaSwag, OBQA,
 PIQA, RACE, SIQA, LAMBADA, with and without classifier-free guidance).
 
-    python downstream/eval_downstream.py --ckpt out/ckpt.pt --tasks arc_easy,boolq --cfg both        # through lm-eval
-    python downstream/eval_downstream.py --ckpt out/ckpt.pt --jsonl my/arc_easy.jsonl,my/lambada.jsonl  # built-in runner
+    python downstream/eval_downstream.py --ckpt out/ckpt.pt --tasks arc_easy,boolq --cfg both   # through lm-eval
+    python downstream/eval_downstream.py --ckpt out/ckpt.pt --jsonl my/arc_easy.jsonl,my/lambada.jsonl
+                                                                                         # the built-in runner
 
 Every number is built on one estimate, the conditional log-likelihood bound of a continuation given a clean
 context (the conditional NELBO, with unsupervised CFG when on), stated exactly in downstream/scoring.py; each

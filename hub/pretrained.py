@@ -80,8 +80,8 @@ class SDDLM:
 
     @classmethod
     def from_pretrained(cls, name, device="cpu", use_ema=True):
-        """A model folder, a train.py / distillation/distill.py checkpoint, duo:PATH, or a hub repository id (downloaded with
-        huggingface_hub) -> SDDLM. The tokenizer is the folder's own file (or the checkpoint's)."""
+        """A model folder, a train.py / distillation/distill.py checkpoint, duo:PATH, or a hub repository id
+        (downloaded with huggingface_hub) -> SDDLM. The tokenizer is the folder's own file (or the checkpoint's)."""
         name = str(name)
         if not os.path.exists(name) and not name.startswith("duo:"):
             name = snapshot(name)

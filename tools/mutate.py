@@ -67,7 +67,8 @@ MUTATIONS = [
              "tests/test_diffusion.py::test_sample_xt_frequencies_match_discrete_marginal"]),
     M(name="training_detached_from_the_model", file="train.py",
       old="loss = diffusion.token_mean(*per_token_loss(run.model, x0, mask, t, draws)) / cfg.grad_accum",
-      new="loss = diffusion.token_mean(*per_token_loss(run.model, x0, mask, t, draws)).detach().requires_grad_() / cfg.grad_accum",
+      new="loss = diffusion.token_mean(*per_token_loss(run.model, x0, mask, t, draws)).detach().requires_grad_()"
+          " / cfg.grad_accum",
       tests=["tests/test_train.py::test_every_loss_trains_and_its_loss_goes_down"]),
     # --- the float tolerances: derived from rounding, still tight enough to catch (tests/conftest.py) -------------
     M(name="micro_batches_share_the_first_draws", file="plumbing/distributed.py",
@@ -184,7 +185,8 @@ MUTATIONS = [
       old="            kept[s.data_ptr()] = s\n", new="            kept[s.data_ptr()] = s\n        return x\n",
       tests=["tests/test_bench.py::test_saved_activation_bytes_leaves_no_graph_behind"]),
     M(name="bench_rows_never_collect_cycles", file="bench/bench.py",
-      old="            gc.collect()        # reference cycles", new="            pass                # reference cycles",
+      old="            gc.collect()        # reference cycles",
+      new="            pass                # reference cycles",
       tests=["tests/test_bench.py::test_rows_free_what_a_measurement_left_naming_what_stays",
              "tests/test_bench.py::test_bench_prints_n_a_for_what_does_not_fit"]),
     M(name="bench_tables_keep_the_alpha_tables", file="bench/bench.py",
@@ -197,7 +199,8 @@ MUTATIONS = [
       tests=["tests/test_long_generation.py::test_held_context_is_the_previous_output_at_every_boundary",
              "tests/test_long_generation.py::test_exact_denoiser_continues_a_periodic_text_at_boundaries"]),
     M(name="judge_window_one_token_of_context_short", file="metrics.py",
-      old="windows.append((new_end - context, new_end, end))", new="windows.append((new_end - context + 1, new_end, end))",
+      old="windows.append((new_end - context, new_end, end))",
+      new="windows.append((new_end - context + 1, new_end, end))",
       tests=["tests/test_eval_ppl.py::test_gen_ppl_past_the_judge_is_brute_force_per_token"]),
 ]
 
