@@ -794,6 +794,7 @@ def test_a_txt_piece_edited_after_the_scan_is_one_data_error(tmp_path):
             corpora._read_piece(str(path), begin, end)
 
 
+@pytest.mark.slow
 def test_sp_train_edges_and_very_long_lines_through_prepare(tmp_path):
     """Issue 44: sp_train:0 and :1 printed SentencePiece's internal check, a vocabulary past its int a traceback,
     and a corpus whose every line is over 64 KiB "[!sentences_.empty()]": the N that works, and long lines train
