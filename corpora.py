@@ -130,14 +130,8 @@ class Docs:
     given, gives the same documents as work units for the workers, (reader, *args): a worker reads
     reader(*args) itself (the paragraphs of a .txt piece, the rows of an Arrow split)."""
 
-    def __init__(self, raw, detokenizer=None, nbytes=None, length=None, units=None):
-        self.raw, self.detokenizer, self.nbytes, self.length = raw, detokenizer, nbytes, length  # raw: () -> iter
-        self.units = units
-
-    def __len__(self):
-        if self.length is None:
-            raise TypeError("a streamed split has no length")
-        return self.length
+    def __init__(self, raw, detokenizer=None, nbytes=None, units=None):
+        self.raw, self.detokenizer, self.nbytes, self.units = raw, detokenizer, nbytes, units  # raw: () -> iter
 
     def __iter__(self):
         return map(self.detokenizer, self.raw()) if self.detokenizer else self.raw()
@@ -238,14 +232,13 @@ def load_hf_split(name, which, text_field=None, val_fraction=0.05):
             n = len(splits["train"])
             cut = n - max(1, round(val_fraction * n))
             ds = splits["train"].select(range(cut) if which == "train" else range(cut, n))
-        return Docs(_hf_texts(ds, field, name), length=len(ds), units=_row_units(ds, field))
+        return Docs(_hf_texts(ds, field, name), units=_row_units(ds, field))
     src = HF_CORPORA[name]
     split = src.train if which == "train" else src.val
     if split is None:
-        return Docs(lambda: iter(()), length=0)
+        return Docs(lambda: iter(()))
     ds = _load_dataset(name, src.repo, src.revision, data_files=src.data_files, split=split, streaming=src.streaming)
-    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, length=None if src.streaming else len(ds),
-                units=None if src.streaming else _row_units(ds, src.field))
+    return Docs(_hf_texts(ds, src.field, name), src.detokenizer, units=_row_units(ds, src.field))
 
 
 # -----------------------------------------------------------------------------
@@ -283,12 +276,6 @@ def _folder_files(folder):
 
 _SEPARATOR = re.compile(r"\n\s*\n")          # between the paragraphs of a lone .txt
 _TEXT_AFTER = re.compile(r"[^\S\n]*\S")      # a separator followed by this cannot grow in the next block
-
-
-def _paragraphs(path, block=1 << 20):
-    """The paragraphs of a text file, read a piece at a time, exactly as _split_paragraphs splits the whole text."""
-    for piece, _ in _paragraph_pieces(path, block):
-        yield from _split_paragraphs(piece)
 
 
 def _paragraph_pieces(path, block=1 << 20):
@@ -405,14 +392,14 @@ def _records(path, field):
 
 
 def _file_docs(path, field, in_folder):
-    """The documents of one local file: a .txt alone is split into paragraphs on blank lines, a .txt in a folder is
-    one document; records give one document each."""
-    if path.endswith(_TEXT):
-        if not in_folder:
-            return _paragraphs(path)
-        text = read_text(path)
-        return iter([text] if text.strip() else [])
-    return (d for d in _records(path, field) if isinstance(d, str) and d.strip())
+    """The documents of one local file: a .txt alone is split into paragraphs on blank lines (read a piece at a
+    time, exactly as _split_paragraphs splits the whole text), a .txt in a folder is one document; records give one
+    document each."""
+    if not path.endswith(_TEXT):
+        return _records(path, field)
+    if in_folder:
+        return [read_text(path)]
+    return (p for piece, _ in _paragraph_pieces(path) for p in _split_paragraphs(piece))
 
 
 def _arrow_docs(folder, field):
@@ -425,11 +412,11 @@ def _arrow_docs(folder, field):
         if "train" not in ds:
             raise DataError(f"{folder} holds the splits {', '.join(ds)}, no train split")
         ds = datasets.concatenate_datasets([ds[s] for s in ("train", "validation", "test") if s in ds])
-    return (d for d in _hf_texts(ds, field, folder)() if isinstance(d, str) and d.strip())
+    return _hf_texts(ds, field, folder)()
 
 
 def _local_docs(name, field):
-    """-> () -> iterator of the documents of pydoc or a local corpus, in order."""
+    """-> () -> iterator of the documents of pydoc or a local corpus, in order (nulls and blank ones skipped)."""
     if name == "pydoc":
         from pydoc_data.topics import topics
         return lambda: (topics[k] for k in sorted(topics))
@@ -439,15 +426,17 @@ def _local_docs(name, field):
         raise DataError(f"unknown dataset {name!r}; expected pydoc, a local corpus ({LOCAL_FORMATS}), "
                         f"hf:REPO[:CONFIG], or one of {sorted(HF_CORPORA)}")
     if _is_arrow_folder(name):
-        return lambda: _arrow_docs(name, field)
-    if os.path.isdir(name):
+        read = lambda: _arrow_docs(name, field)
+    elif os.path.isdir(name):
         files = _folder_files(name)
         if not files:
             raise DataError(f"corpus {name} is empty: it holds no {LOCAL_FORMATS}")
-        return lambda: (d for p in files for d in _file_docs(p, field, True))
-    if name.endswith(_TEXT + _RECORDS):
-        return lambda: _file_docs(name, field, False)
-    raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
+        read = lambda: (d for p in files for d in _file_docs(p, field, True))
+    elif name.endswith(_TEXT + _RECORDS):
+        read = lambda: _file_docs(name, field, False)
+    else:
+        raise DataError(f"{name}: not a corpus format prepare.py reads; expected {LOCAL_FORMATS}")
+    return lambda: (d for d in read() if isinstance(d, str) and d.strip())
 
 
 def _tail_split(length_batches, val_fraction, name):
@@ -518,9 +507,8 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
         train_bytes = sum(batch_bytes[:whole]) + (int(batch_bytes[whole] * rest / min(4096, n - whole * 4096))
                                                   if rest else 0)
         val_bytes = sum(batch_bytes) - train_bytes
-    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=train_bytes, length=cut, units=units and units(0, cut))
-    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=val_bytes, length=n - cut,
-               units=units and units(cut, n))
+    train = Docs(lambda: itertools.islice(docs(), cut), nbytes=train_bytes, units=units and units(0, cut))
+    val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=val_bytes, units=units and units(cut, n))
     return train, val
 
 

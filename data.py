@@ -21,6 +21,7 @@ import io
 import itertools
 import json
 import os
+import pathlib
 import re
 import zlib
 from dataclasses import dataclass
@@ -60,13 +61,7 @@ class Tokenizer:
 
     def __post_init__(self):
         encode_batch = self.encode_batch
-
-        def checked(texts):
-            texts = list(texts)
-            for text in texts:
-                check_text(text)
-            return encode_batch(texts)
-        self.encode_batch = checked
+        self.encode_batch = lambda texts: encode_batch([check_text(text) for text in texts])
 
     def encode(self, text):
         return self.encode_batch([text])[0]
@@ -76,14 +71,16 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(text, where="the text to encode"):
-    """Text a tokenizer can encode: a str without lone surrogates (a JSON escape such as \\ud800 decodes to one, and
-    so does a byte that is not UTF-8 in a command-line argument); else DataError naming where and the character."""
+    """`text`, if a tokenizer can encode it: a str without lone surrogates (a JSON escape such as \\ud800 decodes to
+    one, and so does a byte that is not UTF-8 in a command-line argument); else DataError naming where and the
+    character."""
     if not isinstance(text, str):
         raise DataError(f"{where} is {type(text).__name__}, not text")
     if not text.isascii() and (bad := _SURROGATE.search(text)):
         raise DataError(f"{where} is not Unicode text: it holds the lone surrogate {bad.group()!r} at character "
                         f"{bad.start()} (an escaped \\ud800-\\udfff in JSON, or bytes that are not UTF-8); fix "
                         f"or drop it")
+    return text
 
 
 GPT2_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -222,11 +219,7 @@ def train_sentencepiece(docs, out_prefix, vocab_size, model_type="bpe"):
     except RuntimeError as e:
         raise DataError(f"SentencePiece training of a {vocab_size}-piece tokenizer failed: "
                         f"{sentencepiece_failure(str(e), vocab_size)}") from None
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(model.getvalue())
-    save_atomic(out_prefix + ".model", write)
+    save_atomic(out_prefix + ".model", lambda tmp: pathlib.Path(tmp).write_bytes(model.getvalue()))
     return out_prefix + ".model"
 
 
