@@ -147,15 +147,10 @@ def _check_field(name, field, columns, kind):
 
 def _hf_texts(ds, field, name):
     """Docs over a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
-    columns = ds.column_names or (list(ds.features) if ds.features else None)
-    if columns is None:                      # a streaming json split: columns are known from the first row
-        columns = list(next(iter(ds), {}))
+    # a streaming json split has no features: its columns are those of its first row
+    columns = ds.column_names or list(ds.features or next(iter(ds), {}))
     _check_field(name, field, columns, getattr((ds.features or {}).get(field), "dtype", "string"))
-
-    def raw():
-        for batch in ds.iter(batch_size=1000):
-            yield from batch[field]
-    return raw
+    return lambda: (text for batch in ds.iter(batch_size=1000) for text in batch[field])
 
 
 def start_method():
@@ -469,10 +464,7 @@ def _length_batches(docs, text_bytes, size=4096):
     """The documents' lengths in lists of `size`: what _tail_split reads; each list's UTF-8 bytes appended to
     text_bytes (the progress bar's total)."""
     docs = iter(docs)
-    while True:
-        batch = list(itertools.islice(docs, size))
-        if not batch:
-            return
+    for batch in iter(lambda: list(itertools.islice(docs, size)), []):
         text_bytes.append(sum(len(d.encode("utf-8", "surrogatepass")) for d in batch))
         yield list(map(len, batch))
 

@@ -226,12 +226,10 @@ def train_sentencepiece(docs, out_prefix, vocab_size, model_type="bpe"):
 def sentencepiece_failure(message, vocab_size):
     """SentencePiece's training error -> the reason and the fix in this repository's flags (its own hints name
     options of its command line, e.g. --character_coverage, that no script here has)."""
-    low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
-    high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
-    if low:
+    if low := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
         return (f"the corpus needs at least {low.group(1)} pieces (its characters, 256 bytes and the specials); "
                 f"use --tokenizer sp_train:N with N >= {low.group(1)}")
-    if high:
+    if high := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
         return (f"the corpus supports at most {high.group(1)} pieces; use --tokenizer sp_train:N with N <= "
                 f"{high.group(1)}, or a larger corpus")
     reason = message.strip().splitlines()[-1] if message.strip() else "unknown error"
@@ -380,8 +378,7 @@ def check_meta_fields(meta, path):
     name = meta.get("tokenizer_file")
     if name is not None and (os.path.basename(name) != name or name in ("", ".", "..")):
         raise DataError(f"{path}: field 'tokenizer_file' is {name!r}, not a file name inside the folder; {fix}")
-    unlisted = unlisted_checksums(meta)
-    if unlisted:
+    if unlisted := unlisted_checksums(meta):
         raise DataError(f"{path} lists no sha256 for {', '.join(unlisted)}, so the prepared files cannot be verified; "
                         f"{fix}")
 
@@ -427,24 +424,18 @@ def verify_prepared(data_dir, meta, names=None, full=False):
         if file_sha256(path, cached=not full) != digest:
             raise DataError(f"{path} does not match the sha256 in its meta.json (modified or corrupted since it "
                             f"was prepared); delete {data_dir} to prepare it again")
-    if any(stats.get(k) != v for k, v in seen.items()):
-        _record_stat(data_dir, seen)
-
-
-def _record_stat(data_dir, stat):
-    """Add verified [size, mtime_ns] entries to meta.json (atomically; a read-only folder is simply re-hashed
-    at the next start)."""
-    path = os.path.join(data_dir, "meta.json")
-    tmp = temp_name(path)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-        meta["stat"] = {**(meta.get("stat") or {}), **stat}
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=2)
-        os.replace(tmp, path)
-    except OSError:
-        remove_path(tmp)
+    if any(stats.get(k) != v for k, v in seen.items()):   # recorded (a read-only folder: re-hashed at the next start)
+        path = os.path.join(data_dir, "meta.json")
+        tmp = temp_name(path)
+        try:
+            with open(path) as f:
+                recorded = json.load(f)        # as written (load_meta resolved `meta`'s tokenizer path)
+            recorded["stat"] = {**(recorded.get("stat") or {}), **seen}
+            with open(tmp, "w") as f:
+                json.dump(recorded, f, indent=2)
+            os.replace(tmp, path)
+        except OSError:
+            remove_path(tmp)
 
 
 def key_digest(key):

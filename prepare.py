@@ -29,7 +29,7 @@ import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,8 +125,8 @@ def _ours(data_dir):
         names.add(meta["tokenizer_file"])
     for field in ("sha256", "stat"):
         if isinstance(meta.get(field), dict):
-            names.update(k for k in meta[field] if isinstance(k, str))
-    return {n for n in names if os.path.basename(n) == n}
+            names.update(meta[field])
+    return names
 
 
 def _replace_ours(tmp, out_dir):
@@ -236,15 +236,10 @@ def _in_order(pool, chunks, job, window):
         yield pending.popleft().result()
 
 
-def default_num_proc():
-    """The cores this process may use."""
-    return len(usable_cores())
-
-
 def worker_count(num_proc):
     """The tokenizing processes for --num_proc: 0 or None = the usable cores, and more than the cores is capped to
     them with a note (more workers would only wait for a core; the bytes are the same for any count)."""
-    cores = default_num_proc()
+    cores = len(usable_cores())
     if num_proc and num_proc > cores:
         print(f"note: --num_proc {num_proc} is more than the {cores} usable cores: preparing with {cores}",
               file=sys.stderr)
@@ -261,13 +256,13 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
     total = docs.nbytes
     bar = tqdm(total=total, desc=f"{split}", unit="B", unit_scale=True, dynamic_ncols=True,
                disable=cli.bar_hidden(progress) or bool(total and total < 1 << 18))   # under 256 KiB: no bar
-    files = {name: open(os.path.join(out_dir, name), "wb") for name in names}
+    with ExitStack() as opened:
+        files = {name: opened.enter_context(open(os.path.join(out_dir, name), "wb")) for name in names}
 
-    def write(name, array):
-        data = array.tobytes()
-        files[name].write(data)
-        digests[name].update(data)
-    try:
+        def write(name, array):
+            data = array.tobytes()
+            files[name].write(data)
+            digests[name].update(data)
         job = (docs.detokenizer, wrap, insert_eos, block_size, np.dtype(dtype).name)
         chunks = docs.units() if docs.units else _chunks(docs.raw())
         for out in _in_order(pool, chunks, job, window=2 * num_proc):
@@ -284,9 +279,6 @@ def _write_split(docs, tok, out_dir, split, block_size, wrap, insert_eos, dtype,
         for f in files.values():
             f.flush()
             os.fsync(f.fileno())
-    finally:
-        for f in files.values():
-            f.close()
     if bar.total and bar.n != bar.total:   # the total was an estimate (a file's bytes, shared out by documents)
         bar.total = bar.n
         bar.refresh()

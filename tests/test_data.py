@@ -16,7 +16,7 @@ import data
 from data import DataError
 from plumbing import files
 from plumbing.cli import UsageError
-from plumbing.distributed import Env
+from plumbing.distributed import Env, usable_cores
 from plumbing.flags import check_prepare_flags
 import prepare
 import train
@@ -227,7 +227,7 @@ def test_cli_on_a_missing_file_exits_2_with_one_line(tmp_path):
 
 def test_out_of_range_preparation_flags_one_line_before_work(tmp_path, capsys):
     from plumbing import cli
-    cores = prepare.default_num_proc()
+    cores = len(usable_cores())
     for flags, message in [(["--num_proc", "-1"], "--num_proc must be >= 0 (0 = the usable cores), got -1"),
                            (["--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
                            (["--val_fraction", "0"], "--val_fraction must be between 0 and 1")]:

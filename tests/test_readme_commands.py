@@ -84,14 +84,14 @@ def test_prepare_example_runs_with_fewer_cores_than_num_proc(tmp_path, without):
     """README's `prepare.py ... --num_proc 16` was refused on a 2-core machine; more workers than the usable cores
     are now capped to them, with a note."""
     from pydoc_data.topics import topics
-    from prepare import default_num_proc
+    from plumbing.distributed import usable_cores
     with open(tmp_path / "corpus.jsonl", "w") as f:           # ~100 documents, enough for blocks of 1024 tokens
         for key in sorted(topics)[:100]:
             f.write(json.dumps({"body": topics[key], "id": key}) + "\n")
     p = run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", "corpus.jsonl", "--text_field", "body",
              "--tokenizer", "gpt2", "--block_size", "1024", "--num_proc", "16"], without(), cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    cores = default_num_proc()
+    cores = len(usable_cores())
     note = f"note: --num_proc 16 is more than the {cores} usable cores: preparing with {cores}"
     assert (note in p.stderr) == (cores < 16), p.stderr
     assert "val:" in p.stdout and os.listdir(tmp_path / "data")
