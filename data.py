@@ -581,12 +581,10 @@ def check_split(data_dir, split, meta):
     _open_split(data_dir, split, meta)
 
 
-def eval_batches(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, device="cpu"):
-    """Yield (x0 (B, L), mask or None) over `split` in stored order, last batch possibly smaller;
-    batch i goes to rank i % world_size."""
-    tokens, mask = _open_split(data_dir, split, load_meta(data_dir))
-    for start in range(0, len(tokens), batch_size)[:max_batches][rank::world_size]:
-        yield _to_tensors(tokens, mask, np.arange(start, min(start + batch_size, len(tokens))), device)
+def eval_batches(data_dir, split, batch_size, max_batches=None, device="cpu"):
+    """Yield (x0 (B, L), mask or None) over `split` in stored order, the last batch possibly smaller."""
+    for *_, x0, mask in eval_pieces(data_dir, split, batch_size, max_batches, device=device):
+        yield x0, mask
 
 
 def eval_pieces(data_dir, split, batch_size, max_batches=None, rank=0, world_size=1, piece=None, device="cpu"):
