@@ -108,8 +108,7 @@ def _gpt2_encoding():
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     shifted = [b for b in range(256) if b not in keep]
     char_to_byte = {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
-    with open(files["encoder.json"], encoding="utf-8") as f:
-        encoder = json.load(f)
+    encoder = json.loads(pathlib.Path(files["encoder.json"]).read_text(encoding="utf-8"))
     # GPT-2's token ids are its BPE merge ranks (tiktoken checks this on the same two files)
     ranks = {bytes(char_to_byte[c] for c in tok): i for tok, i in encoder.items() if tok != "<|endoftext|>"}
     return tiktoken.Encoding("gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
@@ -337,8 +336,7 @@ def load_meta(data_dir):
         raise DataError(not_a_file(path, f"no prepared dataset in {data_dir} (meta.json missing); run prepare.py "
                                          f"first"))
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = json.loads(pathlib.Path(path).read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON ({e}); delete {data_dir} to prepare it again") from None
     check_meta_fields(meta, path)
@@ -428,8 +426,7 @@ def verify_prepared(data_dir, meta, names=None, full=False):
         path = os.path.join(data_dir, "meta.json")
         tmp = temp_name(path)
         try:
-            with open(path) as f:
-                recorded = json.load(f)        # as written (load_meta resolved `meta`'s tokenizer path)
+            recorded = json.loads(pathlib.Path(path).read_text())   # as written (load_meta resolved `meta`'s paths)
             recorded["stat"] = {**(recorded.get("stat") or {}), **seen}
             with open(tmp, "w") as f:
                 json.dump(recorded, f, indent=2)

@@ -24,6 +24,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import pathlib
 import shutil
 import signal
 import sys
@@ -100,8 +101,7 @@ def _short(part, limit=64):
 def _raw_meta(data_dir):
     """data_dir's meta.json as it is, unchecked ({} when absent, unreadable or not an object)."""
     try:
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            meta = json.load(f)
+        meta = json.loads(pathlib.Path(data_dir, "meta.json").read_text())
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
