@@ -146,7 +146,7 @@ def _check_field(name, field, columns, kind):
 
 
 def _hf_texts(ds, field, name):
-    """Docs over a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
+    """-> () -> the texts of a `datasets` split's column `field` (a missing one -> DataError naming the columns)."""
     # a streaming json split has no features: its columns are those of its first row
     columns = ds.column_names or list(ds.features or next(iter(ds), {}))
     _check_field(name, field, columns, getattr((ds.features or {}).get(field), "dtype", "string"))

@@ -72,8 +72,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def check_text(text, where="the text to encode"):
     """`text`, if a tokenizer can encode it: a str without lone surrogates (a JSON escape such as \\ud800 decodes to
-    one, and so does a byte that is not UTF-8 in a command-line argument); else DataError naming where and the
-    character."""
+    one, and so does a non-UTF-8 byte in a command-line argument); else DataError naming where and the character."""
     if not isinstance(text, str):
         raise DataError(f"{where} is {type(text).__name__}, not text")
     if not text.isascii() and (bad := _SURROGATE.search(text)):
