@@ -313,8 +313,7 @@ def wrap_blocks(stream, block_size, bos_id, eos_id):
 def file_sha256(path, cached=True):
     """sha256 of a file's bytes (cached per path, size and modification time within a process, unless cached=False:
     a full check must read the bytes even when an edit kept the size and the time)."""
-    st = os.stat(path)
-    args = os.path.abspath(path), st.st_size, st.st_mtime_ns
+    args = os.path.abspath(path), *file_stat(path)
     return _file_sha256(*args) if cached else _file_sha256.__wrapped__(*args)
 
 
