@@ -23,7 +23,6 @@ import gc
 import itertools
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -92,8 +91,7 @@ def parse_args(argv=None):
                          "--head_chunks, --long_blocks >= 0")
     if cfg.head not in HEADS:
         raise UsageError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
-    if cfg.threads:
-        check_threads(cfg.threads, "--threads")      # a million threads crash torch's pool: refused here
+    check_threads(cfg.threads, "--threads")          # a million threads crash torch's pool: refused here
     omp_threads()                                    # OMP_NUM_THREADS, likewise
     if cfg.block_size and cfg.block_size < 2:
         raise UsageError("--block_size must be >= 2")
@@ -245,8 +243,7 @@ PEAK_MATMUL_N = {"cuda": 8192, "cpu": 1024}
 def measure_peak_flops(device, dtype, seconds=1.0):
     """Best FLOP/s of an n x n @ n x n matmul in `dtype` (n = PEAK_MATMUL_N) over ~`seconds` (>= 1 timing)."""
     n = PEAK_MATMUL_N[device.type]
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a, b = torch.randn(2, n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     synchronize(device)
@@ -591,17 +588,16 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
             f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
             f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
             "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
-    if "head" in parts and h is not None:
-        lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
-                      f"{h['chunks']} chunks, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
+    if "head" in parts and (h is not None or "fused head" in oom):
+        shape = "" if h is None else \
+            f" {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, {h['chunks']} chunks,"
+        lines += ["", f"| fused head + sddlm_v1,{shape} fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|"]
-        lines += [f"| {name} logits | {h[name]['ms']:.1f} | {h[name]['flops'] / 1e9:.3f} | {h[name]['products']:.2f} |"
-                  for name in ("kept", "recomputed")]
-        lines += ["", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
-                      f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
-    elif "head" in parts and "fused head" in oom:
-        lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
-                  "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
+        lines += [f"| kept and recomputed logits | {lost} | n/a | n/a |"] if h is None else [
+            *(f"| {name} logits | {h[name]['ms']:.1f} | {h[name]['flops'] / 1e9:.3f} | {h[name]['products']:.2f} |"
+              for name in ("kept", "recomputed")),
+            "", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
+                f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
     if "long" in parts and (g is not None or "long generation" in oom):
         title = "long generation" if g is None else \
             f"long generation, {g['seq_len']} tokens, {g['steps']} steps a window"
