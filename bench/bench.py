@@ -103,17 +103,6 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------------------------
 # the training step: train.py's own (train.train_step on a Run without a data loader, one process)
 
-def train_config_for(cfg, loss, curriculum=False):
-    """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes, with Duo's
-    curriculum on for every step (curriculum=True) or off."""
-    return TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset, "loss": loss,
-                          "block_size": cfg.block_size or PRESETS[cfg.preset]["block_size"],
-                          "batch_size": cfg.batch_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-                          "n_embd": cfg.n_embd, "vocab_multiple": cfg.vocab_multiple,
-                          "curriculum_iters": 10 ** 9 if curriculum else 0, "seed": cfg.seed, "compile": cfg.compile,
-                          "head": cfg.head})
-
-
 def profile_table(fn, device, rows=25):
     """torch.profiler over fn(): its ops and kernels by self time on the device (CUDA; CPU: on the CPU), as the
     profiler's own table of the first `rows`."""
@@ -270,8 +259,15 @@ def row_names(cfg):
 
 
 def configs_for(cfg, name):
-    """A row's TrainConfig and the ModelConfig of its model."""
-    tcfg = train_config_for(cfg, name.removesuffix(CURRICULUM), curriculum=name.endswith(CURRICULUM))
+    """A row's TrainConfig (the one train.py would run for this preset and loss, at the benchmark's shapes, with
+    Duo's curriculum on for every step or off) and the ModelConfig of its model."""
+    tcfg = TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset,
+                          "loss": name.removesuffix(CURRICULUM),
+                          "curriculum_iters": 10 ** 9 if name.endswith(CURRICULUM) else 0,
+                          "block_size": cfg.block_size or PRESETS[cfg.preset]["block_size"],
+                          "batch_size": cfg.batch_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                          "n_embd": cfg.n_embd, "vocab_multiple": cfg.vocab_multiple, "seed": cfg.seed,
+                          "compile": cfg.compile, "head": cfg.head})
     mcfg = model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
     check_training_memory(mcfg, tcfg.batch_size, tcfg.ema, resolve_device(cfg.device),   # before it is allocated
                           lambda f: "--batch_size" if f == "micro" else f"--{f}"
@@ -444,11 +440,9 @@ def bench_long(cfg, mcfg, device, dtype, L):
                 for s in strides})
     times = timed_rounds(cfg, device, fns)
     block_ms = 1e3 * times[0] / L
-    rows = []
-    for s in strides:
-        windows = len(long_windows(0, n, L, s))
-        ms = 1e3 * times[s] / n
-        rows.append(dict(stride=s, windows=windows, ms_per_token=ms, vs_block=ms / block_ms, predicted=windows * L / n))
+    windows = {s: len(long_windows(0, n, L, s)) for s in strides}
+    rows = [dict(stride=s, windows=windows[s], ms_per_token=1e3 * times[s] / n, vs_block=times[s] * L / (n * times[0]),
+                 predicted=windows[s] * L / n) for s in strides]
     return dict(seq_len=n, steps=cfg.sample_steps, block_ms_per_token=block_ms, rows=rows)
 
 
