@@ -173,13 +173,6 @@ MUTATIONS = [
 ]
 
 
-def repo_files():
-    """The files a checkout carries: tracked ones and untracked ones git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    return [f for f in out.split("\0") if f and os.path.isfile(os.path.join(ROOT, f))]
-
-
 def pytest(copy, tests):
     """-> (pytest's exit code, its last line)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -205,9 +198,13 @@ def main(argv=None):
     chosen = [m for m in MUTATIONS if not args.names or m[0] in args.names]
     bad = 0
     with tempfile.TemporaryDirectory(prefix="sddlm-mutate-") as copy:
-        for f in repo_files():
-            os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+        # the files a checkout carries: tracked ones and untracked ones git does not ignore
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout
+        for f in listed.split("\0"):
+            if f and os.path.isfile(os.path.join(ROOT, f)):
+                os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
+                shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
         baseline = sorted({t for m in chosen for t in m[4:]})
         code, last = pytest(copy, baseline)
         print(f"{'baseline (unmutated)':40s} {'pass' if code == 0 else 'FAIL'}  {last}", flush=True)
