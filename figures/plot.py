@@ -347,9 +347,8 @@ def plot_gen_ppl_vs_steps(gen, cfg):
     lone = [label for label in labels if len({r["steps"] for r in mine[label]}) == 1]
     in_sweep = {label for label in lone if mine[label][0]["loss"] in ("sddlm_v1", "sddlm_v2")}
     # (objective, steps) -> its rows, one per ε: the lone points', and the same objective's at its other ε
-    sweeps = {(r["loss"], r["steps"]): [] for label in in_sweep for r in mine[label]}
-    for r in rows:
-        sweeps.get((r["loss"], r["steps"]), []).append(r)
+    keys = sorted({(r["loss"], r["steps"]) for label in in_sweep for r in mine[label]})
+    sweeps = {key: [r for r in rows if (r["loss"], r["steps"]) == key] for key in keys}
     if sweeps:
         fig, (ax, ax_eps) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, gridspec_kw=dict(width_ratios=[2, 1]))
     else:
