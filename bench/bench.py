@@ -23,7 +23,6 @@ import gc
 import itertools
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -92,8 +91,7 @@ def parse_args(argv=None):
                          "--head_chunks, --long_blocks >= 0")
     if cfg.head not in HEADS:
         raise UsageError(f"unknown --head {cfg.head!r}; choose from {', '.join(HEADS)}")
-    if cfg.threads:
-        check_threads(cfg.threads, "--threads")      # a million threads crash torch's pool: refused here
+    check_threads(cfg.threads, "--threads")          # a million threads crash torch's pool: refused here
     omp_threads()                                    # OMP_NUM_THREADS, likewise
     if cfg.block_size and cfg.block_size < 2:
         raise UsageError("--block_size must be >= 2")
@@ -104,17 +102,6 @@ def parse_args(argv=None):
 
 # -----------------------------------------------------------------------------------------------
 # the training step: train.py's own (train.train_step on a Run without a data loader, one process)
-
-def train_config_for(cfg, loss, curriculum=False):
-    """The TrainConfig train.py would run for this preset and loss, at the benchmark's shapes, with Duo's
-    curriculum on for every step (curriculum=True) or off."""
-    return TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset, "loss": loss,
-                          "block_size": cfg.block_size or PRESETS[cfg.preset]["block_size"],
-                          "batch_size": cfg.batch_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-                          "n_embd": cfg.n_embd, "vocab_multiple": cfg.vocab_multiple,
-                          "curriculum_iters": 10 ** 9 if curriculum else 0, "seed": cfg.seed, "compile": cfg.compile,
-                          "head": cfg.head})
-
 
 def profile_table(fn, device, rows=25):
     """torch.profiler over fn(): its ops and kernels by self time on the device (CUDA; CPU: on the CPU), as the
@@ -245,8 +232,7 @@ PEAK_MATMUL_N = {"cuda": 8192, "cpu": 1024}
 def measure_peak_flops(device, dtype, seconds=1.0):
     """Best FLOP/s of an n x n @ n x n matmul in `dtype` (n = PEAK_MATMUL_N) over ~`seconds` (>= 1 timing)."""
     n = PEAK_MATMUL_N[device.type]
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a, b = torch.randn(2, n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     synchronize(device)
@@ -273,8 +259,15 @@ def row_names(cfg):
 
 
 def configs_for(cfg, name):
-    """A row's TrainConfig and the ModelConfig of its model."""
-    tcfg = train_config_for(cfg, name.removesuffix(CURRICULUM), curriculum=name.endswith(CURRICULUM))
+    """A row's TrainConfig (the one train.py would run for this preset and loss, at the benchmark's shapes, with
+    Duo's curriculum on for every step or off) and the ModelConfig of its model."""
+    tcfg = TrainConfig(**{**TRAIN_PRESETS.get(cfg.preset, {}), "preset": cfg.preset,
+                          "loss": name.removesuffix(CURRICULUM),
+                          "curriculum_iters": 10 ** 9 if name.endswith(CURRICULUM) else 0,
+                          "block_size": cfg.block_size or PRESETS[cfg.preset]["block_size"],
+                          "batch_size": cfg.batch_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                          "n_embd": cfg.n_embd, "vocab_multiple": cfg.vocab_multiple, "seed": cfg.seed,
+                          "compile": cfg.compile, "head": cfg.head})
     mcfg = model_config_for(tcfg, cfg.vocab_size or PRESETS[cfg.preset]["vocab_size"])
     check_training_memory(mcfg, tcfg.batch_size, tcfg.ema, resolve_device(cfg.device),   # before it is allocated
                           lambda f: "--batch_size" if f == "micro" else f"--{f}"
@@ -447,11 +440,9 @@ def bench_long(cfg, mcfg, device, dtype, L):
                 for s in strides})
     times = timed_rounds(cfg, device, fns)
     block_ms = 1e3 * times[0] / L
-    rows = []
-    for s in strides:
-        windows = len(long_windows(0, n, L, s))
-        ms = 1e3 * times[s] / n
-        rows.append(dict(stride=s, windows=windows, ms_per_token=ms, vs_block=ms / block_ms, predicted=windows * L / n))
+    windows = {s: len(long_windows(0, n, L, s)) for s in strides}
+    rows = [dict(stride=s, windows=windows[s], ms_per_token=1e3 * times[s] / n, vs_block=times[s] * L / (n * times[0]),
+                 predicted=windows[s] * L / n) for s in strides]
     return dict(seq_len=n, steps=cfg.sample_steps, block_ms_per_token=block_ms, rows=rows)
 
 
@@ -591,17 +582,16 @@ def markdown(out, parts=("losses", "sampler", "head", "long", "footer")):
             f"| sample.generate (psi, kappa = 0.9) | {s['steps']} | {s['nfe']} | {s['psi_ms_per_step']:.1f} "
             f"| {s['forward_ms']:.1f} | {100 * s['psi_overhead']:+.1f}% |",
             "", f"Psi step / ancestral step: {s['psi_vs_ancestral']:.3f}"]
-    if "head" in parts and h is not None:
-        lines += ["", f"| fused head + sddlm_v1, {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, "
-                      f"{h['chunks']} chunks, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
+    if "head" in parts and (h is not None or "fused head" in oom):
+        shape = "" if h is None else \
+            f" {h['rows']} rows x d={h['d']} x V_pad={h['padded_vocab_size']}, {h['chunks']} chunks,"
+        lines += ["", f"| fused head + sddlm_v1,{shape} fwd + bwd | ms | GFLOP (counted) | output-layer products |",
                   "|---|---:|---:|---:|"]
-        lines += [f"| {name} logits | {h[name]['ms']:.1f} | {h[name]['flops'] / 1e9:.3f} | {h[name]['products']:.2f} |"
-                  for name in ("kept", "recomputed")]
-        lines += ["", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
-                      f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
-    elif "head" in parts and "fused head" in oom:
-        lines += ["", "| fused head + sddlm_v1, fwd + bwd | ms | GFLOP (counted) | output-layer products |",
-                  "|---|---:|---:|---:|", f"| kept and recomputed logits | {lost} | n/a | n/a |"]
+        lines += [f"| kept and recomputed logits | {lost} | n/a | n/a |"] if h is None else [
+            *(f"| {name} logits | {h[name]['ms']:.1f} | {h[name]['flops'] / 1e9:.3f} | {h[name]['products']:.2f} |"
+              for name in ("kept", "recomputed")),
+            "", f"kept / recomputed time: {h['kept_vs_recomputed']:.3f} (one product = 2 N d V_pad = "
+                f"{h['product_flops'] / 1e9:.3f} GFLOP)"]
     if "long" in parts and (g is not None or "long generation" in oom):
         title = "long generation" if g is None else \
             f"long generation, {g['seq_len']} tokens, {g['steps']} steps a window"

@@ -13,10 +13,8 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import json
-import os
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass

@@ -16,10 +16,8 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import json
-import os
 import pathlib
 import re
-import sys
 from dataclasses import dataclass
 
 import losses
@@ -221,6 +219,9 @@ STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1, 1, 
           ("X", (0, (1, 1))), ("*", (0, (3, 1, 1, 1, 1, 1)))]
 
 
+# the legend beside the axes, where it hides no point
+BESIDE = dict(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), borderaxespad=0)
+
 # the objectives' own order (train.py's --loss names): an objective keeps its colour and marker in every figure
 NAMES = ["sddlm", "sddlm_v1", "sddlm_v2", "duo", "ar", "naive", "duo_lean"]
 
@@ -239,11 +240,6 @@ def _styles(labels):
         marker, dash = STYLES[k % len(STYLES)]
         out.append(dict(marker=marker, linestyle=dash, ms=5, mfc="none", mew=1.2, lw=1.4, color=f"C{k % 10}"))
     return out
-
-
-def _legend(ax):
-    """The legend beside the axes, where it hides no point."""
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), borderaxespad=0)
 
 
 def _save(fig, out_dir, name, dpi):
@@ -300,12 +296,11 @@ def plot_training(curves, cfg):
         settings = set().union(*(c["gen_settings"] for c in with_gen))
         how = "; ".join(f"{n} samples, {'AR' if s is None else f'{s} steps'}, seed {seed}"
                         for n, s, seed, _ in sorted(settings, key=str))
-        for key, index, ylabel, name, log in (("Gen PPL", 1, "Gen PPL (lower is better)", "training_gen_ppl.png", True),
-                                              ("Sample entropy", 2, "sample entropy (nats)", "training_entropy.png",
-                                               False)):
-            figures.append((name, "gen", index, ylabel, log, f"{key} over training (judge: {judge})\neach point: "
-                            f"{how}, EMA weights (live without EMA); band: 95% interval over the samples",
-                            (2 * index - 1, 2 * index)))
+        note = (f"over training (judge: {judge})\neach point: {how}, EMA weights (live without EMA); band: 95% "
+                f"interval over the samples")
+        figures += [("training_gen_ppl.png", "gen", 1, "Gen PPL (lower is better)", True, f"Gen PPL {note}", (1, 2)),
+                    ("training_entropy.png", "gen", 2, "sample entropy (nats)", False, f"Sample entropy {note}",
+                     (3, 4))]
     else:
         print("figures/plot.py: no Gen PPL in the runs' logs (train.py --gen_interval): training_gen_ppl.png and "
               "training_entropy.png skipped")
@@ -328,13 +323,10 @@ def plot_training(curves, cfg):
                 ax.fill_between([b[0] for b in points], [b[lo] for b in points], [b[hi] for b in points],
                                 color=style["color"], alpha=0.18, lw=0)
         _mark_curriculum_end(ax, drawn)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
+        ax.set(xlabel="training step", ylabel=ylabel, yscale="log" if log else "linear")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-        _legend(ax)
+        ax.legend(**BESIDE)
         written.append(_save(fig, cfg.out_dir, name, cfg.dpi))
     return written
 
@@ -353,15 +345,10 @@ def plot_gen_ppl_vs_steps(gen, cfg):
     labels = sorted({r["label"] for r in rows})                  # a model's ε variants right after it
     mine = {label: sorted((r for r in rows if r["label"] == label), key=lambda r: r["steps"]) for label in labels}
     lone = [label for label in labels if len({r["steps"] for r in mine[label]}) == 1]
-    sweeps = {}                                                   # (objective, steps) -> its rows, one per ε
-    for label in lone:
-        r = mine[label][0]
-        if r.get("loss") in ("sddlm_v1", "sddlm_v2"):
-            sweeps.setdefault((r["loss"], r["steps"]), []).append(r)
-    for (loss, steps), members in sweeps.items():                 # the same objective at its other ε, same steps
-        members += [r for label in labels if label not in lone for r in mine[label]
-                    if r.get("loss") == loss and r["steps"] == steps]
-    in_sweep = {r["label"] for members in sweeps.values() for r in members if r["label"] in lone}
+    in_sweep = {label for label in lone if mine[label][0]["loss"] in ("sddlm_v1", "sddlm_v2")}
+    # (objective, steps) -> its rows, one per ε: the lone points', and the same objective's at its other ε
+    keys = sorted({(r["loss"], r["steps"]) for label in in_sweep for r in mine[label]})
+    sweeps = {key: [r for r in rows if (r["loss"], r["steps"]) == key] for key in keys}
     if sweeps:
         fig, (ax, ax_eps) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, gridspec_kw=dict(width_ratios=[2, 1]))
     else:
@@ -377,26 +364,21 @@ def plot_gen_ppl_vs_steps(gen, cfg):
     steps = sorted({r["steps"] for label in labels if label not in in_sweep for r in mine[label]})
     ax.set_xticks(steps, [str(s) for s in steps])            # the step counts evaluated, as numbers
     ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.set_yscale("log")
-    ax.set_xlabel("sampling steps")
-    ax.set_ylabel("Gen PPL (lower is better)")
+    ax.set(yscale="log", xlabel="sampling steps", ylabel="Gen PPL (lower is better)")
     how = sorted({f"{r['samples']} samples, final step {r['final_step']}, top-p {r['top_p']}, seed {r['seed']}"
                   for r in rows})
     ax.set_title(f"Gen PPL vs sampling steps (judge: {judge})\neach point: {'; '.join(how)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    if not sweeps:
-        _legend(ax)
-    else:
-        ax.legend(fontsize=8)
+    ax.legend(**(dict(fontsize=8) if sweeps else BESIDE))
+    if sweeps:
         for (loss, n_steps), members in sorted(sweeps.items()):
             members = sorted(members, key=lambda r: r["eps"])
             ax_eps.plot([r["eps"] for r in members], [r["gen_ppl"] for r in members],
                         label=f"{loss}, {n_steps} steps", **_styles([loss])[0])
         eps = sorted({r["eps"] for members in sweeps.values() for r in members})
-        ax_eps.set_xscale("log")
+        ax_eps.set(xscale="log", xlabel="ε of log(p + ε) in training")
         ax_eps.set_xticks(eps, [f"{e:g}" + (" (default)" if e == losses.EPS else "") for e in eps], fontsize=8)
         ax_eps.xaxis.set_minor_locator(plt.NullLocator())
-        ax_eps.set_xlabel("ε of log(p + ε) in training")
         ax_eps.set_title(f"ε sweep at {', '.join(sorted({str(s) for _, s in sweeps}))} sampling steps\n"
                          f"each point: a model trained with that ε", fontsize=9)
         ax_eps.grid(alpha=0.3, which="both")

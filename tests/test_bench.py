@@ -264,7 +264,7 @@ def test_bench_rejects_bad_flags_in_one_line():
         bench.parse_args(["--preset", "huge"])
     with pytest.raises(bench.UsageError, match="unknown --head 'lean'; choose from auto, plain, fused, fused_recompute"):
         bench.parse_args(["--head", "lean"])
-    assert bench.train_config_for(bench.parse_args(["--head", "fused_recompute"]), "sddlm").head == "fused_recompute"
+    assert bench.configs_for(bench.parse_args(["--head", "fused_recompute"]), "sddlm")[0].head == "fused_recompute"
     assert bench.parse_args(["--json", "--compile"]).json is True
 
 
