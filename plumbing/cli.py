@@ -329,11 +329,14 @@ def _raise(signum, frame):
 
 
 def set_stop_handlers(handler):
-    """handler for every stop signal -> the handlers it replaces (only the main thread may set them)."""
+    """handler for every stop signal, or {signal: handler} as this returns them (puts them back; None, a handler set
+    outside Python, cannot be) -> the handlers it replaces (only the main thread may set them)."""
     old = {}
     for s in STOP_SIGNALS:
-        with suppress(ValueError, OSError):
-            old[s] = signal.signal(s, handler)
+        h = handler.get(s) if isinstance(handler, dict) else handler
+        if h is not None:
+            with suppress(ValueError, OSError):
+                old[s] = signal.signal(s, h)
     return old
 
 

@@ -38,7 +38,7 @@ def launch(cfg, check, work):
     if not cfg.dist_timeout > 0:
         raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
     start = check(where)
-    env = setup_distributed(cfg)
+    env = setup_distributed(cfg, where)
     held = []
 
     def lock():
