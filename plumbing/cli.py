@@ -163,7 +163,7 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
 
 def _config(cls, presets, name, given, resolve):
     """The config of the preset `name` (None: no presets), the flags `given` over it, then resolve's rules."""
-    cfg = cls(**{**(presets[name] if presets else {}), **({"preset": name} if presets else {}), **given})
+    cfg = cls(**({**presets[name], "preset": name, **given} if presets else given))
     for f in dataclasses.fields(cls):
         if f.name.endswith("seed"):
             whole(getattr(cfg, f.name), f"--{f.name}", 0, SEED_END)
