@@ -37,9 +37,8 @@ def fits(value, annotation):
     default is None)."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     types = {"int": int, "float": (int, float), "bool": bool, "str": str}
-    if kind not in types:
-        return True
-    return isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))   # a bool is an int
+    return kind not in types or (isinstance(value, types[kind])
+                                 and (kind == "bool" or not isinstance(value, bool)))    # a bool is an int
 
 
 def check_dataclass_fields(config, cls, path, name, error):
