@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
-from plumbing.files import check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic
-from plumbing.files import writer_of
+from plumbing.files import (check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic,
+                            writer_of)
 from plumbing.lock import LOCK
 from plumbing.integrity import check_finite_weights, check_state_fits, check_zip
 from plumbing.signals import deferred_signals
@@ -150,7 +150,7 @@ def load_resume_checkpoint(cfg, check=None):
     path = os.path.join(cfg.out_dir, "ckpt.pt")
     remove_stale_temps(path)
     if not cfg.resume:
-        if os.path.isfile(path) and writer_of(path):       # (a user's ckpt.pt: refused below, as theirs)
+        if os.path.isfile(path) and writer_of(path):           # (a user's ckpt.pt: refused below, as theirs)
             raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
         log = os.path.join(cfg.out_dir, "log.jsonl")
         if os.path.isfile(log) and writer_of(log):

@@ -159,9 +159,10 @@ def check_run_outputs(out_dir):
     symbolic link or a device -> UsageError naming it, before any work."""
     for name in set(run_output_names(out_dir)) - {".lock"}:
         path, want = os.path.join(out_dir, name), "folder" if name in RUN_FOLDERS else "file"
-        if kind_of(path) != want:
-            raise UsageError(f"{path} is a {kind_of(path)}, not the {want} a run writes there, so the run would not "
-                             f"replace it; move it away, then resume")
+        kind = kind_of(path)
+        if kind != want:
+            raise UsageError(f"{path} is a {kind}, not the {want} a run writes there, so the run would not replace "
+                             f"it; move it away, then resume")
 
 
 def remove_unfinished(out_dir, before):

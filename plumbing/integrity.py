@@ -37,8 +37,9 @@ def fits(value, annotation):
     default is None)."""
     kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     types = {"int": int, "float": (int, float), "bool": bool, "str": str}
-    return kind not in types or (isinstance(value, types[kind])
-                                 and (kind == "bool" or not isinstance(value, bool)))    # a bool is an int
+    if kind not in types:
+        return True
+    return isinstance(value, types[kind]) and (kind == "bool" or not isinstance(value, bool))   # a bool is an int
 
 
 def check_dataclass_fields(config, cls, path, name, error):
@@ -243,7 +244,9 @@ class DivergenceRule:
 
     def check_metrics(self, metrics):
         """An evaluation's metrics -> None when its val_nelbo (if any) is sound, else the reason."""
-        nelbo = metrics.get("val_nelbo") or 0.0          # none: nothing to check
+        nelbo = metrics.get("val_nelbo")
+        if nelbo is None:
+            return None
         if not math.isfinite(nelbo):
             return "non-finite validation NELBO"
         if nelbo > self.log_v + self.margin:
