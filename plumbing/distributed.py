@@ -290,7 +290,8 @@ def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
     """The part of a global-batch vector that belongs to one rank and one gradient-accumulation step: every draw
     of a step is made for the global batch on every rank alike and sliced here, so a DDP run equals one process."""
     n = t_global.shape[0] // (world_size * grad_accum)        # check_run_flags: the batch divides evenly
-    return t_global[(rank * grad_accum + micro_step) * n:][:n]
+    start = (rank * grad_accum + micro_step) * n
+    return t_global[start:start + n]
 
 
 def any_rank(env, flag):
