@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from plumbing.cli import ConfigError, UsageError, first_line, os_error_line
 from plumbing.files import (check_run_outputs, check_writable, remove_stale_temps, run_output_names, save_atomic,
-                            written_by_us)
+                            writer_of)
 from plumbing.lock import LOCK
 from plumbing.integrity import check_finite_weights, check_state_fits, check_zip
 from plumbing.signals import deferred_signals
@@ -150,13 +150,13 @@ def load_resume_checkpoint(cfg, check=None):
     path = os.path.join(cfg.out_dir, "ckpt.pt")
     remove_stale_temps(path)
     if not cfg.resume:
-        if os.path.isfile(path) and written_by_us(path):       # (a user's ckpt.pt: refused below, as theirs)
+        if os.path.isfile(path) and writer_of(path):           # (a user's ckpt.pt: refused below, as theirs)
             raise ConfigError(f"{path} exists; pass --resume 1 to continue it or choose another --out_dir")
         log = os.path.join(cfg.out_dir, "log.jsonl")
-        if os.path.isfile(log) and written_by_us(log):
+        if os.path.isfile(log) and writer_of(log):
             raise ConfigError(f"{log} holds the log of an earlier run that left no "
                               f"checkpoint; delete it or choose another --out_dir")
-        theirs = sorted(set(os.listdir(cfg.out_dir)) & set(run_output_names(cfg.out_dir)) - {LOCK})
+        theirs = sorted(set(run_output_names(cfg.out_dir)) - {LOCK})
         if theirs:      # a fresh run would write over them: a user's file, or what another run left
             raise ConfigError(f"{os.path.join(cfg.out_dir, theirs[0])} exists and a new run would replace it; move "
                               f"it elsewhere or choose another --out_dir")
@@ -180,22 +180,12 @@ def load_resume_checkpoint(cfg, check=None):
     return ckpt
 
 
-def written_by(ckpt):
-    """The script whose run wrote a checkpoint, as its content records it: "distillation/distill.py" (it holds
-    distill_config, and the teacher that a resumed round needs), "train.py" (a model and train_config without it),
-    else None."""
-    if not isinstance(ckpt, dict):
-        return None
-    if "distill_config" in ckpt:
-        return "distillation/distill.py"
-    return "train.py" if "model" in ckpt and "train_config" in ckpt else None
-
-
 def refuse_other_script(ckpt, out_dir, script):
-    """--resume continues a folder only with the script that wrote it (train.py would drop a distillation's teacher
-    and settings; distillation/distill.py would train a base model with DCD): else one line naming the command that
-    does."""
-    writer = written_by(ckpt)
+    """--resume continues a folder only with the script that wrote it, as its content records it (train.py would drop
+    a distillation's teacher and settings; distillation/distill.py would train a base model with DCD): else one line
+    naming the command that does."""
+    writer = ("distillation/distill.py" if "distill_config" in ckpt else          # and the teacher a round needs
+              "train.py" if "model" in ckpt and "train_config" in ckpt else None)
     if writer is None or writer == script:
         return
     path = os.path.join(out_dir, "ckpt.pt")

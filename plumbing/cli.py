@@ -1,9 +1,8 @@
-"""
-The command-line plumbing every script shares, so that each script is only its own concern: its flags, its entry
-point (a failure or a stop signal is one line), the device and precision the network runs in.
-"""
+"""The command-line plumbing every script shares, so that each script is only its own concern: its flags, its
+entry point (a failure or a stop signal is one line), the device and precision the network runs in."""
 import argparse
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -100,7 +99,6 @@ def finite_float(s, name=None):
     """A float flag's value: a finite number. nan, inf and -inf are refused here, once for every script's flags
     (a nan guidance weight or learning rate would run to the end and write garbage), and for the Python API's
     keywords (name: the keyword, which the message then names)."""
-    import math
     try:
         value = float(s)
     except (TypeError, ValueError):
@@ -165,7 +163,7 @@ def parse_flags(cls, argv=None, description=None, presets=None, preset_note=None
 
 def _config(cls, presets, name, given, resolve):
     """The config of the preset `name` (None: no presets), the flags `given` over it, then resolve's rules."""
-    cfg = cls(**{**(presets[name] if presets else {}), **({"preset": name} if presets else {}), **given})
+    cfg = cls(**({**presets[name], "preset": name, **given} if presets else given))
     for f in dataclasses.fields(cls):
         if f.name.endswith("seed"):
             whole(getattr(cfg, f.name), f"--{f.name}", 0, SEED_END)
@@ -219,9 +217,7 @@ def _print_help(cls, description, presets, name, default, named, preset_note, re
 
 def _show(v):
     """A default as --help shows it: booleans as 0/1 (as they are given), strings quoted only when empty."""
-    if isinstance(v, bool):
-        return str(int(v))
-    return '""' if v == "" else str(v)
+    return str(int(v)) if isinstance(v, bool) else '""' if v == "" else str(v)
 
 
 def field_help(cls):
@@ -269,33 +265,26 @@ def _class_comments(klass):
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef))
     names = {n.lineno: n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}     # row -> field
     body_col = node.body[0].col_offset
-    title, last, previous, prev_row = None, None, None, -1    # the open group, the last field, the row before
-    lines = source.splitlines()
-    for r in range(node.lineno + 1, len(lines) + 1):
-        line = lines[r - 1]
+    title, last, previous = None, None, None     # the open group, the last field, what the line above is
+    for r, line in enumerate(source.splitlines()[node.lineno:], node.lineno + 1):
         if not line.strip():
-            continue
-        follows = r == prev_row + 1
-        if r in comments and comments[r][0] == len(line) - len(line.lstrip()):     # a line of comment only
+            previous = None
+        elif r in comments and comments[r][0] == len(line) - len(line.lstrip()):     # a line of comment only
             col, text = comments[r]
-            if col <= body_col:                                   # a group line
-                if previous == "group" and follows:               # ... describing the group it follows
-                    t, d = groups[-1]
-                    groups[-1] = (t, f"{d} {text}" if d else text)
-                else:
-                    title = text
-                    groups.append((title, None))
-                previous = "group"
-            elif previous in ("field", "more") and follows:       # continues the description of the field above
-                desc, group = fields[last]
-                fields[last] = (f"{desc} {text}".strip(), group)
-                previous = "more"
+            if col > body_col:                                    # continues the description of the field above
+                if previous == "field":
+                    fields[last] = (f"{fields[last][0]} {text}".strip(), fields[last][1])
+            elif previous == "group":                             # describes the group it follows
+                t, d = groups[-1]
+                groups[-1] = (t, f"{d} {text}" if d else text)
+            else:                                                 # a group line
+                title, previous = text, "group"
+                groups.append((title, None))
         elif r in names:
             last, previous = names[r], "field"
             fields[last] = (comments.get(r, (0, ""))[1], title)
         else:
             previous = "code"
-        prev_row = r
     return fields, groups
 
 
@@ -329,11 +318,14 @@ def _raise(signum, frame):
 
 
 def set_stop_handlers(handler):
-    """handler for every stop signal -> the handlers it replaces (only the main thread may set them)."""
+    """handler for every stop signal, or {signal: handler} as this returns them (puts them back; None, a handler set
+    outside Python, cannot be) -> the handlers it replaces (only the main thread may set them)."""
     old = {}
     for s in STOP_SIGNALS:
-        with suppress(ValueError, OSError):
-            old[s] = signal.signal(s, handler)
+        h = handler.get(s) if isinstance(handler, dict) else handler
+        if h is not None:
+            with suppress(ValueError, OSError):
+                old[s] = signal.signal(s, h)
     return old
 
 

@@ -238,10 +238,9 @@ def join(env, timeout, poll=0.2, report=30.0):
     return dist.PrefixStore("default_pg", store)
 
 
-def setup_distributed(cfg):
-    """torchrun's environment -> Env (launch_env): the ranks joined, the process group made, CUDA device chosen, CPU
-    threads set by cpu_threads; or a single process."""
-    env = launch_env()
+def setup_distributed(cfg, env):
+    """The Env of launch_env completed: the ranks joined, the process group made, CUDA device chosen, CPU threads set
+    by cpu_threads; or a single process."""
     env.device, env.started = resolve_device(cfg.device), time.time()
     if env.device.type == "cpu":
         env.threads, env.threads_from = cpu_threads(cfg.threads, env.local_world_size)
@@ -290,10 +289,9 @@ def wrap_model(raw_model, env, compile):
 def rank_slice(t_global, rank, world_size, micro_step, grad_accum):
     """The part of a global-batch vector that belongs to one rank and one gradient-accumulation step: every draw
     of a step is made for the global batch on every rank alike and sliced here, so a DDP run equals one process."""
-    per_rank = t_global.shape[0] // world_size
-    per_micro = per_rank // grad_accum
-    start = rank * per_rank + micro_step * per_micro
-    return t_global[start:start + per_micro]
+    n = t_global.shape[0] // (world_size * grad_accum)        # check_run_flags: the batch divides evenly
+    start = (rank * grad_accum + micro_step) * n
+    return t_global[start:start + n]
 
 
 def any_rank(env, flag):

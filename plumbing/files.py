@@ -40,10 +40,10 @@ def save_atomic(path, write):
     """write(tmp_path) then fsync and rename over `path`: a reader sees the old file or the new one, never
     a part. The temp file is unique to this process and removed when the write fails; a failed write (a full
     disk: OSError, or torch.save's RuntimeError) becomes one OSError saying what was kept. The rename replaces only
-    a regular file this project wrote (written_by_us): a device node, a pipe, a link or anyone else's file is
+    a regular file this project wrote (writer_of): a device node, a pipe, a link or anyone else's file is
     refused (OSError), whoever the caller and whatever it checked before (root may rename over /dev/null)."""
     refuse_special(path)
-    if os.path.lexists(path) and not written_by_us(path):
+    if os.path.lexists(path) and writer_of(path) is None:
         raise OSError(errno.EEXIST, f"{path} exists and was not written by sddlm; refusing to replace it (move it "
                                     f"away, then run again)")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -157,10 +157,10 @@ def check_run_outputs(out_dir):
     """A resumed run replaces and appends to the outputs in out_dir that its earlier part wrote: each must be what a
     run writes there, a regular file (ckpt.pt, log.jsonl, ...) or a folder (model/, tensorboard/, wandb/), never a
     symbolic link or a device -> UsageError naming it, before any work."""
-    for name in run_output_names(out_dir):
+    for name in set(run_output_names(out_dir)) - {".lock"}:
         path, want = os.path.join(out_dir, name), "folder" if name in RUN_FOLDERS else "file"
         kind = kind_of(path)
-        if name != ".lock" and kind != want:
+        if kind != want:
             raise UsageError(f"{path} is a {kind}, not the {want} a run writes there, so the run would not replace "
                              f"it; move it away, then resume")
 
@@ -285,8 +285,7 @@ def text_mark(script):
 
 
 def kind_of(path):
-    """What is at `path`, in words: None (nothing), "file" (a regular file), "folder", "symbolic link", "named
-    pipe", "socket", "character device", "block device"."""
+    """What is at `path`, in words ("file": a regular file), or None for nothing."""
     try:
         mode = os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -310,11 +309,6 @@ def refuse_special(path, flag=None):
     if flag is None:
         raise OSError(errno.EEXIST, f"refusing to write {text}")
     raise UsageError(f"{flag} {text}; give a file path")
-
-
-def written_by_us(path):
-    """Whether the regular file at `path` is one this project wrote (writer_of names the script)."""
-    return writer_of(path) is not None
 
 
 def writer_of(path):
@@ -344,7 +338,6 @@ def writer_of(path):
                     return signature("hub/pretrained.py")
                 if line.startswith(TEXT_MARK):
                     return signature(line[len(TEXT_MARK):].strip().split(";")[0].strip())
-            return None
     except OSError:
         return None
 
@@ -356,10 +349,8 @@ def _json_head(f, text, limit=16 << 20):
     if os.fstat(f.fileno()).st_size > limit:
         return None
     f.seek(0)
-    try:
+    with suppress(ValueError):
         return json.loads(f.read().decode("utf-8"))
-    except ValueError:
-        return None
 
 
 def _png_software(head):

@@ -17,7 +17,6 @@ from plumbing.distributed import usable_cores
 # -----------------------------------------------------------------------------------------------
 # checkpoint fields
 
-
 CHECKPOINT_FIX = "the checkpoint was damaged or written by other code: use another checkpoint"
 
 
@@ -242,7 +241,6 @@ class DivergenceRule:
                 return (f"diverged loss {loss:.4g} (more than {self.margin:.3g} nats above {median:.4g}, the median "
                         f"of the {len(self.history)} before it; --diverge_margin)")
         self.history.append(loss)
-        return None
 
     def check_metrics(self, metrics):
         """An evaluation's metrics -> None when its val_nelbo (if any) is sound, else the reason."""
@@ -254,4 +252,3 @@ class DivergenceRule:
         if nelbo > self.log_v + self.margin:
             return (f"diverged validation NELBO {nelbo:.4g} (more than {self.margin:.3g} nats above log V = "
                     f"{self.log_v:.3g}, a uniform guess; --diverge_margin)")
-        return None

@@ -39,14 +39,6 @@ def model_numel(c):
     return params, 2 * c.block_size * (d // c.n_head)
 
 
-def training_bytes(c, micro, ema):
-    """A lower bound of the bytes training config c takes before its first step ends: 16 bytes a parameter (float32
-    weights, gradients, AdamW's two moments), 4 more with the EMA, the RoPE tables, and each block's input kept for
-    backward (2 bytes a value or more). The true peak is higher: a run this refuses cannot fit."""
-    params, buffers = model_numel(c)
-    return params * (16 + 4 * bool(ema)) + 4 * buffers + 2 * micro * c.block_size * c.n_embd * c.n_layer
-
-
 def available_memory(device):
     """(bytes, where) a new allocation may take: on CUDA the device's total memory; on the CPU the least of the
     kernel's MemAvailable, the cgroup's limit less its usage (a container's or a job's) and `ulimit -v` less the
@@ -120,9 +112,15 @@ def check_model_memory(mcfg, device, name, fix="use a machine with more memory")
 
 
 def check_training_memory(mcfg, micro, ema, device, name, fix="lower it"):
-    """Before a training run allocates its model: training_bytes for a micro-batch of `micro` sequences fits in the
-    memory there is, else one line naming the flag at fault (name(field) -> "--n_layer"; "micro": the micro-batch)."""
-    _refuse_if_too_big(lambda c: training_bytes(c, c.micro, ema), mcfg, micro, device, name,
+    """Before a training run allocates its model: a lower bound of the bytes it takes before its first step ends, for
+    a micro-batch of `micro` sequences, fits in the memory there is, else one line naming the flag at fault
+    (name(field) -> "--n_layer"; "micro": the micro-batch). The bound: 16 bytes a parameter (float32 weights,
+    gradients, AdamW's two moments), 4 more with the EMA, the RoPE tables, and each block's input kept for backward
+    (2 bytes a value or more). The true peak is higher: a run this refuses cannot fit."""
+    def need(c):
+        params, buffers = model_numel(c)
+        return params * (16 + 4 * bool(ema)) + 4 * buffers + 2 * c.micro * c.block_size * c.n_embd * c.n_layer
+    _refuse_if_too_big(need, mcfg, micro, device, name,
                        "training (weights, gradients, AdamW's moments, EMA, one micro-batch)", fix, SMALL)
 
 

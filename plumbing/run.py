@@ -32,13 +32,12 @@ def launch(cfg, check, work):
     where = launch_env()
     if cfg.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0 = OMP_NUM_THREADS or the idle cores), got {cfg.threads}")
-    if cfg.threads > 0:
-        check_threads(cfg.threads, "--threads")
+    check_threads(cfg.threads, "--threads")      # 0: none asked for
     omp_threads()
     if not cfg.dist_timeout > 0:
         raise UsageError(f"--dist_timeout must be > 0 seconds, got {cfg.dist_timeout}")
     start = check(where)
-    env = setup_distributed(cfg)
+    env = setup_distributed(cfg, where)
     held = []
 
     def lock():

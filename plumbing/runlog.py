@@ -115,8 +115,7 @@ class Log:
 def metrics_line(metrics):
     """An evaluation's metrics on one line, each estimate with its standard error (a key's "_se") and 95% interval
     ("_lo", "_hi") beside it: "val_ppl 181.69 ± 2.86 (95% 176.2–187.4), val_tokens 10240"."""
-    def number(k):
-        return isinstance(metrics.get(k), float)
+    number = lambda k: isinstance(metrics.get(k), float)
     parts = []
     for k, v in metrics.items():
         if k.endswith(("_se", "_lo", "_hi")) and k[:-3] in metrics:

@@ -6,10 +6,10 @@ import signal
 import threading
 from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 
 from plumbing.cli import Interrupted, set_stop_handlers
+from plumbing.distributed import any_rank
 
 
 @contextmanager
@@ -25,14 +25,9 @@ def deferred_signals():
     try:
         yield
     finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
+        set_stop_handlers(old)
         if pending:
-            handler = old.get(pending[0])
-            if callable(handler):
-                handler(pending[0], None)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(pending[0])
+            signal.raise_signal(pending[0])     # raise_signal runs a Python handler before it returns
 
 
 @contextmanager
@@ -49,9 +44,7 @@ def stop_signals():
     try:
         yield stop
     finally:
-        for s, h in old.items():
-            if h is not None:              # None: a handler set outside Python, which cannot be put back
-                signal.signal(s, h)
+        set_stop_handlers(old)
 
 
 @contextmanager
@@ -77,12 +70,10 @@ def reduced_unless_stopped(stop, env, work):
             sums = work()
     except Interrupted:
         interrupted = True
+    if any_rank(env, interrupted):
+        return None
     if env.ddp:
-        flag = torch.tensor(float(interrupted), device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            return None
         sums = sums.to(env.device)
         dist.all_reduce(sums)
         return sums.cpu()
-    return None if interrupted else sums
+    return sums

@@ -133,7 +133,7 @@ def test_torchrun_on_cuda_without_preset_trains_papers_recipe(monkeypatch, capsy
             train.main(argv)
         return seen[-1]
     monkeypatch.setattr(cli, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
-    monkeypatch.setattr(plumbing.run, "setup_distributed", lambda cfg: Env(torch.device("cpu")))
+    monkeypatch.setattr(plumbing.run, "setup_distributed", lambda cfg, env: Env(torch.device("cpu")))
     monkeypatch.setattr(train, "load_gen_judge", started)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -249,14 +249,14 @@ def test_expandable_segments_set_before_cuda_unless_user_chose(monkeypatch):
 
 
 def _setup_on_a_stand_in_cuda(monkeypatch):
-    distributed.setup_distributed(train.TrainConfig(device="cpu", threads=1))
+    distributed.setup_distributed(train.TrainConfig(device="cpu", threads=1), distributed.launch_env())
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ                 # the CPU: nothing to set
     at_first_cuda_call = []
     monkeypatch.setattr(distributed, "resolve_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: at_first_cuda_call.append(
         os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
-    env = distributed.setup_distributed(train.TrainConfig())
+    env = distributed.setup_distributed(train.TrainConfig(), distributed.launch_env())
     assert env.device == torch.device("cuda", 0) and at_first_cuda_call == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    distributed.setup_distributed(train.TrainConfig())
+    distributed.setup_distributed(train.TrainConfig(), distributed.launch_env())
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"   # the user's own is kept

@@ -187,6 +187,13 @@ def test_deferred_signals_hold_another_threads_signal_to_the_end():
             signal.signal(signum, handler)
 
 
+def test_handlers_set_outside_python_are_left_in_place():
+    """signal.getsignal says None for a handler set outside Python: putting the handlers back (deferred_signals,
+    stop_signals) skips it rather than failing with a TypeError."""
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.set_stop_handlers({signal.SIGTERM: None}) == {} and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_every_script_handles_stop_signals_before_its_imports():
     assert len(SCRIPTS) >= 10
     for name in SCRIPTS:
