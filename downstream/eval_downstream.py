@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import importlib.util
 import math
-from dataclasses import dataclass
 
 from data import DataError, not_a_file, read_text
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
@@ -133,7 +132,7 @@ def run_lambada(items, scorer, cfg_w=0.0):
 # -----------------------------------------------------------------------------------------------
 # command line
 
-@dataclass
+@dataclasses.dataclass
 class EvalConfig:
     # model
     ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, a model folder, or duo:PATH

@@ -130,8 +130,7 @@ class _Harness:
         return load_scorer(ckpt, device, use_ema, dtype, mc_draws=mc_draws, batch_size=batch_size, **settings)[0]
 
     def loglikelihood(self, requests, disable_tqdm=False):
-        scored = self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)
-        return [(float(ll), bool(greedy)) for ll, greedy in scored]
+        return self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
         note_once("rolling", f"loglikelihood_rolling returns a LOWER BOUND on log p(text) (the NELBO over windows "

@@ -12,9 +12,7 @@ context:
   random tokens in place of [MASK]) the unconditional input is the same x_t with every context position replaced
   by a token drawn uniformly from the vocabulary, both go through one batched forward and
       log p~ = log_softmax((1 + w) log p_c - w log p_u),  i.e. p~ proportional to p_c^(1+w) / p_u^w.
-On it stand LAMBADA's two accuracies (protocol (a), Scorer._generated_matches; (b), argmax_at_t1), free
-generation (Scorer.generate_until) and the rolling bound on whole documents (Scorer.loglikelihood_rolling), each
-metric defined in downstream/eval_downstream.py's DEFINITIONS, written beside every result.
+Every metric built on it is defined in downstream/eval_downstream.py's DEFINITIONS, written beside every result.
 Deterministic given --seed: every request draws its t's, its noise and its null contexts from generators seeded
 with the same seed, so results do not depend on request order or batch size, and the choices of one question
 share their random numbers (common random numbers make the comparison between choices less noisy).
@@ -117,17 +115,17 @@ def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancest
     its alpha_schedule) -> list of n_tokens ids. Fewer than block_size: one block, the context cut from the left
     to fit it; more: windows of `stride` new tokens after the whole context. The generator is seeded with `seed`
     for every call, so a request's result does not depend on the others."""
-    device = device_of(model)
-    long = n_tokens >= model.config.block_size
-    x0, n_ctx = (torch.tensor([list(ctx_ids)], dtype=torch.long, device=device), len(ctx_ids)) if long else \
-        join_context(ctx_ids, [0] * n_tokens, model.config.block_size, device)
+    device, block_size = device_of(model), model.config.block_size
+    ctx_ids = list(ctx_ids)
+    if n_tokens < block_size:
+        ctx_ids = ctx_ids[max(0, len(ctx_ids) - (block_size - n_tokens)):]
     gen = torch.Generator(device=device).manual_seed(seed)
-    seq_len = n_ctx + n_tokens           # past the block, CFG guides the windows that hold tokens
+    seq_len = len(ctx_ids) + n_tokens           # past the block, CFG guides the windows that hold tokens
     ids = generate_long(model, 1, seq_len, model.config.vocab_size, steps, stride=stride, alpha_schedule=schedule,
-                        final_step=final_step, top_p=top_p, prompt_ids=x0[0, :n_ctx] if n_ctx else None,
-                        cfg_w=cfg_w if n_ctx or seq_len > model.config.block_size else 0.0, psi=psi, generator=gen,
+                        final_step=final_step, top_p=top_p, prompt_ids=ctx_ids or None,
+                        cfg_w=cfg_w if ctx_ids or seq_len > block_size else 0.0, psi=psi, generator=gen,
                         device=device, dtype=dtype, show_progress=False)
-    return ids[0, n_ctx:].tolist()
+    return ids[0, len(ctx_ids):].tolist()
 
 
 def rolling_windows(ids, n_prefix, block_size, context=1):
