@@ -1,8 +1,6 @@
 """
 The EleutherAI lm-evaluation-harness adapter (lm-eval 0.4.x, an optional extra imported only inside the functions
-that need it): the model class lm-eval builds from --model_args (_Harness over scoring.Scorer, registered as
-"sddlm" by downstream/lm_eval_sddlm.py), and one lm-eval task run for downstream/eval_downstream.py, with the
-offline check and the one-line failures around it.
+that need it) of downstream/lm_eval_sddlm.py's model "sddlm" and of downstream/eval_downstream.py's lm-eval tasks.
 """
 import argparse
 import functools

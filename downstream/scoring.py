@@ -169,7 +169,6 @@ class Scorer:
 
     @property
     def autocast(self):
-        """A fresh autocast context for the network (cli.autocast_for)."""
         return autocast_for(device_of(self.model), self.dtype)
 
     def encode(self, context, continuation):
@@ -203,10 +202,8 @@ class Scorer:
                 continue
             ll = conditional_loglik(self.model, ctx, cont, mc_draws=self.mc_draws, batch_size=self.batch_size,
                                     cfg_w=cfg_w, seed=self.seed, autocast=self.autocast)
-            if greedy_check == "argmax":
-                greedy = argmax_at_t1(self.model, ctx, cont, cfg_w=cfg_w, seed=self.seed, autocast=self.autocast)
-            else:
-                greedy = self._generated_matches(ctx, cont, text, cfg_w)
+            greedy = (argmax_at_t1(self.model, ctx, cont, cfg_w=cfg_w, seed=self.seed, autocast=self.autocast)
+                      if greedy_check == "argmax" else self._generated_matches(ctx, cont, text, cfg_w))
             out.append((ll, greedy))
         return out
 
