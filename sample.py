@@ -191,30 +191,26 @@ def psi_kappa(mode, eta, alpha_t, alpha_s, rescale="remdm"):
     return eta if mode == "eta" else kappa_from_sigma(remdm_sigma(mode, eta, alpha_t, alpha_s, rescale), alpha_s)
 
 
-def phase_sizes(n, fracs):
-    """round(f_high n), round(f_middle n) and the rest (Python's round: half to even). Our linear profile splits
-    its n steps so; Duo's code splits its n = steps + 1 grid points so. -> (hi, mid, lo), lo may be < 0."""
-    hi, mid = round(fracs[0] * n), round(fracs[1] * n)
-    return hi, mid, n - hi - mid
-
-
 def time_grid(steps, t_end, psi=None):
     """The times ts (steps + 1,) of the reverse steps and the phases. Ours (one phase per step): Duo's
-    linspace(1, t_end) (phase 0, or with three phases phase_sizes of the steps), or with psi.profile == "loop" three
+    linspace(1, t_end) (phase 0, or with three phases the steps split by fracs), or with psi.profile == "loop" three
     phases: linear from 1 to loop_t, loop_t held for the middle phase (steps from a level to itself: only the
     corrector moves tokens), then linear from loop_t to t_end. psi.grid == "duo", Duo's code's grid (one phase per
-    point): phase_sizes of its steps + 1 points (one phase: all of them), linspace(1, t_end) for the linear profile,
+    point): its steps + 1 points split by fracs (one phase: all of them), linspace(1, t_end) for the linear profile,
     or linspace(1, c, hi), c repeated mid times, linspace(c, t_end, lo) for the loop (c = loop_t). Duo's loop so
     holds c for mid + 1 steps from c to c, and its high and low ramps take one step fewer than the points they hold.
     -> (ts float64, phases)."""
     duo = psi is not None and psi.grid == "duo"
     n = steps + 1 if duo else steps
-    if psi is not None and psi.profile == "loop" and not duo:
-        hi = max(1, round(psi.fracs[0] * steps))                    # the high and low phases at least one step
-        mid = max(0, min(steps - hi - 1, round(psi.fracs[1] * steps)))
-        lo = steps - hi - mid
-    else:
-        hi, mid, lo = (n, 0, 0) if psi is None or len(psi.kappa) == 1 else phase_sizes(n, psi.fracs)
+    our_loop = psi is not None and psi.profile == "loop" and not duo
+    if psi is None or len(psi.kappa) == 1 and not our_loop:
+        hi, mid = n, 0
+    else:                                             # Python's round: half to even
+        hi, mid = round(psi.fracs[0] * n), round(psi.fracs[1] * n)
+    if our_loop:                                      # the high and low phases at least one step
+        hi = max(1, hi)
+        mid = max(0, min(steps - hi - 1, mid))
+    lo = n - hi - mid
     if duo and lo < 0:
         raise UsageError(f"--psi_fracs {','.join(f'{f:g}' for f in psi.fracs)} round to more than the {n} points "
                          f"of --psi_grid duo at --steps {steps}: lower a fraction")

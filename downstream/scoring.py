@@ -232,8 +232,6 @@ class Scorer:
             until = [until] if isinstance(until, str) else list(until)
             n = int(kwargs.get("max_gen_toks", MAX_GEN_TOKS))
             ctx = self.prefix + self.tokenizer.encode(context)
-            if n < self.model.config.block_size:         # one block: the context that fits it
-                ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
             ids = generate_continuation(self.model, ctx, n, steps=steps, final_step=final_step, top_p=top_p,
                                         cfg_w=cfg_w, seed=self.seed, schedule=self.schedule,
                                         dtype=self.dtype, psi=psi, stride=stride) if n > 0 else []
