@@ -49,7 +49,6 @@ from tqdm import tqdm
 
 import diffusion
 from data import DataError
-from diffusion import FINAL_STEPS, default_final_step
 from kernels.gumbel import sample_categorical
 from plumbing.cli import (UsageError, autocast_for, finite_float, finite_floats, parse_flags, resolve_device,
                           resolve_dtype, run_cli, whole)
@@ -291,8 +290,8 @@ def check_sampler(steps, final_step="ancestral", top_p=1.0, t_end=1e-5, schedule
     loaded). Raises UsageError (a ValueError)."""
     whole(steps, "--steps", 1)
     finite_float(cfg_w, "--cfg_w")
-    if final_step not in (*FINAL_STEPS, "auto"):
-        raise UsageError(f"--final_step must be one of {', '.join(FINAL_STEPS)}, auto; got {final_step!r}")
+    if final_step not in (*diffusion.FINAL_STEPS, "auto"):
+        raise UsageError(f"--final_step must be one of {', '.join(diffusion.FINAL_STEPS)}, auto; got {final_step!r}")
     if schedule not in diffusion.SCHEDULES:
         raise UsageError(f"--noise_schedule must be one of {', '.join(diffusion.SCHEDULES)}, got {schedule!r}")
     if not 0 < top_p <= 1:
@@ -555,7 +554,7 @@ def main(argv=None):
         if mc.causal and used:
             raise UsageError(f"{flag} applies to diffusion models; this checkpoint is autoregressive")
     schedule = cfg.noise_schedule or (ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear"
-    final_step = default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
+    final_step = diffusion.default_final_step(ckpt) if cfg.final_step == "auto" else cfg.final_step
 
     settings = dict(ckpt=cfg.ckpt, ckpt_step=ckpt.get("step"), loss=(ckpt.get("train_config") or {}).get("loss"),
                     sampler="ar" if mc.causal else cfg.sampler, tokenizer=tok.spec, seq_len=seq_len, seed=cfg.seed,

@@ -22,9 +22,7 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from diffusion import default_final_step
-from plumbing import cli
-from plumbing.cli import UsageError, autocast_for, resolve_dtype
+from plumbing.cli import UsageError, autocast_for, bar_hidden, resolve_dtype
 from sample import device_of, generate_long, guided_logits, null_tokens
 from trained.checkpoint import load_model, load_tokenizer
 
@@ -161,7 +159,7 @@ class Scorer:
         self.prefix = [tokenizer.bos_id] if add_bos else []       # training blocks start with BOS
 
     def _bar(self, items, desc):
-        return tqdm(items, desc=desc, disable=cli.bar_hidden(self.progress), leave=False)
+        return tqdm(items, desc=desc, disable=bar_hidden(self.progress), leave=False)
 
     def _encoded(self, pairs, desc):
         """[(context, continuation)] -> a progress bar over ((ctx ids, cont ids), (context, continuation))."""
@@ -269,5 +267,5 @@ def load_scorer(path, device, use_ema=True, dtype="auto", **settings):
     tokenizer, why = load_tokenizer(ckpt, str(path))
     if tokenizer is None:
         raise EvalError(f"{path}: {why}")
-    return Scorer(model, tokenizer, dtype=resolve_dtype(dtype, device), final_step=default_final_step(ckpt),
+    return Scorer(model, tokenizer, dtype=resolve_dtype(dtype, device), final_step=diffusion.default_final_step(ckpt),
                   schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear", **settings), ckpt
