@@ -6,9 +6,8 @@ PIQA, RACE, SIQA, LAMBADA, with and without classifier-free guidance).
     python downstream/eval_downstream.py --ckpt out/ckpt.pt --jsonl my/arc_easy.jsonl,my/lambada.jsonl
                                                                                          # the built-in runner
 
-Every number is built on one estimate, the conditional log-likelihood bound of a continuation given a clean
-context (the conditional NELBO, with unsupervised CFG when on), stated exactly in downstream/scoring.py; each
-metric's definition is in DEFINITIONS below, written beside every result.
+Every number is built on one estimate, the conditional NELBO of a continuation given a clean context (with
+unsupervised CFG when on), stated in downstream/scoring.py; each metric's definition is in DEFINITIONS below.
 
 JSONL files for the built-in runner: one object a line, either multiple choice
   {"context": str, "choices": [str, ...], "gold": int}   or LAMBADA-style   {"text": str}.
@@ -28,7 +27,6 @@ import dataclasses
 import functools
 import importlib.util
 import math
-from dataclasses import dataclass
 
 from data import DataError, not_a_file, read_text
 from downstream.lm_eval_adapter import (LM_EVAL, check_lm_eval_tasks, hub_offline_check, lm_eval_model_class,
@@ -133,7 +131,7 @@ def run_lambada(items, scorer, cfg_w=0.0):
 # -----------------------------------------------------------------------------------------------
 # command line
 
-@dataclass
+@dataclasses.dataclass
 class EvalConfig:
     # model
     ckpt: str = "out/ckpt.pt"        # a train.py / distillation/distill.py checkpoint, a model folder, or duo:PATH
@@ -342,11 +340,9 @@ def main(argv=None):
                 print(f"FAILED {name}: {e}", file=sys.stderr)
             else:
                 rows.append({"task": name, "setting": setting, "cfg_w": w, "runner": runner, **metrics})
-                print(f"done {name} ({setting}): " + ", ".join(
-                    f"{m} {v:.4g}" + (f" ± {metrics[m + '_se']:.2g}" if isinstance(metrics.get(m + "_se"), float)
-                                      else "")
-                    for m, v in metrics.items() if m not in ROW_KEYS and not m.endswith("_se")
-                    and isinstance(v, (int, float))), file=sys.stderr)
+                se = lambda m: f" ± {metrics[m + '_se']:.2g}" if isinstance(metrics.get(m + "_se"), float) else ""
+                print(f"done {name} ({setting}): " + ", ".join(f"{m} {v:.4g}{se(m)}" for m, v in metrics.items()
+                      if m not in ROW_KEYS and not m.endswith("_se") and isinstance(v, (int, float))), file=sys.stderr)
             if cfg.out:
                 write_results(cfg.out, result)
             if failed and failed[-1]["task"] == name:

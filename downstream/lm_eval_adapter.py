@@ -1,8 +1,6 @@
 """
 The EleutherAI lm-evaluation-harness adapter (lm-eval 0.4.x, an optional extra imported only inside the functions
-that need it): the model class lm-eval builds from --model_args (_Harness over scoring.Scorer, registered as
-"sddlm" by downstream/lm_eval_sddlm.py), and one lm-eval task run for downstream/eval_downstream.py, with the
-offline check and the one-line failures around it.
+that need it) of downstream/lm_eval_sddlm.py's model "sddlm" and of downstream/eval_downstream.py's lm-eval tasks.
 """
 import argparse
 import functools
@@ -130,8 +128,7 @@ class _Harness:
         return load_scorer(ckpt, device, use_ema, dtype, mc_draws=mc_draws, batch_size=batch_size, **settings)[0]
 
     def loglikelihood(self, requests, disable_tqdm=False):
-        scored = self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)
-        return [(float(ll), bool(greedy)) for ll, greedy in scored]
+        return self.scorer.loglikelihood([tuple(req.args) for req in requests], self.cfg_w, self.greedy_check)
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
         note_once("rolling", f"loglikelihood_rolling returns a LOWER BOUND on log p(text) (the NELBO over windows "

@@ -12,9 +12,7 @@ context:
   random tokens in place of [MASK]) the unconditional input is the same x_t with every context position replaced
   by a token drawn uniformly from the vocabulary, both go through one batched forward and
       log p~ = log_softmax((1 + w) log p_c - w log p_u),  i.e. p~ proportional to p_c^(1+w) / p_u^w.
-On it stand LAMBADA's two accuracies (protocol (a), Scorer._generated_matches; (b), argmax_at_t1), free
-generation (Scorer.generate_until) and the rolling bound on whole documents (Scorer.loglikelihood_rolling), each
-metric defined in downstream/eval_downstream.py's DEFINITIONS, written beside every result.
+Every metric built on it is defined in downstream/eval_downstream.py's DEFINITIONS, written beside every result.
 Deterministic given --seed: every request draws its t's, its noise and its null contexts from generators seeded
 with the same seed, so results do not depend on request order or batch size, and the choices of one question
 share their random numbers (common random numbers make the comparison between choices less noisy).
@@ -24,9 +22,7 @@ from tqdm import tqdm
 
 import diffusion
 import losses
-from diffusion import default_final_step
-from plumbing import cli
-from plumbing.cli import UsageError, autocast_for, resolve_dtype
+from plumbing.cli import UsageError, autocast_for, bar_hidden, resolve_dtype
 from sample import device_of, generate_long, guided_logits, null_tokens
 from trained.checkpoint import load_model, load_tokenizer
 
@@ -117,17 +113,17 @@ def generate_continuation(model, ctx_ids, n_tokens, *, steps, final_step="ancest
     its alpha_schedule) -> list of n_tokens ids. Fewer than block_size: one block, the context cut from the left
     to fit it; more: windows of `stride` new tokens after the whole context. The generator is seeded with `seed`
     for every call, so a request's result does not depend on the others."""
-    device = device_of(model)
-    long = n_tokens >= model.config.block_size
-    x0, n_ctx = (torch.tensor([list(ctx_ids)], dtype=torch.long, device=device), len(ctx_ids)) if long else \
-        join_context(ctx_ids, [0] * n_tokens, model.config.block_size, device)
+    device, block_size = device_of(model), model.config.block_size
+    ctx_ids = list(ctx_ids)
+    if n_tokens < block_size:
+        ctx_ids = ctx_ids[max(0, len(ctx_ids) - (block_size - n_tokens)):]
     gen = torch.Generator(device=device).manual_seed(seed)
-    seq_len = n_ctx + n_tokens           # past the block, CFG guides the windows that hold tokens
+    seq_len = len(ctx_ids) + n_tokens           # past the block, CFG guides the windows that hold tokens
     ids = generate_long(model, 1, seq_len, model.config.vocab_size, steps, stride=stride, alpha_schedule=schedule,
-                        final_step=final_step, top_p=top_p, prompt_ids=x0[0, :n_ctx] if n_ctx else None,
-                        cfg_w=cfg_w if n_ctx or seq_len > model.config.block_size else 0.0, psi=psi, generator=gen,
+                        final_step=final_step, top_p=top_p, prompt_ids=ctx_ids or None,
+                        cfg_w=cfg_w if ctx_ids or seq_len > block_size else 0.0, psi=psi, generator=gen,
                         device=device, dtype=dtype, show_progress=False)
-    return ids[0, n_ctx:].tolist()
+    return ids[0, len(ctx_ids):].tolist()
 
 
 def rolling_windows(ids, n_prefix, block_size, context=1):
@@ -163,7 +159,7 @@ class Scorer:
         self.prefix = [tokenizer.bos_id] if add_bos else []       # training blocks start with BOS
 
     def _bar(self, items, desc):
-        return tqdm(items, desc=desc, disable=cli.bar_hidden(self.progress), leave=False)
+        return tqdm(items, desc=desc, disable=bar_hidden(self.progress), leave=False)
 
     def _encoded(self, pairs, desc):
         """[(context, continuation)] -> a progress bar over ((ctx ids, cont ids), (context, continuation))."""
@@ -171,7 +167,6 @@ class Scorer:
 
     @property
     def autocast(self):
-        """A fresh autocast context for the network (cli.autocast_for)."""
         return autocast_for(device_of(self.model), self.dtype)
 
     def encode(self, context, continuation):
@@ -205,10 +200,8 @@ class Scorer:
                 continue
             ll = conditional_loglik(self.model, ctx, cont, mc_draws=self.mc_draws, batch_size=self.batch_size,
                                     cfg_w=cfg_w, seed=self.seed, autocast=self.autocast)
-            if greedy_check == "argmax":
-                greedy = argmax_at_t1(self.model, ctx, cont, cfg_w=cfg_w, seed=self.seed, autocast=self.autocast)
-            else:
-                greedy = self._generated_matches(ctx, cont, text, cfg_w)
+            greedy = (argmax_at_t1(self.model, ctx, cont, cfg_w=cfg_w, seed=self.seed, autocast=self.autocast)
+                      if greedy_check == "argmax" else self._generated_matches(ctx, cont, text, cfg_w))
             out.append((ll, greedy))
         return out
 
@@ -237,8 +230,6 @@ class Scorer:
             until = [until] if isinstance(until, str) else list(until)
             n = int(kwargs.get("max_gen_toks", MAX_GEN_TOKS))
             ctx = self.prefix + self.tokenizer.encode(context)
-            if n < self.model.config.block_size:         # one block: the context that fits it
-                ctx = ctx[max(0, len(ctx) - (self.model.config.block_size - n)):]
             ids = generate_continuation(self.model, ctx, n, steps=steps, final_step=final_step, top_p=top_p,
                                         cfg_w=cfg_w, seed=self.seed, schedule=self.schedule,
                                         dtype=self.dtype, psi=psi, stride=stride) if n > 0 else []
@@ -276,5 +267,5 @@ def load_scorer(path, device, use_ema=True, dtype="auto", **settings):
     tokenizer, why = load_tokenizer(ckpt, str(path))
     if tokenizer is None:
         raise EvalError(f"{path}: {why}")
-    return Scorer(model, tokenizer, dtype=resolve_dtype(dtype, device), final_step=default_final_step(ckpt),
+    return Scorer(model, tokenizer, dtype=resolve_dtype(dtype, device), final_step=diffusion.default_final_step(ckpt),
                   schedule=(ckpt.get("train_config") or {}).get("noise_schedule") or "loglinear", **settings), ckpt

@@ -25,7 +25,7 @@ import torch
 
 from diffusion import default_final_step
 from metrics import nelbo_ppl
-from plumbing.cli import SEED_END, parse_flags, run_cli, whole
+from plumbing.cli import SEED_END, first_line, parse_flags, run_cli, whole
 from plumbing.files import check_writable, refuse_overwrite, writing
 from sample import check_sample_size, device_of, generate_ar, generate_long
 from trained.checkpoint import load_model, load_tokenizer
@@ -47,8 +47,7 @@ def snapshot(repo_id, revision=None):
         return snapshot_download(repo_id, revision=revision, allow_patterns=[WEIGHTS, CONFIG, TOKENIZER, CARD])
     except Exception as e:
         raise ValueError(f"{repo_id} is not a local folder or checkpoint, and not a hub repository that could be "
-                         f"downloaded ({type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+                         f"downloaded ({type(e).__name__}: {first_line(e)})") from None
 
 
 def push_to_hub(folder, repo_id, private=False, token=None, commit_message="Upload sddlm model"):

@@ -10,6 +10,7 @@ two of backward) or recomputed there (four products, the memory of one chunk); t
 compiled kernel (_fused). The numbers are those of losses.py (tests/test_fused_head.py).
 """
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -111,26 +112,20 @@ def _logits_grad(z, lse, tokens, g, V):
     return grad.to(z.dtype)
 
 
-_COMPILED = {}
-
-
 def _fused(fn, like):
     """fn compiled by torch.compile when `like` is on CUDA (one kernel: each chunk of logits is read once instead
     of by several element-wise passes), else fn itself. Same numbers either way (tested on CPU)."""
-    if like.device.type != "cuda" or not _can_compile():
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+    return _compiled(fn) if like.device.type == "cuda" else fn
 
 
-def _can_compile():
-    """torch.compile can build GPU kernels here (TorchDynamo supported, Triton installed)."""
+@functools.cache
+def _compiled(fn):
+    """fn compiled, when torch.compile can build GPU kernels here (TorchDynamo supported, Triton installed)."""
     try:
         from torch.utils._triton import has_triton
     except ImportError:
-        return False
-    return torch._dynamo.is_dynamo_supported() and has_triton()
+        return fn
+    return torch.compile(fn, dynamic=True) if torch._dynamo.is_dynamo_supported() and has_triton() else fn
 
 
 def _chunks(n, chunk_rows):
@@ -175,7 +170,6 @@ def _cast_back(grads, x, weight, bias):
 
 # -----------------------------------------------------------------------------------------------
 # autograd Functions over chunks of rows
-
 
 class _HeadLogProbs(torch.autograd.Function):
     """log p(tokens_i) from a Head without the (N, V) logits: per chunk of rows, logits = hidden @ W.T + b in
