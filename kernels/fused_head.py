@@ -7,7 +7,7 @@ losses.py's SDDLM losses and ar_loss take a Head as they take logits (it has .sh
 Each chunk's logits are either kept for backward (Head.keep_logits: three matrix products in all, forward and the
 two of backward) or recomputed there (four products, the memory of one chunk); train.py's memory probe
 (plumbing/memory.py) keeps them unless they do not fit. On CUDA each chunk's pass over the vocabulary is one
-compiled kernel (_fused). The numbers are those of losses.py (tests/test_fused_head.py).
+compiled kernel (fused()). The numbers are those of losses.py (tests/test_fused_head.py).
 """
 import dataclasses
 import functools
@@ -82,7 +82,7 @@ def usdm_nelbo_loss_lean(logits, x0, xt, alpha_t, dalpha_t, chunk_elems=1 << 25)
 
 
 # -----------------------------------------------------------------------------------------------
-# one pass over a chunk of rows of the logits; compiled into one kernel each on CUDA (see _fused)
+# one pass over a chunk of rows of the logits; compiled into one kernel each on CUDA (see fused())
 
 def _acc_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
@@ -112,7 +112,7 @@ def _logits_grad(z, lse, tokens, g, V):
     return grad.to(z.dtype)
 
 
-def _fused(fn, like):
+def fused(fn, like):
     """fn compiled by torch.compile when `like` is on CUDA (one kernel: each chunk of logits is read once instead
     of by several element-wise passes), else fn itself. Same numbers either way (tested on CPU)."""
     return _compiled(fn) if like.device.type == "cuda" else fn
@@ -182,7 +182,7 @@ class _HeadLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, tok, V, chunk_rows, keep):
         lse = torch.empty(hidden.shape[0], dtype=_acc_dtype(hidden.dtype), device=hidden.device)
         picked = torch.empty(tok.shape, dtype=lse.dtype, device=hidden.device)
-        kernel = _fused(_lse_and_picked, hidden)
+        kernel = fused(_lse_and_picked, hidden)
         chunks = _chunks(hidden.shape[0], chunk_rows)
         keep = (keep or len(chunks) == 1) and any(ctx.needs_input_grad[:3])
         kept = []
@@ -201,7 +201,7 @@ class _HeadLogProbs(torch.autograd.Function):
         hidden, weight, bias, tok, lse, *kept = ctx.saved_tensors
         grads = _head_grads(ctx.needs_input_grad[:3], hidden, weight, bias)
         g = grad_out.to(lse.dtype)
-        kernel = _fused(_logits_grad, hidden)
+        kernel = fused(_logits_grad, hidden)
         with _own_dtypes(hidden):
             for i, j in enumerate(_chunks(hidden.shape[0], ctx.chunk_rows)):
                 z = kept[i] if kept else F.linear(hidden[j], weight, bias)
@@ -218,7 +218,7 @@ class _RowChunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, per_row, chunk_rows, V, keep, x, weight, bias, *row_args):
         out = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
-        fn = _fused(per_row, x)
+        fn = fused(per_row, x)
         chunks = _chunks(x.shape[0], chunk_rows)
         keep = weight is not None and (keep or len(chunks) == 1) and any(ctx.needs_input_grad[4:7])
         kept = []
@@ -237,7 +237,7 @@ class _RowChunks(torch.autograd.Function):
         x, weight, bias, *rest = ctx.saved_tensors
         row_args, kept = rest[:ctx.n_args], rest[ctx.n_args:]
         grads = _head_grads(ctx.needs_input_grad[4:7], x, weight, bias)
-        fn = _fused(ctx.per_row, x)
+        fn = fused(ctx.per_row, x)
         with _own_dtypes(x):
             for i, j in enumerate(_chunks(x.shape[0], ctx.chunk_rows)):
                 z = x[j] if weight is None else kept[i] if kept else F.linear(x[j], weight, bias)

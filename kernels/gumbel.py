@@ -34,7 +34,7 @@ GUMBEL_BLOCK = 256     # vocabulary entries per block of the two-stage Gumbel-ma
 
 def _block_lse_rows(z, block):
     """z (n, K) -> log-sum-exp of each run of `block` consecutive entries (the last run may be shorter),
-    (n, ceil(K / block)) in at least float32: one read of z; compiled into one kernel on CUDA (fused_head._fused)."""
+    (n, ceil(K / block)) in at least float32: one read of z; compiled into one kernel on CUDA (fused_head.fused)."""
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     full = z.shape[-1] // block * block
     parts = [torch.logsumexp(z[:, :full].unflatten(-1, (-1, block)), dim=-1)] if full else []
@@ -53,7 +53,7 @@ def block_logsumexp(logits, block=None, chunk_elems=None):
     flat = logits.reshape(-1, logits.shape[-1])
     chunk_elems = chunk_elems or (1 << 25 if flat.device.type == "cuda" else 1 << 20)
     rows = max(1, chunk_elems // flat.shape[-1])
-    kernel = fused_head._fused(_block_lse_rows, flat)
+    kernel = fused_head.fused(_block_lse_rows, flat)
     out = torch.cat([kernel(flat[i:i + rows], block) for i in range(0, flat.shape[0], rows)])
     return out.view(*logits.shape[:-1], -1)
 

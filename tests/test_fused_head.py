@@ -376,7 +376,7 @@ def test_lean_nelbo_keeps_only_the_logits_for_backward():
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
-    """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (fused_head._fused); here the
+    """On CUDA each chunk's pass over the vocabulary is torch.compile'd into one kernel (fused_head.fused); here the
     same compilation runs on the CPU (TorchInductor's C++ backend) and must give the eager numbers: values and
     gradients of the SDDLM losses and the lean NELBO on bf16 logits and on a bf16 Head, and the sampler's
     log-sum-exps of blocks of the vocabulary."""
@@ -398,7 +398,7 @@ def test_compiled_vocabulary_kernels_equal_the_eager_ones(monkeypatch):
     eager = run()
     nelbo_sizes = usdm_sizes(logits.detach().double(), x0, xt, torch.tensor(0.3), -0.999).max().item()
     compiled = {}
-    monkeypatch.setattr(fused_head, "_fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
+    monkeypatch.setattr(fused_head, "fused", lambda fn, like: compiled.setdefault(fn, torch.compile(fn, dynamic=True)))
     got = run()
     assert len(compiled) == 4
     for key in eager:
