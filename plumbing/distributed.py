@@ -2,6 +2,7 @@
 each rank trains (wrap_model), each rank's micro-batches and its slice of the draws made for the global batch, the
 one host sync of the training loop (agree), and work done on rank 0 or once per node."""
 import datetime
+import inspect
 import os
 import socket
 import sys
@@ -279,9 +280,12 @@ def wrap_model(raw_model, env, compile):
     if env.ddp:
         for p in raw_model.parameters():
             p.grad = torch.zeros_like(p)
+        # no buffer sync at each forward: the only buffers are the RoPE tables, identical on every rank (torch 2.13
+        # renamed the flag and warns at its old name)
+        no_sync = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                    else "broadcast_buffers"): False}
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                    broadcast_buffers=False,   # the only buffers are the RoPE tables, identical on every rank
-                    gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True, **no_sync)
         model.config = raw_model.config        # read through the wrappers (diffusion.loss_terms: the vocabulary)
     return torch.compile(model) if compile else model
 
