@@ -15,7 +15,7 @@ zeroshot  the same estimator on a text the model never saw (a local .txt, or a n
           into blocks of L tokens; the paper uses L = 1024, its models' length: L is at most the model's block_size.
 genppl    generative perplexity of samples under a judge LM, with its standard error (metrics.gen_ppl); --seq_len
           past the model's block_size draws samples in semi-autoregressive windows (sample.generate_long).
-entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (metrics.entropy).
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (metrics.entropies).
 
 How each is estimated, and what differs from Duo: metrics.py.
 """
