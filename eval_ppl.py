@@ -74,14 +74,6 @@ def zero_shot_documents(name):
     return docs
 
 
-def tokenize_documents(docs, tok, show_progress=True):
-    ids = []
-    for i in tqdm(range(0, len(docs), 1024), desc="tokenizing",
-                  disable=cli.bar_hidden(show_progress) or len(docs) < 1024, leave=False):
-        ids.extend(tok.encode_batch(docs[i:i + 1024]))
-    return ids
-
-
 # -----------------------------------------------------------------------------------------------
 # command line
 
@@ -215,7 +207,11 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
                          f"{model.config.block_size} or less (0: the block size)")
     rows = []
     for name in [n for n in cfg.dataset.split(",") if n]:
-        blocks = zero_shot_blocks(tokenize_documents(zero_shot_documents(name), tok), seq_len, tok.bos_id, tok.eos_id)
+        docs = zero_shot_documents(name)
+        ids = [tok.encode_batch(docs[i:i + 1024]) for i in tqdm(range(0, len(docs), 1024), desc="tokenizing",
+                                                                 disable=cli.bar_hidden() or len(docs) < 1024,
+                                                                 leave=False)]
+        blocks = zero_shot_blocks(itertools.chain(*ids), seq_len, tok.bos_id, tok.eos_id)
         if cfg.max_batches:
             blocks = blocks[:cfg.max_batches * cfg.batch_size]
         if len(blocks) == 0:

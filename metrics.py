@@ -171,9 +171,9 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
     (B, L) bool or None (False = padding); sequences are numbered in that order. Past `rounds` (>= 2), more rounds
     follow while rel_se (> 0) is not reached on NU_MIN degrees of freedom, up to max_rounds. A causal model (the
     AR baseline) is scored exactly (one pass, standard error 0). vocab_size: unused, the model's. n_sequences: the
-    progress bar's total (it counts sequences, a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95% interval),
-    rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds,
-    seed)."""
+    progress bar's total (it counts sequences, a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl,
+    ppl_se, ppl_lo, ppl_hi (95% interval), rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact",
+    mc_draws (per sequence, all rounds), rounds, seed)."""
     if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
         raise ValueError(f"need mc_draws >= 1, 2 <= rounds <= max_rounds and rel_se >= 0; got {mc_draws}, {rounds}, "
                          f"{max_rounds}, {rel_se}")

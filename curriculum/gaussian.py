@@ -49,8 +49,10 @@ def clear_alpha_tables():
 
 
 def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
-    """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table.
+    """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table over
+    [min(-5, gamma_min), max(-1, gamma_max)] (one table for the flags' usual ranges).
     gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""
+    gamma_min, gamma_max = min(-5.0, gamma_min), max(-1.0, gamma_max)
     grid, alpha, dalpha = _alpha_table_on(vocab_size, float(gamma_min), float(gamma_max), str(gamma.device))
     g = gamma.detach().double().clamp(gamma_min, gamma_max)
     pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
@@ -60,10 +62,10 @@ def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
 
 
 def alpha_range(vocab_size, gamma_min, gamma_max):
-    """The discrete alpha_t = T(gamma) the curriculum's inputs span (its table over [min(-5, gamma_min),
-    max(-1, gamma_max)], as curriculum_sample reads it) -> (alpha at gamma_max, alpha at gamma_min): floats."""
+    """The discrete alpha_t = T(gamma) the curriculum's inputs span (as curriculum_sample reads it) -> (alpha at
+    gamma_max, alpha at gamma_min): floats."""
     gamma = torch.tensor([gamma_max, gamma_min], dtype=torch.float64)
-    return tuple(gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))[0].tolist())
+    return tuple(gamma_to_alpha(gamma, vocab_size, gamma_min, gamma_max)[0].tolist())
 
 
 def gaussian_latent(x0, gamma, vocab_size, generator=None):
@@ -83,11 +85,7 @@ def soft_input(w, tau):
 def tau_schedule(step, log10_tau_start=-3.0, log10_tau_end=-3.0, start=0, end=500_000):
     """Softmax temperature of the curriculum: log10 tau constant before `start`, linear in log10 on
     [start, end), Duo's scripts use tau = 1e-3 throughout with the curriculum ending at 500K steps."""
-    if step < start:
-        return 10 ** log10_tau_start
-    if step >= end:
-        return 10 ** log10_tau_end
-    f = (step - start) / max(1, end - start)
+    f = 1.0 if step >= end else max(0.0, (step - start) / max(1, end - start))
     return 10 ** (log10_tau_start + f * (log10_tau_end - log10_tau_start))
 
 
@@ -170,5 +168,5 @@ def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=No
     x0 (B, L), t (B,) -> xt (B, L), soft input, alpha_t (B, 1), dalpha_t (B, 1)."""
     gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)
     xt, soft = curriculum_input(x0, gamma, vocab_size, tau, generator)
-    alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))
+    alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, gamma_min, gamma_max)
     return xt, soft, alpha_t, dalpha_dgamma * (gamma_max - gamma_min)

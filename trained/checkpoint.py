@@ -157,8 +157,6 @@ def load_model(path, device, use_ema=True):
         return load_checkpoint(path, device=device, use_ema=use_ema)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
-    except TypeError as e:    # a model_config with keys this ModelConfig does not know
-        raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
 
 
 def load_tokenizer(ckpt, path=None):

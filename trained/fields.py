@@ -33,7 +33,8 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
         expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
         check_train_config_values(config, path, "train_config.", error)
     a_dict, a_str = (lambda v: isinstance(v, dict), "a dict"), (lambda v: isinstance(v, str), "a string")
-    check_values(ckpt, dict.fromkeys(("meta", "optimizer", "distill_config", "distilled_from"), a_dict), path, "", error)
+    check_values(ckpt, dict.fromkeys(("meta", "optimizer", "distill_config", "distilled_from"), a_dict), path, "",
+                 error)
     meta = {"vocab_size": int_from(1), "bos_id": int_from(0), "eos_id": int_from(0), "pad_id": int_from(0),
             "block_size": int_from(1), "tokenizer": a_str, "tokenizer_sha256": a_str, "data_key": a_dict}
     check_values(ckpt.get("meta") or {}, meta, path, "meta.", error)
