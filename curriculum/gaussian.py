@@ -16,8 +16,9 @@ GAMMA_LIMIT = 15      # alpha_table's quadrature holds for |gamma| <= 15 (at -20
 
 
 @functools.lru_cache(maxsize=8)
-def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
-    """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached).
+def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049, device="cpu"):
+    """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached, on `device`: a
+    training step's lookup needs no host round trip).
     P(gamma) = Pr[argmax w = x0] = int phi(z - nu) Phi(z)^(K-1) dz,  nu = exp(-gamma/2),
     dP/dgamma = int -nu/2 (z - nu) phi(z - nu) Phi(z)^(K-1) dz,   alpha = (K P - 1) / (K - 1).
     -> (gamma grid, alpha, dalpha/dgamma), each (n_points,) float64."""
@@ -32,20 +33,10 @@ def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
         P.append(torch.trapezoid(dens, z, dim=-1))
         dP.append(torch.trapezoid(-0.5 * nu * (z - nu) * dens, z, dim=-1))
     P, dP = torch.cat(P), torch.cat(dP)
-    return gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP
+    return tuple(x.to(device) for x in (gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP))
 
 
-@functools.lru_cache(maxsize=8)
-def _alpha_table_on(vocab_size, gamma_min, gamma_max, device):
-    """alpha_table copied once to `device`, so a training step's lookup needs no host round trip."""
-    return tuple(x.to(device) for x in alpha_table(vocab_size, gamma_min, gamma_max))
-
-
-def clear_alpha_tables():
-    """Drop the cached alpha tables, on the host and on every device (bench/bench.py starts each table from the
-    memory the one before it started from)."""
-    alpha_table.cache_clear()
-    _alpha_table_on.cache_clear()
+clear_alpha_tables = alpha_table.cache_clear    # on the host and every device (bench/bench.py: each row from scratch)
 
 
 def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
@@ -53,7 +44,7 @@ def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
     [min(-5, gamma_min), max(-1, gamma_max)] (one table for the flags' usual ranges).
     gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""
     gamma_min, gamma_max = min(-5.0, gamma_min), max(-1.0, gamma_max)
-    grid, alpha, dalpha = _alpha_table_on(vocab_size, float(gamma_min), float(gamma_max), str(gamma.device))
+    grid, alpha, dalpha = alpha_table(vocab_size, float(gamma_min), float(gamma_max), device=str(gamma.device))
     g = gamma.detach().double().clamp(gamma_min, gamma_max)
     pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
     lo = pos.floor().long().clamp(max=grid.numel() - 2)
