@@ -223,9 +223,8 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
 
 
 def run_genppl(cfg, device, dtype):
-    saved = _read_samples(cfg.samples) if cfg.samples else None   # a bad file fails before the judge loads
-    groups, tokenizers = {}, {}
-    for r in saved or ():       # one row per distinct settings (a JSONL may hold several appended runs)
+    groups, tokenizers = {}, {}     # --samples: one row per distinct settings (a JSONL may hold appended runs)
+    for r in _read_samples(cfg.samples) if cfg.samples else ():      # a bad file fails before the judge loads
         groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
     for key in groups:
         spec = json.loads(key).get("tokenizer")
@@ -235,13 +234,9 @@ def run_genppl(cfg, device, dtype):
                              f"samples' ids are scored with it: make it loadable where it is recorded")
     judge = load_judge(cfg.judge, device)   # first: fail before any sampling
     if cfg.samples:
-        rows = []
-        for key, records in groups.items():
-            settings, tok = json.loads(key), tokenizers[key]
-            rows.append(score_samples([r["ids"] for r in records], [r.get("text") for r in records], tok, judge,
-                                      cfg.judge_batch_size, device, label=settings.get("ckpt") or cfg.samples,
-                                      steps=settings.get("steps")))
-        return rows
+        return [score_samples([r["ids"] for r in records], [r.get("text") for r in records], tokenizers[key], judge,
+                              cfg.judge_batch_size, device, label=json.loads(key).get("ckpt") or cfg.samples,
+                              steps=json.loads(key).get("steps")) for key, records in groups.items()]
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
     tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None:
