@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import diffusion
@@ -311,18 +312,15 @@ def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_
         windows += [(j, s[a:b], keep[f:b], f - a)              # j: the sample the window belongs to
                     for a, b, f in judge_windows(len(s), judge.context, stride)]
     nll_of, count_of = torch.zeros(len(seqs), dtype=torch.float64), torch.zeros(len(seqs), dtype=torch.float64)
+
+    def pad(rows, dtype):             # a batch of lists -> (B, the longest) on the device, zeros (False) after each
+        return pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True).to(device)
+
     for b in tqdm(range(0, len(windows), batch_size), desc=f"gen ppl ({judge.name})",
                   disable=cli.bar_hidden(show_progress), leave=False):
         owner, batch = [w[0] for w in windows[b:b + batch_size]], [w[1:] for w in windows[b:b + batch_size]]
-        T = max(len(w) for w, _, _ in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        attn = torch.zeros(len(batch), T, dtype=torch.bool)
-        scored = torch.zeros(len(batch), T - 1, dtype=torch.bool)     # the targets ids[:, 1:]
-        for r, (w, keep, first) in enumerate(batch):
-            ids[r, :len(w)] = torch.tensor(w, dtype=torch.long)
-            attn[r, :len(w)] = True
-            scored[r, first - 1:len(w) - 1] = torch.tensor(keep, dtype=torch.bool)
-        ids, attn, scored = ids.to(device), attn.to(device), scored.to(device)
+        ids, attn = pad([w for w, _, _ in batch], torch.long), pad([[True] * len(w) for w, _, _ in batch], torch.bool)
+        scored = pad([[False] * (first - 1) + keep for _, keep, first in batch], torch.bool)   # the targets ids[:, 1:]
         logits = judge.logits(ids, attn)
         nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
         nll_of.index_add_(0, torch.tensor(owner), (nll.double() * scored).sum(1).cpu())
