@@ -295,7 +295,8 @@ def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
         g = torch.Generator().manual_seed(seed)
         ids += generate(model, count, model.config.block_size, model.config.vocab_size, steps, generator=g,
                         show_progress=False).tolist()
-    return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), sum(entropies(ids)) / len(ids), ckpt
+    entropy = sum(entropies(ids)) / len(ids)
+    return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), entropy, ckpt
 
 
 # The same samples (their token ids must be equal) scored by the same AR judge in the run and here, in batches of
