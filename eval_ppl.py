@@ -15,7 +15,7 @@ zeroshot  the same estimator on a text the model never saw (a local .txt, or a n
           into blocks of L tokens; the paper uses L = 1024, its models' length: L is at most the model's block_size.
 genppl    generative perplexity of samples under a judge LM, with its standard error (metrics.gen_ppl); --seq_len
           past the model's block_size draws samples in semi-autoregressive windows (sample.generate_long).
-entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (metrics.entropy).
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (metrics.entropies).
 
 How each is estimated, and what differs from Duo: metrics.py.
 """
@@ -72,14 +72,6 @@ def zero_shot_documents(name):
     if not docs:
         raise DataError(f"{name}: its evaluation split is empty")
     return docs
-
-
-def tokenize_documents(docs, tok, show_progress=True):
-    ids = []
-    for i in tqdm(range(0, len(docs), 1024), desc="tokenizing",
-                  disable=cli.bar_hidden(show_progress) or len(docs) < 1024, leave=False):
-        ids.extend(tok.encode_batch(docs[i:i + 1024]))
-    return ids
 
 
 # -----------------------------------------------------------------------------------------------
@@ -215,7 +207,11 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
                          f"{model.config.block_size} or less (0: the block size)")
     rows = []
     for name in [n for n in cfg.dataset.split(",") if n]:
-        blocks = zero_shot_blocks(tokenize_documents(zero_shot_documents(name), tok), seq_len, tok.bos_id, tok.eos_id)
+        docs = zero_shot_documents(name)
+        ids = [tok.encode_batch(docs[i:i + 1024]) for i in tqdm(range(0, len(docs), 1024), desc="tokenizing",
+                                                                 disable=cli.bar_hidden() or len(docs) < 1024,
+                                                                 leave=False)]
+        blocks = zero_shot_blocks(itertools.chain(*ids), seq_len, tok.bos_id, tok.eos_id)
         if cfg.max_batches:
             blocks = blocks[:cfg.max_batches * cfg.batch_size]
         if len(blocks) == 0:
@@ -227,9 +223,8 @@ def run_zeroshot(cfg, model, ckpt, device, dtype):
 
 
 def run_genppl(cfg, device, dtype):
-    saved = _read_samples(cfg.samples) if cfg.samples else None   # a bad file fails before the judge loads
-    groups, tokenizers = {}, {}
-    for r in saved or ():       # one row per distinct settings (a JSONL may hold several appended runs)
+    groups, tokenizers = {}, {}     # --samples: one row per distinct settings (a JSONL may hold appended runs)
+    for r in _read_samples(cfg.samples) if cfg.samples else ():      # a bad file fails before the judge loads
         groups.setdefault(json.dumps(r.get("settings") or {}, sort_keys=True), []).append(r)
     for key in groups:
         spec = json.loads(key).get("tokenizer")
@@ -239,13 +234,9 @@ def run_genppl(cfg, device, dtype):
                              f"samples' ids are scored with it: make it loadable where it is recorded")
     judge = load_judge(cfg.judge, device)   # first: fail before any sampling
     if cfg.samples:
-        rows = []
-        for key, records in groups.items():
-            settings, tok = json.loads(key), tokenizers[key]
-            rows.append(score_samples([r["ids"] for r in records], [r.get("text") for r in records], tok, judge,
-                                      cfg.judge_batch_size, device, label=settings.get("ckpt") or cfg.samples,
-                                      steps=settings.get("steps")))
-        return rows
+        return [score_samples([r["ids"] for r in records], [r.get("text") for r in records], tokenizers[key], judge,
+                              cfg.judge_batch_size, device, label=json.loads(key).get("ckpt") or cfg.samples,
+                              steps=json.loads(key).get("steps")) for key, records in groups.items()]
     model, ckpt = load_model(cfg.ckpt, device, cfg.use_ema)
     tok, why = load_tokenizer(ckpt, cfg.ckpt)
     if tok is None:

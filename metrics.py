@@ -6,7 +6,7 @@ nelbo     PPL = exp(token-mean of usdm_nelbo_loss) over the whole split, the log
           exact PPL instead, exp(token-mean of ar_loss).
 genppl    generative perplexity under a judge LM (spec 7.1; gen_ppl): a Hugging Face causal LM (gpt2-large) or an AR
           checkpoint of this repo, offline (load_judge). The judge's name is part of every result.
-entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2; entropy).
+entropy   per-sample unigram entropy (nats) of the generated ids, averaged over samples (spec 7.2; entropies).
 
 Differences from Duo, all deliberate: padding is never scored (Duo pads GPT-2 with EOS and scores the first pad
 of a sample that has no EOS), and no sample is dropped (Duo drops n mod 8).
@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import diffusion
@@ -112,17 +113,23 @@ def sequence_nelbo(model, x0, mask, first, rounds, *, seed=EVAL_SEED, draws=VAL_
                    autocast=None, tick=None):
     """Rounds `rounds` (a range) of the NELBO estimate of each sequence of x0 (B, L), rows first, first + 1, ... of
     its split; mask (B, L) bool or None (False = padding, not counted). Per round and stratum one forward of the
-    batch: sum_h w_h sum_l mask * nelbo_per_token; after each, tick(the share of the batch's forwards done).
+    batch: sum_h w_h sum_l mask * nelbo_per_token; after each, tick(the share of the batch's forwards done). A causal
+    model (the AR baseline) gets its exact NLL (losses.ar_loss, one forward, no draws) in every round's row.
     -> nats (len(rounds), B) float64 (each row an unbiased estimate of every sequence's summed NELBO) and tokens
     (B,) float64."""
     B, L = x0.shape
     K = model.config.vocab_size
+    autocast = autocast or autocast_for(x0.device, None)
+    mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.bool()
+    if model.config.causal:
+        with autocast:
+            logits = model(x0)
+        nats = (losses.ar_loss(logits, x0).double() * mask[:, 1:]).sum(1).cpu()
+        return nats.repeat(len(rounds), 1), mask[:, 1:].sum(1).double().cpu()
     # a round's draws are drawn whole before its forwards: 12 bytes a (draw, token) (float32 keep-uniforms, int64
     # ids), twice while stacked; a --mc_draws past the machine is one line here, not the kernel's OOM killer
     check_fits(24 * B * draws * L, "cpu", f"the --mc_draws {draws} draws of a batch of {B} x {L} tokens",
                "lower --mc_draws (more --rounds draw as many, a round at a time)")
-    autocast = autocast or autocast_for(x0.device, None)
-    mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.bool()
     nats = torch.zeros(len(rounds), B, dtype=torch.float64)
     for k, rnd in enumerate(rounds):
         t, w, u, ids = (torch.stack(d, 1).to(x0.device) for d in
@@ -163,16 +170,15 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
     """Token-mean NELBO over all batches, its perplexity and their standard errors (Duo spec 3.3; the estimator
     above). batches: a list, or a function returning a fresh iterable, of x0 (B, L) int64 or (x0, mask) with mask
     (B, L) bool or None (False = padding); sequences are numbered in that order. Past `rounds` (>= 2), more rounds
-    follow while rel_se (> 0) is not reached on NU_MIN degrees of freedom, up to max_rounds. A causal model
-    (model.config.causal, the AR baseline) is scored exactly with losses.ar_loss instead (one pass, no draws,
-    standard error 0). vocab_size: unused, the model's. n_sequences: the progress bar's total (it counts sequences,
-    a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl, ppl_se, ppl_lo, ppl_hi (95% interval),
-    rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact", mc_draws (per sequence, all rounds), rounds,
-    seed)."""
+    follow while rel_se (> 0) is not reached on NU_MIN degrees of freedom, up to max_rounds. A causal model (the
+    AR baseline) is scored exactly (one pass, standard error 0). vocab_size: unused, the model's. n_sequences: the
+    progress bar's total (it counts sequences, a batch's in steps of its forwards). -> dict(nll, nll_se, dof, ppl,
+    ppl_se, ppl_lo, ppl_hi (95% interval), rel_se, bpd, tokens, sequences, estimator "nelbo" | "ar_exact",
+    mc_draws (per sequence, all rounds), rounds, seed)."""
     if mc_draws < 1 or rounds < 2 or max_rounds < rounds or rel_se < 0:
         raise ValueError(f"need mc_draws >= 1, 2 <= rounds <= max_rounds and rel_se >= 0; got {mc_draws}, {rounds}, "
                          f"{max_rounds}, {rel_se}")
-    causal = bool(getattr(getattr(model, "config", None), "causal", False))
+    causal = model.config.causal
     autocast = autocast_for(device or "cpu", dtype)
     fresh = batches if callable(batches) else (lambda: batches)
 
@@ -183,20 +189,12 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
         first = 0
         for batch in fresh():
             x0, mask = batch if isinstance(batch, (tuple, list)) else (batch, None)
-            x0 = x0.to(device)
-            mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask.to(device).bool()
-            if causal:
-                with autocast:
-                    logits = model(x0)
-                weight = mask[:, 1:]
-                nats.append((losses.ar_loss(logits, x0).double() * weight).sum(1).cpu()[None])
-                tokens.append(weight.sum(1).double().cpu())
-            else:
-                tick = lambda done: bar.update(first + int(done * len(x0)) - bar.n)    # noqa: E731
-                n, m = sequence_nelbo(model, x0, mask, first, todo, seed=seed, draws=mc_draws, t_min=t_min,
-                                      autocast=autocast, tick=tick)
-                nats.append(n)
-                tokens.append(m)
+            x0, mask = x0.to(device), None if mask is None else mask.to(device)
+            tick = lambda done: bar.update(first + int(done * len(x0)) - bar.n)    # noqa: E731
+            n, m = sequence_nelbo(model, x0, mask, first, todo, seed=seed, draws=mc_draws, t_min=t_min,
+                                  autocast=autocast, tick=tick)
+            nats.append(n)
+            tokens.append(m)
             first += x0.shape[0]
             bar.update(first - bar.n)
         bar.close()
@@ -204,27 +202,23 @@ def nelbo_ppl(model, batches, vocab_size=None, *, seed=EVAL_SEED, mc_draws=VAL_D
             raise ValueError("no tokens to evaluate (empty split or all padding)")
         return torch.cat(nats, 1), torch.cat(tokens)
 
-    if causal:
-        nats, tokens = passes(range(1))
-        summary = nelbo_summary((nats.sum(), tokens.sum(), 0.0, 0.0))
-    else:
-        nats, tokens = passes(range(rounds))
-        while True:
-            summary = nelbo_summary(round_sums(nats, tokens))
-            done = nats.shape[0]
-            se, dof = summary["rel_se"], summary["dof"]
-            if rel_se <= 0 or (se <= rel_se and dof >= NU_MIN) or done >= max_rounds:
-                break
-            # SE ~ 1 / sqrt(R), dof ~ R - 1 (an SE on few is below its value by chance as often as not: no stop on it)
-            more = max(1, min(max_rounds, math.ceil(max(done * (se / rel_se) ** 2, 1 + (done - 1) * NU_MIN / dof)))
-                       - done)
-            if show_progress:          # the wait that follows, said before it starts
-                why = (f"above --rel_se {100 * rel_se:g}%" if se > rel_se else
-                       f"on {dof:.3g} < {NU_MIN} degrees of freedom")
-                tqdm.write(f"relative SE {100 * se:.2f}% after {done} rounds, {why}: {more} more "
-                           f"round{'s' * (more > 1)} (~{more / done:.3g}x the time so far; at most --max_rounds "
-                           f"{max_rounds} in all)", file=sys.stderr)
-            nats = torch.cat([nats, passes(range(done, done + more))[0]])
+    nats, tokens = passes(range(rounds))       # a causal model's rounds are equal: standard error 0, no more
+    while True:
+        summary = nelbo_summary(round_sums(nats, tokens))
+        done = nats.shape[0]
+        se, dof = summary["rel_se"], summary["dof"]
+        if rel_se <= 0 or (se <= rel_se and dof >= NU_MIN) or done >= max_rounds:
+            break
+        # SE ~ 1 / sqrt(R), dof ~ R - 1 (an SE on few is below its value by chance as often as not: no stop on it)
+        more = max(1, min(max_rounds, math.ceil(max(done * (se / rel_se) ** 2, 1 + (done - 1) * NU_MIN / dof)))
+                   - done)
+        if show_progress:          # the wait that follows, said before it starts
+            why = (f"above --rel_se {100 * rel_se:g}%" if se > rel_se else
+                   f"on {dof:.3g} < {NU_MIN} degrees of freedom")
+            tqdm.write(f"relative SE {100 * se:.2f}% after {done} rounds, {why}: {more} more "
+                       f"round{'s' * (more > 1)} (~{more / done:.3g}x the time so far; at most --max_rounds "
+                       f"{max_rounds} in all)", file=sys.stderr)
+        nats = torch.cat([nats, passes(range(done, done + more))[0]])
     return dict(**summary, bpd=summary["nll"] / math.log(2), tokens=int(tokens.sum()), sequences=len(tokens),
                 estimator="ar_exact" if causal else "nelbo", mc_draws=0 if causal else mc_draws * nats.shape[0],
                 rounds=0 if causal else nats.shape[0], seed=None if causal else seed)
@@ -318,18 +312,15 @@ def gen_ppl(samples, judge, *, max_length=None, batch_size=8, device=None, show_
         windows += [(j, s[a:b], keep[f:b], f - a)              # j: the sample the window belongs to
                     for a, b, f in judge_windows(len(s), judge.context, stride)]
     nll_of, count_of = torch.zeros(len(seqs), dtype=torch.float64), torch.zeros(len(seqs), dtype=torch.float64)
+
+    def pad(rows, dtype):             # a batch of lists -> (B, the longest) on the device, zeros (False) after each
+        return pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True).to(device)
+
     for b in tqdm(range(0, len(windows), batch_size), desc=f"gen ppl ({judge.name})",
                   disable=cli.bar_hidden(show_progress), leave=False):
         owner, batch = [w[0] for w in windows[b:b + batch_size]], [w[1:] for w in windows[b:b + batch_size]]
-        T = max(len(w) for w, _, _ in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        attn = torch.zeros(len(batch), T, dtype=torch.bool)
-        scored = torch.zeros(len(batch), T - 1, dtype=torch.bool)     # the targets ids[:, 1:]
-        for r, (w, keep, first) in enumerate(batch):
-            ids[r, :len(w)] = torch.tensor(w, dtype=torch.long)
-            attn[r, :len(w)] = True
-            scored[r, first - 1:len(w) - 1] = torch.tensor(keep, dtype=torch.bool)
-        ids, attn, scored = ids.to(device), attn.to(device), scored.to(device)
+        ids, attn = pad([w for w, _, _ in batch], torch.long), pad([[True] * len(w) for w, _, _ in batch], torch.bool)
+        scored = pad([[False] * (first - 1) + keep for _, keep, first in batch], torch.bool)   # the targets ids[:, 1:]
         logits = judge.logits(ids, attn)
         nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
         nll_of.index_add_(0, torch.tensor(owner), (nll.double() * scored).sum(1).cpu())
@@ -353,12 +344,6 @@ def entropies(samples):
     if not values:
         raise ValueError("no samples")
     return values
-
-
-def entropy(samples):
-    """Mean over samples of their unigram entropies (entropies) -> float."""
-    values = entropies(samples)
-    return sum(values) / len(values)
 
 
 def mean_se(n, total, squares):

@@ -25,7 +25,7 @@ import curriculum.gaussian as curriculum
 from curriculum.gaussian import GAMMA_LIMIT
 from data import BatchLoader, DataError, get_tokenizer
 from kernels.fused_head import HEADS
-from validation import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, val_metrics
+from validation import evaluate, gen_metrics, load_gen_judge, print_samples, sample_quality, validation_record
 from model import PRESETS, ModelConfig, build_model
 from plumbing import checkpoint
 from plumbing.flags import check_train_flags
@@ -34,7 +34,7 @@ from plumbing.run import Run, RunPlumbing, launch
 from prepare import prepare_for_run
 from trained.checkpoint import open_out_dir
 from trained.export import export
-from trained.finetune import start_from
+from trained.finetune import start_at, start_from
 
 
 @dataclass
@@ -380,19 +380,19 @@ def train(cfg, env, source, given):
     if ckpt is not None:                         # the checkpoint's state, to continue bit for bit
         checkpoint.restore(run, ckpt, env, plumbing.ckpt_path)
     elif source is not None:                     # fine-tuning: SOURCE's weights, the EMA at them
-        source.start(run)
+        start_at(run, source.weights)
     fusable = not diffusion.OBJECTIVES[cfg.loss].full_logits     # an objective the fused head computes
     plumbing.place_model(run, probe_loss(cfg), fusable)          # CUDA: the micro-batch probe; DDP, torch.compile
     quality = None if judge is None else (judge, get_tokenizer(meta["tokenizer"]))
     with plumbing.start(run, {"train_config": asdict(cfg), "model_config": asdict(mcfg), "meta": meta}):
         if source is not None and run.it == 0:   # fine-tuning: where it starts (SOURCE's own validation numbers)
             if plumbing.sync_metrics_and_stop(0, lambda: evaluate(run, cfg, data_dir, env), lambda sums: {
-                    **val_metrics(sums, cfg, data_dir), "init": source.described}):
+                    **validation_record(sums, data_dir), "init": source.described}):
                 # stopped in it: saved at step 0, where --resume 1 evaluates again
                 checkpoint.save(run, cfg, mcfg, meta, env, plumbing.extra)
                 return plumbing.log.stopped(plumbing.stop["signal"], run.it)
         return loop(run, cfg, plumbing, lambda x0, mask: train_step(run, cfg, env, x0, mask),
-                    (lambda: evaluate(run, cfg, data_dir, env), lambda sums: val_metrics(sums, cfg, data_dir)),
+                    (lambda: evaluate(run, cfg, data_dir, env), lambda sums: validation_record(sums, data_dir)),
                     lambda: print_samples(run, cfg, meta, env),
                     quality and (lambda: sample_quality(run, cfg, env, *quality),
                                  lambda sums: gen_metrics(sums, cfg, quality[0])))

@@ -4,7 +4,6 @@ each the same for any number of GPUs, and the samples printed at the end of a ru
 import torch
 
 import diffusion
-import losses
 from data import DataError, eval_pieces, get_tokenizer
 from diffusion import draw_noise, loss_terms
 from metrics import (EVAL_SEED, VAL_DRAWS, VAL_ROUNDS, draw_seed, entropies, gen_ppl, judge_shares_tokenizer,
@@ -63,7 +62,7 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
     with ema_weights(run) as raw:
         raw.eval()
         model = raw if run.eval_model is None else run.eval_model     # compiled when the run compiles
-        K, causal = raw.config.vocab_size, raw.config.causal
+        K = raw.config.vocab_size
         for j, _, lo, _, x0, mask in pieces:
             first, (B, L) = j * cfg.batch_size + lo, x0.shape         # the piece's rows in the split
             rounds = []
@@ -78,14 +77,7 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
                 weight = torch.ones_like(per_token) if weight is None else weight
                 rounds.append((per_token.double() * weight).sum(1).cpu())
             sums[:4] += round_sums(torch.stack(rounds), weight.sum(1).double().cpu())
-            if causal:
-                mask = torch.ones_like(x0, dtype=torch.bool) if mask is None else mask
-                with autocast:
-                    logits = model(x0)
-                nats = (losses.ar_loss(logits, x0).double() * mask[:, 1:]).sum().cpu()
-                sums[4:6] += torch.stack([nats, mask[:, 1:].sum().double().cpu()])
-            else:
-                sums[4:] += round_sums(*sequence_nelbo(model, x0, mask, first, range(VAL_ROUNDS), autocast=autocast))
+            sums[4:] += round_sums(*sequence_nelbo(model, x0, mask, first, range(VAL_ROUNDS), autocast=autocast))
         raw.train()
     return sums
 
@@ -93,7 +85,7 @@ def validation_sums(run, cfg, data_dir, env, per_token_loss, draw):
 def evaluate(run, cfg, data_dir, env):
     """validation_sums of the training objective (curriculum off, the draws of objective.draw_noise) and of the
     NELBO (exact NLL for 'ar'). -> this rank's float64 sums (VAL_SUMS,); the caller adds them over ranks
-    (val_metrics)."""
+    (validation_record)."""
     def per_token_loss(model, x0, mask, t, draws):
         per_token, _ = loss_terms(model, cfg, x0, t, cfg.curriculum_iters, None, draws)
         return per_token, diffusion.OBJECTIVES[cfg.loss].token_weights(mask)
@@ -111,11 +103,6 @@ def validation_record(sums, data_dir, loss_key="val_loss"):
             "val_nelbo_se": nelbo["nll_se"], "val_ppl": nelbo["ppl"], "val_ppl_se": nelbo["ppl_se"],
             "val_ppl_lo": nelbo["ppl_lo"], "val_ppl_hi": nelbo["ppl_hi"], "val_tokens": int(sums[5]),
             "val_draws": 0 if float(sums[6]) == 0 else VAL_ROUNDS * VAL_DRAWS}
-
-
-def val_metrics(sums, cfg, data_dir):
-    """evaluate's sums, added over ranks -> the log.jsonl record (validation_record)."""
-    return validation_record(sums, data_dir)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ GAMMA_LIMIT = 15      # alpha_table's quadrature holds for |gamma| <= 15 (at -20
 
 
 @functools.lru_cache(maxsize=8)
-def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
-    """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached).
+def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049, device="cpu"):
+    """T(gamma) and dT/dgamma on a uniform gamma grid, by trapezoid quadrature in float64 (cached, on `device`: a
+    training step's lookup needs no host round trip).
     P(gamma) = Pr[argmax w = x0] = int phi(z - nu) Phi(z)^(K-1) dz,  nu = exp(-gamma/2),
     dP/dgamma = int -nu/2 (z - nu) phi(z - nu) Phi(z)^(K-1) dz,   alpha = (K P - 1) / (K - 1).
     -> (gamma grid, alpha, dalpha/dgamma), each (n_points,) float64."""
@@ -32,26 +33,18 @@ def alpha_table(vocab_size, gamma_min=-5.0, gamma_max=-1.0, n_points=2049):
         P.append(torch.trapezoid(dens, z, dim=-1))
         dP.append(torch.trapezoid(-0.5 * nu * (z - nu) * dens, z, dim=-1))
     P, dP = torch.cat(P), torch.cat(dP)
-    return gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP
+    return tuple(x.to(device) for x in (gamma, (K * P - 1) / (K - 1), K / (K - 1) * dP))
 
 
-@functools.lru_cache(maxsize=8)
-def _alpha_table_on(vocab_size, gamma_min, gamma_max, device):
-    """alpha_table copied once to `device`, so a training step's lookup needs no host round trip."""
-    return tuple(x.to(device) for x in alpha_table(vocab_size, gamma_min, gamma_max))
-
-
-def clear_alpha_tables():
-    """Drop the cached alpha tables, on the host and on every device (bench/bench.py starts each table from the
-    memory the one before it started from)."""
-    alpha_table.cache_clear()
-    _alpha_table_on.cache_clear()
+clear_alpha_tables = alpha_table.cache_clear    # on the host and every device (bench/bench.py: each row from scratch)
 
 
 def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
-    """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table.
+    """alpha_t = T(gamma_t) and d alpha / d gamma by linear interpolation in the cached table over
+    [min(-5, gamma_min), max(-1, gamma_max)] (one table for the flags' usual ranges).
     gamma (...) tensor within [gamma_min, gamma_max] -> (alpha, dalpha_dgamma) of gamma's dtype."""
-    grid, alpha, dalpha = _alpha_table_on(vocab_size, float(gamma_min), float(gamma_max), str(gamma.device))
+    gamma_min, gamma_max = min(-5.0, gamma_min), max(-1.0, gamma_max)
+    grid, alpha, dalpha = alpha_table(vocab_size, float(gamma_min), float(gamma_max), device=str(gamma.device))
     g = gamma.detach().double().clamp(gamma_min, gamma_max)
     pos = (g - gamma_min) / (gamma_max - gamma_min) * (grid.numel() - 1)
     lo = pos.floor().long().clamp(max=grid.numel() - 2)
@@ -60,10 +53,10 @@ def gamma_to_alpha(gamma, vocab_size, gamma_min=-5.0, gamma_max=-1.0):
 
 
 def alpha_range(vocab_size, gamma_min, gamma_max):
-    """The discrete alpha_t = T(gamma) the curriculum's inputs span (its table over [min(-5, gamma_min),
-    max(-1, gamma_max)], as curriculum_sample reads it) -> (alpha at gamma_max, alpha at gamma_min): floats."""
+    """The discrete alpha_t = T(gamma) the curriculum's inputs span (as curriculum_sample reads it) -> (alpha at
+    gamma_max, alpha at gamma_min): floats."""
     gamma = torch.tensor([gamma_max, gamma_min], dtype=torch.float64)
-    return tuple(gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))[0].tolist())
+    return tuple(gamma_to_alpha(gamma, vocab_size, gamma_min, gamma_max)[0].tolist())
 
 
 def gaussian_latent(x0, gamma, vocab_size, generator=None):
@@ -83,11 +76,7 @@ def soft_input(w, tau):
 def tau_schedule(step, log10_tau_start=-3.0, log10_tau_end=-3.0, start=0, end=500_000):
     """Softmax temperature of the curriculum: log10 tau constant before `start`, linear in log10 on
     [start, end), Duo's scripts use tau = 1e-3 throughout with the curriculum ending at 500K steps."""
-    if step < start:
-        return 10 ** log10_tau_start
-    if step >= end:
-        return 10 ** log10_tau_end
-    f = (step - start) / max(1, end - start)
+    f = 1.0 if step >= end else max(0.0, (step - start) / max(1, end - start))
     return 10 ** (log10_tau_start + f * (log10_tau_end - log10_tau_start))
 
 
@@ -170,5 +159,5 @@ def curriculum_sample(x0, t, vocab_size, gamma_min, gamma_max, tau, generator=No
     x0 (B, L), t (B,) -> xt (B, L), soft input, alpha_t (B, 1), dalpha_t (B, 1)."""
     gamma = (gamma_min + t * (gamma_max - gamma_min)).unsqueeze(-1)
     xt, soft = curriculum_input(x0, gamma, vocab_size, tau, generator)
-    alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, min(-5.0, gamma_min), max(-1.0, gamma_max))
+    alpha_t, dalpha_dgamma = gamma_to_alpha(gamma, vocab_size, gamma_min, gamma_max)
     return xt, soft, alpha_t, dalpha_dgamma * (gamma_max - gamma_min)

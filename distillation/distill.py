@@ -31,7 +31,6 @@ from plumbing import cli  # first: a stop signal while the imports below load is
 cli.stop_at_once(__name__)
 
 import copy
-import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -187,9 +186,7 @@ def dcd_loss_terms(student, teacher, cfg, x0, t, it, noise):
     t = (t + dt).clamp(max=1.0)
     s = t - dt
     gamma_t, gamma_s = gamma_of(t, cfg).unsqueeze(-1), gamma_of(s, cfg).unsqueeze(-1)
-    table = (min(-5.0, cfg.gamma_min), max(-1.0, cfg.gamma_max))
-    alpha_t, _ = curriculum.gamma_to_alpha(gamma_t, K, *table)
-    alpha_s, _ = curriculum.gamma_to_alpha(gamma_s, K, *table)
+    alpha_t, alpha_s = (curriculum.gamma_to_alpha(g, K, cfg.gamma_min, cfg.gamma_max)[0] for g in (gamma_t, gamma_s))
     zt, zs = coupled_pair(x0, gamma_t, gamma_s, noise)
     with torch.no_grad():
         teacher_logits = teacher(zs, diffusion.sigma_from_alpha(alpha_s.squeeze(-1)))
@@ -282,20 +279,14 @@ def make_teacher(raw_model):
     return copy.deepcopy(raw_model).eval().requires_grad_(False)
 
 
-def refresh_teacher(teacher, run, cfg):
-    """The teacher of a new round: a copy of the student's live (Duo) or EMA weights, frozen, in eval mode."""
-    source = run.ema if cfg.teacher == "ema" else [p.detach() for p in run.raw_model.parameters()]
-    with torch.no_grad():
-        for p, v in zip(teacher.parameters(), source):
-            p.copy_(v)
-
-
 def dcd_step(run, teacher, cfg, env, x0, mask=None):
     """One optimizer step of DCD: train.train_step with DCD's draws (draw_pair_noise, for the global batch) and
     per-token loss (dcd_loss_terms, weighted by the mask), the teacher refreshed at the start of a round. -> the
     step's mean loss (a detached 0-dim tensor)."""
-    if run.it % cfg.round_iters == 0:
-        refresh_teacher(teacher, run, cfg)
+    if run.it % cfg.round_iters == 0:        # the round's teacher: the student's live (Duo) or EMA weights
+        with torch.no_grad():
+            torch._foreach_copy_(list(teacher.parameters()), run.ema if cfg.teacher == "ema" else
+                                 [p.detach() for p in run.raw_model.parameters()])
     it = run.it
     return train.train_step(run, cfg, env, x0, mask, lambda model, x0, mask, t, noise: (
         dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask), draw_pair_noise)

@@ -14,7 +14,7 @@ import torch
 import diffusion
 import losses
 from eval_ppl import zero_shot_blocks
-from metrics import (Judge, entropy, gen_ppl, judge_windows, mean_se, nelbo_ppl, ratio_moments, ratio_summary,
+from metrics import (Judge, entropies, gen_ppl, judge_windows, mean_se, nelbo_ppl, ratio_moments, ratio_summary,
                      stratified_times, t95)
 from model import ModelConfig, build_model
 from conftest import forward_tol, unit_roundoff
@@ -166,11 +166,11 @@ def test_gen_ppl_of_text_is_gen_ppl_of_its_retokenization():
 
 def test_entropy_of_hand_made_sequences():
     close = lambda v: pytest.approx(v, rel=1e-12)          # float64: a few roundings of values <= log 4
-    assert entropy([[0, 0, 1, 1]]) == close(math.log(2))
-    assert entropy([[3, 3, 3, 3]]) == 0.0
-    assert entropy([[0, 1, 2, 3]]) == close(math.log(4))
-    assert entropy(torch.tensor([[0, 0, 1, 1], [5, 5, 5, 5]])) == close(math.log(2) / 2)   # mean over samples
-    assert entropy([[0, 0, 0, 1]]) == close(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+    assert entropies([[0, 0, 1, 1]]) == [close(math.log(2))]
+    assert entropies([[3, 3, 3, 3]]) == [0.0]
+    assert entropies([[0, 1, 2, 3]]) == [close(math.log(4))]
+    assert entropies(torch.tensor([[0, 0, 1, 1], [5, 5, 5, 5]])) == [close(math.log(2)), 0.0]   # one per sample
+    assert entropies([[0, 0, 0, 1]]) == [close(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))]
 
 
 # -----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import metrics
 import validation
 import train
 from data import get_tokenizer, load_meta
-from metrics import entropy, gen_ppl, load_judge
+from metrics import entropies, gen_ppl, load_judge
 from model import ModelConfig, build_model
 from plumbing.distributed import Env
 from sample import generate
@@ -82,7 +82,7 @@ def test_validation_is_the_same_for_1_2_and_4_processes(trained, loss, eval_iter
     for world_size in (1, 2, 4):
         cfg, runs = rank_runs(args, ckpt, world_size)
         sums = sum(validation.evaluate(run, cfg, str(d / "data"), env) for run, env in runs)
-        results[world_size] = validation.val_metrics(sums, cfg, str(d / "data"))
+        results[world_size] = validation.validation_record(sums, str(d / "data"))
     # the validation set: eval_iters global batches of --batch_size sequences (0: every sequence), at any size
     sequences = min(eval_iters * 8, meta["val_sequences"]) if eval_iters else meta["val_sequences"]
     assert eval_iters or meta["val_sequences"] % 8, "the whole split should end in a partial global batch"
@@ -156,7 +156,7 @@ def evaluate_on_rank(rank, world_size, init_file, args, ckpt_path, data_dir, out
                                       lambda: validation.evaluate(run, cfg, data_dir, env))
         if rank == 0:
             with open(out_file, "w") as f:
-                json.dump(validation.val_metrics(sums, cfg, data_dir), f)
+                json.dump(validation.validation_record(sums, data_dir), f)
     finally:
         dist.destroy_process_group()
 
@@ -168,7 +168,8 @@ def test_one_and_two_gloo_processes_give_the_same_validation(trained, tmp_path):
     d, args, ckpt = trained
     args = args + ["--loss", "sddlm_v1", "--eval_iters", "0"]
     cfg, runs = rank_runs(args, ckpt, 1)
-    one = validation.val_metrics(validation.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1]), cfg, str(d / "data"))
+    one = validation.validation_record(validation.evaluate(*runs[0][:1], cfg, str(d / "data"), runs[0][1]),
+                                       str(d / "data"))
     mp.spawn(evaluate_on_rank, args=(2, str(tmp_path / "init"), args, str(d / "out" / "ckpt.pt"), str(d / "data"),
                                      str(tmp_path / "two.json")), nprocs=2)
     two = json.loads((tmp_path / "two.json").read_text())
@@ -286,7 +287,7 @@ GROUPS = [(3 * GEN_GROUPS + k, 1) for k in range(6)]   # --gen_seed 3, 6 samples
 
 def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
     """Gen PPL and entropy of a kept checkpoint computed outside the run: load its EMA weights, draw each
-    (seed, count) share with sample.generate, pool, score with metrics.gen_ppl / entropy."""
+    (seed, count) share with sample.generate, pool, score with metrics.gen_ppl / entropies."""
     model, ckpt = load_checkpoint(ckpt_path)
     judge = load_judge(judge_path, "cpu")
     ids = []
@@ -294,7 +295,8 @@ def expected_quality(ckpt_path, judge_path, seeds_and_counts, steps):
         g = torch.Generator().manual_seed(seed)
         ids += generate(model, count, model.config.block_size, model.config.vocab_size, steps, generator=g,
                         show_progress=False).tolist()
-    return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), entropy(ids), ckpt
+    entropy = sum(entropies(ids)) / len(ids)
+    return gen_ppl(ids, judge, max_length=model.config.block_size, show_progress=False), entropy, ckpt
 
 
 # The same samples (their token ids must be equal) scored by the same AR judge in the run and here, in batches of

@@ -88,7 +88,7 @@ def read_resume(cfg, script):
     return ckpt
 
 
-def open_out_dir(cfg, mcfg, meta=None):
+def open_out_dir(cfg, mcfg, meta):
     """train.py's checkpoint to resume (read_resume), checked against the run's model, objective, batch, tokenizer (by
     content) and data (meta: this run's prepared data). A refused run changes nothing in out_dir. A resumed run
     whose curriculum came from its share (--curriculum_share) keeps the steps its checkpoint recorded: it continues
@@ -105,7 +105,7 @@ def open_out_dir(cfg, mcfg, meta=None):
         diff = {k: (saved.get(k), v) for k, v in asdict(mcfg).items() if saved.get(k) != v}
         raise ConfigError(f"cannot resume from {path}: model differs (saved, now) {diff}")
     old_meta = ckpt.get("meta") or {}
-    by_content = meta is not None and old_meta.get("tokenizer_sha256") and meta.get("tokenizer_sha256")
+    by_content = old_meta.get("tokenizer_sha256") and meta.get("tokenizer_sha256")
     for k in ("loss", "batch_size") + (() if by_content else ("tokenizer",)):
         if ckpt["train_config"].get(k) != getattr(cfg, k):
             raise ConfigError(f"cannot resume from {path}: --{k} was {ckpt['train_config'].get(k)!r}, now "
@@ -113,7 +113,7 @@ def open_out_dir(cfg, mcfg, meta=None):
     if by_content and old_meta["tokenizer_sha256"] != meta["tokenizer_sha256"]:
         raise ConfigError(f"cannot resume from {path}: the tokenizer's content differs from the checkpoint's (sha256 "
                           f"{old_meta['tokenizer_sha256'][:12]}..., now {meta['tokenizer_sha256'][:12]}...)")
-    if meta is not None and old_meta.get("data_key") and old_meta["data_key"] != meta.get("data_key"):
+    if old_meta.get("data_key") and old_meta["data_key"] != meta.get("data_key"):
         diff = [k for k, v in old_meta["data_key"].items() if (meta.get("data_key") or {}).get(k) != v]
         raise ConfigError(f"cannot resume from {path}: the training data differ from the checkpoint's "
                           f"({', '.join(diff)} changed); restore them or start a new run in another --out_dir")
@@ -157,8 +157,6 @@ def load_model(path, device, use_ema=True):
         return load_checkpoint(path, device=device, use_ema=use_ema)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
-    except TypeError as e:    # a model_config with keys this ModelConfig does not know
-        raise UsageError(f"{path}: its model_config does not fit this version of model.py ({e})") from None
 
 
 def load_tokenizer(ckpt, path=None):

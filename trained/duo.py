@@ -9,8 +9,8 @@ from dataclasses import asdict
 import torch
 
 from plumbing.cli import first_line
-from plumbing.integrity import check_weights, check_zip, expect, is_int
-from trained.fields import built_model, checked_model_config
+from plumbing.integrity import check_weights, check_zip
+from trained.fields import built_model, check_values, checked_model_config, int_from
 
 
 DUO_KEYS = [   # (Duo's name after its "backbone." prefix, ours): regular expressions, in order
@@ -95,10 +95,8 @@ def load_duo_checkpoint(spec, device="cpu", use_ema=True, n_head=None, block_siz
                     extra = json.load(f)
             except (UnicodeDecodeError, ValueError) as e:
                 raise ValueError(f"{config_path} is not valid JSON ({e}); restore Duo's config.json") from None
-            for key in ("n_heads", "model_length"):     # the two fields read here, checked as flags are
-                value = extra.get(key) if isinstance(extra, dict) else None
-                expect(value is None or is_int(value) and value >= 1, config_path, key, value, "an int >= 1",
-                       ValueError, "restore Duo's config.json")
+            check_values(extra if isinstance(extra, dict) else {}, dict.fromkeys(("n_heads", "model_length"),
+                         int_from(1)), config_path, "", ValueError, "restore Duo's config.json")  # the two read here
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, f))]
         if not files:
             raise ValueError(f"duo:{spec}: no model.safetensors or pytorch_model.bin in {path}")

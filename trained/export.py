@@ -45,7 +45,7 @@ def folder_config(ckpt, weights, validation=None):
 def measured_validation(ckpt_path, step):
     """The validation NELBO the run measured at the checkpoint's step (else its last one before it), read from the
     log.jsonl beside the checkpoint file -> {"step", "nelbo", "ppl"} and, where the log has them, the Monte-Carlo
-    standard errors "nelbo_se", "ppl_se" and the 95% interval "ppl_lo", "ppl_hi" (validation.val_metrics), or None
+    standard errors "nelbo_se", "ppl_se" and the 95% interval "ppl_lo", "ppl_hi" (validation.validation_record), or None
     (no log, no evaluation). Lines that are not whole records are skipped."""
     log = os.path.join(os.path.dirname(os.path.abspath(str(ckpt_path))), "log.jsonl")
     if not os.path.isfile(str(ckpt_path)) or not os.path.isfile(log) or not isinstance(step, int):

@@ -32,22 +32,26 @@ def check_checkpoint_fields(ckpt, path, error=ConfigError):
         config = ckpt["train_config"]
         expect(isinstance(config, dict), path, "train_config", config, "a dict", error)
         check_train_config_values(config, path, "train_config.", error)
-    for name in ("meta", "optimizer", "distill_config", "distilled_from"):
-        if ckpt.get(name) is not None:
-            expect(isinstance(ckpt[name], dict), path, name, ckpt[name], "a dict", error)
-    meta = ckpt.get("meta") or {}
-    for k in ("vocab_size", "bos_id", "eos_id", "pad_id", "block_size"):
-        low = 1 if k in ("vocab_size", "block_size") else 0
-        if meta.get(k) is not None:
-            expect(is_int(meta[k]) and meta[k] >= low, path, f"meta.{k}", meta[k], f"an int >= {low}", error)
-    for k in ("tokenizer", "tokenizer_sha256"):
-        if meta.get(k) is not None:
-            expect(isinstance(meta[k], str), path, f"meta.{k}", meta[k], "a string", error)
-    if meta.get("data_key") is not None:
-        expect(isinstance(meta["data_key"], dict), path, "meta.data_key", meta["data_key"], "a dict", error)
-    for k in ("step", "n_ema"):
-        if ckpt.get(k) is not None:
-            expect(is_int(ckpt[k]) and ckpt[k] >= 0, path, k, ckpt[k], "an int >= 0", error)
+    a_dict, a_str = (lambda v: isinstance(v, dict), "a dict"), (lambda v: isinstance(v, str), "a string")
+    check_values(ckpt, dict.fromkeys(("meta", "optimizer", "distill_config", "distilled_from"), a_dict), path, "",
+                 error)
+    meta = {"vocab_size": int_from(1), "bos_id": int_from(0), "eos_id": int_from(0), "pad_id": int_from(0),
+            "block_size": int_from(1), "tokenizer": a_str, "tokenizer_sha256": a_str, "data_key": a_dict}
+    check_values(ckpt.get("meta") or {}, meta, path, "meta.", error)
+    check_values(ckpt, {"step": int_from(0), "n_ema": int_from(0)}, path, "", error)
+
+
+def int_from(low):
+    """check_values' check of an int >= low."""
+    return lambda v: is_int(v) and v >= low, f"an int >= {low}"
+
+
+def check_values(record, checks, path, prefix, error=ConfigError, fix=CHECKPOINT_FIX):
+    """Each field of record that checks names ({field: (ok(value), wanted)}) and that is not None passes ok, else
+    `error` naming the file and the field (prefix: how the file nests record)."""
+    for k, (ok, wanted) in checks.items():
+        if record.get(k) is not None:
+            expect(ok(record[k]), path, prefix + k, record[k], wanted, error, fix)
 
 
 def checked_model_config(config, path, prefix="model_config.", error=ConfigError, fix="use another checkpoint"):
@@ -70,17 +74,12 @@ def check_train_config_values(config, path, prefix, error=ConfigError, fix=CHECK
     """The fields readers use (TRAIN_CONFIG_TYPES) of their types, and the values they act on checked as their flags
     are: the objective (train.py --loss), the noise schedule (--noise_schedule), the sizes (--block_size,
     --batch_size, --max_iters >= 1)."""
-    for k, kind in TRAIN_CONFIG_TYPES.items():
-        if config.get(k) is not None:
-            expect(fits(config[k], kind), path, prefix + k, config[k], kind, error, fix)
+    types = {k: (lambda v, kind=kind: fits(v, kind), kind) for k, kind in TRAIN_CONFIG_TYPES.items()}
     checks = {"loss": (lambda v: v in diffusion.OBJECTIVES, f"one of {', '.join(diffusion.OBJECTIVES)}"),
               "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
-              "block_size": (lambda v: is_int(v) and v >= 2, "an int >= 2"),
-              "batch_size": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
-              "max_iters": (lambda v: is_int(v) and v >= 1, "an int >= 1")}
-    for k, (ok, wanted) in checks.items():
-        if config.get(k) is not None:
-            expect(ok(config[k]), path, prefix + k, config[k], wanted, error, fix)
+              "block_size": int_from(2), "batch_size": int_from(1), "max_iters": int_from(1)}
+    for table in (types, checks):
+        check_values(config, table, path, prefix, error, fix)
 
 
 def built_model(mcfg, device, where, path, sets, use, fix="use another checkpoint"):

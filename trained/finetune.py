@@ -62,10 +62,6 @@ class Source:
             fields["vocab_multiple"] = cfg.vocab_multiple
         return ModelConfig(**fields)
 
-    def start(self, run):
-        """SOURCE's weights into the run's model, the EMA at them (start_at)."""
-        start_at(run, self.weights)
-
     def extra(self):
         """What a checkpoint of the run adds (RunPlumbing's extra): where it started."""
         return {"finetuned_from": self.record}

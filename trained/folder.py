@@ -12,8 +12,8 @@ from diffusion import FINAL_STEPS
 from model import ModelConfig
 from plumbing.cli import UsageError
 from plumbing.files import CARD_MARK, check_writable, kind_of
-from plumbing.integrity import check_config_matches, check_weights, expect, is_int, sha256_file
-from trained.fields import built_model, check_train_config_values, checked_model_config
+from plumbing.integrity import check_config_matches, check_weights, sha256_file
+from trained.fields import built_model, check_train_config_values, check_values, checked_model_config, int_from
 
 FORMAT = "sddlm-model-2"          # config.json flat, as the hub's: "model_type": "sddlm" and the model's fields on top
 FORMATS = ("sddlm-model-1", FORMAT)   # -1: the model's fields nested under "model_config" (still read)
@@ -106,7 +106,7 @@ def check_config(config, path):
            "noise_schedule": (lambda v: v in diffusion.SCHEDULES, f"one of {', '.join(diffusion.SCHEDULES)}"),
            "final_step": (lambda v: v in FINAL_STEPS, f"one of {', '.join(FINAL_STEPS)}"),
            "weights": (lambda v: v in ("ema", "raw"), "ema or raw"),
-           "step": (lambda v: is_int(v) and v >= 0, "an int >= 0"),
+           "step": int_from(0),
            "weights_sha256": (hex64, "a sha256 (64 hex digits)"),
            "tokenizer": (lambda v: isinstance(v, dict), "an object (spec, sha256, file, vocab_size, ids)"),
            "train_config": (lambda v: isinstance(v, dict), "an object"),
@@ -117,12 +117,9 @@ def check_config(config, path):
                  "sha256": (hex64, "a sha256 (64 hex digits)"),
                  "file": (lambda v: isinstance(v, str) and v and os.path.basename(v) == v and v not in (".", ".."),
                           "a file name inside the folder"),
-                 "vocab_size": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
-                 **{i: (lambda v: is_int(v) and v >= 0, "an int >= 0") for i in ("bos_id", "eos_id", "pad_id")}}
-    for record, prefix, checks in ((config, "", top), (config.get("tokenizer") or {}, "tokenizer.", tokenizer)):
-        for k, (ok, wanted) in checks.items():        # every field optional: None passes
-            v = record.get(k)
-            expect(v is None or ok(v), path, prefix + k, v, wanted, fix=FOLDER_FIX)
+                 "vocab_size": int_from(1), "bos_id": int_from(0), "eos_id": int_from(0), "pad_id": int_from(0)}
+    check_values(config, top, path, "", fix=FOLDER_FIX)                # every field optional: None passes
+    check_values(config.get("tokenizer") or {}, tokenizer, path, "tokenizer.", fix=FOLDER_FIX)
     check_train_config_values(config.get("train_config") or {}, path, "train_config.", fix=FOLDER_FIX)
     if isinstance(config.get("model_config"), dict):      # format -1: nested
         return checked_model_config(config["model_config"], path, "model_config.", fix=FOLDER_FIX)
