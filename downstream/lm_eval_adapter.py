@@ -96,6 +96,8 @@ class _Harness:
                                   str(psi_profile), coerce(psi_loop_t, float, "psi_loop_t"),
                                   str(psi_fracs).replace("/", ","), self.steps, str(psi_rescale), str(psi_grid))
         self.rolling_context = coerce(rolling_context, int, "rolling_context")
+        if coerce(lambada_steps, int, "lambada_steps") < 1:                  # as eval_downstream's --lambada_steps
+            raise EvalError(f"lambada_steps must be >= 1, got {lambada_steps}")
         seed = whole(coerce(seed, int, "seed"), "sddlm model argument seed", 0, SEED_END)
         self.scorer = scorer or self.load_scorer(ckpt, coerce(mc_draws, int, "mc_draws"), batch_size, device,
                                                  coerce(use_ema, bool, "use_ema"), str(dtype), seed=seed,

@@ -545,7 +545,8 @@ def test_lm_eval_adapter_with_lm_evals_own_classes(trained):
     assert lm.final_step == "greedy"         # final_step=auto for this Duo-NELBO checkpoint (diffusion.default_final_step)
     assert cls.create_from_arg_string(f"ckpt={trained['ckpt']},final_step=ancestral", extras).final_step == "ancestral"
     bad = {"unknown sddlm model argument\\(s\\) mc_draw;": "mc_draw=8", "rolling_context must be in": "rolling_context=32",
-           "final_step must be one of": "final_step=best", "cfg_w='high' is not a valid float": "cfg_w=high"}
+           "final_step must be one of": "final_step=best", "cfg_w='high' is not a valid float": "cfg_w=high",
+           "lambada_steps must be >= 1, got 0": "lambada_steps=0"}
     for message, arg in bad.items():
         with pytest.raises(scoring.EvalError, match=message):
             cls.create_from_arg_string(f"ckpt={trained['ckpt']},{arg}", extras)
