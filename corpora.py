@@ -489,16 +489,18 @@ def load_corpus(name, val_fraction=0.05, text_field="text"):
                 yield np.fromiter(map(len, paragraphs), np.int64, len(paragraphs))
         n, cut = _tail_split(piece_lengths(), val_fraction, name)
         units = lambda a, b: lambda: _piece_units(name, pieces, a, b)
+        # the progress bars' totals are bounds a split's bytes never pass (tqdm drops a total that the count has
+        # passed), put right at the end (prepare): here the file's bytes to the end of the piece of the split's last
+        # paragraph, or from the start of the piece of its first
         nbytes = None if name.endswith(".gz") else os.path.getsize(name)    # a .gz's bytes are not the text's
-        share = lambda a: nbytes and int(nbytes * a / n)     # the progress bar's total, shared out by documents
-        train_bytes, val_bytes = share(cut), share(n - cut)
-    else:                          # the progress bar's totals: the text's own bytes (a record file holds more)
+        last, first = np.searchsorted(np.cumsum([count for count, _ in pieces]), [cut - 1, cut], side="right")
+        train_bytes = nbytes and (pieces[last][1] or nbytes)
+        val_bytes = nbytes and nbytes - ((pieces[first - 1][1] or 0) if first else 0)
+    else:                          # the totals: the text's own bytes (a record file holds more)
         batch_bytes = []
         n, cut = _tail_split(_length_batches(docs(), batch_bytes), val_fraction, name)
-        whole, rest = divmod(cut, 4096)
-        train_bytes = sum(batch_bytes[:whole]) + (int(batch_bytes[whole] * rest / min(4096, n - whole * 4096))
-                                                  if rest else 0)
-        val_bytes = sum(batch_bytes) - train_bytes
+        whole, rest = divmod(cut, 4096)     # the batch the cut falls in counts in both totals (see above)
+        train_bytes, val_bytes = sum(batch_bytes[:whole + bool(rest)]), sum(batch_bytes[whole:])
     train = Docs(lambda: itertools.islice(docs(), cut), nbytes=train_bytes, units=units and units(0, cut))
     val = Docs(lambda: itertools.islice(docs(), cut, None), nbytes=val_bytes, units=units and units(cut, n))
     return train, val

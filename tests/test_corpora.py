@@ -66,3 +66,19 @@ def test_text_that_is_no_unicode_and_empty_samples_are_one_line(run_ar, tmp_path
                         run_ar.ckpt.encode(), b"--prompt", b"\xff\xfe the", b"--num_samples", b"1", b"--steps", b"2"],
                        capture_output=True, text=True, env=ENV, cwd=t, timeout=300)
     assert "is not Unicode text" in one_error(p)
+
+
+def test_each_splits_byte_total_bounds_what_its_bar_counts(tmp_path):
+    """prepare's bar counts each document's UTF-8 bytes against Docs.nbytes; a count past that total makes tqdm
+    draw a frame without it (seen under load, when long documents came first): the totals are bounds, for a .txt
+    (split in pieces) and a record file alike, with the long documents in either split."""
+    import corpora
+    long, short = "ä" * 3000, "b"
+    for docs in ([long] * 40 + [short] * 400, [short] * 400 + [long] * 40):
+        txt, records = tmp_path / "c.txt", tmp_path / "c.jsonl"
+        txt.write_text("\n\n".join(docs), encoding="utf-8")
+        records.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+        for path in (txt, records):
+            for split in corpora.load_corpus(str(path)):
+                counted = sum(len(d.encode()) for d in split.raw())
+                assert counted <= split.nbytes <= counted + path.stat().st_size, (path.name, docs[0][:1])
