@@ -105,6 +105,15 @@ def train_in_one_and_two_processes(args, tmp_path):
     return [torch.load(tmp_path / name / "ckpt.pt", weights_only=False) for name in ("one", "two")]
 
 
+def write_corpus(path, lines=2500, seed=0):
+    """The tests' toy corpus: `lines` random sentences of a six-noun, four-verb grammar, five to a line."""
+    import random
+    rng = random.Random(seed)
+    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
+    text = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(lines)]
+    path.write_text("\n".join(" ".join(text[i:i + 5]) + "\n" for i in range(0, len(text), 5)))
+
+
 def pytest_addoption(parser):
     parser.addoption("--skipped_before", action="store_true",
                      help="of the fast tests run only those the last run without this flag skipped (CI's stage 2)")
@@ -232,9 +241,9 @@ def md5s(folder):
 @pytest.fixture(scope="session")
 def run4(tmp_path_factory):
     """A corpus, its prepared data and a 4-step run (ckpt.pt, log.jsonl, config.json)."""
-    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    from test_train import TINY               # here, not above: test_train imports this file
     root = tmp_path_factory.mktemp("run4")
-    _corpus(root / "corpus.txt")
+    write_corpus(root / "corpus.txt")
     b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"), out=str(root / "run"))
     b.train = TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir]
     assert train.main(b.train + ["--out_dir", b.out, "--max_iters", "4", "--eval_interval", "4"]) == 0
@@ -285,9 +294,9 @@ def check_last(results):
 def run_tok(tmp_path_factory):
     """A corpus, its prepared data, a 4-step run, and a second corpus prepared with a tokenizer of the same size
     but other pieces (what a re-prepared folder puts at a checkpoint's tokenizer path)."""
-    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    from test_train import TINY               # here, not above: test_train imports this file
     root = tmp_path_factory.mktemp("run_tok")
-    _corpus(root / "corpus.txt")
+    write_corpus(root / "corpus.txt")
     text = (root / "corpus.txt").read_text()
     (root / "other.txt").write_text(text.replace("the ", "a ").replace("cat", "lion").replace("dog", "wolf"))
     b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"),
@@ -323,9 +332,9 @@ def unshare_available():
 def run_ar(tmp_path_factory):
     """A corpus, its prepared data, a 4-step diffusion run (with its model folder), a 4-step AR run (a Gen PPL
     judge), and a corpus prepared with a tokenizer of the same size but other pieces."""
-    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    from test_train import TINY               # here, not above: test_train imports this file
     root = tmp_path_factory.mktemp("run_ar")
-    _corpus(root / "corpus.txt")
+    write_corpus(root / "corpus.txt")
     text = (root / "corpus.txt").read_text()
     (root / "other.txt").write_text(text.replace("the ", "a ").replace("cat", "lion").replace("dog", "wolf"))
     b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"),
@@ -379,9 +388,9 @@ def edit_folder(src, dst, edit_config=None, edit_bytes=None):
 @pytest.fixture(scope="session")
 def run_ema(tmp_path_factory):
     """A corpus, its prepared data and a 2-step run (ckpt.pt with EMA, its model folder with the weights' sha256)."""
-    from test_train import TINY, _corpus               # here, not above: test_train imports this file
+    from test_train import TINY               # here, not above: test_train imports this file
     root = tmp_path_factory.mktemp("run_ema")
-    _corpus(root / "corpus.txt")
+    write_corpus(root / "corpus.txt")
     b = SimpleNamespace(root=root, corpus=str(root / "corpus.txt"), data_dir=str(root / "data"), out=root / "run")
     assert train.main(TINY + ["--dataset", b.corpus, "--data_dir", b.data_dir, "--out_dir", str(b.out),
                               "--max_iters", "2", "--eval_interval", "2"]) == 0

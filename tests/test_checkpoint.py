@@ -12,8 +12,8 @@ import torch
 
 import train
 from model import ModelConfig, build_model
-from test_train import TINY, _corpus
-from conftest import ENV, HERE, case, check_one_line, md5s, one_error, run_batches
+from test_train import TINY
+from conftest import ENV, HERE, case, check_one_line, md5s, one_error, run_batches, write_corpus
 from plumbing import cli
 from plumbing.checkpoint import refuse_other_script
 
@@ -67,7 +67,7 @@ def test_ckpt_decodes_with_its_own_tokenizer_once_data_moves(saved, tmp_path):
 def test_a_resume_refuses_keys_it_would_drop(tmp_path):
     """Issue 44: keys a checkpoint holds that this version does not know (a later version's) were dropped from the
     checkpoints a resume writes, without a word: refused in one line, nothing changed."""
-    _corpus(tmp_path / "corpus.txt")
+    write_corpus(tmp_path / "corpus.txt")
     run = TINY + ["--dataset", tmp_path / "corpus.txt", "--data_dir", tmp_path / "data", "--out_dir", tmp_path / "run"]
     run = [str(a) for a in run]
     assert train.main(run + ["--max_iters", "2", "--eval_interval", "2"]) == 0

@@ -799,8 +799,8 @@ def test_sp_train_edges_and_very_long_lines_through_prepare(tmp_path):
     and a corpus whose every line is over 64 KiB "[!sentences_.empty()]": the N that works, and long lines train
     in parts (data.train_sentencepiece)."""
     from conftest import case, check_one_line, run_batches
-    from test_train import _corpus
-    _corpus(tmp_path / "corpus.txt")
+    from conftest import write_corpus
+    write_corpus(tmp_path / "corpus.txt")
     text = (tmp_path / "corpus.txt").read_text().replace("\n", " ") * 2          # one line of ~130 KB
     (tmp_path / "long.txt").write_text("\n\n".join([text] * 3))
     run = lambda n, corpus="corpus.txt": ["--dataset", tmp_path / corpus, "--tokenizer", f"sp_train:{n}",

@@ -25,7 +25,7 @@ from plumbing.checkpoint import ema_weights
 from plumbing.distributed import Env
 from diffusion import default_final_step
 from sample import generate
-from conftest import assert_adam_moments_close, unit_roundoff
+from conftest import assert_adam_moments_close, unit_roundoff, write_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py
@@ -352,12 +352,8 @@ DCD = ["--batch_size", "8", "--eval_iters", "2", "--num_samples", "0", "--log_in
 @pytest.fixture(scope="module")
 def base_ckpts(tmp_path_factory):
     """A duo and an AR checkpoint of train.py on a tiny synthetic corpus."""
-    import random
     d = tmp_path_factory.mktemp("dcd")
-    rng = random.Random(0)
-    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
-    lines = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(2500)]
-    (d / "corpus.txt").write_text("\n".join(" ".join(lines[i:i + 5]) + "\n" for i in range(0, len(lines), 5)))
+    write_corpus(d / "corpus.txt")
     common = TINY + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data"), "--max_iters", "20"]
     assert train.main(common + ["--loss", "duo", "--out_dir", str(d / "duo")]) == 0
     assert train.main(common + ["--loss", "ar", "--out_dir", str(d / "ar")]) == 0

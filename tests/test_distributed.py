@@ -6,7 +6,6 @@ together in one line; on_each_node; --threads and its default (idle cores)."""
 import functools
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -21,7 +20,8 @@ import torch.distributed as dist
 import data
 import plumbing.distributed
 import train
-from conftest import ENV, HERE, TOY, assert_adam_moments_close, case, check_last, reduction_tol, run_batches
+from conftest import (ENV, HERE, TOY, assert_adam_moments_close, case, check_last, reduction_tol, run_batches,
+                      write_corpus)
 from model import ModelConfig
 from plumbing import cli, distributed, memory
 from plumbing.cli import UsageError
@@ -251,13 +251,6 @@ TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32
         "--curriculum_iters", "0"]
 
 
-def write_corpus(path, seed=0):
-    rng = random.Random(seed)
-    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
-    lines = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(1500)]
-    path.write_text("\n".join(" ".join(lines[i:i + 5]) + "\n" for i in range(0, len(lines), 5)))
-
-
 def torchrun(cwd, launch, args=TINY):
     """A torchrun process in its own working directory (a node's disk): train.py given by its absolute path."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, os.path.join(HERE, "train.py"),
@@ -272,7 +265,7 @@ def two_nodes(tmp_path, corpora=(0, 0)):
     port = free_port()
     for node, seed in zip(nodes, corpora):
         node.mkdir()
-        write_corpus(node / "corpus.txt", seed)
+        write_corpus(node / "corpus.txt", 1500, seed)
     launch = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
               f"127.0.0.1:{port}", "--rdzv_id", "loopback"]
     procs = [torchrun(node, launch) for node in nodes]
@@ -304,7 +297,7 @@ def test_two_loopback_nodes_train_as_two_processes_of_one_node(tmp_path):
 
     one = tmp_path / "one"
     one.mkdir()
-    write_corpus(one / "corpus.txt")
+    write_corpus(one / "corpus.txt", 1500)
     p = torchrun(one, ["--standalone", "--nproc_per_node", "2"])
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, err[-3000:]

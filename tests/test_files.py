@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ENV, HERE, RUNNER, case, check_last, check_one_line, copy_data, md5s, run_batches
+from conftest import (ENV, HERE, RUNNER, case, check_last, check_one_line, copy_data, md5s, run_batches,
+                      write_corpus)
 import data
 from distillation import distill
 from hub import pretrained
 from plumbing import cli, files
 from plumbing.cli import UsageError
 import prepare
-from test_train import TINY, _corpus
+from test_train import TINY
 import train
 
 
@@ -27,7 +28,7 @@ def test_cleanup_removes_dead_writers_temps_not_users_files(tmp_path, monkeypatc
     """A killed writer's temp files and folders (<path>.sddlm-tmp-<host>-<pid>-<8 hex>, pid dead) go at the next
     start of prepare.py, train.py and hub/pretrained.py; a user's model.old2024 or ckpt.pt.tmp2024 stays."""
     monkeypatch.chdir(tmp_path)
-    _corpus(tmp_path / "c.txt")
+    write_corpus(tmp_path / "c.txt")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     mark = f".sddlm-tmp-{socket.gethostname()}-{dead}-0123abcd"

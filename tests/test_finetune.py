@@ -19,7 +19,7 @@ import torch
 import curriculum.gaussian as curriculum
 import diffusion
 import train
-from conftest import assert_adam_moments_close, forward_tol, train_in_one_and_two_processes
+from conftest import assert_adam_moments_close, forward_tol, train_in_one_and_two_processes, write_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 # the run's recipe: the model, tokenizer and length come from SOURCE
@@ -47,13 +47,9 @@ def source(tmp_path_factory):
     checkpoint, its model folder (EMA weights), the same weights in Duo's released layout (a folder with
     config.json and a flat backbone.* state dict, as tests/test_duo_checkpoint.py builds one), and its live weights
     as a model folder."""
-    import random
     from trained.export import export
     d = tmp_path_factory.mktemp("finetune")
-    rng = random.Random(0)
-    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
-    lines = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(2500)]
-    (d / "corpus.txt").write_text("\n".join(" ".join(lines[i:i + 5]) + "\n" for i in range(0, len(lines), 5)))
+    write_corpus(d / "corpus.txt")
     assert train.main(RECIPE + MODEL + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data"),
                                         "--out_dir", str(d / "src"), "--loss", "sddlm", "--max_iters",
                                         str(SOURCE_STEPS), "--eval_interval", str(SOURCE_STEPS)]) == 0

@@ -15,13 +15,14 @@ import plumbing.run
 from plumbing.cli import UsageError
 from plumbing.distributed import Env
 import test_train
+from conftest import write_corpus
 import train
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
-    test_train._corpus(d / "corpus.txt")
+    write_corpus(d / "corpus.txt")
     return str(d / "corpus.txt"), str(d / "data")
 
 

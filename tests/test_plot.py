@@ -365,9 +365,10 @@ def test_a_finished_run_names_the_command_drawing_its_curves(tmp_path):
     import sys
     pytest.importorskip("matplotlib")
     pytest.importorskip("tensorboard")
-    from test_train import TINY, _corpus
+    from test_train import TINY
+    from conftest import write_corpus
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _corpus(tmp_path / "corpus.txt")
+    write_corpus(tmp_path / "corpus.txt")
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "train.py", *TINY, "--dataset", tmp_path / "corpus.txt", "--data_dir",
                         tmp_path / "data", "--out_dir", out, "--max_iters", "4", "--eval_interval", "2",

@@ -13,9 +13,9 @@ import pytest
 import data
 import prepare
 import train
-from conftest import ENV, HERE, copy_data, md5s, one_error, unshare_available
+from conftest import ENV, HERE, copy_data, md5s, one_error, unshare_available, write_corpus
 from data import DataError
-from test_train import TINY, _corpus
+from test_train import TINY
 
 TRAIN = TINY + ["--max_iters", "1", "--eval_interval", "1000"]
 
@@ -25,7 +25,7 @@ def test_train_reads_any_prepared_folder_and_its_moved_copy(tmp_path, monkeypatc
     data's tokenizer by content, in the folder where it is now (moved, or named by another path); a flag given
     against the folder is still refused, naming it."""
     monkeypatch.chdir(tmp_path)
-    _corpus(tmp_path / "c.txt")
+    write_corpus(tmp_path / "c.txt")
     assert prepare.main(["--dataset", "c.txt", "--tokenizer", "sp_train:320", "--block_size", "32", "--data_dir",
                          "d", "--val_fraction", "0.1", "--insert_eos", "0"]) == 0
     assert train.main(TRAIN + ["--dataset", "c.txt", "--data_dir", "d", "--out_dir", "run"]) == 0
@@ -41,7 +41,7 @@ def test_train_reads_any_prepared_folder_and_its_moved_copy(tmp_path, monkeypatc
 def test_wrap_0_says_the_share_of_tokens_it_drops(tmp_path):
     """Issue 44: --wrap 0 cut each document to block_size - 2 tokens and dropped most of a corpus without a word;
     a note on stderr says how many (the count is the documents' tokens past block_size - 2, from meta.json)."""
-    _corpus(tmp_path / "corpus.txt")
+    write_corpus(tmp_path / "corpus.txt")
     p = subprocess.run([sys.executable, os.path.join(HERE, "prepare.py"), "--dataset", tmp_path / "corpus.txt",
                         "--tokenizer", "sp_train:300", "--data_dir", tmp_path / "data", "--wrap", "0", "--block_size",
                         "16"], capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)

@@ -266,8 +266,9 @@ def test_train_writes_a_model_folder_that_every_script_reads(tmp_path):
     sample.py, eval_ppl.py and the lm-eval model give the same results from the folder as from the checkpoint."""
     import eval_ppl
     import train
-    from test_train import TINY, _corpus
-    _corpus(tmp_path / "corpus.txt")
+    from test_train import TINY
+    from conftest import write_corpus
+    write_corpus(tmp_path / "corpus.txt")
     out = tmp_path / "out"
     assert train.main(TINY + ["--dataset", str(tmp_path / "corpus.txt"), "--data_dir", str(tmp_path / "data"),
                               "--out_dir", str(out), "--max_iters", "4", "--eval_interval", "4"]) == 0

@@ -72,9 +72,10 @@ def test_resume_keeps_a_log_line_that_is_not_utf8(tmp_path, monkeypatch):
     """train.py --resume 1 over a log.jsonl with a line that is not UTF-8 (a user's note, an editor's encoding):
     the line is kept byte for byte, like any line that is not JSON, and the run continues."""
     import train
-    from test_train import TINY, _corpus
+    from test_train import TINY
+    from conftest import write_corpus
     monkeypatch.chdir(tmp_path)
-    _corpus(tmp_path / "c.txt")
+    write_corpus(tmp_path / "c.txt")
     args = TINY + ["--dataset", "c.txt", "--out_dir", "run", "--log_interval", "1", "--eval_interval", "1000"]
     assert train.main(args + ["--max_iters", "2"]) == 0
     first, *rest = (tmp_path / "run" / "log.jsonl").read_bytes().splitlines(keepends=True)

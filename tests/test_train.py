@@ -5,7 +5,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from plumbing.run import Run
 import train
 from diffusion import loss_terms, token_mean
 from conftest import (assert_adam_moments_close, compiler_missing, grads, reduction_tol, small_model,
-                      train_in_one_and_two_processes, unit_roundoff)
+                      train_in_one_and_two_processes, unit_roundoff, write_corpus)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
@@ -35,17 +34,10 @@ TINY = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32
         "--curriculum_iters", "0"]
 
 
-def _corpus(path):
-    rng = random.Random(0)
-    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
-    lines = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(2500)]
-    path.write_text("\n".join(" ".join(lines[i:i + 5]) + "\n" for i in range(0, len(lines), 5)))
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
-    _corpus(d / "corpus.txt")
+    write_corpus(d / "corpus.txt")
     data_dir = d / "data"
     return str(d / "corpus.txt"), str(data_dir)
 
@@ -522,7 +514,7 @@ def test_a_presets_curriculum_keeps_its_share_and_on_resume(tmp_path):
     assert train.parse_config(["--preset", "small", "--max_iters", "1000"]).curriculum_iters == 500
     assert train.parse_config(["--max_iters", "60", "--curriculum_iters", "7"]).curriculum_iters == 7
     assert TINY[-2:] == ["--curriculum_iters", "0"]
-    _corpus(tmp_path / "corpus.txt")
+    write_corpus(tmp_path / "corpus.txt")
     base = TINY[:-2] + ["--dataset", str(tmp_path / "corpus.txt"), "--data_dir", str(tmp_path / "data"),
                         "--out_dir", str(tmp_path / "o"), "--eval_interval", "1000"]
     config = lambda: json.loads((tmp_path / "o" / "config.json").read_text())["train_config"]

@@ -8,7 +8,6 @@ end-of-run samples use the run's autocast and nucleus."""
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 
@@ -26,8 +25,8 @@ from plumbing.distributed import Env
 from sample import generate
 from trained.checkpoint import load_checkpoint
 from validation import GEN_GROUPS
-from conftest import HERE, forward_tol
-from test_train import TINY, _corpus
+from conftest import HERE, forward_tol, write_corpus
+from test_train import TINY
 
 # A rank evaluates its sequences in batches of another shape than one process does: float32 forwards summing in
 # other orders, < 900 roundings along a logit's path (2 layers of d = 64, 4d, L = 32, V = 320) of values <= 10:
@@ -44,10 +43,7 @@ ARGS = ["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("world")
-    rng = random.Random(0)
-    nouns, verbs = ["cat", "dog", "bird", "fish", "tree", "house"], ["sees", "likes", "finds", "eats"]
-    lines = [f"the {rng.choice(nouns)} {rng.choice(verbs)} the {rng.choice(nouns)} ." for _ in range(2000)]
-    (d / "corpus.txt").write_text("\n".join(" ".join(lines[i:i + 5]) + "\n" for i in range(0, len(lines), 5)))
+    write_corpus(d / "corpus.txt", 2000)
     args = ARGS + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data")]
     assert train.main(args + ["--max_iters", "6", "--out_dir", str(d / "out"), "--eval_iters", "1"]) == 0
     return d, args, torch.load(d / "out" / "ckpt.pt", weights_only=False)
@@ -268,7 +264,7 @@ def test_evaluation_runs_the_compiled_model(prepared, one_thread):
 def judged(tmp_path_factory):
     """A tiny corpus, an AR judge trained on it, and one sddlm run with sample quality every 4 steps."""
     d = tmp_path_factory.mktemp("exp")
-    _corpus(d / "corpus.txt")
+    write_corpus(d / "corpus.txt")
     base = TINY + ["--dataset", str(d / "corpus.txt"), "--data_dir", str(d / "data")]
     assert train.main(base + ["--loss", "ar", "--max_iters", "30", "--out_dir", str(d / "ar")]) == 0
     gen = ["--gen_interval", "4", "--gen_num_samples", "6", "--gen_steps", "5", "--gen_seed", "3",
