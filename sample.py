@@ -190,47 +190,57 @@ def psi_kappa(mode, eta, alpha_t, alpha_s, rescale="remdm"):
     return eta if mode == "eta" else kappa_from_sigma(remdm_sigma(mode, eta, alpha_t, alpha_s, rescale), alpha_s)
 
 
+def phase_sizes(n, fracs):
+    """round(f_high n), round(f_middle n) and the rest (Python's round: half to even). Our linear profile splits
+    its n steps so; Duo's code splits its n = steps + 1 grid points so. -> (hi, mid, lo), lo may be < 0."""
+    hi, mid = round(fracs[0] * n), round(fracs[1] * n)
+    return hi, mid, n - hi - mid
+
+
 def time_grid(steps, t_end, psi=None):
-    """The times ts (steps + 1,) of the reverse steps and the phases. Ours (one phase per step): Duo's
-    linspace(1, t_end) (phase 0, or with three phases the steps split by fracs), or with psi.profile == "loop" three
-    phases: linear from 1 to loop_t, loop_t held for the middle phase (steps from a level to itself: only the
-    corrector moves tokens), then linear from loop_t to t_end. psi.grid == "duo", Duo's code's grid (one phase per
-    point): its steps + 1 points split by fracs (one phase: all of them), linspace(1, t_end) for the linear profile,
-    or linspace(1, c, hi), c repeated mid times, linspace(c, t_end, lo) for the loop (c = loop_t). Duo's loop so
-    holds c for mid + 1 steps from c to c, and its high and low ramps take one step fewer than the points they hold.
-    -> (ts float64, phases)."""
-    duo = psi is not None and psi.grid == "duo"
-    n = steps + 1 if duo else steps
-    our_loop = psi is not None and psi.profile == "loop" and not duo
-    if psi is None or len(psi.kappa) == 1 and not our_loop:
-        hi, mid = n, 0
-    else:                                             # Python's round: half to even
-        hi, mid = round(psi.fracs[0] * n), round(psi.fracs[1] * n)
-    if our_loop:                                      # the high and low phases at least one step
-        hi = max(1, hi)
-        mid = max(0, min(steps - hi - 1, mid))
-    lo = n - hi - mid
-    if duo and lo < 0:
+    """The times ts (steps + 1,) of the reverse steps and each step's phase (steps,): Duo's linspace(1, t_end)
+    (phase 0, or with three phases phase_sizes of the steps), or with psi.profile == "loop" three phases: linear
+    from 1 to loop_t, loop_t held for the middle phase (steps from a level to itself: only the corrector moves
+    tokens), then linear from loop_t to t_end. Our grid; duo_time_grid is Duo's."""
+    if psi is None or psi.profile == "linear":
+        hi, mid, lo = (steps, 0, 0) if psi is None or len(psi.kappa) == 1 else phase_sizes(steps, psi.fracs)
+        return torch.linspace(1, t_end, steps + 1, dtype=torch.float64), [0] * hi + [1] * mid + [2] * lo
+    hi = max(1, round(psi.fracs[0] * steps))                        # the high and low phases at least one step
+    mid = max(0, min(steps - hi - 1, round(psi.fracs[1] * steps)))
+    lo, c = steps - hi - mid, psi.loop_t
+    ts = torch.cat([torch.linspace(1, c, hi + 1, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
+                    torch.linspace(c, t_end, lo + 1, dtype=torch.float64)[1:]])
+    return ts, [0] * hi + [1] * mid + [2] * lo
+
+
+def duo_time_grid(steps, t_end, psi):
+    """Duo's code's grid of steps + 1 points and each point's phase (steps + 1,): the points split by phase_sizes
+    (one phase: all of them), linspace(1, t_end) for the linear profile, or linspace(1, c, hi), c repeated mid
+    times, linspace(c, t_end, lo) for the loop (c = loop_t). The loop so holds c for mid + 1 steps from c to c,
+    and its high and low ramps take one step fewer than the points they hold. -> (ts float64, phases)."""
+    n = steps + 1
+    hi, mid, lo = (n, 0, 0) if len(psi.kappa) == 1 else phase_sizes(n, psi.fracs)
+    if lo < 0:
         raise UsageError(f"--psi_fracs {','.join(f'{f:g}' for f in psi.fracs)} round to more than the {n} points "
                          f"of --psi_grid duo at --steps {steps}: lower a fraction")
-    if psi is None or psi.profile == "linear":
-        ts = torch.linspace(1, t_end, steps + 1, dtype=torch.float64)
+    if psi.profile == "linear":
+        ts = torch.linspace(1, t_end, n, dtype=torch.float64)
     else:
-        c, e = psi.loop_t, 0 if duo else 1      # e: ours shares the ramps' edge points with the held phase
-        ts = torch.cat([torch.linspace(1, c, hi + e, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
-                        torch.linspace(c, t_end, lo + e, dtype=torch.float64)[e:]])
+        c = psi.loop_t
+        ts = torch.cat([torch.linspace(1, c, hi, dtype=torch.float64), torch.full((mid,), c, dtype=torch.float64),
+                        torch.linspace(c, t_end, lo, dtype=torch.float64)])
     return ts, [0] * hi + [1] * mid + [2] * lo
 
 
 def psi_plan(steps, t_end, psi=None, schedule="loglinear"):
     """The sampler's times ts (steps + 1,) and each step's kappa (steps floats; 1.0: the ancestral step), step i
     going from ts[i] to ts[i + 1]. --psi_grid ours: time_grid, kappa = psi_kappa of the step's phase.
-    --psi_grid duo, as Duo's code: time_grid's duo grid; each phase's kappas come from its own points, so a ReMDM mode
+    --psi_grid duo, as Duo's code: duo_time_grid; each phase's kappas come from its own points, so a ReMDM mode
     (max_capped, max_rescale, sigma_constant) gives kappa = 1 to the step from the last point of its phase
     (Duo's no-op evaluations at the loop's edges: a posterior step from c to c stays put), eta gives eta."""
     if psi is None:
         return time_grid(steps, t_end)[0], [1.0] * steps
-    ts, phase = time_grid(steps, t_end, psi)
+    ts, phase = (duo_time_grid if psi.grid == "duo" else time_grid)(steps, t_end, psi)
     a = diffusion.SCHEDULES[schedule](ts)[0].tolist()
     duo_edge = lambda i, p: psi.grid == "duo" and psi.kappa[p] != "eta" and phase[i + 1] != p
     return ts, [1.0 if duo_edge(i, p) else psi_kappa(psi.kappa[p], psi.eta[p], a[i], a[i + 1], psi.rescale)
@@ -270,7 +280,7 @@ def parse_psi(sampler="ancestral", kappa="eta", eta="0.9", profile="linear", loo
             raise UsageError(f"--psi_profile loop needs --steps >= 2 (a high and a low phase), got {steps}")
     psi = Psi(modes, etas, profile, float(loop_t), fr, rescale, grid)
     if grid == "duo" and steps is not None:
-        time_grid(steps, 1e-5, psi)            # the fractions fit the grid
+        duo_time_grid(steps, 1e-5, psi)            # the fractions fit the grid
     return psi
 
 
