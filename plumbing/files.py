@@ -157,7 +157,7 @@ def check_run_outputs(out_dir):
     """A resumed run replaces and appends to the outputs in out_dir that its earlier part wrote: each must be what a
     run writes there, a regular file (ckpt.pt, log.jsonl, ...) or a folder (model/, tensorboard/, wandb/), never a
     symbolic link or a device -> UsageError naming it, before any work."""
-    for name in set(run_output_names(out_dir)) - {".lock"}:
+    for name in sorted(set(run_output_names(out_dir)) - {".lock"}):     # the first in name order is named
         path, want = os.path.join(out_dir, name), "folder" if name in RUN_FOLDERS else "file"
         kind = kind_of(path)
         if kind != want:
