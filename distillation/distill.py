@@ -285,8 +285,8 @@ def dcd_step(run, teacher, cfg, env, x0, mask=None):
     step's mean loss (a detached 0-dim tensor)."""
     if run.it % cfg.round_iters == 0:        # the round's teacher: the student's live (Duo) or EMA weights
         with torch.no_grad():
-            torch._foreach_copy_(list(teacher.parameters()), run.ema if cfg.teacher == "ema" else
-                                 [p.detach() for p in run.raw_model.parameters()])
+            for p, v in zip(teacher.parameters(), run.ema if cfg.teacher == "ema" else run.raw_model.parameters()):
+                p.copy_(v)
     it = run.it
     return train.train_step(run, cfg, env, x0, mask, lambda model, x0, mask, t, noise: (
         dcd_loss_terms(model, teacher, cfg, x0, t, it, noise), mask), draw_pair_noise)
